@@ -1,0 +1,205 @@
+"""Strategy IR — stage 2 of the pipeline (AST -> **Strategy**).
+
+Input: nothing (these are the types); produced by `shardc.dsl.resolve` from the AST,
+consumed by the compiler (units, passes, plan, cost model) and the runtime.
+
+Every class is a small frozen dataclass whose repr reads back as code, so a Strategy
+printed in a test failure or a generated file can be pasted into Python.
+
+[Note: level order]
+Levels are always stored outermost first, in mesh order, whatever order the user
+wrote them in; `world` is expanded to every mesh level. A scope with no levels is
+`replicate` (factor 1).
+
+[Note: chunk order]
+The chunk a rank holds for a state is indexed by a mixed-radix number over the state's
+levels whose digits are ordered params levels first, then the levels grads add, then
+the levels optim adds (each group outermost first) — DESIGN.md §3. `Scopes.chunk_order`
+returns that digit order for one state; with the dependency rule it makes the optim
+chunk a contiguous slice of the grad chunk, itself a slice of the params chunk.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from math import prod
+
+
+class Collectives(enum.Enum):
+    AUTO = "auto"
+    RING = "ring"
+    HIERARCHICAL = "hierarchical"
+    HO_RING = "ho-ring"
+
+    def __repr__(self) -> str:
+        return f"Collectives.{self.name}"
+
+
+class DType(enum.Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    INT8 = "int8"
+    INT4 = "int4"
+
+    @property
+    def bits(self) -> int:
+        return {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}[self.value]
+
+    @property
+    def quantized(self) -> bool:
+        return self in (DType.INT8, DType.INT4)
+
+    def __repr__(self) -> str:
+        return f"DType.{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Where a piece of source text lives: 1-based line and column, end exclusive."""
+    file: str
+    line: int
+    col: int
+    end_line: int
+    end_col: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    name: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Mesh:
+    levels: tuple[Level, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(l.name for l in self.levels)
+
+    @property
+    def world(self) -> int:
+        return prod(l.size for l in self.levels)
+
+    def size(self, name: str) -> int:
+        return next(l.size for l in self.levels if l.name == name)
+
+    def factor(self, levels: tuple[str, ...]) -> int:
+        return prod(self.size(n) for n in levels)
+
+    def ordered(self, levels) -> tuple[str, ...]:
+        """`levels` as a tuple in mesh order (outermost first)."""
+        s = set(levels)
+        return tuple(n for n in self.names if n in s)
+
+    def __str__(self) -> str:
+        return " > ".join(f"{l.name}({l.size})" for l in self.levels)
+
+
+@dataclass(frozen=True, slots=True)
+class Secondary:
+    """ZeRO++ hpZ: a secondary params shard kept after the forward gather."""
+    levels: tuple[str, ...]
+    quant: DType | None = None      # INT8 / INT4 storage of the secondary copy, or None
+
+
+@dataclass(frozen=True, slots=True)
+class ParamsSpec:
+    levels: tuple[str, ...] = ()
+    secondary: Secondary | None = None
+    comm: DType = DType.FP32          # payload of the params all-gathers
+    dtype: DType = DType.FP32         # storage/compute dtype of the params
+    line: int = 0                     # strategy line that set it (0 = default)
+
+
+@dataclass(frozen=True, slots=True)
+class GradsSpec:
+    levels: tuple[str, ...] = ()
+    comm: DType = DType.FP32          # payload of the grads reduce-scatters
+    dtype: DType = DType.FP32         # storage dtype of the grad shard
+    line: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class OptimSpec:
+    levels: tuple[str, ...] = ()
+    line: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Scopes:
+    """The three state scopes of one unit (the strategy's, or an override's)."""
+    params: ParamsSpec = ParamsSpec()
+    grads: GradsSpec = GradsSpec()
+    optim: OptimSpec = OptimSpec()
+
+    def chunk_order(self, state: str) -> tuple[str, ...]:
+        """Digit order of the chunk index for `state` ('params'|'grads'|'optim')."""
+        p = self.params.levels
+        g = tuple(l for l in self.grads.levels if l not in p)
+        o = tuple(l for l in self.optim.levels if l not in p and l not in g)
+        order = {"params": p, "grads": p + g, "optim": p + g + o}[state]
+        mine = set(getattr(self, state).levels)
+        return tuple(l for l in order if l in mine)
+
+
+@dataclass(frozen=True, slots=True)
+class Override:
+    pattern: str                      # glob over unit/module names, e.g. "transformer.h.0"
+    scopes: Scopes
+    line: int = 0
+
+
+class UnitsKind(enum.Enum):
+    AUTO = "auto"
+    PATTERNS = "patterns"
+    TYPE = "type"
+
+    def __repr__(self) -> str:
+        return f"UnitsKind.{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class UnitsSpec:
+    kind: UnitsKind = UnitsKind.AUTO
+    names: tuple[str, ...] = ()       # patterns (PATTERNS) or class names (TYPE)
+    line: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    name: str
+    mesh: Mesh
+    scopes: Scopes
+    accumulate: int = 1
+    prefetch: int = 1
+    collectives: Collectives = Collectives.AUTO
+    units: UnitsSpec = UnitsSpec()
+    bucket: int | None = None         # bytes, or None
+    overrides: tuple[Override, ...] = ()
+    file: str = "<string>"            # for `file.shard:LINE` comments in emitted code
+    lines: tuple[tuple[str, int], ...] = field(default=())   # statement -> line, e.g. ("mesh", 2)
+    warnings: tuple[str, ...] = ()    # rendered warning diagnostics
+
+    # Convenience accessors used everywhere.
+    @property
+    def params(self) -> ParamsSpec:
+        return self.scopes.params
+
+    @property
+    def grads(self) -> GradsSpec:
+        return self.scopes.grads
+
+    @property
+    def optim(self) -> OptimSpec:
+        return self.scopes.optim
+
+    def line_of(self, statement: str) -> int:
+        return dict(self.lines).get(statement, 0)
+
+    def factor(self, levels: tuple[str, ...]) -> int:
+        return self.mesh.factor(levels)

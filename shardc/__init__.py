@@ -1,0 +1,21 @@
+"""shardc — a compiler for data-parallel training strategies in PyTorch.
+
+Public API (DESIGN.md §6): `load_strategy`, `compile`, `ShardcError`. Imports are lazy
+so `import shardc` stays cheap for the CLI.
+"""
+from shardc.dsl.errors import ShardcError
+
+__all__ = ["ShardcError", "load_strategy", "compile"]
+__version__ = "0.1.0"
+
+
+def load_strategy(path_or_text, world_size=None, mesh=None):
+    """Parse and check a `.shard` file (a path, or the text itself) into a Strategy."""
+    from shardc.dsl import load_strategy as _load
+    return _load(path_or_text, world_size=world_size, mesh=mesh)
+
+
+def compile(model, strategy, example_inputs=None, capture="auto", mesh=None):  # noqa: A001
+    """Compile `model` under `strategy` into a ShardedModule (DESIGN.md §1)."""
+    from shardc.compiler.api import compile_model
+    return compile_model(model, strategy, example_inputs=example_inputs, capture=capture, mesh=mesh)
