@@ -1,0 +1,200 @@
+"""Unit discovery — compiler stage between the Strategy and capture.
+
+Input: an `nn.Module` (any device, `meta` included) and a `Strategy`.
+Output: `list[UnitSpec]` — index 0 the root unit "<root>", then one unit per matched
+module (or bucket), in module registration order (capture later reorders them into
+forward execution order), each with its scopes resolved (overrides applied).
+
+[Note: which modules become units]
+`units auto`: every child of an `nn.ModuleList`/`nn.Sequential` whose children are two
+or more modules of one class holding parameters (the transformer blocks). `units
+"pat", ...`: fnmatch over module FQNs. `units type Name`: class name. When matches
+nest, the outermost wins. Parameters of no unit go to the root unit.
+
+[Note: tied parameters]
+A Parameter object reachable under several names (GPT-2's `lm_head.weight is
+transformer.wte.weight`) has one canonical name, the first `named_parameters` yields;
+the others are aliases that no unit lists. It lands in the unit of its first
+occurrence when every use lies inside that unit, otherwise in the root unit, so one
+gather covers every module that reads it.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import replace
+
+from torch import nn
+
+from shardc.dsl.errors import ShardcError
+from shardc.dsl.ir import Scopes, Strategy, UnitsKind
+
+__all__ = ["find_units", "unit_spec_class", "param_owners", "ROOT"]
+
+ROOT = "<root>"
+
+
+def unit_spec_class():
+    """`shardc.runtime.UnitSpec` (imported lazily: the runtime may load torch.distributed)."""
+    import shardc.runtime as rt
+    if hasattr(rt, "UnitSpec"):
+        return rt.UnitSpec
+    from shardc.runtime.units import UnitSpec
+    return UnitSpec
+
+
+def _where(strategy: Strategy, line: int) -> str:
+    return f"{strategy.file}:{line}" if line else strategy.file
+
+
+def _inside(name: str, prefix: str) -> bool:
+    return prefix == "" or name == prefix or name.startswith(prefix + ".")
+
+
+def _auto_candidates(model: nn.Module) -> list[str]:
+    out = []
+    for fqn, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(mod.named_children())
+        kinds = {type(c) for _, c in children}
+        has_params = all(any(True for _ in c.parameters()) for _, c in children)
+        if len(children) >= 2 and len(kinds) == 1 and has_params:
+            out += [f"{fqn}.{n}" if fqn else n for n, _ in children]
+    return out
+
+
+def _matched_modules(model: nn.Module, strategy: Strategy) -> list[str]:
+    spec = strategy.units
+    names = [fqn for fqn, _ in model.named_modules() if fqn]
+    if spec.kind is UnitsKind.AUTO:
+        found = _auto_candidates(model)
+    elif spec.kind is UnitsKind.PATTERNS:
+        found = []
+        for pat in spec.names:
+            hits = [n for n in names if fnmatch.fnmatchcase(n, pat)]
+            if not hits:
+                raise ShardcError(f'{_where(strategy, spec.line)}: units pattern "{pat}" matches no module')
+            found += hits
+    else:
+        types = {fqn: type(m).__name__ for fqn, m in model.named_modules() if fqn}
+        found = []
+        for tname in spec.names:
+            hits = [n for n in names if types[n] == tname]
+            if not hits:
+                raise ShardcError(f"{_where(strategy, spec.line)}: units type {tname} matches no module")
+            found += hits
+    order = {n: i for i, n in enumerate(names)}
+    found = sorted(set(found), key=order.__getitem__)
+    # outermost wins: drop every match nested inside an earlier kept match
+    kept: list[str] = []
+    for n in found:
+        if not any(_inside(n, k) for k in kept):
+            kept.append(n)
+    return kept
+
+
+def param_owners(model: nn.Module) -> dict[int, list[str]]:
+    """id(Parameter) -> every FQN it is reachable under (first = canonical)."""
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    return owners
+
+
+def _assign(model: nn.Module, modules: list[str]) -> dict[str, list[str]]:
+    """Unit module -> canonical params; ROOT -> the rest (registration order)."""
+    out: dict[str, list[str]] = {ROOT: [], **{m: [] for m in modules}}
+    for names in param_owners(model).values():
+        home = [next((m for m in modules if _inside(n, m)), ROOT) for n in names]
+        unit = home[0] if all(h == home[0] for h in home) else ROOT
+        out[unit].append(names[0])
+    return out
+
+
+def _check_dependency(scopes: Scopes, strategy: Strategy, line: int, unit: str) -> None:
+    p, g, o = (set(scopes.params.levels), set(scopes.grads.levels), set(scopes.optim.levels))
+    if not p <= g:
+        raise ShardcError(f"{_where(strategy, line)}: override for unit {unit} breaks the dependency rule: "
+                          f"params shard over {sorted(p - g)} but grads do not")
+    if not g <= o:
+        raise ShardcError(f"{_where(strategy, line)}: override for unit {unit} breaks the dependency rule: "
+                          f"grads shard over {sorted(g - o)} but optim does not")
+
+
+def _merge_override(base: Scopes, over: Scopes) -> Scopes:
+    """Statements the override block sets (line != 0) replace the strategy's."""
+    return Scopes(params=over.params if over.params.line else base.params,
+                  grads=over.grads if over.grads.line else base.grads,
+                  optim=over.optim if over.optim.line else base.optim)
+
+
+def _scopes_for(unit: str, modules: tuple[str, ...], strategy: Strategy, used: set[int]) -> Scopes:
+    scopes = strategy.scopes
+    for i, ov in enumerate(strategy.overrides):
+        if fnmatch.fnmatchcase(unit, ov.pattern) or any(fnmatch.fnmatchcase(m, ov.pattern) for m in modules):
+            scopes = _merge_override(scopes, ov.scopes)
+            _check_dependency(scopes, strategy, ov.line, unit)
+            used.add(i)
+    return scopes
+
+
+def _nbytes(model: nn.Module, names) -> int:
+    params = dict(model.named_parameters())
+    return sum(params[n].numel() * params[n].element_size() for n in names)
+
+
+def _bucket(units: list, model: nn.Module, size: int) -> list:
+    """Merge consecutive non-root units with equal scopes while the total stays <= size."""
+    UnitSpec = unit_spec_class()
+    out, run = [units[0]], []
+
+    def flush():
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            name = f"{run[0].name}..{run[-1].name.split('.')[-1]}"
+            out.append(UnitSpec(name, sum((u.params for u in run), ()), run[0].scopes,
+                                sum((u.modules for u in run), ())))
+        run.clear()
+
+    for u in units[1:]:
+        fits = run and run[0].scopes == u.scopes and \
+            _nbytes(model, sum((r.params for r in run), ())) + _nbytes(model, u.params) <= size
+        if not fits:
+            flush()
+        if _nbytes(model, u.params) < size:
+            run.append(u)
+        else:
+            out.append(u)
+    flush()
+    return out
+
+
+def find_units(model: nn.Module, strategy: Strategy) -> list:
+    """The unit table of `model` under `strategy` (root first, registration order)."""
+    UnitSpec = unit_spec_class()
+    modules = _matched_modules(model, strategy)
+    params = _assign(model, modules)
+    used: set[int] = set()
+    units = [UnitSpec(ROOT, tuple(params[ROOT]), _scopes_for(ROOT, (), strategy, used), ())]
+    for m in modules:
+        units.append(UnitSpec(m, tuple(params[m]), _scopes_for(m, (m,), strategy, used), (m,)))
+    for i, ov in enumerate(strategy.overrides):
+        if i not in used:
+            raise ShardcError(f'{_where(strategy, ov.line)}: override pattern "{ov.pattern}" matches no unit '
+                              f"(units: {', '.join(u.name for u in units)})")
+    if strategy.bucket:
+        units = _bucket(units, model, strategy.bucket)
+    return units
+
+
+def reorder(units: list, first_run: list[str]) -> list:
+    """Root first, then units in the order their modules first run (unrun units last)."""
+    rank = {m: i for i, m in enumerate(first_run)}
+    rest = units[1:]
+    key = lambda u: min((rank.get(m, len(rank)) for m in u.modules), default=len(rank))  # noqa: E731
+    return [units[0]] + sorted(rest, key=key)
+
+
+def with_scopes(unit, scopes: Scopes):
+    return replace(unit, scopes=scopes)

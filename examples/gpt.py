@@ -1,0 +1,127 @@
+"""A small GPT (the README's main example model).
+
+Token + position embeddings, N pre-norm transformer blocks in the ModuleList
+`transformer.h` (the units `units auto` finds), a final LayerNorm and an `lm_head`
+tied to the token embedding. Written to trace with torch.fx (no data-dependent
+Python control flow in the blocks).
+
+Factories: `tiny()` (tests), `small()` (examples, explain), `gpt(**cfg)`.
+`example_inputs()` gives the `shardc compile` CLI a token batch to capture with.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class GPTConfig:
+    vocab_size: int = 256          # byte-level
+    block_size: int = 64           # context length
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+
+
+TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+SMALL = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.register_buffer("mask", torch.tril(torch.ones(cfg.block_size, cfg.block_size)).bool(),
+                             persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        hd = C // self.n_head
+        q = q.view(B, T, self.n_head, hd).transpose(1, 2)
+        k = k.view(B, T, self.n_head, hd).transpose(1, 2)
+        v = v.view(B, T, self.n_head, hd).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+        att = att.masked_fill(~self.mask[:T, :T], float("-inf"))
+        y = F.softmax(att, dim=-1) @ v
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig = SMALL):
+        super().__init__()
+        self.cfg = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+            ln_f=nn.LayerNorm(cfg.n_embd),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight          # tied
+        self.register_buffer("pos", torch.arange(cfg.block_size), persistent=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx):
+        T = idx.size(1)
+        x = self.transformer.wte(idx) + self.transformer.wpe(self.pos[:T])
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def gpt(**cfg) -> GPT:
+    return GPT(GPTConfig(**cfg))
+
+
+def tiny() -> GPT:
+    torch.manual_seed(0)
+    return GPT(TINY)
+
+
+def small() -> GPT:
+    torch.manual_seed(0)
+    return GPT(SMALL)
+
+
+def example_inputs(model: GPT | None = None):
+    """A token batch for capture: (int64[2, block_size],)."""
+    cfg = model.cfg if model is not None else SMALL
+    return (torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=torch.Generator().manual_seed(0)),)
