@@ -1,1 +1,114 @@
-"""shardc.dsl"""
+"""shardc.dsl — the strategy language: text -> AST -> checked `Strategy` IR.
+
+`load_strategy(path_or_text, world_size=None, mesh=None)` is the entry point (also
+exported as `shardc.load_strategy`). It never raises anything but `StrategyError`
+(a `ShardcError` carrying rustc-style diagnostics) for bad input.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from shardc.dsl.diagnostics import Diagnostic, Severity, StrategyError, render_all
+from shardc.dsl.errors import ShardcError
+from shardc.dsl.ir import Mesh, Span, Strategy
+
+__all__ = ["load_strategy", "parse_mesh_text", "StrategyError", "Diagnostic", "Severity", "ShardcError"]
+
+MAX_BYTES = 1 << 20     # a strategy is a dozen lines; refuse megabytes of text
+
+
+def load_strategy(path_or_text, world_size: int | None = None, mesh: str | Mesh | None = None) -> Strategy:
+    """Parse, resolve and check a strategy (a path, or the text itself)."""
+    text, file, default_name = _read(path_or_text)
+    return load_text(text, file, default_name, world_size=world_size, mesh=mesh)
+
+
+def load_text(text: str, file: str = "<string>", default_name: str = "strategy", *,
+              world_size: int | None = None, mesh: str | Mesh | None = None) -> Strategy:
+    from shardc.dsl.parser import parse_program
+    from shardc.dsl.resolve import MeshOverride, resolve
+
+    sources = {file: text}
+    diags: list[Diagnostic] = []
+    if world_size is not None and (not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1):
+        raise ShardcError(f"world size must be a positive integer, got {world_size!r}")
+    override = None
+    if mesh is not None:
+        override, mesh_diags = _mesh_override(mesh)
+        diags += mesh_diags
+        sources["<mesh>"] = mesh if isinstance(mesh, str) else str(mesh)
+    if len(text) > MAX_BYTES:
+        diags.append(_too_big(file, len(text)))
+        raise StrategyError(diags, sources)
+    program, parse_diags = parse_program(text, file)
+    diags += parse_diags
+    strategy, resolve_diags = resolve(program, world_size, override, default_name,
+                                      parse_failed=any(d.is_error for d in diags))
+    diags += resolve_diags
+    if strategy is None or any(d.is_error for d in diags):
+        raise StrategyError(diags, sources)
+    warnings = tuple(d.render(sources) for d in diags if not d.is_error)
+    return dataclasses.replace(strategy, warnings=warnings)
+
+
+def parse_mesh_text(text: str) -> Mesh:
+    """A mesh string such as `node(2) > gpu(4)` (explicit sizes) as an `ir.Mesh`."""
+    from shardc.dsl.mesh import resolve_mesh
+    from shardc.dsl.parser import parse_mesh
+
+    tree, diags = parse_mesh(text)
+    m = resolve_mesh(tree, None, diags) if tree is not None else None
+    if m is None or any(d.is_error for d in diags):
+        raise StrategyError(diags, {"<mesh>": text})
+    return m
+
+
+def _mesh_override(mesh):
+    from shardc.dsl.parser import parse_mesh
+    from shardc.dsl.resolve import MeshOverride
+
+    if isinstance(mesh, Mesh):
+        return MeshOverride(mesh=mesh), []
+    if not isinstance(mesh, str):
+        raise ShardcError(f"mesh must be a string such as 'node(2) > gpu(4)' or an ir.Mesh, got {type(mesh).__name__}")
+    tree, diags = parse_mesh(mesh)
+    return MeshOverride(ast=tree), diags
+
+
+def _too_big(file: str, n: int) -> Diagnostic:
+    from shardc.dsl.diagnostics import error
+    return error(Span(file, 1, 1, 1, 1), f"the strategy file is {n} characters long, more than the {MAX_BYTES} allowed",
+                 "a strategy is a few lines of text; is this the right file?")
+
+
+def _read(path_or_text) -> tuple[str, str, str]:
+    """(text, file name for diagnostics, default strategy name)."""
+    if isinstance(path_or_text, os.PathLike) or (
+            isinstance(path_or_text, str) and "\n" not in path_or_text
+            and (path_or_text.endswith(".shard") or os.path.isfile(path_or_text))):
+        path = Path(path_or_text)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise ShardcError(f"no such strategy file: {path}") from None
+        except OSError as e:
+            raise ShardcError(f"cannot read strategy file {path}: {e.strerror or e}") from None
+        return _decode(data, str(path)), str(path), path.stem
+    if not isinstance(path_or_text, str):
+        raise ShardcError(f"expected a path or the text of a strategy, got {type(path_or_text).__name__}")
+    return path_or_text, "<string>", "strategy"
+
+
+def _decode(data: bytes, file: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        before = data[:e.start]
+        line = before.count(b"\n") + 1
+        col = len(before.rsplit(b"\n", 1)[-1].decode("utf-8", "replace")) + 1
+        from shardc.dsl.diagnostics import error
+        d = error(Span(file, line, col, line, col + 1), f"the file is not UTF-8 text (byte 0x{data[e.start]:02x})",
+                  "a strategy file is plain text")
+        raise StrategyError([d], {file: data.decode("utf-8", "replace")}) from None

@@ -1,0 +1,281 @@
+"""Resolution — stage 2 of the pipeline (AST -> **Strategy**).
+
+Input: a `Program` (from `shardc.dsl.parser`), the world size if known and an optional
+mesh override; output: an `ir.Strategy` (without its rendered warnings, which
+`shardc.dsl.load_strategy` adds) and every diagnostic found. The cross-statement rules
+(dependency rule, warnings) live in `shardc.dsl.checks`.
+
+[Note: defaults]
+A missing `params`/`grads`/`optim` statement means `replicate`; a missing `mesh` is an
+error unless a mesh override is given. Inside an `override` block, the states it does
+not mention inherit the top-level statements (and their lines).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardc.dsl import ast, checks
+from shardc.dsl.diagnostics import Diagnostic, Note, did_you_mean, error
+from shardc.dsl.ir import (Collectives, DType, GradsSpec, Mesh, OptimSpec, Override, ParamsSpec,
+                           Scopes, Secondary, Span, Strategy, UnitsKind, UnitsSpec)
+from shardc.dsl.mesh import check_ir_mesh, parse_int, resolve_mesh
+
+ALLOWED = {("params", "comm"): ("int8", "bf16", "fp32"), ("params", "dtype"): ("fp32", "bf16", "fp16"),
+           ("grads", "comm"): ("int4", "int8", "bf16", "fp32"), ("grads", "dtype"): ("fp32", "bf16")}
+NO_COLLECTIVE = {"params": "`params replicate` never all-gathers",
+                 "grads": "`grads replicate` never reduce-scatters"}
+BUCKET_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+MAX_BUCKET = 2**40
+
+
+@dataclass
+class MeshOverride:
+    """A `mesh=` override: parsed text (with its AST) or a ready `ir.Mesh`."""
+    ast: ast.MeshAst | None = None
+    mesh: Mesh | None = None
+
+
+@dataclass
+class _Ctx:
+    names: tuple[str, ...] | None       # declared level names (None: no usable mesh)
+    diags: list[Diagnostic]
+    origin: str = ""                    # " (mesh given by the override)" when overridden
+
+
+def resolve(program: ast.Program, world_size: int | None, override: MeshOverride | None,
+            default_name: str, parse_failed: bool) -> tuple[Strategy | None, list[Diagnostic]]:
+    diags: list[Diagnostic] = []
+    if not program.statements and not parse_failed:
+        diags.append(error(Span(program.file, 1, 1, 1, 1), "the strategy is empty",
+                           "a strategy needs at least `mesh ...` and the state scopes"))
+        return None, diags
+    top, overrides = _index(program.statements, diags)
+    mesh = _mesh(top.get("mesh"), world_size, override, diags)
+    names = mesh.names if mesh else _declared(top.get("mesh"), override)
+    ctx = _Ctx(names, diags, " (the mesh comes from the override)" if override else "")
+    scopes, bound = _scopes(top, {}, ctx)
+    ovs = [_override(o, bound, ctx) for o in overrides]
+    options = _options(top, ctx)
+    if not parse_failed and not any(d.is_error for d in diags) and mesh is not None:
+        checks.dependency(bound, "", diags)
+        for (_, b) in ovs:
+            checks.dependency(b, "", diags, top=bound)
+        if not any(d.is_error for d in diags):
+            checks.warnings(mesh, [bound] + [b for _, b in ovs], options, top, diags)
+    if parse_failed or any(d.is_error for d in diags) or mesh is None:
+        return None, diags
+    lines = tuple((k, s.span.line) for k, s in sorted(top.items(), key=lambda kv: kv[1].span.line))
+    return Strategy(name=options.pop("name", default_name), mesh=mesh, scopes=scopes,
+                    overrides=tuple(o for o, _ in ovs), file=program.file, lines=lines,
+                    **options), diags
+
+
+def _index(statements, diags) -> tuple[dict[str, ast.Statement], list[ast.Statement]]:
+    top: dict[str, ast.Statement] = {}
+    overrides: list[ast.Statement] = []
+    seen_patterns: dict[str, ast.Statement] = {}
+    for s in statements:
+        if s.keyword == "override":
+            first = seen_patterns.setdefault(s.args[0].text, s)
+            if first is not s:
+                diags.append(_duplicate(s, first, f"override {s.args[0].text}"))
+            else:
+                overrides.append(s)
+            continue
+        first = top.setdefault(s.keyword, s)
+        if first is not s:
+            diags.append(_duplicate(s, first, f"`{s.keyword}` statement"))
+    return top, overrides
+
+
+def _duplicate(s: ast.Statement, first: ast.Statement, what: str) -> Diagnostic:
+    return error(s.keyword_span, f"duplicate {what}: given on lines {first.span.line} and {s.span.line}",
+                 "keep only one of them", [Note(first.keyword_span, f"first given on line {first.span.line}")])
+
+
+def _declared(mesh_stmt, override) -> tuple[str, ...] | None:
+    if override is not None:
+        m = override.mesh or override.ast
+        if isinstance(m, Mesh):
+            return m.names
+        return tuple(lv.name.text for lv in m.levels) if m else None
+    return tuple(lv.name.text for lv in mesh_stmt.mesh.levels) if mesh_stmt else None
+
+
+def _mesh(stmt, world_size, override: MeshOverride | None, diags) -> Mesh | None:
+    if override is not None and override.mesh is not None:
+        before = len(diags)
+        check_ir_mesh(override.mesh, world_size, diags)
+        return override.mesh if len(diags) == before else None
+    if override is not None and override.ast is not None:
+        return resolve_mesh(override.ast, world_size, diags, " (the mesh comes from the override)")
+    if override is not None:
+        return None                     # the override text did not parse; already reported
+    if stmt is None:
+        diags.append(error(None, "the strategy has no `mesh` statement",
+                           "add one, e.g. `mesh node(*) > gpu(local)`, or pass a mesh override"))
+        return None
+    return resolve_mesh(stmt.mesh, world_size, diags)
+
+
+def _levels(words: tuple[ast.Word, ...], ctx: _Ctx) -> tuple[str, ...] | None:
+    """Scope words -> level names in mesh order; None after an error."""
+    if ctx.names is None:
+        return None
+    if len(words) == 1 and words[0].text == "world":
+        return ctx.names
+    ok, seen = True, {}
+    for w in words:
+        if w.text not in ctx.names:
+            hint = did_you_mean(w.text, ctx.names + ("world",)) or f"the mesh declares {', '.join(ctx.names)}"
+            ctx.diags.append(error(w.span, f"level `{w.text}` is not declared in the mesh{ctx.origin}", hint))
+            ok = False
+        elif w.text in seen:
+            ctx.diags.append(error(w.span, f"level `{w.text}` is listed twice", "list each level once",
+                                   [Note(seen[w.text].span, "first listed here")]))
+            ok = False
+        seen.setdefault(w.text, w)
+    return tuple(n for n in ctx.names if n in seen) if ok else None
+
+
+def _scopes(stmts: dict, inherited: dict, ctx: _Ctx) -> tuple[Scopes, dict]:
+    """Scopes from the statements given (others inherited); `bound` maps state -> (spec, stmt)."""
+    bound = dict(inherited)
+    for key, build in (("params", _params), ("grads", _grads), ("optim", _optim)):
+        if key in stmts:
+            bound[key] = (build(stmts[key], ctx), stmts[key])
+        bound.setdefault(key, ({"params": ParamsSpec(), "grads": GradsSpec(), "optim": OptimSpec()}[key], None))
+    valid = all(spec is not None for spec, _ in bound.values())
+    scopes = Scopes(*(bound[k][0] for k in ("params", "grads", "optim"))) if valid else Scopes()
+    return scopes, bound
+
+
+def _opts(stmt: ast.Statement, ctx: _Ctx) -> dict[str, ast.Option]:
+    out: dict[str, ast.Option] = {}
+    for o in stmt.options:
+        first = out.setdefault(o.key, o)
+        if first is not o:
+            ctx.diags.append(error(o.span, f"option `{o.key}` is given twice in `{stmt.keyword}`",
+                                   "keep only one", [Note(first.span, "first given here")]))
+    return out
+
+
+def _dtype(stmt: ast.Statement, opt: ast.Option | None, ctx: _Ctx) -> DType | None:
+    if opt is None:
+        return DType.FP32
+    allowed = ALLOWED[(stmt.keyword, opt.key)]
+    value = opt.value.text
+    if value not in allowed:
+        ctx.diags.append(error(opt.value.span, f"`{stmt.keyword} {opt.key} {value}` is not supported",
+                               f"`{stmt.keyword} {opt.key}` takes {', '.join(allowed)}"))
+        return None
+    if opt.key == "comm" and value != "fp32" and stmt.scope.replicate:
+        ctx.diags.append(error(opt.span, f"`comm {value}` has no collective to act on: {NO_COLLECTIVE[stmt.keyword]}",
+                               f"remove `comm {value}`, or shard the {stmt.keyword} (`shard over ...`)"))
+        return None
+    return DType(value)
+
+
+def _params(stmt: ast.Statement, ctx: _Ctx) -> ParamsSpec | None:
+    levels = _levels(stmt.scope.levels, ctx) if not stmt.scope.replicate else ()
+    opts = _opts(stmt, ctx)
+    comm, dtype = _dtype(stmt, opts.get("comm"), ctx), _dtype(stmt, opts.get("dtype"), ctx)
+    secondary = None
+    if "secondary" in opts:
+        o = opts["secondary"]
+        if stmt.scope.replicate:
+            ctx.diags.append(error(o.span, "`secondary` needs sharded params: with `replicate` every rank holds them all",
+                                   "remove `secondary ...`, or shard the params"))
+            return None
+        sec_levels = _levels(o.levels, ctx)
+        if sec_levels is None:
+            return None
+        secondary = Secondary(sec_levels, DType(o.value.text) if o.value else None)
+    if levels is None or comm is None or dtype is None:
+        return None
+    return ParamsSpec(levels, secondary, comm, dtype, stmt.span.line)
+
+
+def _grads(stmt: ast.Statement, ctx: _Ctx) -> GradsSpec | None:
+    levels = _levels(stmt.scope.levels, ctx) if not stmt.scope.replicate else ()
+    opts = _opts(stmt, ctx)
+    comm, dtype = _dtype(stmt, opts.get("comm"), ctx), _dtype(stmt, opts.get("dtype"), ctx)
+    if levels is None or comm is None or dtype is None:
+        return None
+    return GradsSpec(levels, comm, dtype, stmt.span.line)
+
+
+def _optim(stmt: ast.Statement, ctx: _Ctx) -> OptimSpec | None:
+    levels = _levels(stmt.scope.levels, ctx) if not stmt.scope.replicate else ()
+    return None if levels is None else OptimSpec(levels, stmt.span.line)
+
+
+def _override(stmt: ast.Statement, top_bound: dict, ctx: _Ctx) -> tuple[Override, dict]:
+    pattern = stmt.args[0].text[1:-1]
+    if not pattern.strip():
+        ctx.diags.append(error(stmt.args[0].span, "the override pattern is empty",
+                               'write a glob over module names, e.g. "transformer.h.0"'))
+    inner: dict[str, ast.Statement] = {}
+    for s in stmt.body:
+        first = inner.setdefault(s.keyword, s)
+        if first is not s:
+            ctx.diags.append(_duplicate(s, first, f"`{s.keyword}` statement in this override"))
+    if not stmt.body:
+        ctx.diags.append(error(stmt.span, f"override {stmt.args[0].text} sets nothing",
+                               "put `params`, `grads` or `optim` lines inside the braces, or remove it"))
+    scopes, bound = _scopes(inner, top_bound, ctx)
+    bound = dict(bound, _label=f"override {stmt.args[0].text}", _own=set(inner))
+    return Override(pattern, scopes, stmt.span.line), bound
+
+
+def _options(top: dict[str, ast.Statement], ctx: _Ctx) -> dict:
+    out: dict = {}
+    d = ctx.diags
+    if "strategy" in top:
+        out["name"] = top["strategy"].args[0].text
+    if "accumulate" in top:
+        out["accumulate"] = parse_int(top["accumulate"].args[0], "`accumulate`", d, minimum=1, maximum=1_000_000,
+                                      hint="accumulate counts micro-batches per optimizer step (1 = none)")
+    if "prefetch" in top:
+        out["prefetch"] = parse_int(top["prefetch"].args[0], "`prefetch`", d, minimum=0, maximum=1024,
+                                    hint="prefetch counts units gathered ahead of use (0 = no overlap)")
+    if "collectives" in top:
+        out["collectives"] = Collectives(top["collectives"].args[0].text)
+    if "units" in top:
+        out["units"] = _units(top["units"], ctx)
+    if "bucket" in top:
+        out["bucket"] = _bucket(top["bucket"], ctx)
+    return out
+
+
+def _units(stmt: ast.Statement, ctx: _Ctx) -> UnitsSpec | None:
+    if stmt.form == "auto":
+        return UnitsSpec(UnitsKind.AUTO, (), stmt.span.line)
+    if stmt.form == "type":
+        return UnitsSpec(UnitsKind.TYPE, tuple(w.text for w in stmt.args), stmt.span.line)
+    patterns = tuple(w.text[1:-1] for w in stmt.args)
+    for w, p in zip(stmt.args, patterns):
+        if not p.strip():
+            ctx.diags.append(error(w.span, "a unit pattern is empty", 'write a glob such as "transformer.h.*"'))
+    return UnitsSpec(UnitsKind.PATTERNS, patterns, stmt.span.line)
+
+
+def _bucket(stmt: ast.Statement, ctx: _Ctx) -> int | None:
+    number, *unit = stmt.args
+    mult = 1
+    if unit:
+        u = unit[0]
+        if u.text not in BUCKET_UNITS:
+            ctx.diags.append(error(u.span, f"unknown size unit `{u.text}`",
+                                   did_you_mean(u.text, BUCKET_UNITS) or f"units are {', '.join(BUCKET_UNITS)}"))
+            return None
+        mult = BUCKET_UNITS[u.text]
+    n = parse_int(number, "`bucket`", ctx.diags, minimum=1, maximum=MAX_BUCKET,
+                  hint="bucket is a size such as `25MB`; leave the line out for no bucketing")
+    if n is None:
+        return None
+    if n * mult > MAX_BUCKET:
+        ctx.diags.append(error(stmt.span, f"`bucket` {n}{unit[0].text} is larger than 1 TiB",
+                               "buckets fuse small units' collectives; a few MB is typical"))
+        return None
+    return n * mult
