@@ -1,0 +1,159 @@
+"""Mesh and process groups — runtime layer under the collectives.
+
+Input: a `shardc.dsl.ir.Mesh` and the default process group (torchrun / `dist_run`).
+Output: `ShardMesh`, which answers "which ranks share my chunk over these levels, and
+where am I among them" with cached `ProcessGroup`s built from a `DeviceMesh`.
+
+[Note: rank layout]
+Rank r's coordinates are the mixed-radix digits of r over the level sizes in mesh
+order, the innermost (last) level varying fastest: on mesh node(2) > gpu(4), rank 6 is
+node 1, gpu 2. `group(levels, order)` holds the ranks agreeing with this rank on every
+level outside `levels`; a member's position is the mixed-radix number of its coords
+over `order` (first digit most significant). Size-1 levels never change a position, so
+they are dropped before the cache lookup.
+
+[Note: where the groups come from]
+`device_mesh` is a DeviceMesh over the rank tensor arange(world).reshape(sizes) with
+the level names as mesh_dim_names; its construction creates one group per level
+(eagerly, the same on every rank). A multi-level group in mesh order is
+`device_mesh[levels]._flatten(name)` — DeviceMesh's own flattening. A group whose
+`order` is not mesh order cannot come from DeviceMesh: c10d sorts a group's ranks
+unless asked not to, and DeviceMesh always creates sorted groups, so positions would
+follow mesh order. Those groups (and only those) are made with
+`dist.new_group(ranks, sort_ranks=False)`, one per subgroup, so the group rank equals
+the `order` index and a flat collective places chunks by `order` directly.
+
+[Note: collective creation order]
+Per-level groups are created eagerly in `__init__`; flattened and reordered groups
+lazily, on first use, and cached per (levels, order). Creating a group is collective
+over the world, so every rank must ask for the same new groups in the same order. The
+runtime guarantees it (all ranks run the same program over the same strategy), and
+`ShardMesh.get` caches one ShardMesh per (Mesh, device_type, default group) in the
+process, so sharding many models in one worker reuses the groups instead of leaking
+new gloo groups.
+"""
+from __future__ import annotations
+
+from math import prod
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardc.dsl.errors import ShardcError
+from shardc.dsl.ir import Mesh
+
+_CACHE: dict[tuple, "ShardMesh"] = {}
+
+
+class ShardMesh:
+    """A Mesh bound to the running world: coordinates, cached process groups."""
+
+    def __init__(self, mesh: Mesh, device_type: str = "cpu"):
+        if not dist.is_initialized():
+            raise ShardcError("the default process group is not initialized; "
+                              "run under torchrun or call torch.distributed.init_process_group first")
+        world = dist.get_world_size()
+        if world != mesh.world:
+            raise ShardcError(f"mesh {mesh} has {mesh.world} ranks but the job has {world}; "
+                              f"launch with --nproc-per-node/--nnodes matching the mesh")
+        self.mesh = mesh
+        self.device_type = device_type
+        self.rank = dist.get_rank()
+        self.world = world
+        sizes = tuple(l.size for l in mesh.levels)
+        self._ranks = torch.arange(world, dtype=torch.int).reshape(sizes)
+        self.device_mesh = DeviceMesh(device_type, self._ranks, mesh_dim_names=mesh.names)
+        self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
+
+    @classmethod
+    def get(cls, mesh: Mesh, device_type: str = "cpu") -> "ShardMesh":
+        """The process-wide ShardMesh for `mesh` (built on first use, collectively)."""
+        default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        key = (mesh, device_type, id(default))
+        sm = _CACHE.get(key)
+        if sm is None or sm._default is not default:
+            sm = cls(mesh, device_type)
+            sm._default = default
+            _CACHE[key] = sm
+        return sm
+
+    _default = None
+
+    def __repr__(self) -> str:
+        return f"ShardMesh({self.mesh!r}, device_type={self.device_type!r})"
+
+    # -- coordinates -------------------------------------------------------------------
+    def coord(self, level: str) -> int:
+        return self.coords_of(self.rank)[self.mesh.names.index(level)]
+
+    def coords_of(self, rank: int) -> tuple[int, ...]:
+        """Mixed-radix digits of `rank` over the mesh sizes, outermost first."""
+        digits = []
+        for lvl in reversed(self.mesh.levels):
+            rank, d = divmod(rank, lvl.size)
+            digits.append(d)
+        return tuple(reversed(digits))
+
+    def _order(self, levels, order) -> tuple[str, ...]:
+        """Validated digit order with size-1 levels dropped (they never move a position)."""
+        lv = self.mesh.ordered(levels)
+        unknown = set(levels) - set(self.mesh.names)
+        if unknown:
+            raise ShardcError(f"unknown mesh level(s) {sorted(unknown)}; the mesh has {list(self.mesh.names)}")
+        order = lv if order is None else tuple(order)
+        if sorted(order) != sorted(lv):
+            raise ValueError(f"order {order} must be a permutation of levels {lv}")
+        return tuple(l for l in order if self.mesh.size(l) > 1)
+
+    def index(self, levels, order=None) -> int:
+        """This rank's position in `group(levels, order)`."""
+        return self.index_of(self.rank, levels, order)
+
+    def index_of(self, rank: int, levels, order=None) -> int:
+        coords = dict(zip(self.mesh.names, self.coords_of(rank)))
+        idx = 0
+        for l in self._order(levels, order):
+            idx = idx * self.mesh.size(l) + coords[l]
+        return idx
+
+    def group_ranks(self, levels, order=None) -> list[int]:
+        """Global ranks of this rank's group, listed by position."""
+        return self._subgroups(self._order(levels, order))[self._mine(self._order(levels, order))]
+
+    # -- groups ------------------------------------------------------------------------
+    def group(self, levels, order=None) -> dist.ProcessGroup | None:
+        """Ranks agreeing on every level outside `levels`, positioned by `order`; None when factor 1."""
+        key = self._order(levels, order)
+        if not key:
+            return None
+        pg = self._groups.get(key)
+        if pg is None:
+            pg = self._groups[key] = self._build(key)
+        return pg
+
+    def _build(self, key: tuple[str, ...]) -> dist.ProcessGroup:
+        if len(key) == 1:
+            return self.device_mesh.get_group(key[0])
+        if key == self.mesh.ordered(key):
+            return self.device_mesh[key]._flatten("+".join(key)).get_group()
+        mine = None
+        for ranks in self._subgroups(key):          # same list, same order, on every rank
+            pg = dist.new_group(ranks=ranks, sort_ranks=False, group_desc="shardc_" + "+".join(key))
+            if self.rank in ranks:
+                mine = pg
+        return mine
+
+    def _subgroups(self, key: tuple[str, ...]) -> list[list[int]]:
+        """Every group for digit order `key`, each listed by position, in rank order of its first member."""
+        names = self.mesh.names
+        outside = [n for n in names if n not in key]
+        perm = [names.index(n) for n in outside] + [names.index(n) for n in key]
+        t = self._ranks.permute(perm).reshape(prod(self.mesh.size(n) for n in outside), -1)
+        return [row.tolist() for row in t]
+
+    def _mine(self, key: tuple[str, ...]) -> int:
+        return next(i for i, g in enumerate(self._subgroups(key)) if self.rank in g)
+
+    def factor(self, levels) -> int:
+        return self.mesh.factor(tuple(levels))
