@@ -1,0 +1,40 @@
+"""Strategy -> JSON-ready dict — the view printed by `shardc check --json`.
+
+Input: an `ir.Strategy`; output: plain dicts/lists/ints/strings (DESIGN.md §6):
+`{"name", "mesh", "params", "grads", "optim", "accumulate", "prefetch", "collectives",
+"units", "bucket", "overrides", "warnings"}`, each scope with its levels (mesh order)
+and shard factor.
+"""
+from __future__ import annotations
+
+from shardc.dsl.ir import Mesh, Scopes, Strategy
+
+
+def scopes_dict(scopes: Scopes, mesh: Mesh) -> dict:
+    p, g, o = scopes.params, scopes.grads, scopes.optim
+    secondary = None
+    if p.secondary is not None:
+        secondary = {"levels": list(p.secondary.levels), "factor": mesh.factor(p.secondary.levels),
+                     "quant": p.secondary.quant.value if p.secondary.quant else None}
+    return {
+        "params": {"levels": list(p.levels), "factor": mesh.factor(p.levels), "secondary": secondary,
+                   "comm": p.comm.value, "dtype": p.dtype.value},
+        "grads": {"levels": list(g.levels), "factor": mesh.factor(g.levels),
+                  "comm": g.comm.value, "dtype": g.dtype.value},
+        "optim": {"levels": list(o.levels), "factor": mesh.factor(o.levels)},
+    }
+
+
+def strategy_dict(s: Strategy) -> dict:
+    out = {"name": s.name, "mesh": [{"name": lv.name, "size": lv.size} for lv in s.mesh.levels]}
+    out.update(scopes_dict(s.scopes, s.mesh))
+    out.update({
+        "accumulate": s.accumulate,
+        "prefetch": s.prefetch,
+        "collectives": s.collectives.value,
+        "units": {"kind": s.units.kind.value, "names": list(s.units.names)},
+        "bucket": s.bucket,
+        "overrides": [dict(pattern=o.pattern, line=o.line, **scopes_dict(o.scopes, s.mesh)) for o in s.overrides],
+        "warnings": list(s.warnings),
+    })
+    return out
