@@ -1,0 +1,100 @@
+"""`shardc explain` — the cost model's report for one strategy on one model.
+
+Input: a `.shard` file, a model factory (`PATH.py:FACTORY`, built on the meta device:
+nothing is allocated), an optional world size / mesh override, micro-batches and
+optimizer. Output: rich tables (memory per state, the per-step ledger, bytes per link
+level with the intra/inter split, a step-time estimate), or `--json`, or `--plot`.
+"""
+from __future__ import annotations
+
+import json
+
+from shardc.dsl.errors import ShardcError
+
+from shardc.compiler.costmodel.cliargs import (
+    add_bandwidth_arguments, bandwidth_from_args, flops_from_args, human_bytes,
+)
+from shardc.compiler.costmodel.report import explain, load_model_units, to_json
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("file", help="strategy file (.shard)")
+    p.add_argument("--model", required=True, metavar="PATH:FACTORY", help="model factory, e.g. examples/llama.py:llama_7b")
+    p.add_argument("--world", type=int, help="world size (resolves `*` in the mesh)")
+    p.add_argument("--mesh", help='mesh override, e.g. "node(8) > gpu(8)"')
+    p.add_argument("--micro-batches", type=int, help="micro-batches per step (default: the strategy's accumulate)")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer class (default adamw)")
+    p.add_argument("--momentum", type=float, default=0.0, help="SGD/RMSprop momentum (states exist when non-zero)")
+    p.add_argument("--clip", action="store_true", help="count the clip_grad_norm_ all-reduce")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="draw this strategy among the named strategies")
+    add_bandwidth_arguments(p)
+
+
+def load(file: str, world, mesh):
+    """`load_strategy`, with a strategy error reduced to its first error line."""
+    from shardc.dsl import StrategyError, load_strategy
+    try:
+        return load_strategy(file, world_size=world, mesh=mesh)
+    except StrategyError as e:
+        first = e.errors[0] if e.errors else None
+        where = f"{first.span}: " if first is not None and first.span is not None else ""
+        raise ShardcError(where + (first.message if first else str(e).splitlines()[0])) from None
+
+
+def run(args) -> int:
+    strategy = load(args.file, args.world, args.mesh)
+    units = load_model_units(strategy, args.model)
+    kw = {"momentum": args.momentum}
+    e = explain(strategy, units, micro_batches=args.micro_batches, optimizer=args.optimizer,
+                optimizer_kwargs=kw, clip_grad_norm=args.clip, bandwidth=bandwidth_from_args(args),
+                tokens=args.tokens, flops=flops_from_args(args))
+    if args.plot:
+        from shardc.compiler.plot import plot_among_named
+        plot_among_named(e, args.model, args.plot, optimizer=args.optimizer, optimizer_kwargs=kw)
+    if args.json:
+        print(json.dumps(to_json(e), indent=2))
+    else:
+        render(e)
+    return 0
+
+
+def render(e) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    s = e.strategy
+    con = Console()
+    phi = sum(u.trainable + u.frozen for u in e.units)
+    con.print(f"[bold]{s.name}[/bold] on mesh {s.mesh} (world {s.mesh.world}), {phi:,} parameters "
+              f"in {len(e.units)} units, {e.micro_batches} micro-batches per step, collectives {e.algo.value}")
+    mem = Table(title="memory per rank (model states)")
+    mem.add_column("state")
+    mem.add_column("bytes", justify="right")
+    mem.add_column("", justify="right")
+    for k in ("params", "params_secondary", "grads", "optim", "total", "transient"):
+        mem.add_row(k, f"{e.memory[k]:,}", human_bytes(e.memory[k]))
+    con.print(mem)
+    led = Table(title="communication ledger per step (logical collectives)")
+    for c in ("phase", "op", "levels", "bytes", "count", "total"):
+        led.add_column(c, justify="right" if c in ("bytes", "count", "total") else "left")
+    for r in e.ledger:
+        led.add_row(r.phase, r.op, ",".join(r.levels), f"{r.bytes:,}", str(r.count), human_bytes(r.bytes * r.count))
+    con.print(led)
+    lk = Table(title=f"bytes each rank sends per step, by link level ({e.algo.value})")
+    lk.add_column("level")
+    lk.add_column("bytes", justify="right")
+    lk.add_column("", justify="right")
+    for level, b in e.links.items():
+        lk.add_row(level, f"{round(b):,}", human_bytes(b))
+    lk.add_row("inter (outermost)", f"{round(e.inter):,}", human_bytes(e.inter))
+    lk.add_row("intra (all others)", f"{round(e.intra):,}", human_bytes(e.intra))
+    con.print(lk)
+    t = e.time
+    con.print(f"step time estimate: {t.total * 1e3:.1f} ms (compute {t.compute * 1e3:.1f} ms, exposed "
+              f"communication {t.exposed * 1e3:.1f} ms; " +
+              ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.comm.items()) + ")")
+    for w in s.warnings:
+        con.print(w, markup=False, highlight=False)

@@ -1,0 +1,87 @@
+"""Explain pipeline — strategy + model -> one `Explained` report (shared by the CLI,
+the planner and tests).
+
+Input: a loaded Strategy and either a model (built on the meta device) or unit sizes.
+Output: `Explained`: memory per rank, the predicted ledger, the collective algorithm
+resolved for multi-level groups, per-level link bytes (intra/inter split) and, when a
+bandwidth model is given, a step-time estimate. `to_json` is `explain --json`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardc.dsl.errors import ShardcError
+from shardc.dsl.ir import Collectives, Strategy
+
+from shardc.compiler.costmodel.ledger import ledger_dicts, predict_ledger
+from shardc.compiler.costmodel.links import inter_intra, link_bytes
+from shardc.compiler.costmodel.memory import predict_memory
+from shardc.compiler.costmodel.sizes import UnitSize, unit_sizes
+from shardc.compiler.costmodel.timing import AlphaBeta, StepTime, choose_collectives, step_time
+
+
+@dataclass(frozen=True, slots=True)
+class Explained:
+    strategy: Strategy
+    units: tuple[UnitSize, ...]
+    micro_batches: int
+    memory: dict
+    ledger: tuple
+    algo: Collectives
+    links: dict
+    inter: float
+    intra: float
+    time: StepTime | None
+
+
+def model_units(strategy: Strategy, model) -> list[UnitSize]:
+    """The model's units under `strategy` (the compiler's unit finder) with their sizes."""
+    from shardc.compiler.units import find_units
+    return unit_sizes(model, find_units(model, strategy))
+
+
+def load_model_units(strategy: Strategy, spec: str) -> list[UnitSize]:
+    """Build `spec` (PATH.py:FACTORY) on the meta device and size its units."""
+    from shardc.compiler.loader import build_model
+    model = build_model(spec, device="meta")
+    return model_units(strategy, model)
+
+
+def explain(strategy: Strategy, units, *, micro_batches: int | None = None, optimizer: str = "adamw",
+            optimizer_kwargs: dict | None = None, clip_grad_norm: bool = False, bandwidth=None,
+            tokens: int = 4096, flops: float = 150e12) -> Explained:
+    """Everything `shardc explain` prints, for one strategy on one model."""
+    m = strategy.accumulate if micro_batches is None else micro_batches
+    if m < 1:
+        raise ShardcError(f"--micro-batches must be at least 1, got {m}")
+    units = tuple(units)
+    memory = predict_memory(strategy.mesh, list(units), optimizer=optimizer,
+                            optimizer_kwargs=optimizer_kwargs, prefetch=strategy.prefetch)
+    records = predict_ledger(strategy, list(units), micro_batches=m, clip_grad_norm=clip_grad_norm)
+    bw = bandwidth or AlphaBeta()
+    algo = choose_collectives(strategy, list(units), bandwidth=bw, micro_batches=m)
+    links = link_bytes(records, strategy.mesh, algo)
+    inter, intra = inter_intra(links, strategy.mesh)
+    t = step_time(strategy, list(units), bw, micro_batches=m, tokens=tokens, flops=flops, algo=algo)
+    return Explained(strategy, units, m, memory, tuple(records), algo, links, inter, intra, t)
+
+
+def to_json(e: Explained) -> dict:
+    """The `explain --json` document (bytes per rank; link bytes per rank per step)."""
+    s = e.strategy
+    return {
+        "strategy": s.name,
+        "mesh": [{"name": l.name, "size": l.size} for l in s.mesh.levels],
+        "micro_batches": e.micro_batches,
+        "params": sum(u.trainable + u.frozen for u in e.units),
+        "units": len(e.units),
+        "memory": dict(e.memory),
+        "ledger": ledger_dicts(e.ledger),
+        "collectives": e.algo.value,
+        "links": {k: round(v) for k, v in e.links.items()},
+        "inter": round(e.inter),
+        "intra": round(e.intra),
+        "time": None if e.time is None else {
+            "compute": e.time.compute, "total": e.time.total,
+            "comm": dict(e.time.comm), "exposed": e.time.exposed},
+    }
