@@ -26,16 +26,16 @@ def parse_int(word: ast.Word, what: str, diags: list[Diagnostic], *, minimum: in
     """`word` as an int in [minimum, maximum], or None after adding an error."""
     digits = word.text.lstrip("-")
     if len(digits) > MAX_DIGITS:
-        diags.append(error(word.span, f"{what} `{word.text[:20]}...` is too large",
-                           hint or f"the largest allowed value is {maximum}"))
+        shown = word.text if len(word.text) <= 16 else word.text[:12] + "..."
+        diags.append(error(word.span, f"{what} {shown} is too large ({len(digits)} digits); "
+                           f"the maximum is {maximum}", hint))
         return None
     value = int(word.text)
     if value < minimum:
         diags.append(error(word.span, f"{what} must be at least {minimum}, got {value}", hint))
         return None
     if value > maximum:
-        diags.append(error(word.span, f"{what} {value} is too large",
-                           hint or f"the largest allowed value is {maximum}"))
+        diags.append(error(word.span, f"{what} {value} is too large; the maximum is {maximum}", hint))
         return None
     return value
 

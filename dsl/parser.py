@@ -44,7 +44,7 @@ def parse_program(text: str, file: str) -> tuple[ast.Program, list[Diagnostic]]:
             tree = _lark().parse("\n".join(lines) + "\n", start="start")
         except UnexpectedInput as e:
             diags.append(describe(e, lines, file, _lark()))
-            bad = _error_line(e, len(lines))
+            bad = _error_line(e, len(lines)) or _unclosed_block(e, lines)
             if bad is None or not lines[bad - 1].strip():
                 break
             lines[bad - 1] = " " * len(lines[bad - 1])
@@ -80,6 +80,14 @@ def _error_line(e: UnexpectedInput, n_lines: int) -> int | None:
     if not isinstance(line, int) or not 1 <= line <= n_lines:
         return None
     return line
+
+
+def _unclosed_block(e: UnexpectedInput, lines: list[str]) -> int | None:
+    """At end of file inside an `override` block: the line that opened it (to blank)."""
+    if "RBRACE" not in getattr(e, "expected", ()):
+        return None
+    opened = [i for i, ln in enumerate(lines, 1) if ln.lstrip().startswith("override")]
+    return opened[-1] if opened else None
 
 
 def _scrub_control(text: str, file: str) -> tuple[str, list[Diagnostic]]:

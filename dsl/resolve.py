@@ -50,7 +50,7 @@ def resolve(program: ast.Program, world_size: int | None, override: MeshOverride
                            "a strategy needs at least `mesh ...` and the state scopes"))
         return None, diags
     top, overrides = _index(program.statements, diags)
-    mesh = _mesh(top.get("mesh"), world_size, override, diags)
+    mesh = _mesh(top.get("mesh"), world_size, override, diags, parse_failed)
     names = mesh.names if mesh else _declared(top.get("mesh"), override)
     ctx = _Ctx(names, diags, " (the mesh comes from the override)" if override else "")
     scopes, bound = _scopes(top, {}, ctx)
@@ -102,7 +102,7 @@ def _declared(mesh_stmt, override) -> tuple[str, ...] | None:
     return tuple(lv.name.text for lv in mesh_stmt.mesh.levels) if mesh_stmt else None
 
 
-def _mesh(stmt, world_size, override: MeshOverride | None, diags) -> Mesh | None:
+def _mesh(stmt, world_size, override: MeshOverride | None, diags, parse_failed) -> Mesh | None:
     if override is not None and override.mesh is not None:
         before = len(diags)
         check_ir_mesh(override.mesh, world_size, diags)
@@ -112,6 +112,8 @@ def _mesh(stmt, world_size, override: MeshOverride | None, diags) -> Mesh | None
     if override is not None:
         return None                     # the override text did not parse; already reported
     if stmt is None:
+        if parse_failed:                # the mesh line may be the one that did not parse
+            return None
         diags.append(error(None, "the strategy has no `mesh` statement",
                            "add one, e.g. `mesh node(*) > gpu(local)`, or pass a mesh override"))
         return None

@@ -73,7 +73,13 @@ def _bad_token(e: UnexpectedToken, lines, file, literals) -> Diagnostic:
     hint = did_you_mean(text, words) if text else None
 
     if "RBRACE" in expected and tok.type == "$END":
-        return error(span, "unclosed `override` block", "add a line with `}` after its statements")
+        opened = [i for i, ln in enumerate(lines, 1) if ln.lstrip().startswith("override")]
+        if opened and "{" in lines[opened[-1] - 1]:
+            n = opened[-1]
+            c = lines[n - 1].index("{") + 1
+            span = Span(file, n, c, n, c + 1)
+        return error(span, "unclosed `override` block: no `}` before the end of the file",
+                     "add a line with `}` after its statements")
     if tok.type == "RBRACE":
         return error(span, "`}` without an `override` block", "remove it")
     if "PARAMS" in expected and tok.type not in ("_NL",):
@@ -83,6 +89,9 @@ def _bad_token(e: UnexpectedToken, lines, file, literals) -> Diagnostic:
             options = ("params", "grads", "optim") if inside else STATEMENTS
             return error(span, f"unknown statement `{text}`{where}",
                          did_you_mean(text, options) or f"statements are: {', '.join(options)}")
+        if inside and text in STATEMENTS and text not in ("params", "grads", "optim"):
+            return error(span, f"`{text}` cannot appear in an `override` block",
+                         "an override sets only `params`, `grads` and `optim`; put it at the top level")
         if "_NL" not in expected:
             return error(span, f"expected a statement, found `{text}`{where}",
                          "each line starts with a statement keyword such as `params`")
@@ -111,10 +120,14 @@ def _bad_token(e: UnexpectedToken, lines, file, literals) -> Diagnostic:
     if "STAR" in expected:
         return error(span, f"expected a level size, found {_found(tok)}",
                      "a size is a whole number, `*` (inferred from the world size) or `local`")
+    if expected == {"NAME"}:
+        return error(span, f"expected a name after `{stmt}`, found {_found(tok)}",
+                     "names are letters, digits and `_`, starting with a letter")
     if expected == {"INT"}:
         return error(span, f"`{stmt}` takes a whole number, found {_found(tok)}")
     if "TYPE" in expected:
-        h = f'quote patterns: `units "{text}"`' if tok.type == "NAME" else None
+        rest = lines[line - 1][col - 1:].split("#")[0].strip() if tok.type == "NAME" else ""
+        h = f'quote patterns: `units "{rest}"`' if rest else None
         return error(span, f"expected `auto`, quoted patterns or `type NAME` after `units`, found {_found(tok)}",
                      h or 'e.g. `units auto`, `units "transformer.h.*"` or `units type Block`')
     if "LPAR" in expected:

@@ -1,0 +1,49 @@
+"""Regenerate tests/golden/diagnostics/<name>.txt from tests/corpus/<name>.shard.
+
+Each corpus file is loaded the way tests/test_dsl_corpus.py loads it: from the
+repository root as `tests/corpus/<name>.shard`, world size 8, LOCAL_WORLD_SIZE=4, and
+the golden file is the rendered `StrategyError`. Run: `python tests/regen_diagnostics.py`
+(review the diff before committing: the goldens are the specification).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = Path("tests/corpus")
+GOLDEN = ROOT / "tests" / "golden" / "diagnostics"
+WORLD = 8
+
+
+def render(name: str) -> str:
+    """The diagnostics of one corpus file (must fail to load)."""
+    from shardc.dsl import StrategyError, load_strategy
+
+    os.environ["LOCAL_WORLD_SIZE"] = "4"
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        load_strategy(CORPUS / f"{name}.shard", world_size=WORLD)
+    except StrategyError as e:
+        return str(e) + "\n"
+    finally:
+        os.chdir(cwd)
+    raise AssertionError(f"{CORPUS / name}.shard loaded without errors; a corpus file must be broken")
+
+
+def names() -> list[str]:
+    return sorted(p.stem for p in (ROOT / CORPUS).glob("*.shard"))
+
+
+def main() -> int:
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    for name in names():
+        (GOLDEN / f"{name}.txt").write_text(render(name))
+    print(f"wrote {len(names())} goldens to {GOLDEN.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
