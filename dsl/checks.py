@@ -101,7 +101,7 @@ def _accumulate(bounds, options, top, diags) -> None:
         if g.levels and set(g.levels) < set(o.levels):
             stmt = top.get("accumulate") or gstmt
             span = stmt.span if stmt is top.get("accumulate") else stmt.scope.span
-            given = "`accumulate 1`" if "accumulate" in top else "`accumulate` is 1 (the default) and"
+            given = "`accumulate 1` but" if "accumulate" in top else "`accumulate` is 1 (the default) but"
             diags.append(warning(span, f"{given} `grads` shards over a strict subset of `optim`'s levels",
                                  "partial gradient synchronisation (PaRO-IIG/NIG) only pays off with several "
                                  "micro-batches per step; set e.g. `accumulate 4`"))

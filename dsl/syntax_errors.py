@@ -121,7 +121,7 @@ def _bad_token(e: UnexpectedToken, lines, file, literals) -> Diagnostic:
         return error(span, f"expected a level size, found {_found(tok)}",
                      "a size is a whole number, `*` (inferred from the world size) or `local`")
     if expected == {"NAME"}:
-        return error(span, f"expected a name after `{stmt}`, found {_found(tok)}",
+        return error(span, f"expected a name, found {_found(tok)}",
                      "names are letters, digits and `_`, starting with a letter")
     if expected == {"INT"}:
         return error(span, f"`{stmt}` takes a whole number, found {_found(tok)}")
