@@ -28,9 +28,9 @@ Per-level groups are created eagerly in `__init__`; flattened and reordered grou
 lazily, on first use, and cached per (levels, order). Creating a group is collective
 over the world, so every rank must ask for the same new groups in the same order. The
 runtime guarantees it (all ranks run the same program over the same strategy), and
-`ShardMesh.get` caches one ShardMesh per (Mesh, device_type, default group) in the
-process, so sharding many models in one worker reuses the groups instead of leaking
-new gloo groups.
+`ShardMesh(mesh)` (alias `ShardMesh.get`) returns one cached instance per (Mesh,
+device_type) and default process group in the process, so sharding many models in one
+worker reuses the groups instead of leaking new gloo groups.
 """
 from __future__ import annotations
 
@@ -49,7 +49,19 @@ _CACHE: dict[tuple, "ShardMesh"] = {}
 class ShardMesh:
     """A Mesh bound to the running world: coordinates, cached process groups."""
 
-    def __init__(self, mesh: Mesh, device_type: str = "cpu"):
+    def __new__(cls, mesh: Mesh, device_type: str = "cpu"):
+        default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        key = (mesh, device_type)
+        cached = _CACHE.get(key)
+        if cached is not None and cached._default is default:
+            return cached
+        self = super().__new__(cls)
+        self._init(mesh, device_type)
+        self._default = default
+        _CACHE[key] = self
+        return self
+
+    def _init(self, mesh: Mesh, device_type: str) -> None:
         if not dist.is_initialized():
             raise ShardcError("the default process group is not initialized; "
                               "run under torchrun or call torch.distributed.init_process_group first")
@@ -68,17 +80,8 @@ class ShardMesh:
 
     @classmethod
     def get(cls, mesh: Mesh, device_type: str = "cpu") -> "ShardMesh":
-        """The process-wide ShardMesh for `mesh` (built on first use, collectively)."""
-        default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
-        key = (mesh, device_type, id(default))
-        sm = _CACHE.get(key)
-        if sm is None or sm._default is not default:
-            sm = cls(mesh, device_type)
-            sm._default = default
-            _CACHE[key] = sm
-        return sm
-
-    _default = None
+        """The process-wide ShardMesh for `mesh` (same as `ShardMesh(mesh)`, which is cached)."""
+        return cls(mesh, device_type)
 
     def __repr__(self) -> str:
         return f"ShardMesh({self.mesh!r}, device_type={self.device_type!r})"
@@ -95,7 +98,7 @@ class ShardMesh:
             digits.append(d)
         return tuple(reversed(digits))
 
-    def _order(self, levels, order) -> tuple[str, ...]:
+    def digits(self, levels, order=None) -> tuple[str, ...]:
         """Validated digit order with size-1 levels dropped (they never move a position)."""
         lv = self.mesh.ordered(levels)
         unknown = set(levels) - set(self.mesh.names)
@@ -113,18 +116,18 @@ class ShardMesh:
     def index_of(self, rank: int, levels, order=None) -> int:
         coords = dict(zip(self.mesh.names, self.coords_of(rank)))
         idx = 0
-        for l in self._order(levels, order):
+        for l in self.digits(levels, order):
             idx = idx * self.mesh.size(l) + coords[l]
         return idx
 
     def group_ranks(self, levels, order=None) -> list[int]:
         """Global ranks of this rank's group, listed by position."""
-        return self._subgroups(self._order(levels, order))[self._mine(self._order(levels, order))]
+        return self._subgroups(self.digits(levels, order))[self._mine(self.digits(levels, order))]
 
     # -- groups ------------------------------------------------------------------------
     def group(self, levels, order=None) -> dist.ProcessGroup | None:
         """Ranks agreeing on every level outside `levels`, positioned by `order`; None when factor 1."""
-        key = self._order(levels, order)
+        key = self.digits(levels, order)
         if not key:
             return None
         pg = self._groups.get(key)

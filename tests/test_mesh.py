@@ -45,7 +45,7 @@ def _check_mesh(rank, world, mesh):
     from shardc.runtime.mesh import ShardMesh
 
     sm = ShardMesh.get(mesh)
-    assert ShardMesh.get(mesh) is sm
+    assert ShardMesh.get(mesh) is sm and ShardMesh(mesh) is sm
     checked = []
     for k in range(1, len(mesh.names) + 1):
         for levels in itertools.combinations(mesh.names, k):
@@ -93,7 +93,7 @@ def _no_group_leak(rank, world):
     from shardc.runtime.mesh import ShardMesh
 
     for _ in range(50):
-        sm = ShardMesh.get(M22)
+        sm = ShardMesh(M22)
         sm.group(("node", "gpu"), ("gpu", "node"))
         sm.group(("node", "gpu"))
     return len(dist.distributed_c10d._world.pg_map)

@@ -1,0 +1,96 @@
+"""Blockwise absmax quantization for communication (ZeRO++ qwZ/qgZ, ZeRO-topo).
+
+Input: a 1-D float tensor (one rank's shard, or one chunk of a reduce-scatter input).
+Output: one uint8 payload buffer, and back. Also `payload_bytes`, the ledger's byte
+formula shared by the runtime and the cost model (docs/internals.md, "Ledger").
+
+[Note: payload layout]
+A shard of m elements quantized to b bits (b = 8 or 4) is one uint8 buffer of
+`ceil(m*b/8) + ceil(m/256)*4` bytes: first the codes, then one fp32 scale per block of
+256 elements (the last block may be short). Codes are symmetric: q = round(x/scale)
+clamped to [-qmax, qmax] with qmax = 2^(b-1)-1 and scale = absmax(block)/qmax, so the
+error of an element is at most scale/2 = absmax(block)/(2*qmax). int8 codes are stored
+as two's-complement bytes; int4 codes are stored offset by 8 (1..15), two per byte,
+the even element in the low nibble. A block of zeros has scale 0 and decodes to zeros.
+"""
+from __future__ import annotations
+
+from math import ceil
+
+import torch
+
+from shardc.dsl.ir import DType
+
+BLOCK = 256
+
+
+def _qmax(dtype: DType) -> int:
+    return (1 << (dtype.bits - 1)) - 1
+
+
+def shard_payload_bytes(m: int, dtype: DType) -> int:
+    """Bytes of one quantized m-element shard: codes then fp32 block scales."""
+    return ceil(m * dtype.bits / 8) + ceil(m / BLOCK) * 4
+
+
+def payload_bytes(n: int, s: int, dtype: DType) -> int:
+    """Payload of one collective with logical numel n over s ranks in comm dtype `dtype`."""
+    if dtype.quantized:
+        return s * shard_payload_bytes(n // s, dtype)
+    return n * dtype.bits // 8
+
+
+def quantize(x: torch.Tensor, dtype: DType, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize the 1-D float tensor `x` into a uint8 payload (see [Note: payload layout])."""
+    if not dtype.quantized:
+        raise ValueError(f"{dtype!r} is not a quantized dtype")
+    m = x.numel()
+    nblocks = ceil(m / BLOCK)
+    code_bytes = ceil(m * dtype.bits / 8)
+    if out is None:
+        out = torch.empty(code_bytes + nblocks * 4, dtype=torch.uint8, device=x.device)
+    xf = torch.zeros(nblocks * BLOCK, dtype=torch.float32, device=x.device)
+    xf[:m] = x.reshape(-1)
+    blocks = xf.view(nblocks, BLOCK)
+    qmax = _qmax(dtype)
+    scale = blocks.abs().amax(dim=1) / qmax
+    q = torch.round(blocks / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
+    q = q.clamp_(-qmax, qmax).to(torch.int8).view(-1)[:m]
+    if dtype is DType.INT8:
+        out[:code_bytes].copy_(q.view(torch.uint8))
+    else:
+        u = (q + 8).to(torch.uint8)
+        if m % 2:
+            u = torch.cat([u, u.new_zeros(1)])
+        out[:code_bytes].copy_(u[0::2] | (u[1::2] << 4))
+    out[code_bytes:].copy_(scale.view(torch.uint8))
+    return out
+
+
+def dequantize(buf: torch.Tensor, m: int, dtype: DType, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode a payload of an m-element shard into `out` (float32 unless given)."""
+    nblocks = ceil(m / BLOCK)
+    code_bytes = ceil(m * dtype.bits / 8)
+    scale = buf[code_bytes:code_bytes + nblocks * 4].clone().view(torch.float32)
+    codes = buf[:code_bytes]
+    if dtype is DType.INT8:
+        q = codes.view(torch.int8).to(torch.float32)
+    else:
+        q = torch.stack([codes & 0xF, codes >> 4], dim=1).view(-1)[:m].to(torch.float32) - 8
+    full = torch.zeros(nblocks * BLOCK, dtype=torch.float32, device=buf.device)
+    full[:m] = q
+    vals = (full.view(nblocks, BLOCK) * scale[:, None]).view(-1)[:m]
+    if out is None:
+        return vals
+    out.copy_(vals.view(out.shape))
+    return out
+
+
+def error_bound(x: torch.Tensor, dtype: DType) -> torch.Tensor:
+    """Per-element bound on |dequantize(quantize(x)) - x| (half a step of its block)."""
+    m = x.numel()
+    nblocks = ceil(m / BLOCK)
+    xf = torch.zeros(nblocks * BLOCK, dtype=torch.float32, device=x.device)
+    xf[:m] = x.reshape(-1).float()
+    step = xf.view(nblocks, BLOCK).abs().amax(dim=1) / _qmax(dtype)
+    return (step[:, None] * (0.5 + 1e-3)).expand(nblocks, BLOCK).reshape(-1)[:m]
