@@ -1,0 +1,68 @@
+"""Per-system summaries (bench stage: rank 0's worker JSON -> the `systems` entry).
+
+Input: the JSON a worker's rank 0 wrote, the cluster shape, the model name. Output:
+`{"step_time_s", "tokens_per_s", "model_state_bytes", "level_bytes",
+"measured_bytes", ...}`.
+
+[Note: level bytes]
+`level_bytes[level]` = bytes one rank sends over that level's links per optimizer step,
+averaged over ranks (shardc.compiler.costmodel.links' definition; `node` = the
+shaped inter-node NICs, `gpu` = loopback inside a node). For shardc it comes from the
+runtime's measured ledger (counts divided by the timed steps) and the strategy's
+collective algorithm; for the peers from bench/peers.py's formulas, as gloo rings.
+`measured_bytes` is the same quantity read from the namespaces' NIC counters
+(tx bytes of every node's v* summed, resp. of lo, / steps / world): on-the-wire, so
+it includes TCP/IP headers, the rendezvous store and barriers, and it shows what gloo
+really does (its reduce_scatter_tensor is an all-reduce followed by a slice, so it
+moves twice the ring bytes).
+"""
+from __future__ import annotations
+
+from shardc.compiler.costmodel import link_bytes
+from shardc.dsl.ir import Collectives, Level, Mesh
+
+from models import build_model
+from peers import Rec, peer_ledger
+
+
+def cluster_mesh(nodes: int, per_node: int) -> Mesh:
+    return Mesh((Level("node", nodes), Level("gpu", per_node)))
+
+
+def level_bytes(system: str, res: dict, model_name: str, nodes: int, per_node: int,
+                accumulate: int) -> dict[str, float]:
+    if res.get("ledger") is not None:
+        steps = res["ledger_steps"]
+        recs = [Rec(r["phase"], r["op"], tuple(r["levels"]), r["bytes"], r["count"] / steps)
+                for r in res["ledger"]]
+        mesh = Mesh(tuple(Level(n, s) for n, s in res["mesh"]))
+        return link_bytes(recs, mesh, Collectives(res["collectives"]))
+    recs = peer_ledger(system, build_model(model_name), per_node, accumulate)
+    return link_bytes(recs, cluster_mesh(nodes, per_node), Collectives.RING)
+
+
+def measured_bytes(res: dict, world: int) -> dict[str, float] | None:
+    nics = [r["nic"] for r in res.get("per_rank", []) if r.get("nic")]
+    if not nics:
+        return None
+    steps = res["ledger_steps"]
+    return {"node": sum(n["inter"] for n in nics) / steps / world,
+            "gpu": sum(n["intra"] for n in nics) / steps / world}
+
+
+def summarize(system: str, res: dict, model_name: str, nodes: int, per_node: int,
+              accumulate: int) -> dict:
+    world = nodes * per_node
+    out = {
+        "step_time_s": res["step_time_s"],
+        "tokens_per_s": res["tokens_per_step"] / res["step_time_s"],
+        "model_state_bytes": max(r["state_bytes"] for r in res["per_rank"]),
+        "level_bytes": level_bytes(system, res, model_name, nodes, per_node, accumulate),
+        "measured_bytes": measured_bytes(res, world),
+        "step_times": res["step_times"],
+        "params": res["params"],
+    }
+    if res.get("ledger") is not None:
+        out["ledger"] = res["ledger"]
+        out["collectives"] = res["collectives"]
+    return out

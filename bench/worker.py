@@ -1,0 +1,156 @@
+"""One rank of a benchmark run (bench stage: torchrun rank -> timings JSON).
+
+Input: torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and the
+flags below. Output: rank 0 writes `--out` (JSON: step times, state bytes, ledger,
+NIC byte counters) and appends one line per finished step to `--progress`.
+
+[Note: what one step is]
+`accumulate` micro-batches (forward, loss / accumulate, backward) then `opt.step()`
+and `opt.zero_grad()`. A barrier before and after brackets the step so rank 0's
+wall time is the slowest rank's. The first `--warmup` steps are not timed.
+
+[Note: byte counters]
+Local rank 0 of every node reads /proc/net/dev of its namespace before and after the
+timed steps: tx bytes on v* (what left the node over its shaped NIC(s)) and on lo
+(rank-to-rank traffic inside the node). These are measured on the wire, TCP/IP
+headers included, to check bench/peers.py's formulas and shardc's ledger.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from models import batch, build_model, n_params
+from systems import build_system
+
+
+def nic_counters() -> dict[str, int]:
+    """tx bytes per interface of this network namespace."""
+    out = {}
+    with open("/proc/net/dev") as f:
+        for line in f.readlines()[2:]:
+            name, data = line.split(":", 1)
+            out[name.strip()] = int(data.split()[8])
+    return out
+
+
+def split_counters(before: dict, after: dict) -> dict[str, int]:
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    return {"inter": sum(v for k, v in d.items() if re.fullmatch(r"v\d+", k)),
+            "intra": d.get("lo", 0)}
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--system", required=True)
+    p.add_argument("--model", default="bench")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--per-node", type=int, required=True)
+    p.add_argument("--accumulate", type=int, default=4)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--per-rank-links", action="store_true")
+    p.add_argument("--out", required=True)
+    p.add_argument("--progress", default=None)
+    return p.parse_args()
+
+
+def run_step(sys_, model, step: int, args, rank: int) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(args.accumulate):
+        x, y = batch(model, step, i, rank, args.micro_batch)
+        with sys_.micro(i, i == args.accumulate - 1):
+            logits = sys_.model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+            (loss / args.accumulate).backward()
+    sys_.opt.step()
+    sys_.extra["state_bytes"] = sys_.memory()       # grads still held: the step's peak states
+    sys_.opt.zero_grad()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    args = parse()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.per_rank_links:       # each rank binds gloo to its own shaped NIC
+        os.environ["GLOO_SOCKET_IFNAME"] = f"v{local_rank}"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result: dict = {"system": args.system}
+    try:
+        model = build_model(args.model)
+        example = batch(model, 0, 0, 0, args.micro_batch)[0]
+        sys_ = build_system(args.system, model, args.nodes, args.per_node, example,
+                            args.accumulate, os.path.dirname(os.path.abspath(args.out)))
+        result.update(measure(sys_, model, args, rank, local_rank))
+        result["params"] = n_params(build_model(args.model))
+        result["tokens_per_step"] = world * args.accumulate * args.micro_batch * example.size(1)
+    except Exception as e:     # reported per system; the harness goes on with the others
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()
+        print(f"[rank {rank}] {result['traceback']}", file=sys.stderr, flush=True)
+        _write(args.out, rank, result)
+        os._exit(1)         # peers may be blocked in a collective; do not wait for them
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        merged = dict(gathered[0])
+        merged["per_rank"] = [{k: g.get(k) for k in ("state_bytes", "nic")} for g in gathered]
+        _write(args.out, rank, merged)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _write(out: str, rank: int, result: dict) -> None:
+    path = out if rank == 0 else f"{out}.rank{rank}"
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
+    times = []
+    for step in range(args.warmup):
+        run_step(sys_, model, step, args, rank)
+        _progress(args, rank, f"warmup {step + 1}/{args.warmup}")
+    if sys_.reset_ledger:
+        sys_.reset_ledger()
+    before = nic_counters() if local_rank == 0 else None
+    for step in range(args.warmup, args.warmup + args.steps):
+        times.append(run_step(sys_, model, step, args, rank))
+        _progress(args, rank, f"step {step - args.warmup + 1}/{args.steps} {times[-1]:.3f}s")
+    nic = split_counters(before, nic_counters()) if local_rank == 0 else None
+    ledger = None
+    if sys_.ledger:
+        ledger = [dict(phase=r.phase, op=r.op, levels=list(r.levels), bytes=r.bytes,
+                       count=r.count) for r in sys_.ledger()]
+    return {**{k: sys_.extra[k] for k in ("mesh", "collectives") if k in sys_.extra},
+            "step_times": times, "step_time_s": statistics.median(times),
+            "state_bytes": sys_.extra["state_bytes"], "nic": nic, "ledger": ledger,
+            "ledger_steps": args.steps}
+
+
+def _progress(args, rank: int, msg: str) -> None:
+    if rank == 0 and args.progress:
+        with open(args.progress, "a") as f:
+            f.write(msg + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
