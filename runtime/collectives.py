@@ -1,0 +1,298 @@
+"""Collectives library — all_gather / reduce_scatter / all_reduce over mesh levels.
+
+Input: flat 1-D tensors, a `ShardMesh`, the group's levels and the chunk digit order,
+an algorithm (`Collectives`) and a comm dtype. Output: a `Work` handle; the result is in
+`out` (or `t`) once `.wait()` returns. Contract: docs/internals.md "Mesh and collectives".
+
+[Note: chunk placement]
+Chunk c of a full buffer (n elements, chunk size m = n/s) belongs to the rank whose
+index over `order` is c (`ShardMesh.index(levels, order)`). Every algorithm and comm
+dtype gives exactly this placement: RING uses the group positioned by `order`;
+HIERARCHICAL/HO_RING view the buffer as [s_d for d in order] + [m] and permute it
+locally so that the level of each stage is the leading digit of what is left.
+
+[Note: stages and handles]
+Each algorithm is written as generators ("pieces") that issue async torch.distributed
+ops and yield the handles the next stage depends on. `Work` starts every piece at once
+(so the first stage of every piece is in flight when the call returns) and `wait()`
+drives them round-robin: piece k's next stage is issued as soon as its previous stage
+is done, while the other pieces' stages are still in flight. RING is one piece with one
+stage; HIERARCHICAL is one piece with one stage per level (reduce-scatter innermost
+level first, all-gather outermost first, so the outer links carry 1/inner of the data);
+HO_RING (PaRO §3.3) splits the chunk into HO_PIECES pieces so that the intra-level
+stage of one piece and the inter-level stage of another are in flight together. Later
+stages are issued from `wait()` in the caller's thread, never from a helper thread:
+collectives on a group must be issued in the same order on every rank, which the
+caller's program order guarantees. `wait()` must be called before reading the result.
+
+[Note: reduce-scatter on gloo]
+gloo's reduce_scatter is an all-reduce followed by a slice: it moves 2(s-1)/s·n bytes
+per rank (measured on loopback: 6.0·n over 4 ranks, the same as all_reduce), twice a
+ring reduce-scatter. On CPU a reduce-scatter stage is therefore `all_to_all_single`
+(rank j receives every peer's chunk j: (s-1)/s·n bytes per rank, measured 3.0·n)
+followed by a local sum, accumulated in fp32 for 16-bit comm dtypes. Other devices use
+`reduce_scatter_single`.
+
+[Note: comm dtypes]
+fp32/bf16/fp16: the input is cast to the comm dtype, communicated, and cast back into
+`out`. int8/int4 all_gather (qwZ): each rank quantizes its shard (runtime/quant.py), the
+uint8 payloads (codes + block scales) are gathered with the chosen algorithm (they are
+just bytes with the same chunk placement), and every chunk is dequantized into `out`.
+int8/int4 reduce_scatter (qgZ): each rank quantizes its s chunks, one all_to_all over
+the group, then dequantizes and sums the s received chunks in fp32; the algorithm is
+ignored (one flat all-to-all). Payload sizes are exactly `quant.payload_bytes`.
+"""
+from __future__ import annotations
+
+from math import prod
+
+import torch
+import torch.distributed as dist
+
+from shardc.dsl.ir import Collectives, DType
+
+from . import quant
+from .mesh import ShardMesh
+
+HO_PIECES = 4
+_TORCH_DTYPE = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
+
+
+class Work:
+    """Handle of a (possibly multi-stage) collective; `wait()` completes it."""
+
+    __slots__ = ("_pending", "_then")
+
+    def __init__(self, *pieces, then=None):
+        self._pending = []
+        self._then = then                       # local post-processing once every piece is done
+        for g in pieces:
+            self._advance(g)
+
+    def _advance(self, gen) -> None:
+        try:
+            self._pending.append((gen, next(gen)))
+        except StopIteration:
+            pass
+
+    def wait(self) -> bool:
+        while self._pending:
+            current, self._pending = self._pending, []
+            for gen, works in current:
+                for w in works:
+                    w.wait()
+                self._advance(gen)
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        return True
+
+    def is_completed(self) -> bool:
+        return not self._pending and self._then is None
+
+
+# -- one-level building blocks ----------------------------------------------------------
+def _ag(dst, src, pg):
+    return dist.all_gather_single(dst, src, group=pg, async_op=True)
+
+
+def _rs(dst, src, pg, device_type):
+    """One flat reduce-scatter stage; yields its handle, finishes into dst."""
+    if device_type != "cpu":
+        yield [dist.reduce_scatter_single(dst, src, group=pg, async_op=True)]
+        return
+    recv = torch.empty_like(src)
+    yield [dist.all_to_all_single(recv, src, group=pg, async_op=True)]
+    parts = recv.view(dist.get_world_size(pg), -1)
+    if dst.dtype in (torch.float16, torch.bfloat16):
+        dst.copy_(parts.float().sum(0))
+    else:
+        torch.sum(parts, 0, out=dst)
+
+
+def _stage_levels(sm: ShardMesh, key: tuple[str, ...]) -> tuple[str, ...]:
+    """Levels of `key` in mesh order (outermost first)."""
+    return sm.mesh.ordered(key)
+
+
+def _perm(src_names, dst_names) -> list[int]:
+    return [list(src_names).index(n) for n in dst_names] + [len(src_names)]
+
+
+def _pieces(m: int, k: int) -> list[tuple[int, int]]:
+    k = max(1, min(k, m))
+    step, extra = divmod(m, k)
+    bounds, lo = [], 0
+    for i in range(k):
+        hi = lo + step + (1 if i < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+# -- all_gather ---------------------------------------------------------------------------
+def _ag_ring(out, inp, sm, key):
+    yield [_ag(out, inp, sm.group(key, key))]
+
+
+def _ag_hier_piece(out_view, src, sm, key, lo, hi):
+    """Gather piece [lo:hi) of every chunk level by level, outermost first; place by `key`."""
+    stages = _stage_levels(sm, key)
+    buf = src
+    for lvl in stages:                               # buf dims: reversed(done stages) + [piece]
+        nxt = buf.new_empty(sm.mesh.size(lvl) * buf.numel())
+        yield [_ag(nxt, buf, sm.group((lvl,)))]
+        buf = nxt
+    names = tuple(reversed(stages))
+    shaped = buf.view(*[sm.mesh.size(n) for n in names], hi - lo)
+    out_view[..., lo:hi].copy_(shaped.permute(_perm(names, key)))
+
+
+def _ag_bytes(out, inp, sm, key, algo):
+    """The algorithm part of all_gather, for buffers already in the comm dtype."""
+    if algo is Collectives.RING:
+        return [_ag_ring(out, inp, sm, key)]
+    m = inp.numel()
+    out_view = out.view(*[sm.mesh.size(n) for n in key], m)
+    k = HO_PIECES if algo is Collectives.HO_RING else 1
+    return [_ag_hier_piece(out_view, inp[lo:hi].contiguous(), sm, key, lo, hi) for lo, hi in _pieces(m, k)]
+
+
+def all_gather(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collectives.RING,
+               comm: DType = DType.FP32) -> Work:
+    """out (n) = concat over the chunk index (over `order`) of every rank's inp (n/s)."""
+    key = mesh.digits(levels, order)
+    algo = _resolve(mesh, key, algo)
+    out, inp = out.view(-1), inp.reshape(-1)
+    if not key:
+        out.copy_(inp)
+        return Work()
+    s, m = prod(mesh.mesh.size(n) for n in key), inp.numel()
+    assert out.numel() == s * m, f"all_gather: out has {out.numel()} elements, expected {s}*{m}"
+    if comm.quantized:
+        p = quant.shard_payload_bytes(m, comm)
+        payload = quant.quantize(inp, comm)
+        gathered = payload.new_empty(s * p)
+
+        def decode():
+            for c in range(s):
+                quant.dequantize(gathered[c * p:(c + 1) * p], m, comm, out=out[c * m:(c + 1) * m])
+        return Work(*_ag_bytes(gathered, payload, mesh, key, algo), then=decode)
+    cdt = _TORCH_DTYPE[comm]
+    if cdt == out.dtype and cdt == inp.dtype:
+        return Work(*_ag_bytes(out, inp, mesh, key, algo))
+    tmp = out.new_empty(s * m, dtype=cdt)
+    return Work(*_ag_bytes(tmp, inp.to(cdt), mesh, key, algo), then=lambda: out.copy_(tmp))
+
+
+# -- reduce_scatter -----------------------------------------------------------------------
+def _rs_hier_piece(dst, src, sm, key, device_type):
+    """Reduce-scatter `src` (dims: stage levels innermost first, then piece) level by level."""
+    stages = tuple(reversed(_stage_levels(sm, key)))
+    buf = src
+    for i, lvl in enumerate(stages):
+        last = i == len(stages) - 1
+        nxt = dst if last else buf.new_empty(buf.numel() // sm.mesh.size(lvl))
+        yield from _rs(nxt, buf, sm.group((lvl,)), device_type)
+        buf = nxt
+
+
+def _rs_pieces(out, inp, sm, key, algo):
+    if algo is Collectives.RING:
+        return [_rs(out, inp, sm.group(key, key), sm.device_type)]
+    m = out.numel()
+    names = tuple(reversed(_stage_levels(sm, key)))       # innermost first: the first stage's digit leads
+    full = inp.view(*[sm.mesh.size(n) for n in key], m).permute(_perm(key, names))
+    k = HO_PIECES if algo is Collectives.HO_RING else 1
+    return [_rs_hier_piece(out[lo:hi], full[..., lo:hi].contiguous().view(-1), sm, key, sm.device_type)
+            for lo, hi in _pieces(m, k)]
+
+
+def _qgz(out, inp, sm, key, comm):
+    """Quantized reduce-scatter: quantize s chunks, one all_to_all, dequantize and sum in fp32."""
+    pg = sm.group(key, key)
+    s, m = dist.get_world_size(pg), out.numel()
+    p = quant.shard_payload_bytes(m, comm)
+    send = inp.new_empty(s * p, dtype=torch.uint8)
+    for c in range(s):
+        quant.quantize(inp[c * m:(c + 1) * m], comm, out=send[c * p:(c + 1) * p])
+    recv = torch.empty_like(send)
+    yield [dist.all_to_all_single(recv, send, group=pg, async_op=True)]
+    acc = out.new_zeros(m, dtype=torch.float32)
+    for c in range(s):
+        acc += quant.dequantize(recv[c * p:(c + 1) * p], m, comm)
+    out.copy_(acc)
+
+
+def reduce_scatter(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collectives.RING,
+                   comm: DType = DType.FP32) -> Work:
+    """out (n/s) = sum over the group of inp[chunk(index)], chunks indexed over `order`."""
+    key = mesh.digits(levels, order)
+    algo = _resolve(mesh, key, algo)
+    out, inp = out.view(-1), inp.reshape(-1)
+    if not key:
+        out.copy_(inp)
+        return Work()
+    s = prod(mesh.mesh.size(n) for n in key)
+    assert inp.numel() == s * out.numel(), f"reduce_scatter: inp has {inp.numel()} elements, expected {s}*{out.numel()}"
+    if comm.quantized:
+        return Work(_qgz(out, inp, mesh, key, comm))
+    cdt = _TORCH_DTYPE[comm]
+    if cdt == out.dtype and cdt == inp.dtype:
+        return Work(*_rs_pieces(out, inp, mesh, key, algo))
+    tmp = out.new_empty(out.numel(), dtype=cdt)
+    return Work(*_rs_pieces(tmp, inp.to(cdt), mesh, key, algo), then=lambda: out.copy_(tmp))
+
+
+# -- all_reduce ---------------------------------------------------------------------------
+def _ar_hier_piece(buf, sm, key):
+    """All-reduce `buf` (numel divisible by the inner factor): RS inner→outer, AR outermost, AG back."""
+    stages = _stage_levels(sm, key)
+    outer, inner = stages[0], stages[1:]
+    chunks = [buf]
+    for lvl in reversed(inner):                              # reduce-scatter, innermost first
+        nxt = buf.new_empty(chunks[-1].numel() // sm.mesh.size(lvl))
+        yield from _rs(nxt, chunks[-1], sm.group((lvl,)), sm.device_type)
+        chunks.append(nxt)
+    yield [dist.all_reduce(chunks[-1], group=sm.group((outer,)), async_op=True)]
+    for i, lvl in enumerate(inner):                          # all-gather, outermost first
+        yield [_ag(chunks[-2 - i], chunks[-1 - i], sm.group((lvl,)))]
+
+
+def all_reduce(t, mesh: ShardMesh, levels, *, algo=Collectives.RING) -> Work:
+    """Sum `t` in place over the group of `levels`."""
+    key = mesh.digits(levels, None)
+    algo = _resolve(mesh, key, algo)
+    if not key:
+        return Work()
+    if algo is Collectives.RING or len(key) < 2:
+        return Work(_single(dist.all_reduce(t, group=mesh.group(key), async_op=True)))
+    inner = prod(mesh.mesh.size(n) for n in key[1:])
+    n = t.numel()
+    if n < inner:                                            # too small to split: one flat all-reduce
+        return Work(_single(dist.all_reduce(t, group=mesh.group(key), async_op=True)))
+    flat = t.new_zeros(-(-n // inner) * inner)
+    flat[:n] = t.reshape(-1)
+    view = flat.view(inner, -1)
+    k = HO_PIECES if algo is Collectives.HO_RING else 1
+    bounds = _pieces(view.shape[1], k)
+    bufs = [view[:, lo:hi].contiguous().view(-1) for lo, hi in bounds]
+
+    def finish():
+        for (lo, hi), b in zip(bounds, bufs):
+            view[:, lo:hi].copy_(b.view(inner, -1))
+        t.copy_(flat[:n].view(t.shape))
+    return Work(*[_ar_hier_piece(b, mesh, key) for b in bufs], then=finish)
+
+
+def _single(work):
+    yield [work]
+
+
+def _resolve(sm: ShardMesh, key: tuple[str, ...], algo: Collectives) -> Collectives:
+    """A leftover AUTO: hierarchical over two or more levels of size > 1, else ring."""
+    if algo is Collectives.AUTO:
+        return Collectives.HIERARCHICAL if len(key) >= 2 else Collectives.RING
+    if len(key) < 2:
+        return Collectives.RING
+    return algo
