@@ -1,0 +1,126 @@
+"""`shardc plan` — the planner's command line.
+
+Input: a model factory (built on the meta device), a mesh, a memory budget per rank,
+and a bandwidth model (`--intra/--inter` or `--bandwidth profile.json`). Output: the
+top K fitting strategies in a table (or `--json`), and the best one written as a
+`.shard` file (`-o`) that passes `shardc check`.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from shardc.dsl.errors import ShardcError
+from shardc.dsl.ir import DType
+
+from shardc.compiler.costmodel.cliargs import (
+    add_bandwidth_arguments, bandwidth_from_args, flops_from_args, human_bytes,
+)
+from shardc.compiler.planner import plan, scope_text, shard_text
+
+_MEM = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+        "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(text: str) -> float:
+    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _MEM or float(m.group(1)) <= 0:
+        raise ShardcError(f"cannot read memory size {text!r}; write e.g. 80GiB or 40GB")
+    return float(m.group(1)) * _MEM[unit]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, metavar="PATH:FACTORY", help="model factory, e.g. examples/llama.py:llama_7b")
+    p.add_argument("--mesh", required=True, help='mesh, e.g. "node(8) > gpu(8)" (`*` needs --world)')
+    p.add_argument("--world", type=int, help="world size (resolves `*` in the mesh)")
+    p.add_argument("--memory", required=True, help="memory per rank for model states, e.g. 80GiB")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default 4)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "adagrad", "rmsprop"))
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                   help="params/grads dtype and comm (bf16 = mixed precision, fp32 master in the optimizer)")
+    p.add_argument("--top", type=int, default=10, metavar="K", help="rows to print (default 10)")
+    p.add_argument("-o", "--output", metavar="best.shard", help="write the best strategy here")
+    p.add_argument("--json", action="store_true", help="print the ranking as JSON")
+    add_bandwidth_arguments(p)
+
+
+def base_strategy(mesh: str, world):
+    """A replicate-everything strategy on the resolved mesh (the DSL resolves `*`/`local`)."""
+    from shardc.compiler.cmd_explain import load
+    if "\n" in mesh or "#" in mesh:
+        raise ShardcError("--mesh must be one line such as 'node(8) > gpu(8)'")
+    return load(f"strategy planned\nmesh {mesh}\n", world, None)
+
+
+def run(args) -> int:
+    from shardc.compiler.costmodel.report import load_model_units
+
+    budget = parse_memory(args.memory)
+    if args.top < 1:
+        raise ShardcError(f"--top must be at least 1, got {args.top}")
+    base = base_strategy(args.mesh, args.world)
+    units = load_model_units(base, args.model)
+    cands = plan(base, units, budget, bandwidth=bandwidth_from_args(args), micro_batches=args.micro_batches,
+                 optimizer=args.optimizer, dtype=DType(args.precision), tokens=args.tokens,
+                 flops=flops_from_args(args))
+    fit = [c for c in cands if c.fits]
+    if args.output and fit:
+        write_best(fit[0], args.output)
+    if args.json:
+        print(json.dumps({"candidates": len(cands), "fit": len(fit), "best": shard_text(fit[0]) if fit else None,
+                          "ranking": [row(c) for c in fit[:args.top]]}, indent=2))
+    else:
+        render(cands, fit, args, budget)
+    if not fit:
+        smallest = cands[0]
+        raise ShardcError(f"no strategy fits {args.memory} per rank; the smallest needs "
+                          f"{human_bytes(smallest.memory)} ({describe(smallest)})")
+    return 0
+
+
+def write_best(c, path: str) -> None:
+    from shardc.dsl import load_strategy
+    text = shard_text(c)
+    load_strategy(text)      # the planner only writes what `shardc check` accepts
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise ShardcError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def describe(c) -> str:
+    m = c.report.strategy.mesh
+    sc = c.scopes
+    return (f"params {scope_text(sc.params.levels, m)}; grads {scope_text(sc.grads.levels, m)}; "
+            f"optim {scope_text(sc.optim.levels, m)}")
+
+
+def row(c) -> dict:
+    sc, r = c.scopes, c.report
+    return {"params": list(sc.params.levels), "grads": list(sc.grads.levels), "optim": list(sc.optim.levels),
+            "collectives": r.algo.value, "memory": c.memory, "model_states": r.memory["total"],
+            "inter": round(r.inter), "intra": round(r.intra), "step_seconds": c.step_time}
+
+
+def render(cands, fit, args, budget) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=max(Console().width, 110))
+    mesh = cands[0].report.strategy.mesh
+    con.print(f"{len(cands)} strategies obey the dependency rule on {mesh}; {len(fit)} fit "
+              f"{human_bytes(budget)} per rank ({args.micro_batches} micro-batches, {args.precision})")
+    short = lambda levels: ",".join(levels) if levels else "replicate"
+    t = Table(title=f"top {min(args.top, len(fit))} by estimated step time (levels each state is sharded over)")
+    for col in ("#", "params", "grads", "optim", "collectives", "memory/rank", "inter/rank", "intra/rank", "step"):
+        t.add_column(col, justify="right" if col in ("#", "memory/rank", "inter/rank", "intra/rank", "step") else "left",
+                     no_wrap=True)
+    for i, c in enumerate(fit[:args.top], 1):
+        sc, r = c.scopes, c.report
+        t.add_row(str(i), short(sc.params.levels), short(sc.grads.levels), short(sc.optim.levels), r.algo.value,
+                  human_bytes(c.memory), human_bytes(r.inter), human_bytes(r.intra), f"{c.step_time * 1e3:.1f} ms")
+    con.print(t)
+    if args.output and fit:
+        con.print(f"wrote the best strategy to {args.output}")

@@ -1,0 +1,108 @@
+"""Planner — search every scope assignment on a mesh and rank it (DESIGN.md §4).
+
+Input: a mesh, the model's unit sizes, a memory budget per rank and a bandwidth model.
+Output: `Candidate`s — one per assignment of params ⊆ grads ⊆ optim level sets —
+ranked by estimated step time among those that fit, and the `.shard` text of any.
+
+[Note: the search space]
+The dependency rule levels(params) ⊆ levels(grads) ⊆ levels(optim) (Lins eq. 3–4)
+lets every mesh level independently be in no scope, in optim only, in grads and
+optim, or in all three: 4^L assignments on an L-level mesh (16 on node > gpu). Lins
+eq. 5–6 (factors divide the mesh) hold by construction because scopes are sets of
+whole levels; a partial factor such as s_p = 4 of 8 GPUs is expressed by splitting a
+level in the mesh given to the planner (`gpu(2) > lane(4)`). Lins eq. 7 (prefer
+inner levels) is not a filter: the time model already charges the slow outer links.
+Memory = model states + the transient window of gathered units (activations are not
+modelled); a candidate fits when that is at most the budget.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from shardc.dsl.ir import Collectives, DType, GradsSpec, Mesh, OptimSpec, ParamsSpec, Scopes, Strategy
+
+from shardc.compiler.costmodel.report import Explained, explain
+from shardc.compiler.costmodel.sizes import UnitSize
+
+# Which scopes a level joins, for each of its four choices.
+CHOICES = ((), ("optim",), ("grads", "optim"), ("params", "grads", "optim"))
+
+
+def enumerate_scopes(mesh: Mesh, dtype: DType = DType.FP32) -> list[Scopes]:
+    """Every dependency-rule-respecting assignment of level sets (4^L of them)."""
+    out = []
+    for pick in itertools.product(range(len(CHOICES)), repeat=len(mesh.names)):
+        sets = {k: tuple(l for l, c in zip(mesh.names, pick) if k in CHOICES[c])
+                for k in ("params", "grads", "optim")}
+        out.append(Scopes(ParamsSpec(sets["params"], comm=dtype, dtype=dtype),
+                          GradsSpec(sets["grads"], comm=dtype, dtype=dtype),
+                          OptimSpec(sets["optim"])))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    scopes: Scopes
+    report: Explained
+    fits: bool
+
+    @property
+    def step_time(self) -> float:
+        return self.report.time.total
+
+    @property
+    def memory(self) -> int:
+        return self.report.memory["total"] + self.report.memory["transient"]
+
+
+def plan(base: Strategy, units: list[UnitSize], budget: float, *, bandwidth=None, micro_batches=None,
+         optimizer: str = "adamw", optimizer_kwargs=None, dtype: DType = DType.FP32,
+         tokens: int = 4096, flops: float = 150e12) -> list[Candidate]:
+    """All candidates: the fitting ones first, by step time (then memory), then the rest by memory."""
+    out = []
+    for sc in enumerate_scopes(base.mesh, dtype):
+        s = replace(base, scopes=sc, overrides=(), collectives=Collectives.AUTO)
+        us = [replace(u, scopes=sc) for u in units]
+        rep = explain(s, us, micro_batches=micro_batches, optimizer=optimizer,
+                      optimizer_kwargs=optimizer_kwargs, bandwidth=bandwidth, tokens=tokens, flops=flops)
+        chosen = replace(s, collectives=rep.algo)
+        rep = replace(rep, strategy=chosen)
+        mem = rep.memory["total"] + rep.memory["transient"]
+        out.append(Candidate(sc, rep, mem <= budget))
+    fit = sorted((c for c in out if c.fits), key=lambda c: (c.step_time, c.memory))
+    rest = sorted((c for c in out if not c.fits), key=lambda c: c.memory)
+    return fit + rest
+
+
+def scope_text(levels: tuple[str, ...], mesh: Mesh) -> str:
+    if not levels:
+        return "replicate"
+    if tuple(levels) == mesh.names and len(levels) > 1:
+        return "shard over world"
+    return "shard over " + ", ".join(levels)
+
+
+def shard_text(c: Candidate, name: str = "planned") -> str:
+    """The candidate as a `.shard` file (it loads with `shardc check`)."""
+    s = c.report.strategy
+    sc, mesh = s.scopes, s.mesh
+
+    def opts(spec) -> str:     # `comm` only where the state has a collective of its own
+        if spec.dtype == DType.FP32:
+            return ""
+        return (f" comm {spec.comm.value}" if spec.levels else "") + f" dtype {spec.dtype.value}"
+    t = c.report.time
+    return "\n".join([
+        f"# written by `shardc plan`: estimated step {t.total * 1e3:.1f} ms, "
+        f"{c.memory / 2**30:.2f} GiB per rank (model states + gathered units)",
+        f"strategy {name}",
+        f"mesh {mesh}",
+        f"params {scope_text(sc.params.levels, mesh)}{opts(sc.params)}",
+        f"grads  {scope_text(sc.grads.levels, mesh)}{opts(sc.grads)}",
+        f"optim  {scope_text(sc.optim.levels, mesh)}",
+        f"accumulate {c.report.micro_batches}",
+        f"prefetch {s.prefetch}",
+        f"collectives {s.collectives.value}",
+        "",
+    ])
