@@ -1,0 +1,186 @@
+"""Capture — compiler stage 1 (model -> torch.fx graph with unit regions).
+
+Input: an `nn.Module`, its unit table (`find_units`), optional example inputs, a mode.
+Output: a `torch.fx.GraphModule` whose `meta["shardc"]` is a `CaptureInfo` (mode, the
+unit table reordered into forward execution order, notes).
+
+[Note: two capture modes]
+`fx`: `torch.fx` symbolic trace in which every unit module is a leaf, so each unit is
+one `call_module` node and the rest of the graph is the root unit's code; readable, and
+what codegen turns into the emitted forward. `export`: `torch.export.export(...,
+strict=False)` on the example inputs (aten-level graph); each node's unit is the
+outermost unit module on its `nn_module_stack`, so a unit is a region of nodes. Used
+for models with Python control flow (Hugging Face transformers). `auto` tries fx, then
+export (with a note). A failed capture raises one ShardcError naming the module and
+source line that stopped it and what to try, never a torch traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from shardc.dsl.errors import ShardcError
+from shardc.compiler.units import param_owners, reorder
+
+__all__ = ["CaptureInfo", "capture", "MODES"]
+
+MODES = ("auto", "fx", "export")
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureInfo:
+    mode: str                    # "fx" | "export"
+    units: tuple                 # UnitSpec, root first, forward execution order
+    notes: tuple[str, ...] = ()
+    aliases: tuple[tuple[str, str], ...] = ()   # (tied alias, canonical name)
+
+
+class _UnitTracer(fx.Tracer):
+    """Symbolic tracer that keeps unit modules opaque and remembers where it is."""
+
+    def __init__(self, leaves: set[str]):
+        super().__init__()
+        self.leaves = leaves
+        self.stack: list[tuple[str, nn.Module]] = []
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return qualname in self.leaves or super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        self.stack.append((self.path_of_module(m), m))
+        out = super().call_module(m, forward, args, kwargs)
+        self.stack.pop()
+        return out
+
+
+def _user_frame(exc: BaseException):
+    """The innermost traceback frame outside torch (the user's line), or None."""
+    frames = [f for f, _ in traceback.walk_tb(exc.__traceback__)]
+    user = [f for f in frames if not os.path.abspath(f.f_code.co_filename).startswith((_TORCH_DIR, _HERE))]
+    return user[-1] if user else None
+
+
+def _module_at(model: nn.Module, frame) -> str | None:
+    owner = frame.f_locals.get("self") if frame is not None else None
+    if isinstance(owner, nn.Module):
+        for fqn, m in model.named_modules():
+            if m is owner:
+                return fqn or "<root>"
+    return None
+
+
+def _located(model: nn.Module, mode: str, exc: BaseException, fallback_module: str | None = None) -> str:
+    frame = _user_frame(exc)
+    module = _module_at(model, frame) or fallback_module or "<root>"
+    where = ""
+    if frame is not None:
+        import linecache
+        path = frame.f_code.co_filename
+        if not path.startswith("<") and not os.path.relpath(path).startswith(".."):
+            path = os.path.relpath(path)
+        code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+        where = f" at {path}:{frame.f_lineno}" + (f" (`{code}`)" if code else "")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"capture {mode} stopped in module '{module}'{where}: {type(exc).__name__}: {first}"
+
+
+def _leaves(units) -> set[str]:
+    return {m for u in units[1:] for m in u.modules}
+
+
+def _capture_fx(model: nn.Module, units) -> fx.GraphModule:
+    tracer = _UnitTracer(_leaves(units))
+    try:
+        graph = tracer.trace(model)
+    except Exception as e:  # noqa: BLE001 — reported as a located ShardcError
+        inner = tracer.stack[-1][0] if tracer.stack else None
+        raise ShardcError(_located(model, "fx", e, inner) + "; try `capture export` with example inputs, "
+                          "or list that module in `units` so its code runs inside a leaf unit") from None
+    gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    leaves = _leaves(units)
+    first_run = [n.target for n in graph.nodes if n.op == "call_module" and n.target in leaves]
+    gm.meta["shardc"] = CaptureInfo("fx", tuple(reorder(list(units), _dedup(first_run))), (), _aliases(model))
+    return gm
+
+
+def _aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    return tuple((a, names[0]) for names in param_owners(model).values() for a in names[1:])
+
+
+def _dedup(xs):
+    return list(dict.fromkeys(xs))
+
+
+def unit_of_stack(stack: dict | None, leaves: set[str]) -> str | None:
+    """The outermost unit module on an `nn_module_stack` (None: the root unit)."""
+    for path, _ in (stack or {}).values():
+        if path in leaves:
+            return path
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """torch.export logs every failed guard with the whole graph; the ShardcError says enough."""
+    loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("torch")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+def _capture_export(model: nn.Module, units, example_inputs) -> fx.GraphModule:
+    if example_inputs is None:
+        raise ShardcError("capture export needs example inputs (pass example_inputs=..., or --example-input)")
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    try:
+        with _quiet_torch_logs():
+            ep = torch.export.export(model, args, strict=False)
+    except Exception as e:  # noqa: BLE001
+        raise ShardcError(_located(model, "export", e) + "; move that code into a unit listed in `units`, "
+                          "or make it traceable for these example inputs") from None
+    gm = ep.graph_module
+    leaves = _leaves(units)
+    first_run = []
+    for n in gm.graph.nodes:
+        unit = unit_of_stack(n.meta.get("nn_module_stack"), leaves)
+        if unit is not None:
+            first_run.append(unit)
+    gm.meta["shardc"] = CaptureInfo("export", tuple(reorder(list(units), _dedup(first_run))), (), _aliases(model))
+    gm.meta["shardc_signature"] = ep.graph_signature
+    return gm
+
+
+def capture(model: nn.Module, units, example_inputs=None, mode: str = "auto") -> fx.GraphModule:
+    """Capture `model` as an fx graph with one region per unit (see the module note)."""
+    if mode not in MODES:
+        raise ShardcError(f"unknown capture mode {mode!r}; use one of {', '.join(MODES)}")
+    if mode == "fx":
+        return _capture_fx(model, units)
+    if mode == "export":
+        return _capture_export(model, units, example_inputs)
+    try:
+        return _capture_fx(model, units)
+    except ShardcError as fx_error:
+        if example_inputs is None:
+            raise ShardcError(f"{fx_error} (no example inputs were given, so export capture was not tried)") from None
+        gm = _capture_export(model, units, example_inputs)
+        info = gm.meta["shardc"]
+        gm.meta["shardc"] = CaptureInfo(info.mode, info.units, info.notes + (f"fx failed, used export: {fx_error}",),
+                                        info.aliases)
+        return gm

@@ -1,0 +1,172 @@
+"""Codegen — compiler stage 4 (Plan + scheduled graph -> Python source).
+
+Input: a `Plan`, the scheduled GraphModule it came from, the model's class name.
+Output: the text of a standalone Python module (deterministic: same inputs, same
+bytes) exposing `shard_model(model) -> ShardedModule`; `compile()`s.
+
+Logic lives here in view-models; `templates/sharded_module.py.jinja` only loops and
+branches (StrictUndefined).
+
+[Note: fx vs export emission]
+fx capture: the module defines `forward(sm, ...)`, the captured graph's code with the
+runtime calls in place, each collective-bearing line commented with the strategy line
+that caused it; `shard_model` passes `hooks=False` and binds that forward. Export
+capture (models with Python control flow, e.g. Hugging Face): the aten graph is not
+readable Python, so the model keeps its own forward, driven by the runtime's module
+hooks (`hooks=True`); the unit table and the schedule found in the exported graph are
+emitted as data (UNITS, SCHEDULE) and comments. The header says which.
+"""
+from __future__ import annotations
+
+import os
+import pprint
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import jinja2
+
+from shardc.compiler.emit_graph import graph_code
+from shardc.compiler.passes.meta import Op, info
+from shardc.compiler.plan import Plan
+from shardc.dsl.ir import Scopes, Strategy
+
+__all__ = ["emit", "statement", "render_scope"]
+
+TEMPLATE = "sharded_module.py.jinja"
+
+
+@lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    loader = jinja2.FileSystemLoader(os.path.join(os.path.dirname(__file__), "templates"))
+    return jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                              trim_blocks=True, lstrip_blocks=True, autoescape=False)
+
+
+def render_scope(strategy: Strategy, levels: tuple[str, ...]) -> str:
+    if not levels:
+        return "replicate"
+    return "shard over world" if levels == strategy.mesh.names else f"shard over {', '.join(levels)}"
+
+
+def _rendered(strategy: Strategy, scopes: Scopes, state: str) -> str:
+    spec = getattr(scopes, state)
+    text = f"{state} {render_scope(strategy, spec.levels)}"
+    if state == "params" and spec.secondary is not None:
+        sec = spec.secondary
+        text += f" secondary {', '.join(sec.levels)}" + (f" {sec.quant.value}" if sec.quant else "")
+    if state in ("params", "grads") and spec.comm.value != "fp32":
+        text += f" comm {spec.comm.value}"
+    if state in ("params", "grads") and spec.dtype.value != "fp32":
+        text += f" dtype {spec.dtype.value}"
+    return text
+
+
+def _source_line(strategy: Strategy, line: int) -> str | None:
+    try:
+        with open(strategy.file, encoding="utf-8") as f:
+            text = f.read().splitlines()[line - 1]
+    except (OSError, IndexError):
+        return None
+    return " ".join(text.split("#", 1)[0].split()) or None
+
+
+def statement(strategy: Strategy, line: int, fallback: str) -> str:
+    """`file.shard:LINE <statement>` for a comment in the emitted code."""
+    text = _source_line(strategy, line) if line else None
+    return f"{os.path.basename(strategy.file)}:{line} {text or fallback}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Commenter:
+    plan: Plan
+
+    def stmt(self, scopes: Scopes, state: str) -> str:
+        s = self.plan.strategy
+        return statement(s, getattr(scopes, state).line, _rendered(s, scopes, state))
+
+    def __call__(self, node) -> str:
+        meta = info(node)
+        if meta is None or meta.op is Op.COMPUTE:
+            return ""
+        s, unit = self.plan.strategy, self.plan.units[meta.unit]
+        sc = unit.scopes
+        if meta.op in (Op.BEGIN_FORWARD, Op.END_FORWARD):
+            return self.stmt(sc, "params") + (" (root unit)" if meta.line else "") if meta.line else ""
+        if meta.op is Op.ISSUE_GATHER:
+            pre = f"; {statement(s, s.line_of('prefetch'), f'prefetch {s.prefetch}')}" if s.prefetch else ""
+            return self.stmt(sc, "params") + pre
+        if meta.op in (Op.WAIT_GATHER, Op.RELEASE):
+            return self.stmt(sc, "params")
+        return self._backward(sc)
+
+    def _backward(self, sc: Scopes) -> str:
+        mesh = self.plan.strategy.mesh
+        parts = []
+        if mesh.factor(sc.params.levels) > 1:
+            parts.append(self.stmt(sc, "params") + " (backward re-gather)")
+        if mesh.factor(sc.grads.levels) > 1:
+            parts.append(self.stmt(sc, "grads") + " (backward reduce-scatter)")
+        if set(sc.optim.levels) - set(sc.grads.levels) or set(mesh.names) - set(sc.optim.levels):
+            parts.append(self.stmt(sc, "optim") + " (step sync)")
+        return "; ".join(parts)
+
+
+def _pformat(obj, indent: int = 0) -> str:
+    text = pprint.pformat(obj, width=110 - indent, sort_dicts=False)
+    return text.replace("\n", "\n" + " " * indent)
+
+
+def _strategy_for_emission(s: Strategy) -> Strategy:
+    return replace(s, file=os.path.basename(s.file), warnings=())
+
+
+def _unit_reprs(plan: Plan) -> list[str]:
+    out = []
+    for u in plan.units:
+        scopes = "STRATEGY.scopes" if u.scopes == plan.strategy.scopes else _pformat(u.scopes, 8)
+        params = "".join(f"        {p!r},\n" for p in u.params)
+        out.append(f"UnitSpec({u.name!r}, modules={u.modules!r}, scopes={scopes}, params=(\n{params}    ))")
+    return out
+
+
+def _header(plan: Plan, model_class: str) -> list[str]:
+    s = plan.strategy
+    lines = [f"{model_class} sharded under strategy `{s.name}` ({os.path.basename(s.file)}), emitted by shardc.",
+             "", f"mesh        {s.mesh}   (world {s.mesh.world})"]
+    for state in ("params", "grads", "optim"):
+        spec = getattr(s.scopes, state)
+        where = f"{os.path.basename(s.file)}:{spec.line}" if spec.line else "default"
+        lines.append(f"{state:<11} {_rendered(s, s.scopes, state)[len(state) + 1:]}  (s={s.factor(spec.levels)}, {where})")
+    lines.append(f"accumulate {s.accumulate}, prefetch {s.prefetch}, collectives {s.collectives.value}, "
+                 f"capture {plan.capture}")
+    if plan.capture == "export":
+        lines += ["", "Export capture: the model keeps its own forward, driven by the runtime's module hooks",
+                  "(hooks=True); UNITS and SCHEDULE below are what the exported graph showed."]
+    lines += ["", "units (forward order):", f"  {'#':>3}  {'name':<28} {'params':>6} {'elements':>12}  params | grads | optim"]
+    for i, u in enumerate(plan.units):
+        lv = " | ".join(",".join(getattr(u.scopes, st).levels) or "-" for st in ("params", "grads", "optim"))
+        lines.append(f"  {i:>3}  {u.name:<28} {len(u.params):>6} {plan.unit_numels[i]:>12,}  {lv}")
+    lines += [f"note: {n}" for n in plan.notes]
+    return lines
+
+
+def emit(plan: Plan, gm, model_class: str) -> str:
+    """The emitted module's source text (see the module note)."""
+    fx_mode = plan.capture == "fx"
+    params, body, imports = (), [], ()
+    if fx_mode:
+        code = graph_code(gm, _Commenter(plan))
+        params, imports = code.params, code.imports
+        body = [ln.code + (f"  # {ln.comment}" if ln.comment else "") for ln in code.lines]
+    view = dict(
+        header=_header(plan, model_class),
+        imports=[m for m in imports if m not in ("builtins",)],
+        fx=fx_mode,
+        strategy=_pformat(_strategy_for_emission(plan.strategy), len("STRATEGY = ")),
+        units=_unit_reprs(plan),
+        params=[repr(p) for p in plan.params],
+        schedule=[f"({st.op.value!r}, {st.unit}, {st.line})" for st in plan.steps],
+        forward_params=", ".join(("sm",) + tuple(params)),
+        body=body,
+    )
+    return _env().get_template(TEMPLATE).render(**view)
