@@ -18,7 +18,8 @@ differ ("inter" = the outermost mesh level, "intra" = every other level).
   innermost first for a reduce-scatter (outermost first for an all-gather); the stage
   on level i moves V_i = V / Π_{j>i} p_j, so bytes_i = (p_i − 1)/p_i · V_i.
 - all_to_all: each rank sends V/p to each peer; (p_i − 1)·Π_{j>i} p_j peers differ
-  first at level i. Hierarchical all_to_all (qgZ) is staged like a reduce-scatter.
+  first at level i. The runtime's qgZ all_to_all ignores the algorithm (one flat
+  all-to-all over the group), so all_to_all is always counted flat.
 Levels of size 1 carry nothing and are dropped first.
 """
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _chain(sizes: list[tuple[str, int]], v: float) -> dict[str, float]:
 def record_links(op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> dict[str, float]:
     """Per-rank bytes per level of one collective of `nbytes` over `levels`."""
     sizes = _sizes(mesh, levels)
-    if len(sizes) > 1 and algo in (Collectives.HIERARCHICAL, Collectives.HO_RING, Collectives.AUTO):
+    if len(sizes) > 1 and op != "all_to_all" and algo in (Collectives.HIERARCHICAL, Collectives.HO_RING, Collectives.AUTO):
         return staged(op, sizes, nbytes)
     if op == "broadcast":   # a chain of p − 1 edges, each carrying the whole V
         return _chain(sizes, nbytes)

@@ -87,12 +87,9 @@ def unit_sizes(model, units) -> list[UnitSize]:
 def payload_bytes(n: int, s: int, dtype) -> int:
     """Bytes of one collective's payload (docs/internals.md), from the runtime.
 
-    The formula lives in the runtime (`shardc.runtime.collectives.payload_bytes`, or
-    `shardc.runtime.ledger.payload`); it is imported lazily so the cost model does not
-    duplicate it and `explain` loads no torch.distributed machinery it does not need.
+    The formula lives in the runtime (`shardc.runtime.quant.payload_bytes`); it is
+    imported lazily so the cost model does not duplicate it and `explain` loads no
+    torch.distributed machinery it does not need.
     """
-    try:
-        from shardc.runtime.collectives import payload_bytes as _payload
-    except ImportError:
-        from shardc.runtime.ledger import payload as _payload
+    from shardc.runtime.quant import payload_bytes as _payload
     return _payload(n, s, dtype)

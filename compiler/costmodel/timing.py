@@ -72,7 +72,7 @@ class AlphaBeta:
         sizes = _stage_sizes(mesh, levels)
         if not sizes:
             return 0.0
-        if len(sizes) == 1 or algo == Collectives.RING:
+        if len(sizes) == 1 or algo == Collectives.RING or op == "all_to_all":   # qgZ: always flat
             links = [self._link(mesh, l) for l, _ in sizes]
             p = prod(s for _, s in sizes)
             return self._stage(op, p, nbytes, max(a for a, _ in links), min(w for _, w in links))
@@ -119,6 +119,8 @@ class Profile:
         if not sizes:
             return 0.0
         names = tuple(l for l, _ in sizes)
+        if op == "all_to_all":
+            algo = Collectives.RING
         t = self._lookup(op, names, algo.value, nbytes)
         if t is not None:
             return t

@@ -1,0 +1,82 @@
+"""`shardc plan`: the search space, the memory filter, and the written `.shard`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+
+import pytest
+
+from shardc.dsl.ir import Level, Mesh
+
+LLAMA = "examples/llama.py:llama_tiny"
+
+
+def run_cmd(name: str, argv: list[str]) -> int:
+    """Run `shardc NAME ARGV` through the command module, as shardc.cli does."""
+    mod = importlib.import_module(f"shardc.compiler.cmd_{name}")
+    p = argparse.ArgumentParser(prog=f"shardc {name}")
+    mod.add_arguments(p)
+    return mod.run(p.parse_args(argv))
+
+
+def test_enumeration_count_by_hand():
+    from shardc.compiler.planner import enumerate_scopes
+    two = Mesh((Level("node", 2), Level("gpu", 4)))
+    # Each level is, independently, in no scope / optim only / grads+optim / all three
+    # (params ⊆ grads ⊆ optim): 4 choices per level -> 4·4 = 16 on a 2-level mesh.
+    scopes = enumerate_scopes(two)
+    assert len(scopes) == 16
+    assert len({(s.params.levels, s.grads.levels, s.optim.levels) for s in scopes}) == 16
+    # Spelled out: P ⊆ G ⊆ OS over {node, gpu}; for OS = {} 1, {node} 3, {gpu} 3, and for
+    # OS = {node, gpu}: G ∈ {}, {node}, {gpu}, {node,gpu} with 1 + 2 + 2 + 4 P choices = 9.
+    assert 1 + 3 + 3 + 9 == 16
+    three = Mesh((Level("node", 2), Level("gpu", 2), Level("gcd", 2)))
+    assert len(enumerate_scopes(three)) == 4 ** 3
+    for s in enumerate_scopes(three):
+        assert set(s.params.levels) <= set(s.grads.levels) <= set(s.optim.levels)
+
+
+def test_best_plan_fits_obeys_rule_and_checks(tmp_path, capsys):
+    out = tmp_path / "best.shard"
+    # llama_tiny: 14,904 parameters; DDP with AdamW in fp32 holds 16 bytes each = 238,464 bytes,
+    # so a 120,000-byte budget must shard something.
+    budget = 120_000
+    rc = run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", str(budget),
+                          "--micro-batches", "2", "--top", "5", "-o", str(out), "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["candidates"] == 16 and 0 < doc["fit"] < 16
+    best = doc["ranking"][0]
+    assert best["memory"] <= budget
+    assert set(best["params"]) <= set(best["grads"]) <= set(best["optim"])
+    times = [r["step_seconds"] for r in doc["ranking"]]
+    assert times == sorted(times)
+    assert run_cmd("check", [str(out)]) == 0
+    import shardc
+    s = shardc.load_strategy(str(out))
+    assert (list(s.params.levels), list(s.grads.levels), list(s.optim.levels)) == \
+        (best["params"], best["grads"], best["optim"])
+    assert s.accumulate == 2 and str(s.mesh) == "node(2) > gpu(2)"
+    # The written strategy's explained memory equals the planner's figure.
+    from shardc.compiler.costmodel.report import explain, load_model_units
+    e = explain(s, load_model_units(s, LLAMA), micro_batches=2)
+    assert e.memory["total"] + e.memory["transient"] == best["memory"]
+
+
+def test_bf16_plan_writes_loadable_dtypes(tmp_path, capsys):
+    out = tmp_path / "best.shard"
+    assert run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", "1GiB",
+                            "--precision", "bf16", "-o", str(out)]) == 0
+    import shardc
+    s = shardc.load_strategy(str(out))
+    assert s.params.dtype.value == "bf16" and s.grads.dtype.value == "bf16"
+    assert "strategies obey the dependency rule" in capsys.readouterr().out
+
+
+def test_nothing_fits_is_one_clear_error(tmp_path):
+    from shardc.dsl.errors import ShardcError
+    with pytest.raises(ShardcError, match="no strategy fits 1000B per rank"):
+        run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", "1000B"])
+    with pytest.raises(ShardcError, match="cannot read memory size"):
+        run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", "lots"])
