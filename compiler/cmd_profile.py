@@ -1,0 +1,216 @@
+"""`shardc profile -o bandwidth.json [--sizes ...] [--mesh M]` — measure collective bandwidth.
+
+Input: a running world (under torchrun, or an already initialised default process
+group) and a mesh. Output (rank 0): a JSON bandwidth profile read by the cost model
+(`compiler/costmodel/timing.py`, `--bandwidth F.json`):
+
+    {"mesh": [{"name", "size"}], "device": "cpu", "entries":
+       [{"op", "levels", "algo", "bytes", "seconds", "busbw"}]}
+
+For every set of mesh levels whose factor is > 1 (levels in mesh order), every op
+(all_gather, reduce_scatter, all_reduce), every algorithm (ring only for one level) and
+every size, the runtime's own collectives (`shardc.runtime.collectives`) are timed.
+`bytes` is the logical full size of the collective, as in the ledger (fp32 payload);
+`seconds` is the slowest rank's mean over `--iters` runs after `--warmup` runs (every
+group of the level set runs at the same time, as in training); `busbw` is nccl-tests'
+bus bandwidth: bytes/seconds times (s-1)/s for gathers and scatters, 2(s-1)/s for
+all-reduce.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import sys
+import time
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", required=True, metavar="F.json", help="where rank 0 writes the profile")
+    p.add_argument("--sizes", nargs="+", type=_size, default=[2**16, 2**20, 2**24], metavar="BYTES",
+                   help="logical message sizes, e.g. 64KiB 1MiB 16MiB (default)")
+    p.add_argument("--mesh", default=None, metavar="M",
+                   help='mesh, e.g. "node(2) > gpu(4)" (default: node(WORLD/LOCAL) > gpu(LOCAL_WORLD_SIZE))')
+    p.add_argument("--algos", nargs="+", default=["ring", "hierarchical", "ho-ring"],
+                   choices=["ring", "hierarchical", "ho-ring"], help="algorithms to time (default: all)")
+    p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS), help="collectives to time (default: all)")
+    p.add_argument("--iters", type=_positive, default=5, help="timed runs per entry (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per entry (default 1)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="tensor device (default: cuda when available, else cpu)")
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4096, 64KiB or 16MB, got {text!r}")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n < 4:
+        raise argparse.ArgumentTypeError(f"a message size must be at least 4 bytes, got {text!r}")
+    return n
+
+
+def _default_mesh_text() -> str:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return f"node({world // local}) > gpu({local})" if world > local else f"gpu({world})"
+
+
+def _init_world(device: str) -> bool:
+    """Join the torchrun world unless a default group exists; True when this call created it."""
+    import torch.distributed as dist
+
+    from shardc.dsl.errors import ShardcError
+
+    if dist.is_initialized():
+        return False
+    if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+        raise ShardcError("shardc profile measures a running world: launch it with torchrun, "
+                          "e.g. `torchrun --nproc-per-node 4 -m shardc.cli profile -o bw.json`")
+    if device == "cuda":
+        import torch
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return True
+
+
+def level_sets(mesh) -> list[tuple[str, ...]]:
+    """Every non-empty set of levels with factor > 1, in mesh order (size-1 levels dropped)."""
+    names = [l.name for l in mesh.levels if l.size > 1]
+    return [c for k in range(1, len(names) + 1) for c in itertools.combinations(names, k)]
+
+
+def _bus_factor(op: str, s: int) -> float:
+    return (s - 1) / s * (2 if op == "all_reduce" else 1)
+
+
+def _launch(op, sm, levels, algo, bufs, C):
+    full, shard = bufs
+    if op == "all_gather":
+        return C.all_gather(full, shard, sm, levels, algo=algo)
+    if op == "reduce_scatter":
+        return C.reduce_scatter(shard, full, sm, levels, algo=algo)
+    return C.all_reduce(full, sm, levels, algo=algo)
+
+
+def _time_one(op, sm, levels, algo, n, args, device) -> float:
+    import torch
+    import torch.distributed as dist
+
+    from shardc.runtime import collectives as C
+
+    s = sm.mesh.factor(levels)
+    bufs = (torch.ones(n, device=device), torch.ones(n // s, device=device))
+    for _ in range(args.warmup):
+        _launch(op, sm, levels, algo, bufs, C).wait()
+    _sync(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        _launch(op, sm, levels, algo, bufs, C).wait()
+    _sync(device)
+    mine = torch.tensor([(time.perf_counter() - t0) / args.iters], dtype=torch.float64, device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return float(mine.item())
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
+def _plan(mesh, args) -> list[tuple[str, tuple[str, ...], str, int]]:
+    jobs = []
+    for levels in level_sets(mesh):
+        algos = ["ring"] if len(levels) == 1 else args.algos
+        for op, algo, size in itertools.product(args.ops, algos, args.sizes):
+            jobs.append((op, levels, algo, size))
+    return jobs
+
+
+def _progress(enabled: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]profile[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=Console(stderr=True), disable=not enabled, transient=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from shardc.dsl import parse_mesh_text
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    mesh = parse_mesh_text(args.mesh or _default_mesh_text())
+    owned = _init_world(device)
+    try:
+        _profile(mesh, args, device)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    return 0
+
+
+def _profile(mesh, args, device: str) -> None:
+    import torch.distributed as dist
+
+    from shardc.dsl.ir import Collectives
+    from shardc.runtime.mesh import ShardMesh
+
+    sm = ShardMesh(mesh, device)
+    rank0 = dist.get_rank() == 0
+    jobs = _plan(mesh, args)
+    entries = []
+    with _progress(rank0) as bar:
+        task = bar.add_task("", total=len(jobs))
+        for op, levels, algo, size in jobs:
+            bar.update(task, description=f"{op} over {'+'.join(levels)} ({algo}, {size} B)")
+            s = mesh.factor(levels)
+            n = max(s, size // 4 // s * s)
+            sec = _time_one(op, sm, levels, Collectives(algo), n, args, device)
+            entries.append({"op": op, "levels": list(levels), "algo": algo, "bytes": n * 4,
+                            "seconds": sec, "busbw": n * 4 / sec * _bus_factor(op, s)})
+            bar.advance(task)
+    if rank0:
+        out = {"mesh": [{"name": l.name, "size": l.size} for l in mesh.levels], "device": device,
+               "entries": entries}
+        with open(args.output, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.output}: {len(entries)} entries over mesh {mesh}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`shardc profile` on its own (`torchrun ... -m shardc.compiler.cmd_profile -o F.json`):
+    the same arguments, exit codes and `error: ...` line as the `shardc` dispatcher."""
+    from shardc.dsl.errors import ShardcError
+
+    p = argparse.ArgumentParser(prog="shardc profile", description="measure collective bandwidth (run under torchrun)")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except ShardcError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""`shardc profile`: the bandwidth JSON, through the harness (4 ranks) and through torchrun.
+
+The command is run as `shardc.compiler.cmd_profile.main` (what the dispatcher calls,
+with the same exit codes), so these tests do not depend on every other command loading."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import dist_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _profile(rank, world, path):
+    from shardc.compiler.cmd_profile import main
+
+    return main(["-o", path, "--sizes", "4KiB", "64KiB", "--mesh", "node(2) > gpu(2)",
+                 "--iters", "2", "--warmup", "1"])
+
+
+def _run(cmd, timeout=120, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run that kills the whole process group (torchrun's workers too) on timeout."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _bus(op, s):
+    return (s - 1) / s * (2 if op == "all_reduce" else 1)
+
+
+@pytest.mark.distributed
+def test_profile_json_on_4_ranks(tmp_path):
+    path = str(tmp_path / "bw.json")
+    assert dist_run(4, _profile, path) == [0, 0, 0, 0]
+    data = json.load(open(path))
+    assert data["mesh"] == [{"name": "node", "size": 2}, {"name": "gpu", "size": 2}]
+    assert data["device"] == "cpu"
+    got = {(e["op"], tuple(e["levels"]), e["algo"], e["bytes"]) for e in data["entries"]}
+    ops = ("all_gather", "reduce_scatter", "all_reduce")
+    want = {(op, lv, "ring", b) for op in ops for lv in [("node",), ("gpu",)] for b in (4096, 65536)}
+    want |= {(op, ("node", "gpu"), a, b) for op in ops for a in ("ring", "hierarchical", "ho-ring")
+             for b in (4096, 65536)}
+    assert got == want and len(data["entries"]) == 2 * 3 * 2 + 3 * 3 * 2
+    for e in data["entries"]:
+        s = 4 if len(e["levels"]) == 2 else 2
+        assert e["seconds"] > 0
+        assert e["busbw"] == pytest.approx(e["bytes"] / e["seconds"] * _bus(e["op"], s))
+
+
+@pytest.mark.distributed
+def test_profile_under_torchrun(tmp_path):
+    path = tmp_path / "bw.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    r = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              "-m", "shardc.compiler.cmd_profile", "-o", str(path), "--sizes", "1KiB", "--iters", "1"],
+             env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(path.read_text())
+    assert data["mesh"] == [{"name": "gpu", "size": 2}]     # default: gpu(LOCAL_WORLD_SIZE) on one node
+    assert sorted(e["op"] for e in data["entries"]) == ["all_gather", "all_reduce", "reduce_scatter"]
+    assert all(e["bytes"] == 1024 and e["seconds"] > 0 and e["busbw"] > 0 for e in data["entries"])
+
+
+def test_profile_outside_torchrun_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    import torch.distributed as dist
+
+    from shardc.compiler.cmd_profile import main
+
+    assert not dist.is_initialized()              # the pytest process never joins a world
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["-o", str(tmp_path / "x.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: shardc profile measures a running world") and "Traceback" not in err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_profile_bad_size_is_a_usage_error(capsys):
+    from shardc.compiler.cmd_profile import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["-o", "x.json", "--sizes", "lots"])
+    assert e.value.code == 2
+    assert "expected a size such as 4096, 64KiB or 16MB" in capsys.readouterr().err
