@@ -202,3 +202,75 @@ def test_payload_bytes_hand_computed():
     assert payload_bytes(1000, 4, DType.BF16) == 2000
     for m, dt in [(5, DType.INT4), (333, DType.INT8), (1500, DType.INT4)]:
         assert quantize(torch.randn(m), dt).numel() == shard_payload_bytes(m, dt)
+
+
+def _stage_log(rank, world, mesh, m):
+    """Record every torch.distributed call the collectives make: (op, varying levels, in, out)."""
+    import torch.distributed as dist
+
+    from shardc.runtime import collectives as C
+    from shardc.runtime.mesh import ShardMesh
+
+    sm = ShardMesh(mesh)
+    log = []
+
+    def levels_of(pg):
+        ranks = dist.get_process_group_ranks(pg)
+        return tuple(n for n in mesh.names if len({coords(mesh, r)[n] for r in ranks}) > 1)
+
+    def spy(name):
+        real = getattr(dist, name)
+
+        def call(*a, **kw):
+            out, inp = (a[0], None) if name == "all_reduce" else (a[0], a[1])
+            log[-1][1].append((name, levels_of(kw["group"]), (inp if inp is not None else out).numel(), out.numel()))
+            return real(*a, **kw)
+        return real, call
+
+    names = ("all_gather_single", "all_to_all_single", "all_reduce")
+    saved = {}
+    for nm in names:
+        saved[nm], fake = spy(nm)
+        setattr(dist, nm, fake)
+    try:
+        full = torch.zeros(world * m)
+        for algo in (Collectives.RING, Collectives.HIERARCHICAL, Collectives.HO_RING):
+            log.append((("ag", algo), []))
+            C.all_gather(full, torch.zeros(m), sm, mesh.names, algo=algo).wait()
+            log.append((("rs", algo), []))
+            C.reduce_scatter(torch.zeros(m), full, sm, mesh.names, algo=algo).wait()
+            log.append((("ar", algo), []))
+            C.all_reduce(full, sm, mesh.names, algo=algo).wait()
+    finally:
+        for nm in names:
+            setattr(dist, nm, saved[nm])
+    return dict(log)
+
+
+@pytest.mark.distributed
+def test_hierarchical_stages_carry_one_over_inner_on_outer_links():
+    m = 16                                   # per-rank chunk; n = 8m over node(2) > gpu(4)
+    n = 8 * m
+    R, H, HO = Collectives.RING, Collectives.HIERARCHICAL, Collectives.HO_RING
+    log = dist_run(8, _stage_log, M24, m)[5]
+    both = ("node", "gpu")
+    # ring: one flat collective over the 8-rank group (gloo reduce-scatter = all_to_all + local sum)
+    assert log[("ag", R)] == [("all_gather_single", both, m, n)]
+    assert log[("rs", R)] == [("all_to_all_single", both, n, n)]
+    assert log[("ar", R)] == [("all_reduce", both, n, n)]
+    # hierarchical: all-gather outer level first on the small chunk, then inner on n/4 -> n
+    assert log[("ag", H)] == [("all_gather_single", ("node",), m, 2 * m),
+                              ("all_gather_single", ("gpu",), 2 * m, n)]
+    # reduce-scatter inner first on n, then outer on n/4 (= n / inner)
+    assert log[("rs", H)] == [("all_to_all_single", ("gpu",), n, n),
+                              ("all_to_all_single", ("node",), n // 4, n // 4)]
+    # all-reduce: inner reduce-scatter, outer all-reduce on n/4, inner all-gather
+    assert log[("ar", H)] == [("all_to_all_single", ("gpu",), n, n), ("all_reduce", ("node",), n // 4, n // 4),
+                              ("all_gather_single", ("gpu",), n // 4, n)]
+    # ho-ring: the same stages on 4 pieces; every piece's first stage is issued before any second stage
+    ag = log[("ag", HO)]
+    assert ag[:4] == [("all_gather_single", ("node",), m // 4, m // 2)] * 4
+    assert ag[4:] == [("all_gather_single", ("gpu",), m // 2, 2 * m)] * 4
+    rs = log[("rs", HO)]
+    assert rs[:4] == [("all_to_all_single", ("gpu",), n // 4, n // 4)] * 4
+    assert rs[4:] == [("all_to_all_single", ("node",), n // 16, n // 16)] * 4
