@@ -16,7 +16,7 @@ from shardc.dsl.ir import Mesh, Span, Strategy
 
 __all__ = ["load_strategy", "parse_mesh_text", "StrategyError", "Diagnostic", "Severity", "ShardcError"]
 
-MAX_BYTES = 1 << 20     # a strategy is a dozen lines; refuse megabytes of text
+MAX_BYTES = 100_000     # a strategy is a dozen lines; refuse megabytes of text
 
 
 def load_strategy(path_or_text, world_size: int | None = None, mesh: str | Mesh | None = None) -> Strategy:

@@ -110,9 +110,16 @@ def _snippet(span: Span, source: str | None, gutter: int, mark: str) -> list[str
     return out
 
 
+MAX_SHOWN = 50
+
+
 def render_all(diagnostics, sources: dict[str, str] | None = None) -> str:
-    """Every diagnostic, errors first in source order, then warnings, blank-line separated."""
-    return "\n\n".join(d.render(sources) for d in sort(diagnostics))
+    """Errors first in source order, then warnings, blank-line separated (at most MAX_SHOWN)."""
+    ds = sort(diagnostics)
+    text = "\n\n".join(d.render(sources) for d in ds[:MAX_SHOWN])
+    if len(ds) > MAX_SHOWN:
+        text += f"\n\n... and {len(ds) - MAX_SHOWN} more diagnostics"
+    return text
 
 
 def sort(diagnostics) -> list[Diagnostic]:

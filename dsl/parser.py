@@ -97,10 +97,12 @@ def _scrub_control(text: str, file: str) -> tuple[str, list[Diagnostic]]:
         bad = [i for i, c in enumerate(line) if (ord(c) < 32 and c not in "\t\r") or ord(c) == 127]
         if bad:
             c = line[bad[0]]
-            diags.append(error(Span(file, n, bad[0] + 1, n, bad[0] + 2),
-                               f"control character U+{ord(c):04X} is not allowed",
-                               "remove it; a strategy file is plain text"))
-            line = "".join(" " if i in set(bad) else c for i, c in enumerate(line))
+            if len(diags) < _MAX_ERRORS:
+                diags.append(error(Span(file, n, bad[0] + 1, n, bad[0] + 2),
+                                   f"control character U+{ord(c):04X} is not allowed",
+                                   "remove it; a strategy file is plain text"))
+            bad_set = set(bad)
+            line = "".join(" " if i in bad_set else c for i, c in enumerate(line))
         out.append(line)
     return "\n".join(out), diags
 
