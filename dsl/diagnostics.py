@@ -104,10 +104,25 @@ def _snippet(span: Span, source: str | None, gutter: int, mark: str) -> list[str
     text = _display(lines[span.line - 1])
     end = span.end_col if span.end_line == span.line else len(text) + 1
     width = max(1, min(end, len(text) + 1) - span.col)
+    col = span.col
+    if len(text) > _WINDOW:             # show a window of a long line around the span
+        start = max(0, col - 1 - _WINDOW // 3)
+        shown = text[start:start + _WINDOW]
+        text = ("..." if start else "") + shown + ("..." if start + _WINDOW < len(text) else "")
+        col = col - start + (3 if start else 0)
+        width = max(1, min(width, len(shown) + 1 - (col - (3 if start else 0) - 1)))
     out.append(f"{pad}|")
     out.append(f"{str(span.line).rjust(gutter - 1)} | {text}".rstrip())
-    out.append(f"{pad}| {' ' * (span.col - 1)}{mark * width}")
+    out.append(f"{pad}| {' ' * (col - 1)}{mark * width}")
     return out
+
+
+_WINDOW = 100
+
+
+def short(text: str, limit: int = 24) -> str:
+    """`text` cut to `limit` characters for a message."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 MAX_SHOWN = 50

@@ -14,7 +14,7 @@ import os
 from math import prod
 
 from shardc.dsl import ast
-from shardc.dsl.diagnostics import Diagnostic, Note, error, warning
+from shardc.dsl.diagnostics import Diagnostic, Note, error, short, warning
 from shardc.dsl.ir import Level, Mesh
 
 MAX_SIZE = 1 << 20          # no mesh level has more than a million members
@@ -53,7 +53,7 @@ def resolve_mesh(m: ast.MeshAst, world_size: int | None, diags: list[Diagnostic]
         elif s == "local":
             sizes[lv] = _local(lv, diags)
         else:
-            sizes[lv] = parse_int(lv.size, f"the size of level `{lv.name.text}`", diags,
+            sizes[lv] = parse_int(lv.size, f"the size of level `{short(lv.name.text)}`", diags,
                                   minimum=1, maximum=MAX_SIZE,
                                   hint="a level size is a positive whole number, `*` or `local`")
     if len(stars) > 1:
@@ -85,7 +85,7 @@ def _unique_names(m: ast.MeshAst, diags) -> None:
     for lv in m.levels:
         first = seen.setdefault(lv.name.text, lv)
         if first is not lv:
-            diags.append(error(lv.name.span, f"mesh level `{lv.name.text}` is declared twice",
+            diags.append(error(lv.name.span, f"mesh level `{short(lv.name.text)}` is declared twice",
                                "give each level a different name",
                                [Note(first.name.span, "first declared here")]))
 
@@ -95,12 +95,12 @@ def _infer_star(m, star: ast.LevelDecl, known: int, world_size, diags, origin) -
         env = os.environ.get("WORLD_SIZE", "")
         world_size = int(env) if env.isdigit() and int(env) > 0 else None
     if world_size is None:
-        diags.append(error(star.size.span, f"the size of level `{star.name.text}` is `*` but the world size is unknown",
+        diags.append(error(star.size.span, f"the size of level `{short(star.name.text)}` is `*` but the world size is unknown",
                            "pass --world N (or world_size=N), or run under torchrun"))
         return None
     if world_size % known:
         diags.append(error(star.size.span, f"the world size {world_size} is not divisible by {known}, "
-                           f"the product of the other levels, so `{star.name.text}(*)` cannot be inferred",
+                           f"the product of the other levels, so `{short(star.name.text)}(*)` cannot be inferred",
                            f"use a world size that is a multiple of {known}" + origin))
         return None
     return world_size // known
@@ -117,7 +117,7 @@ def _local(lv: ast.LevelDecl, diags) -> int | None:
     n = _cuda_devices()
     source = f"torch.cuda.device_count() = {n}" if n > 0 else "no CUDA device is visible"
     n = max(n, 1)
-    diags.append(warning(lv.size.span, f"`{lv.name.text}(local)` assumed to be {n}: LOCAL_WORLD_SIZE is not set and {source}",
+    diags.append(warning(lv.size.span, f"`{short(lv.name.text)}(local)` assumed to be {n}: LOCAL_WORLD_SIZE is not set and {source}",
                          "set LOCAL_WORLD_SIZE (torchrun does) or write the size"))
     return n
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardc.dsl import ast, checks
-from shardc.dsl.diagnostics import Diagnostic, Note, did_you_mean, error
+from shardc.dsl.diagnostics import Diagnostic, Note, did_you_mean, error, short
 from shardc.dsl.ir import (Collectives, DType, GradsSpec, Mesh, OptimSpec, Override, ParamsSpec,
                            Scopes, Secondary, Span, Strategy, UnitsKind, UnitsSpec)
 from shardc.dsl.mesh import check_ir_mesh, parse_int, resolve_mesh
@@ -78,7 +78,7 @@ def _index(statements, diags) -> tuple[dict[str, ast.Statement], list[ast.Statem
         if s.keyword == "override":
             first = seen_patterns.setdefault(s.args[0].text, s)
             if first is not s:
-                diags.append(_duplicate(s, first, f"override {s.args[0].text}"))
+                diags.append(_duplicate(s, first, f"override {short(s.args[0].text, 40)}"))
             else:
                 overrides.append(s)
             continue
@@ -130,10 +130,10 @@ def _levels(words: tuple[ast.Word, ...], ctx: _Ctx) -> tuple[str, ...] | None:
     for w in words:
         if w.text not in ctx.names:
             hint = did_you_mean(w.text, ctx.names + ("world",)) or f"the mesh declares {', '.join(ctx.names)}"
-            ctx.diags.append(error(w.span, f"level `{w.text}` is not declared in the mesh{ctx.origin}", hint))
+            ctx.diags.append(error(w.span, f"level `{short(w.text)}` is not declared in the mesh{ctx.origin}", hint))
             ok = False
         elif w.text in seen:
-            ctx.diags.append(error(w.span, f"level `{w.text}` is listed twice", "list each level once",
+            ctx.diags.append(error(w.span, f"level `{short(w.text)}` is listed twice", "list each level once",
                                    [Note(seen[w.text].span, "first listed here")]))
             ok = False
         seen.setdefault(w.text, w)
@@ -223,10 +223,10 @@ def _override(stmt: ast.Statement, top_bound: dict, ctx: _Ctx) -> tuple[Override
         if first is not s:
             ctx.diags.append(_duplicate(s, first, f"`{s.keyword}` statement in this override"))
     if not stmt.body:
-        ctx.diags.append(error(stmt.span, f"override {stmt.args[0].text} sets nothing",
+        ctx.diags.append(error(stmt.span, f"override {short(stmt.args[0].text, 40)} sets nothing",
                                "put `params`, `grads` or `optim` lines inside the braces, or remove it"))
     scopes, bound = _scopes(inner, top_bound, ctx)
-    bound = dict(bound, _label=f"override {stmt.args[0].text}", _own=set(inner))
+    bound = dict(bound, _label=f"override {short(stmt.args[0].text, 40)}", _own=set(inner))
     return Override(pattern, scopes, stmt.span.line), bound
 
 
@@ -268,7 +268,7 @@ def _bucket(stmt: ast.Statement, ctx: _Ctx) -> int | None:
     if unit:
         u = unit[0]
         if u.text not in BUCKET_UNITS:
-            ctx.diags.append(error(u.span, f"unknown size unit `{u.text}`",
+            ctx.diags.append(error(u.span, f"unknown size unit `{short(u.text)}`",
                                    did_you_mean(u.text, BUCKET_UNITS) or f"units are {', '.join(BUCKET_UNITS)}"))
             return None
         mult = BUCKET_UNITS[u.text]

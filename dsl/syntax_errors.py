@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
-from shardc.dsl.diagnostics import Diagnostic, did_you_mean, error
+from shardc.dsl.diagnostics import Diagnostic, did_you_mean, error, short
 from shardc.dsl.ir import Span
 
 STATEMENTS = ("strategy", "mesh", "params", "grads", "optim", "accumulate", "prefetch",
@@ -66,9 +66,10 @@ def _bad_token(e: UnexpectedToken, lines, file, literals) -> Diagnostic:
     if tok.type == "$END":   # lark borrows the last token's position; point past the text
         line = _last_line(lines)
         col = len(lines[line - 1]) + 1 if line <= len(lines) else 1
-    text = "" if at_end else str(tok)
-    span = Span(file, line, col, line, col + max(1, len(text)))
-    stmt = _first_word(lines, line)
+    raw = "" if at_end else str(tok)
+    span = Span(file, line, col, line, col + max(1, len(raw)))
+    text = short(raw)
+    stmt = short(_first_word(lines, line))
     words = _words(expected, literals)
     hint = did_you_mean(text, words) if text else None
 
@@ -127,7 +128,7 @@ def _bad_token(e: UnexpectedToken, lines, file, literals) -> Diagnostic:
         return error(span, f"`{stmt}` takes a whole number, found {_found(tok)}")
     if "TYPE" in expected:
         rest = lines[line - 1][col - 1:].split("#")[0].strip() if tok.type == "NAME" else ""
-        h = f'quote patterns: `units "{rest}"`' if rest else None
+        h = f'quote patterns: `units "{short(rest, 60)}"`' if rest else None
         return error(span, f"expected `auto`, quoted patterns or `type NAME` after `units`, found {_found(tok)}",
                      h or 'e.g. `units auto`, `units "transformer.h.*"` or `units type Block`')
     if "LPAR" in expected:
@@ -145,7 +146,7 @@ def _found(tok) -> str:
         return "end of line"
     if tok.type == "$END":
         return "end of file"
-    return f"`{tok}`"
+    return f"`{short(str(tok))}`"
 
 
 def _last_line(lines: list[str]) -> int:

@@ -97,7 +97,8 @@ def test_examples_unmutated_load():
 
 
 @pytest.mark.parametrize("text", ["parms x\n" * 12000, "\x00\n" * 40000, "(" * 99000,
-                                  'override "a" {\n' * 6000, "1" * 99999, "x" * 200_000])
+                                  'override "a" {\n' * 6000, "1" * 99999, "x" * 200_000],
+                         ids=["bad-lines", "nul-lines", "parens", "open-blocks", "digits", "oversize"])
 def test_large_hostile_inputs_are_bounded(text):
     import time
     t0 = time.perf_counter()
