@@ -1,0 +1,251 @@
+"""The step engine — stage: runtime. Drives gathers, releases and gradient reduction.
+
+Input: the units (`UnitState`: a spec, its flat groups, where each parameter is
+referenced in the module), the strategy's accumulate/prefetch, a `Comm`.
+Output: the explicit primitives of docs/internals.md (begin_forward, issue_gather,
+wait_gather, run_unit, end_forward), the backward hooks that call the same
+machinery, the accumulation state machine and the `events` schedule record.
+
+[Note: schedule]
+Forward: root (unit 0) gathered in begin_forward and kept until its grads are reduced;
+unit i waits its gather, issues the gathers of units i+1..i+prefetch, runs, and is
+released. Backward: a multi-grad hook on unit i's outputs re-gathers it (primary or
+secondary) and prefetches the units before it in the recorded forward order; the
+post-accumulate-grad hook on its flat leaf reduce-scatters the gradient (async) and
+releases the full params. A final callback (queued on the autograd engine) flushes
+groups that got no gradient, waits the reduce-scatters, releases what is still held
+and, on the last micro-batch, issues the per-step sync, waited in opt.step() or
+clip_grad_norm_.
+
+[Note: accumulation]
+A backward outside `no_sync()` syncs once at least `accumulate` micro-batches have run
+since the last step. opt.step() before that is an error; so is a backward after the
+sync but before opt.step(), and a forward with gradients after a step without
+zero_grad() (shardc does not accumulate across optimizer steps).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
+
+from .errors import RuntimeUsageError
+from .flat import FlatGroup
+from .units import UnitSpec
+
+
+class Phase(enum.Enum):
+    FRESH = "fresh"            # grads zero, nothing accumulated
+    ACCUMULATING = "accumulating"
+    SYNCING = "syncing"        # sync issued, waiting in step/clip
+    SYNCED = "synced"          # gradients ready for the optimizer
+    STEPPED = "stepped"        # optimizer ran; zero_grad() due
+
+    def __repr__(self) -> str:
+        return f"Phase.{self.name}"
+
+
+@dataclass
+class UnitState:
+    index: int
+    spec: UnitSpec
+    groups: list[FlatGroup]
+    targets: list[list[list[tuple[torch.nn.Module, str]]]]   # group -> slot -> (module, attr)
+    reduced: bool = False
+    modules_done: set = field(default_factory=set)
+    running: bool = False
+
+    @property
+    def trainable(self) -> FlatGroup | None:
+        return next((g for g in self.groups if g.trainable), None)
+
+
+def _grad_tensors(out) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class Engine:
+    def __init__(self, units: list[UnitState], accumulate: int, prefetch: int):
+        self.units = units
+        self.accumulate = max(1, accumulate)
+        self.prefetch = max(0, prefetch)
+        self.events: list[tuple[str, int]] = []
+        self.phase = Phase.FRESH
+        self.micro = 0
+        self.no_sync_depth = 0
+        self._queued = False
+        self._fwd_order: list[int] = []
+        self._bwd_seen: set[int] = set()
+
+    # -- forward primitives ----------------------------------------------------------
+    def begin_forward(self) -> None:
+        if torch.is_grad_enabled():
+            if self.phase is Phase.SYNCED or self.phase is Phase.SYNCING:
+                raise RuntimeUsageError(
+                    "forward with gradients after the step's gradients were synchronised; "
+                    "call opt.step() first")
+            if self.phase is Phase.STEPPED:
+                raise RuntimeUsageError(
+                    "forward with gradients after opt.step() without opt.zero_grad(); "
+                    "shardc does not accumulate gradients across optimizer steps")
+        self._fwd_order = []
+        for u in self.units:
+            u.modules_done.clear()
+            u.running = False
+        self.issue_gather(0)
+        self.wait_gather(0)
+        self._set_views(self.units[0])
+        for j in range(1, min(1 + self.prefetch, len(self.units))):
+            self.issue_gather(j)
+
+    def issue_gather(self, i: int, phase: str = "forward") -> None:
+        issued = [g.issue_gather(phase) for g in self.units[i].groups]
+        if any(issued):
+            self.events.append(("issue_gather", i))
+
+    def wait_gather(self, i: int, phase: str = "forward") -> None:
+        u = self.units[i]
+        if any(not g.held and g.pending is None for g in u.groups):
+            self.issue_gather(i, phase)
+        if any(g.pending is not None for g in u.groups):
+            for g in u.groups:
+                g.wait_gather()
+            self.events.append(("wait_gather", i))
+
+    def release(self, i: int) -> None:
+        if any([g.release() for g in self.units[i].groups]):
+            self.events.append(("release", i))
+
+    def pre_forward(self, i: int) -> None:
+        u = self.units[i]
+        self.wait_gather(i)
+        for j in range(i + 1, min(i + 1 + self.prefetch, len(self.units))):
+            self.issue_gather(j)
+        if i != 0:
+            self._set_views(u)
+        u.running = True
+        self._fwd_order.append(i)
+        self.events.append(("run", i))
+
+    def post_forward(self, i: int, out):
+        self.watch_backward(i, out)
+        self.finish_forward(i)
+        return out
+
+    def watch_backward(self, i: int, out) -> None:
+        """Re-gather unit i when the first gradient w.r.t. `out` arrives in the backward."""
+        tensors = _grad_tensors(out) if torch.is_grad_enabled() else []
+        if tensors and i != 0:
+            register_multi_grad_hook(tensors, lambda grads, i=i: self._pre_backward(i), mode="any")
+
+    def finish_forward(self, i: int) -> None:
+        u = self.units[i]
+        u.running = False
+        if i != 0:
+            self.release(i)
+
+    def run_unit(self, i: int, fn, *args, **kwargs):
+        self.pre_forward(i)
+        return self.post_forward(i, fn(*args, **kwargs))
+
+    def end_forward(self, out):
+        tensors = _grad_tensors(out) if torch.is_grad_enabled() else []
+        if tensors:
+            register_multi_grad_hook(tensors, lambda grads: self._arm(), mode="any")
+        else:
+            self.release(0)
+        return out
+
+    def _set_views(self, u: UnitState) -> None:
+        for g, targets in zip(u.groups, u.targets):
+            for view, slot_targets in zip(g.views(), targets):
+                for mod, attr in slot_targets:
+                    setattr(mod, attr, view)
+
+    # -- backward ------------------------------------------------------------------
+    def _arm(self) -> None:
+        if self._queued:
+            return
+        if self.phase in (Phase.SYNCING, Phase.SYNCED):
+            raise RuntimeUsageError(
+                "backward after the step's gradients were synchronised; call opt.step() "
+                "and opt.zero_grad() before the next micro-batch")
+        self._queued = True
+        self._bwd_seen = set()
+        torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+
+    def _pre_backward(self, i: int) -> None:
+        self._arm()
+        if i in self._bwd_seen:
+            return
+        self._bwd_seen.add(i)
+        self.wait_gather(i, "backward")
+        order = [j for j in reversed(self._fwd_order) if j != 0]
+        if i in order:
+            after = order[order.index(i) + 1:]
+            for j in after[:self.prefetch]:
+                self.issue_gather(j, "backward")
+        self.events.append(("backward", i))
+
+    def post_accumulate(self, i: int, param: torch.Tensor) -> None:
+        self._arm()
+        u = self.units[i]
+        grad, param.grad = param.grad, None
+        u.trainable.reduce_grad(grad)
+        u.reduced = True
+        self.events.append(("issue_reduce", i))
+        if u.trainable.release():
+            self.events.append(("release", i))
+
+    def _final_callback(self) -> None:
+        self._queued = False
+        for u in self.units:
+            if u.trainable is not None and not u.reduced:
+                u.trainable.reduce_grad(None)
+                self.events.append(("issue_reduce", u.index))
+            u.reduced = False
+        for u in self.units:
+            if u.trainable is not None:
+                u.trainable.finish_grads()
+            self.release(u.index)
+        self.micro += 1
+        self.phase = Phase.ACCUMULATING
+        if self.no_sync_depth == 0 and self.micro >= self.accumulate:
+            for u in self.units:
+                if u.trainable is not None:
+                    u.trainable.sync_issue()
+                    self.events.append(("issue_sync", u.index))
+            self.phase = Phase.SYNCING
+
+    # -- step boundary -------------------------------------------------------------
+    def trainable_groups(self) -> list[FlatGroup]:
+        return [u.trainable for u in self.units if u.trainable is not None]
+
+    def wait_sync(self, what: str) -> None:
+        if self.phase is Phase.ACCUMULATING:
+            raise RuntimeUsageError(
+                f"{what} called after {self.micro} of {self.accumulate} micro-batches; run "
+                f"the remaining backward passes (or leave no_sync()) first")
+        if self.phase is Phase.SYNCING:
+            groups = self.trainable_groups()
+            for g in groups:
+                g.sync_advance()
+            for g in groups:
+                g.sync_wait()
+            self.phase = Phase.SYNCED
+            self.events.append(("sync_done", -1))
+
+    def after_step(self) -> None:
+        works = [g.update_issue() for g in self.trainable_groups()]
+        for w in works:
+            w.wait()
+        self.phase = Phase.STEPPED
+
+    def zero_grad(self) -> None:
+        for g in self.trainable_groups():
+            g.zero_grads()
+        self.micro = 0
+        self.phase = Phase.FRESH

@@ -1,0 +1,8 @@
+"""Runtime misuse errors (stage: runtime; raised to the user, never a traceback in the CLI)."""
+from __future__ import annotations
+
+from shardc.dsl.errors import ShardcError
+
+
+class RuntimeUsageError(ShardcError):
+    """A training loop used a ShardedModule out of order (e.g. opt.step() mid-accumulation)."""

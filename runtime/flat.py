@@ -1,0 +1,220 @@
+"""Flat groups — stage: runtime. The sharded storage of one unit's parameters.
+
+Input: a `GroupLayout` (parameter offsets in a padded flat buffer), the unit's
+`ScopePlan`, the full initial values (identical on every rank), a `Comm`.
+Output: the persistent shards (params N/s_P, optional secondary N/s_Q, grads N/s_G),
+the transient full buffer the module's parameters are views of while gathered, and the
+per-step collectives of DESIGN.md §3 (gather, grad reduce-scatter, sync, update).
+
+[Note: full buffer and autograd]
+The trainable full buffer is one leaf `nn.Parameter` of N elements; the module's
+parameters are `full.split(sizes)[k].view(shape)`, so the unit's gradient arrives as
+one flat N-element `.grad` (SplitBackward concatenates) and a post-accumulate-grad hook
+on the leaf says "this unit's grads are all in". Between uses the storage is resized
+to 0 (FSDP2's trick), so tensors autograd saved in the forward stay valid when the
+backward re-gather refills the same storage. Collectives write through `full_data`
+(`full.data`, which has its own version counter), so refilling never trips autograd's
+in-place checks.
+
+[Note: grad accumulation]
+Each backward reduce-scatters the full local gradient over G into a temporary chunk,
+added into the persistent grad shard when the work is waited (end of that backward).
+The once-per-step sync reduce-scatters the grad shard over OS∖G into this rank's OS
+slice of the grad shard, all-reduces that slice over the levels outside OS, and
+divides by the world size — the only division (DDP semantics).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardc.dsl.ir import DType
+
+from .comm import Comm, DoneWork
+from .layout import GroupLayout, ScopePlan
+from .ledger import elem_bytes, payload
+
+TORCH_DTYPE = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _alloc(t: torch.Tensor) -> None:
+    need = t.numel() * t.element_size()
+    if t.untyped_storage().size() != need:
+        t.untyped_storage().resize_(need)
+
+
+class FlatGroup:
+    def __init__(self, layout: GroupLayout, plan: ScopePlan, comm: Comm, init: torch.Tensor,
+                 is_root: bool):
+        self.layout, self.plan, self.comm, self.is_root = layout, plan, comm, is_root
+        sc = plan.scopes
+        self.n = n = layout.n
+        self.trainable = layout.trainable
+        self.pdtype = TORCH_DTYPE[sc.params.dtype]
+        self.gdtype = TORCH_DTYPE[sc.grads.dtype]
+        self.s_p, self.s_g, self.s_os = plan.s(plan.p), plan.s(plan.g), plan.s(plan.os)
+        self.p_start, self.p_len = plan.chunk("params", n)
+        full = torch.empty(n, dtype=self.pdtype, device=init.device)
+        self.full = nn.Parameter(full) if self.trainable else full
+        self.full_data = self.full.data            # own version counter (see Note)
+        if self.s_p == 1:
+            self.full_data.copy_(init)
+            self.shard = self.full_data
+        else:
+            self.shard = init[self.p_start:self.p_start + self.p_len].to(self.pdtype).clone()
+            _free(self.full_data)
+        self.held = self.s_p == 1
+        self.pending = None                        # (work, phase)
+        self.secondary = None
+        if sc.params.secondary is not None and not is_root:
+            self.q_start, self.q_len = plan.secondary_chunk(n)
+            self.secondary = torch.zeros(self.q_len, dtype=self.pdtype, device=init.device)
+        self.grad_pending: list = []
+        if self.trainable:
+            self._init_grads(init)
+
+    def _init_grads(self, init: torch.Tensor) -> None:
+        plan, n = self.plan, self.n
+        g_start, g_len = plan.chunk("grads", n)
+        self.os_start, self.os_len = plan.chunk("optim", n)
+        self.grad_shard = torch.zeros(g_len, dtype=self.gdtype, device=init.device)
+        self.os_in_g = self.os_start - g_start
+        self.os_in_p = self.os_start - self.p_start
+        self.sync_state = None
+        if self.pdtype == torch.float32:
+            self.master = self.shard[self.os_in_p:self.os_in_p + self.os_len]
+            self.master_separate = False
+        else:
+            self.master = init[self.os_start:self.os_start + self.os_len].float().clone()
+            self.master_separate = True
+
+    # -- gather / release ----------------------------------------------------------
+    def issue_gather(self, phase: str) -> bool:
+        """Start filling the full buffer; False if it is already held or in flight."""
+        if self.held or self.pending is not None or self.n == 0:
+            return False
+        _alloc(self.full_data)
+        sc, plan = self.plan.scopes, self.plan
+        if phase == "backward" and self.secondary is not None:
+            sec = sc.params.secondary
+            s_q = plan.s(plan.q)
+            nbytes = payload(self.n, s_q, sec.quant) if sec.quant else self.n * self.full_data.element_size()
+            work = self.comm.all_gather("backward", self.full_data, self.secondary, plan.q,
+                                        plan.q, nbytes)
+        else:
+            nbytes = payload(self.n, self.s_p, sc.params.comm)
+            work = self.comm.all_gather(phase, self.full_data, self.shard, plan.p,
+                                        plan.order("params"), nbytes, comm=sc.params.comm)
+        self.pending = (work, phase)
+        return True
+
+    def wait_gather(self) -> None:
+        if self.pending is None:
+            return
+        work, phase = self.pending
+        work.wait()
+        self.pending = None
+        self.held = True
+        if phase == "forward" and self.secondary is not None:
+            self.secondary.copy_(self.full_data[self.q_start:self.q_start + self.q_len])
+
+    def release(self) -> bool:
+        if self.s_p == 1 or not self.held:
+            return False
+        self.wait_gather()
+        _free(self.full_data)
+        self.held = False
+        return True
+
+    def views(self) -> list[torch.Tensor]:
+        """The parameters as views of the full buffer (autograd-tracked when trainable)."""
+        pieces = self.full.split(self.layout.split_sizes) if self.n else []
+        return [pieces[k].view(s.shape) for k, s in enumerate(self.layout.slots)]
+
+    # -- gradients -------------------------------------------------------------------
+    def reduce_grad(self, grad: torch.Tensor | None) -> None:
+        """Reduce-scatter one backward's full local gradient over G (async)."""
+        sc, plan = self.plan.scopes, self.plan
+        if grad is None:
+            grad = torch.zeros(self.n, dtype=self.gdtype, device=self.grad_shard.device)
+        grad = grad.to(self.gdtype)
+        if self.s_g == 1:
+            self.grad_shard.add_(grad)
+            return
+        tmp = torch.empty_like(self.grad_shard)
+        nbytes = payload(self.n, self.s_g, sc.grads.comm)
+        work = self.comm.reduce_scatter("backward", tmp, grad, plan.g, plan.order("grads"),
+                                        nbytes, comm=sc.grads.comm)
+        self.grad_pending.append((work, tmp, grad))
+
+    def finish_grads(self) -> None:
+        for work, tmp, _ in self.grad_pending:
+            work.wait()
+            self.grad_shard.add_(tmp)
+        self.grad_pending.clear()
+
+    @property
+    def os_grad(self) -> torch.Tensor:
+        return self.grad_shard[self.os_in_g:self.os_in_g + self.os_len]
+
+    def _levels_minus(self, inner, outer) -> tuple[str, ...]:
+        return tuple(l for l in inner if l not in outer)
+
+    def sync_issue(self) -> None:
+        """Stage 1 of the per-step sync: reduce-scatter the grad shard over OS∖G."""
+        self.finish_grads()
+        plan = self.plan
+        os_g = self._levels_minus(plan.os, plan.g)
+        if plan.s(os_g) > 1:
+            tmp = torch.empty(self.os_len, dtype=self.gdtype, device=self.grad_shard.device)
+            nbytes = self.grad_shard.numel() * elem_bytes(plan.scopes.grads.dtype)
+            work = self.comm.reduce_scatter("sync", tmp, self.grad_shard, os_g,
+                                            plan.diff_order("optim", "grads"), nbytes)
+            self.sync_state = ("rs", work, tmp)
+        else:
+            self.sync_state = ("rs", DoneWork(), None)
+
+    def sync_advance(self) -> None:
+        """Stage 2: once the reduce-scatter is in, all-reduce the OS slice over the replicas."""
+        if self.sync_state is None or self.sync_state[0] != "rs":
+            return
+        _, work, tmp = self.sync_state
+        work.wait()
+        if tmp is not None:
+            self.os_grad.copy_(tmp)
+        plan = self.plan
+        nbytes = self.os_len * elem_bytes(plan.scopes.grads.dtype)
+        ar = self.comm.all_reduce("sync", self.os_grad, plan.outside_os, nbytes)
+        self.sync_state = ("ar", ar, None)
+
+    def sync_wait(self) -> None:
+        """Finish the sync and divide by the world size (the only division)."""
+        if self.sync_state is None:
+            return
+        self.sync_advance()
+        self.sync_state[1].wait()
+        self.os_grad.div_(self.plan.mesh.world)
+        self.sync_state = None
+
+    def zero_grads(self) -> None:
+        self.finish_grads()
+        self.grad_shard.zero_()
+        self.sync_state = None
+
+    # -- update ---------------------------------------------------------------------
+    def update_issue(self):
+        """After the optimizer step: write the OS chunk back and all-gather over OS∖P."""
+        plan = self.plan
+        mine = self.shard[self.os_in_p:self.os_in_p + self.os_len]
+        if self.master_separate:
+            mine.copy_(self.master)
+        os_p = tuple(l for l in plan.os if l not in plan.p)
+        if not os_p or plan.s(os_p) == 1:
+            return DoneWork()
+        nbytes = self.shard.numel() * elem_bytes(plan.scopes.params.dtype)
+        return self.comm.all_gather("update", self.shard, mine.clone(), os_p,
+                                    plan.diff_order("optim", "params"), nbytes)

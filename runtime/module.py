@@ -1,0 +1,261 @@
+"""ShardedModule and shard_module — stage: runtime (entry point of emitted code).
+
+Input: an nn.Module, a resolved `Strategy`, the compiler's `UnitSpec` list (root first,
+then forward order), optionally a `ShardMesh`.
+Output: a `ShardedModule` whose parameters live in per-unit flat shards, with the
+optimizer, clipping, ledger, memory report and state-dict methods of docs/internals.md.
+
+[Note: parameters become views]
+Every parameter is removed from its module's `_parameters` and replaced by a plain
+attribute holding a view of its unit's full buffer (re-set on every forward gather;
+tied aliases get the same view). The persistent storage is the shard; `.module` has no
+registered parameters left, so `full_state_dict()` is the way to read values back.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardc.dsl.errors import ShardcError
+from shardc.dsl.ir import Strategy
+
+from . import state
+from .comm import Comm, check_quant_available
+from .engine import Engine, UnitState
+from .errors import RuntimeUsageError
+from .flat import TORCH_DTYPE, FlatGroup
+from .layout import ScopePlan, build_layout
+from .ledger import Ledger, LedgerRecord
+from .optimizer import build_optimizer
+from .units import UnitSpec
+
+
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    """All ranks start from rank 0's values (not recorded in the ledger)."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+
+
+def _param_maps(model: nn.Module):
+    """canonical FQN -> parameter, alias FQN -> canonical, canonical -> [(module, attr)]."""
+    by_id, aliases, targets, order = {}, {}, {}, []
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for attr, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            fqn = f"{mname}.{attr}" if mname else attr
+            canon = by_id.setdefault(id(p), fqn)
+            aliases[fqn] = canon
+            order.append(fqn)
+            lst = targets.setdefault(canon, [])
+            if (mod, attr) not in [(m, a) for m, a in lst]:
+                lst.append((mod, attr))
+    params = {aliases[f]: p for f, p in model.named_parameters(remove_duplicate=False)}
+    return params, aliases, targets, order
+
+
+def _check_units(units: list[UnitSpec], params: dict, aliases: dict) -> list[list[str]]:
+    if not units or units[0].name != "<root>":
+        raise ShardcError("the unit list must start with the root unit '<root>'")
+    seen, per_unit = {}, []
+    for u in units:
+        names = []
+        for name in u.params:
+            canon = aliases.get(name)
+            if canon is None:
+                raise ShardcError(f"unit {u.name!r} lists {name!r}, which is not a parameter of the model")
+            if canon in seen and seen[canon] != u.name:
+                raise ShardcError(f"parameter {canon!r} is in units {seen[canon]!r} and {u.name!r}; "
+                                  f"tied parameters must share one unit")
+            if canon not in seen:
+                seen[canon] = u.name
+                names.append(canon)
+        per_unit.append(names)
+    missing = [n for n in params if n not in seen]
+    if missing:
+        raise ShardcError(f"parameter {missing[0]!r} is in no unit (every parameter needs one)")
+    return per_unit
+
+
+def _make_group(names, params, plan, comm, trainable, is_root):
+    shapes = [(n, tuple(params[n].shape)) for n in names]
+    layout = build_layout(shapes, trainable, plan.pad_multiple(trainable))
+    if layout.n == 0:
+        return None
+    dtype = TORCH_DTYPE[plan.scopes.params.dtype]
+    dev = next(iter(params.values())).device
+    init = torch.zeros(layout.n, dtype=dtype, device=dev)
+    for s in layout.slots:
+        init[s.offset:s.offset + s.numel].copy_(params[s.fqn].detach().reshape(-1))
+    return FlatGroup(layout, plan, comm, init, is_root)
+
+
+class ShardedModule(nn.Module):
+    def __init__(self, model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None,
+                 hooks: bool = True):
+        super().__init__()
+        if not dist.is_initialized():
+            raise ShardcError("shard_module needs torch.distributed initialised (init_process_group)")
+        if dist.get_world_size() != strategy.mesh.world:
+            raise ShardcError(f"mesh {strategy.mesh} has {strategy.mesh.world} ranks but the world "
+                              f"size is {dist.get_world_size()}")
+        check_quant_available(strategy)
+        self.module = model
+        self.strategy = strategy
+        self.unit_specs = list(units)
+        self.ledger = Ledger()
+        self.comm = Comm(strategy.mesh, strategy.collectives, self.ledger, mesh)
+        _broadcast_from_rank0(model)
+        params, self.aliases, targets, self.param_order = _param_maps(model)
+        self.frozen = {n for n, p in params.items() if not p.requires_grad}
+        per_unit = _check_units(self.unit_specs, params, self.aliases)
+        self._warm_groups()
+        states = []
+        for i, (spec, names) in enumerate(zip(self.unit_specs, per_unit)):
+            plan = ScopePlan(strategy.mesh, spec.scopes, self.comm.rank)
+            groups, tg = [], []
+            for trainable in (True, False):
+                sel = [n for n in names if (n not in self.frozen) == trainable]
+                g = _make_group(sel, params, plan, self.comm, trainable, i == 0)
+                if g is not None:
+                    groups.append(g)
+                    tg.append([targets[s.fqn] for s in g.layout.slots])
+            states.append(UnitState(i, spec, groups, tg))
+        for mod_targets in targets.values():
+            for mod, attr in mod_targets:
+                del mod._parameters[attr]
+        self.runtime = Engine(states, strategy.accumulate, strategy.prefetch)
+        for u in states:
+            self._placeholders(u)
+            if u.trainable is not None:
+                u.trainable.full.register_post_accumulate_grad_hook(
+                    lambda p, i=u.index: self.runtime.post_accumulate(i, p))
+        self.hooks = hooks
+        if hooks:
+            self._install_hooks()
+        self._optimizers: list = []
+
+    def _placeholders(self, u: UnitState) -> None:
+        """Meta tensors stand in for parameters whose unit is not gathered."""
+        if all(g.held for g in u.groups):
+            self.runtime._set_views(u)
+            return
+        for g, targets in zip(u.groups, u.targets):
+            for s, slot_targets in zip(g.layout.slots, targets):
+                for mod, attr in slot_targets:
+                    setattr(mod, attr, torch.empty(s.shape, dtype=g.pdtype, device="meta"))
+
+    def _warm_groups(self) -> None:
+        """Create every process group up front, in the same order on every rank."""
+        for spec in self.unit_specs:
+            plan = ScopePlan(self.strategy.mesh, spec.scopes, self.comm.rank)
+            for lv in (plan.p, plan.g, plan.os, plan.q, plan.outside_os,
+                       tuple(l for l in plan.os if l not in plan.g),
+                       tuple(l for l in plan.os if l not in plan.p)):
+                if lv and plan.s(lv) > 1:
+                    self.comm.smesh.group(lv)
+
+    def _install_hooks(self) -> None:
+        rt = self.runtime
+        for u in rt.units[1:]:
+            mods = u.spec.modules
+            for name in mods:
+                m = self.module.get_submodule(name)
+
+                def pre(mod, args, u=u):
+                    if not u.running:
+                        rt.pre_forward(u.index)
+
+                def post(mod, args, out, u=u, name=name, mods=mods):
+                    rt.watch_backward(u.index, out)
+                    u.modules_done.add(name)
+                    if u.modules_done >= set(mods):
+                        u.modules_done.clear()
+                        rt.finish_forward(u.index)
+
+                m.register_forward_pre_hook(pre)
+                m.register_forward_hook(post)
+
+    # -- forward ------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self.runtime.begin_forward()
+        out = self.module(*args, **kwargs)
+        return self.runtime.end_forward(out)
+
+    @property
+    def events(self) -> list[tuple[str, int]]:
+        return self.runtime.events
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.runtime.no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self.runtime.no_sync_depth -= 1
+
+    # -- optimizer and gradients ----------------------------------------------------
+    def optimizer(self, cls, param_groups=None, **kw) -> torch.optim.Optimizer:
+        opt = build_optimizer(self.runtime, self._trainable_aliases(), self.frozen, cls,
+                              param_groups, **kw)
+        self._optimizers.append(opt)
+        return opt
+
+    def _trainable_aliases(self) -> dict[str, str]:
+        return {a: c for a, c in self.aliases.items() if c not in self.frozen}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.runtime.zero_grad()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        if norm_type != 2.0:
+            raise RuntimeUsageError("clip_grad_norm_ supports only the 2-norm")
+        self.runtime.wait_sync("clip_grad_norm_()")
+        by_levels: dict[tuple, list] = {}
+        for g in self.runtime.trainable_groups():
+            by_levels.setdefault(g.plan.os, []).append(g)
+        total = torch.zeros((), dtype=torch.float32)
+        for levels, groups in by_levels.items():
+            sq = torch.zeros(1, dtype=torch.float32)
+            for g in groups:
+                sq += g.os_grad.float().pow(2).sum()
+            self.comm.all_reduce("update", sq, levels, 4).wait()
+            total += sq[0]
+        norm = total.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in self.runtime.trainable_groups():
+            g.os_grad.mul_(coef.to(g.os_grad.dtype))
+        return norm
+
+    # -- ledger, memory, state dicts --------------------------------------------------
+    def comm_ledger(self) -> list[LedgerRecord]:
+        return self.ledger.records()
+
+    def reset_comm_ledger(self) -> None:
+        self.ledger.reset()
+
+    def memory_report(self) -> dict[str, int]:
+        return state.memory_report(self.runtime, self._optimizers[-1] if self._optimizers else None)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return state.full_state_dict(self)
+
+    def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        state.load_full_state_dict(self, sd)
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        return state.sharded_state_dict(self)
+
+    def load_state_dict(self, sd, strict: bool = True, assign: bool = False):
+        state.load_sharded_state_dict(self, sd)
+
+
+def shard_module(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None,
+                 hooks: bool = True) -> ShardedModule:
+    """Shard `model` per `strategy` over its `units` (root first); see docs/internals.md."""
+    return ShardedModule(model, strategy, units, mesh=mesh, hooks=hooks)
