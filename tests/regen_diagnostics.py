@@ -2,7 +2,9 @@
 
 Each corpus file is loaded the way tests/test_dsl_corpus.py loads it: from the
 repository root as `tests/corpus/<name>.shard`, world size 8, LOCAL_WORLD_SIZE=4, and
-the golden file is the rendered `StrategyError`. Run: `python tests/regen_diagnostics.py`
+the golden file is the rendered `StrategyError`. Files under tests/corpus/warnings/
+must load; their golden (tests/golden/diagnostics/warnings/<name>.txt) is the rendered
+warnings. Run: `python tests/regen_diagnostics.py`
 (review the diff before committing: the goldens are the specification).
 """
 from __future__ import annotations
@@ -18,18 +20,23 @@ WORLD = 8
 
 
 def render(name: str) -> str:
-    """The diagnostics of one corpus file (must fail to load)."""
+    """The diagnostics of one corpus file: `name` (must fail) or `warnings/name` (must load)."""
     from shardc.dsl import StrategyError, load_strategy
 
     os.environ["LOCAL_WORLD_SIZE"] = "4"
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        load_strategy(CORPUS / f"{name}.shard", world_size=WORLD)
+        s = load_strategy(CORPUS / f"{name}.shard", world_size=WORLD)
     except StrategyError as e:
+        if name.startswith("warnings/"):
+            raise AssertionError(f"{CORPUS / name}.shard must load (only warnings):\n{e}") from None
         return str(e) + "\n"
     finally:
         os.chdir(cwd)
+    if name.startswith("warnings/"):
+        assert s.warnings, f"{CORPUS / name}.shard gives no warning"
+        return "\n\n".join(s.warnings) + "\n"
     raise AssertionError(f"{CORPUS / name}.shard loaded without errors; a corpus file must be broken")
 
 
@@ -37,11 +44,16 @@ def names() -> list[str]:
     return sorted(p.stem for p in (ROOT / CORPUS).glob("*.shard"))
 
 
+def warning_names() -> list[str]:
+    return sorted(f"warnings/{p.stem}" for p in (ROOT / CORPUS / "warnings").glob("*.shard"))
+
+
 def main() -> int:
-    GOLDEN.mkdir(parents=True, exist_ok=True)
-    for name in names():
+    (GOLDEN / "warnings").mkdir(parents=True, exist_ok=True)
+    every = names() + warning_names()
+    for name in every:
         (GOLDEN / f"{name}.txt").write_text(render(name))
-    print(f"wrote {len(names())} goldens to {GOLDEN.relative_to(ROOT)}")
+    print(f"wrote {len(every)} goldens to {GOLDEN.relative_to(ROOT)}")
     return 0
 
 

@@ -16,6 +16,7 @@ from tests import regen_diagnostics as regen
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = regen.names()
+WARNINGS = regen.warning_names()
 
 
 def test_corpus_is_large_enough():
@@ -31,6 +32,17 @@ def test_golden_diagnostics(name):
 
 def test_no_stale_goldens():
     assert sorted(p.stem for p in regen.GOLDEN.glob("*.txt")) == NAMES
+    assert sorted(f"warnings/{p.stem}" for p in (regen.GOLDEN / "warnings").glob("*.txt")) == WARNINGS
+
+
+@pytest.mark.parametrize("name", WARNINGS)
+def test_golden_warnings(name):
+    """Files under corpus/warnings load (exit 0) with exactly their golden warnings."""
+    golden = regen.GOLDEN / f"{name}.txt"
+    assert golden.exists(), f"missing golden {golden}; run `python tests/regen_diagnostics.py`"
+    text = regen.render(name)
+    assert text == golden.read_text()
+    assert all(b.startswith("warning: ") for b in text.strip().split("\n\n"))
 
 
 @pytest.mark.parametrize("name", NAMES)
