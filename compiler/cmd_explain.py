@@ -7,9 +7,11 @@ level with the intra/inter split, a step-time estimate), or `--json`, or `--plot
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from shardc.dsl.errors import ShardcError
+from shardc.dsl.ir import Collectives
 
 from shardc.compiler.costmodel.cliargs import (
     add_bandwidth_arguments, bandwidth_from_args, flops_from_args, human_bytes,
@@ -27,6 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--micro-batches", type=int, help="micro-batches per step (default: the strategy's accumulate)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer class (default adamw)")
     p.add_argument("--momentum", type=float, default=0.0, help="SGD/RMSprop momentum (states exist when non-zero)")
+    p.add_argument("--collectives", choices=("auto", "ring", "hierarchical", "ho-ring"),
+                   help="override the strategy's `collectives` (how multi-level groups are counted)")
     p.add_argument("--clip", action="store_true", help="count the clip_grad_norm_ all-reduce")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="draw this strategy among the named strategies")
@@ -46,6 +50,8 @@ def load(file: str, world, mesh):
 
 def run(args) -> int:
     strategy = load(args.file, args.world, args.mesh)
+    if args.collectives:
+        strategy = dataclasses.replace(strategy, collectives=Collectives(args.collectives))
     units = load_model_units(strategy, args.model)
     kw = {"momentum": args.momentum}
     e = explain(strategy, units, micro_batches=args.micro_batches, optimizer=args.optimizer,

@@ -39,7 +39,7 @@ def test_enumeration_count_by_hand():
 
 def test_best_plan_fits_obeys_rule_and_checks(tmp_path, capsys):
     out = tmp_path / "best.shard"
-    # llama_tiny: 14,904 parameters; DDP with AdamW in fp32 holds 16 bytes each = 238,464 bytes,
+    # llama_tiny: 10,314 parameters; DDP with AdamW in fp32 holds 16 bytes each = 165,024 bytes,
     # so a 120,000-byte budget must shard something.
     budget = 120_000
     rc = run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", str(budget),
