@@ -10,6 +10,7 @@ warnings. Run: `python tests/regen_diagnostics.py`
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -17,6 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CORPUS = Path("tests/corpus")
 GOLDEN = ROOT / "tests" / "golden" / "diagnostics"
 WORLD = 8
+DOCS = ROOT / "docs" / "language.md"
+# A marker line, optionally followed by the ```text block it owns.
+MARKER = re.compile(r"<!-- diagnostic: ([\w/]+) -->\n(?:\n```text\n.*?\n```\n)?", re.S)
 
 
 def render(name: str) -> str:
@@ -48,12 +52,23 @@ def warning_names() -> list[str]:
     return sorted(f"warnings/{p.stem}" for p in (ROOT / CORPUS / "warnings").glob("*.shard"))
 
 
+def fill_docs(text: str) -> str:
+    """docs/language.md with the block after each `<!-- diagnostic: NAME -->` set to NAME's golden."""
+    def block(m):
+        golden = (GOLDEN / f"{m.group(1)}.txt").read_text()
+        return f"<!-- diagnostic: {m.group(1)} -->\n\n```text\n{golden.rstrip()}\n```\n"
+    return MARKER.sub(block, text)
+
+
 def main() -> int:
     (GOLDEN / "warnings").mkdir(parents=True, exist_ok=True)
     every = names() + warning_names()
     for name in every:
         (GOLDEN / f"{name}.txt").write_text(render(name))
     print(f"wrote {len(every)} goldens to {GOLDEN.relative_to(ROOT)}")
+    if DOCS.exists():
+        DOCS.write_text(fill_docs(DOCS.read_text()))
+        print(f"refreshed the example diagnostics in {DOCS.relative_to(ROOT)}")
     return 0
 
 
