@@ -10,7 +10,6 @@ Factories: `tiny()` (tests), `small()` (examples, explain), `gpt(**cfg)`.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +35,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        # no q/k/v bias: the key bias gets an exactly-zero gradient (softmax is shift
+        # invariant), which Adam would turn from rounding noise into full-size steps
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.register_buffer("mask", torch.tril(torch.ones(cfg.block_size, cfg.block_size)).bool(),
-                             persistent=False)
 
     def forward(self, x):
         B, T, C = x.shape
@@ -48,9 +47,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, hd).transpose(1, 2)
         k = k.view(B, T, self.n_head, hd).transpose(1, 2)
         v = v.view(B, T, self.n_head, hd).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        att = att.masked_fill(~self.mask[:T, :T], float("-inf"))
-        y = F.softmax(att, dim=-1) @ v
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -89,7 +86,6 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight          # tied
-        self.register_buffer("pos", torch.arange(cfg.block_size), persistent=False)
         self.apply(self._init)
 
     @staticmethod
@@ -100,8 +96,8 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx):
-        T = idx.size(1)
-        x = self.transformer.wte(idx) + self.transformer.wpe(self.pos[:T])
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for block in self.transformer.h:
             x = block(x)
         return self.lm_head(self.transformer.ln_f(x))

@@ -1,0 +1,90 @@
+"""The compiler pipeline end to end (`shardc.compile`, `shardc compile`).
+
+Input: a model, a strategy (an `ir.Strategy`, a path or the text), optional example
+inputs, a capture mode and a mesh override. Output: `compile_source` gives the emitted
+module's text and its Plan; `compile_model` runs the same pipeline in memory, executes
+the text and returns `shard_model(model)` (a `ShardedModule`).
+
+Pipeline: strategy -> units -> collectives resolved (cost model) -> capture -> passes
+-> Plan -> codegen. `shardc compile` writes exactly the text `compile_model` executes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import os
+
+from torch import nn
+
+from shardc.compiler.capture import capture as capture_graph
+from shardc.compiler.codegen import emit
+from shardc.compiler.passes import run_passes
+from shardc.compiler.plan import Plan, build_plan
+from shardc.compiler.units import find_units
+from shardc.dsl.errors import ShardcError
+from shardc.dsl.ir import Collectives, Strategy
+
+__all__ = ["compile_model", "compile_source", "resolve_strategy", "load_emitted"]
+
+
+def resolve_strategy(strategy, mesh=None, world_size: int | None = None) -> Strategy:
+    """An `ir.Strategy` from a Strategy, a path or text (mesh override applied)."""
+    if isinstance(strategy, Strategy):
+        if mesh is None:
+            return strategy
+        from shardc.dsl import parse_mesh_text
+        m = parse_mesh_text(mesh) if isinstance(mesh, str) else mesh
+        return dataclasses.replace(strategy, mesh=m)
+    if not isinstance(strategy, (str, os.PathLike)):
+        raise ShardcError(f"strategy must be a Strategy, a path or the text of a .shard file, "
+                          f"not {type(strategy).__name__}")
+    if world_size is None:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            world_size = dist.get_world_size()
+    from shardc.dsl import load_strategy
+    return load_strategy(os.fspath(strategy), world_size=world_size, mesh=mesh)
+
+
+def _resolve_collectives(strategy: Strategy, model: nn.Module, units) -> Strategy:
+    """`collectives auto` -> the cost model's choice for these unit sizes."""
+    if strategy.collectives is not Collectives.AUTO:
+        return strategy
+    from shardc.compiler.costmodel.timing import choose_collectives
+    params = dict(model.named_parameters())
+    sizes = [(sum(params[n].numel() for n in u.params if params[n].requires_grad),
+              sum(params[n].numel() for n in u.params if not params[n].requires_grad)) for u in units]
+    return dataclasses.replace(strategy, collectives=choose_collectives(strategy, sizes))
+
+
+def compile_source(model: nn.Module, strategy, example_inputs=None, capture: str = "auto",
+                   mesh=None, world_size: int | None = None) -> tuple[str, Plan]:
+    """The emitted module's source text and the Plan it came from."""
+    if not isinstance(model, nn.Module):
+        raise ShardcError(f"shardc.compile needs an nn.Module, got {type(model).__name__}")
+    strategy = resolve_strategy(strategy, mesh, world_size)
+    units = find_units(model, strategy)
+    strategy = _resolve_collectives(strategy, model, units)
+    gm = capture_graph(model, units, example_inputs, capture)
+    gm = run_passes(gm, strategy)
+    plan = build_plan(gm, strategy, model)
+    return emit(plan, gm, type(model).__name__), plan
+
+
+def load_emitted(source: str, name: str) -> dict:
+    """Execute emitted source as a module namespace (kept in linecache for tracebacks)."""
+    filename = f"<shardc-emitted {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"__name__": f"shardc_emitted_{name}"}
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 — our own generated code
+    return namespace
+
+
+def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str = "auto", mesh=None):
+    """`shardc.compile`: the same pipeline as `shardc compile`, run in memory."""
+    source, plan = compile_source(model, strategy, example_inputs, capture, mesh)
+    namespace = load_emitted(source, plan.strategy.name)
+    sm = namespace["shard_model"](model)
+    sm.plan = plan
+    sm.source = source
+    return sm
