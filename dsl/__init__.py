@@ -53,13 +53,13 @@ def load_text(text: str, file: str = "<string>", default_name: str = "strategy",
     return dataclasses.replace(strategy, warnings=warnings)
 
 
-def parse_mesh_text(text: str) -> Mesh:
-    """A mesh string such as `node(2) > gpu(4)` (explicit sizes) as an `ir.Mesh`."""
+def parse_mesh_text(text: str, world_size: int | None = None) -> Mesh:
+    """A mesh string such as `node(2) > gpu(4)` as an `ir.Mesh` (`*` needs the world size)."""
     from shardc.dsl.mesh import resolve_mesh
     from shardc.dsl.parser import parse_mesh
 
     tree, diags = parse_mesh(text)
-    m = resolve_mesh(tree, None, diags) if tree is not None else None
+    m = resolve_mesh(tree, world_size, diags) if tree is not None else None
     if m is None or any(d.is_error for d in diags):
         raise StrategyError(diags, {"<mesh>": text})
     return m

@@ -200,3 +200,32 @@ def test_missing_file_and_bad_types(tmp_path):
     (tmp_path / "bin.shard").write_bytes(b"mesh gpu(4)\n\xff\xfe\n")
     with pytest.raises(StrategyError, match="not UTF-8"):
         shardc.load_strategy(tmp_path / "bin.shard")
+
+
+def test_parse_mesh_text():
+    from shardc.dsl import parse_mesh_text
+    assert parse_mesh_text("node(2) > gpu(2) > gcd(2)") == Mesh((Level("node", 2), Level("gpu", 2), Level("gcd", 2)))
+    assert parse_mesh_text("node(*) > gpu(4)", world_size=16).size("node") == 4
+    with pytest.raises(StrategyError, match="declared twice"):
+        parse_mesh_text("gpu(2) > gpu(2)")
+
+
+def test_no_lark_object_leaves_the_dsl():
+    """AST and Strategy hold only plain Python values and shardc dataclasses."""
+    import dataclasses
+    import lark
+    from shardc.dsl.parser import parse_program
+
+    program, _ = parse_program(FULL, "t.shard")
+
+    def walk(x):
+        assert not isinstance(x, (lark.Tree, lark.Token)), x
+        assert type(x).__module__.split(".")[0] in ("builtins", "shardc"), type(x)
+        if dataclasses.is_dataclass(x):
+            for f in dataclasses.fields(x):
+                walk(getattr(x, f.name))
+        elif isinstance(x, (tuple, list)):
+            for y in x:
+                walk(y)
+    walk(program)
+    walk(load(FULL))
