@@ -80,3 +80,4 @@ class Statement:
 class Program:
     file: str
     statements: tuple[Statement, ...]
+    skipped: tuple[str, ...] = ()     # first words of lines dropped after a syntax error

@@ -27,7 +27,7 @@ def _where(stmt: ast.Statement | None, key: str) -> str:
     return f"`{key}` (line {stmt.span.line})" if stmt else f"`{key}` (not given: replicate)"
 
 
-def dependency(bound: dict, _label: str, diags: list[Diagnostic], top: dict | None = None) -> None:
+def dependency(bound: dict, diags: list[Diagnostic]) -> None:
     """Check params ⊆ grads ⊆ optim; for an override, only pairs it touches."""
     label = bound.get("_label")
     own = bound.get("_own")

@@ -39,6 +39,7 @@ def parse_program(text: str, file: str) -> tuple[ast.Program, list[Diagnostic]]:
     """Parse a whole strategy file; returns the AST of the lines that parse and the errors."""
     text, diags = _scrub_control(text, file)
     lines = text.split("\n")
+    skipped: list[str] = []
     for _ in range(_MAX_ERRORS):
         try:
             tree = _lark().parse("\n".join(lines) + "\n", start="start")
@@ -47,11 +48,12 @@ def parse_program(text: str, file: str) -> tuple[ast.Program, list[Diagnostic]]:
             bad = _error_line(e, len(lines)) or _unclosed_block(e, lines)
             if bad is None or not lines[bad - 1].strip():
                 break
+            skipped.append(lines[bad - 1].split()[0])
             lines[bad - 1] = " " * len(lines[bad - 1])
             continue
         stmts = _ToAst(file).transform(tree)
-        return ast.Program(file, tuple(stmts)), diags
-    return ast.Program(file, ()), diags
+        return ast.Program(file, tuple(stmts), tuple(skipped)), diags
+    return ast.Program(file, (), tuple(skipped)), diags
 
 
 def parse_mesh(text: str, file: str = "<mesh>") -> tuple[ast.MeshAst | None, list[Diagnostic]]:

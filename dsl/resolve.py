@@ -26,6 +26,7 @@ NO_COLLECTIVE = {"params": "`params replicate` never all-gathers",
                  "grads": "`grads replicate` never reduce-scatters"}
 BUCKET_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 MAX_BUCKET = 2**40
+_SCOPE_WORDS = {"params", "grads", "optim", "override", "{", "}"}   # a broken one hides a scope
 
 
 @dataclass
@@ -56,18 +57,23 @@ def resolve(program: ast.Program, world_size: int | None, override: MeshOverride
     scopes, bound = _scopes(top, {}, ctx)
     ovs = [_override(o, bound, ctx) for o in overrides]
     options = _options(top, ctx)
+    if names is not None and not any(_hides_scope(w) for w in program.skipped):
+        for b in [bound] + [b for _, b in ovs]:
+            if all(b[k][0] is not None for k in ("params", "grads", "optim")):
+                checks.dependency(b, diags)
     if not parse_failed and not any(d.is_error for d in diags) and mesh is not None:
-        checks.dependency(bound, "", diags)
-        for (_, b) in ovs:
-            checks.dependency(b, "", diags, top=bound)
-        if not any(d.is_error for d in diags):
-            checks.warnings(mesh, [bound] + [b for _, b in ovs], options, top, diags)
+        checks.warnings(mesh, [bound] + [b for _, b in ovs], options, top, diags)
     if parse_failed or any(d.is_error for d in diags) or mesh is None:
         return None, diags
     lines = tuple((k, s.span.line) for k, s in sorted(top.items(), key=lambda kv: kv[1].span.line))
     return Strategy(name=options.pop("name", default_name), mesh=mesh, scopes=scopes,
                     overrides=tuple(o for o, _ in ovs), file=program.file, lines=lines,
                     **options), diags
+
+
+def _hides_scope(word: str) -> bool:
+    """A dropped line that was (or was probably meant as) a scope statement."""
+    return word in _SCOPE_WORDS or did_you_mean(word, _SCOPE_WORDS) is not None
 
 
 def _index(statements, diags) -> tuple[dict[str, ast.Statement], list[ast.Statement]]:

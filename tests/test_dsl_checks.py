@@ -229,3 +229,13 @@ def test_no_lark_object_leaves_the_dsl():
                 walk(y)
     walk(program)
     walk(load(FULL))
+
+
+def test_dependency_reported_with_other_errors():
+    e = errors_of(MESH + "params shard over world\ngrads shard over gpu\noptim shard over world\n"
+                  "accumulate 0\nbucket 3XB\n")
+    msgs = [d.message for d in e.errors]
+    assert len(msgs) == 3 and msgs[0].startswith("dependency rule: `grads` (line 3)")
+    # ... but not when a broken line may have been the missing scope statement
+    e = errors_of(MESH + "params shard over world\ngrads shard over world\noptm shard over world\n")
+    assert [d.message for d in e.errors] == ["unknown statement `optm`"]
