@@ -103,7 +103,7 @@ def _read(path_or_text) -> tuple[str, str, str]:
 
 def _decode(data: bytes, file: str) -> str:
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")      # a leading byte-order mark is not text
     except UnicodeDecodeError as e:
         before = data[:e.start]
         line = before.count(b"\n") + 1
