@@ -71,8 +71,10 @@ def _source_line(strategy: Strategy, line: int) -> str | None:
 
 
 def statement(strategy: Strategy, line: int, fallback: str) -> str:
-    """`file.shard:LINE <statement>` for a comment in the emitted code."""
-    text = _source_line(strategy, line) if line else None
+    """`file.shard:LINE <statement>` for a comment in the emitted code (`<statement> (default)` if unwritten)."""
+    if not line:
+        return f"{fallback} (default)"
+    text = _source_line(strategy, line)
     return f"{os.path.basename(strategy.file)}:{line} {text or fallback}"
 
 
