@@ -74,7 +74,7 @@ def _mesh_override(mesh):
     if not isinstance(mesh, str):
         raise ShardcError(f"mesh must be a string such as 'node(2) > gpu(4)' or an ir.Mesh, got {type(mesh).__name__}")
     tree, diags = parse_mesh(mesh)
-    return MeshOverride(ast=tree), diags
+    return MeshOverride(tree=tree), diags
 
 
 def _too_big(file: str, n: int) -> Diagnostic:

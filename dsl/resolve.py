@@ -32,7 +32,7 @@ _SCOPE_WORDS = {"params", "grads", "optim", "override", "{", "}"}   # a broken o
 @dataclass
 class MeshOverride:
     """A `mesh=` override: parsed text (with its AST) or a ready `ir.Mesh`."""
-    ast: ast.MeshAst | None = None
+    tree: ast.MeshAst | None = None
     mesh: Mesh | None = None
 
 
@@ -101,7 +101,7 @@ def _duplicate(s: ast.Statement, first: ast.Statement, what: str) -> Diagnostic:
 
 def _declared(mesh_stmt, override) -> tuple[str, ...] | None:
     if override is not None:
-        m = override.mesh or override.ast
+        m = override.mesh or override.tree
         if isinstance(m, Mesh):
             return m.names
         return tuple(lv.name.text for lv in m.levels) if m else None
@@ -113,8 +113,8 @@ def _mesh(stmt, world_size, override: MeshOverride | None, diags, parse_failed) 
         before = len(diags)
         check_ir_mesh(override.mesh, world_size, diags)
         return override.mesh if len(diags) == before else None
-    if override is not None and override.ast is not None:
-        return resolve_mesh(override.ast, world_size, diags, " (the mesh comes from the override)")
+    if override is not None and override.tree is not None:
+        return resolve_mesh(override.tree, world_size, diags, " (the mesh comes from the override)")
     if override is not None:
         return None                     # the override text did not parse; already reported
     if stmt is None:
