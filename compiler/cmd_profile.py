@@ -165,6 +165,10 @@ def run(args: argparse.Namespace) -> int:
         _profile(mesh, args, device)
     finally:
         if owned:
+            # [Note: teardown] every rank must be done with every group before any rank closes
+            # its gloo connections; without this barrier a peer still finishing the last
+            # collective sometimes sees the connection drop and aborts ("terminate called").
+            dist.barrier()
             dist.destroy_process_group()
     return 0
 
