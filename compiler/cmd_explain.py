@@ -16,7 +16,6 @@ from shardc.dsl.ir import Collectives
 from shardc.compiler.costmodel.cliargs import (
     add_bandwidth_arguments, bandwidth_from_args, flops_from_args, human_bytes,
 )
-from shardc.compiler.costmodel.report import explain, load_model_units, to_json
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop")
 
@@ -49,6 +48,8 @@ def load(file: str, world, mesh):
 
 
 def run(args) -> int:
+    from shardc.compiler.costmodel.report import explain, load_model_units, to_json
+
     strategy = load(args.file, args.world, args.mesh)
     if args.collectives:
         strategy = dataclasses.replace(strategy, collectives=Collectives(args.collectives))

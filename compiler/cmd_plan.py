@@ -16,7 +16,6 @@ from shardc.dsl.ir import DType
 from shardc.compiler.costmodel.cliargs import (
     add_bandwidth_arguments, bandwidth_from_args, flops_from_args, human_bytes,
 )
-from shardc.compiler.planner import plan, scope_text, shard_text
 
 _MEM = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -55,6 +54,7 @@ def base_strategy(mesh: str, world):
 
 def run(args) -> int:
     from shardc.compiler.costmodel.report import load_model_units
+    from shardc.compiler.planner import plan, shard_text
 
     budget = parse_memory(args.memory)
     if args.top < 1:
@@ -80,6 +80,7 @@ def run(args) -> int:
 
 
 def write_best(c, path: str) -> None:
+    from shardc.compiler.planner import shard_text
     from shardc.dsl import load_strategy
     text = shard_text(c)
     load_strategy(text)      # the planner only writes what `shardc check` accepts
@@ -91,6 +92,7 @@ def write_best(c, path: str) -> None:
 
 
 def describe(c) -> str:
+    from shardc.compiler.planner import scope_text
     m = c.report.strategy.mesh
     sc = c.scopes
     return (f"params {scope_text(sc.params.levels, m)}; grads {scope_text(sc.grads.levels, m)}; "

@@ -4,17 +4,25 @@ Stage: Strategy + the model's units (sizes per unit) -> memory per rank, the per
 communication ledger (record for record what the runtime measures), bytes per link
 level, and an alpha-beta / profiled time estimate. Consumed by `shardc explain`,
 `shardc plan` and the compiler (`choose_collectives`).
-"""
-from shardc.compiler.costmodel.sizes import UnitSize, unit_sizes, padded
-from shardc.compiler.costmodel.ledger import PHASES, LedgerRecord, predict_ledger
-from shardc.compiler.costmodel.memory import optimizer_state_bytes, predict_memory
-from shardc.compiler.costmodel.links import inter_intra, link_bytes
-from shardc.compiler.costmodel.timing import (
-    AlphaBeta, Profile, StepTime, choose_collectives, step_time,
-)
 
-__all__ = [
-    "UnitSize", "unit_sizes", "padded", "PHASES", "LedgerRecord", "predict_ledger",
-    "optimizer_state_bytes", "predict_memory", "inter_intra", "link_bytes",
-    "AlphaBeta", "Profile", "StepTime", "choose_collectives", "step_time",
-]
+Names are imported lazily (PEP 562): the CLI imports `costmodel.cliargs` to build its
+parser, and that must not pull in torch or the runtime.
+"""
+from importlib import import_module
+
+_WHERE = {
+    "UnitSize": "sizes", "unit_sizes": "sizes", "padded": "sizes",
+    "PHASES": "ledger", "LedgerRecord": "ledger", "predict_ledger": "ledger",
+    "optimizer_state_bytes": "memory", "predict_memory": "memory",
+    "inter_intra": "links", "link_bytes": "links",
+    "AlphaBeta": "timing", "Profile": "timing", "StepTime": "timing",
+    "choose_collectives": "timing", "step_time": "timing",
+    "Explained": "report", "explain": "report",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from shardc.dsl.errors import ShardcError
 
-from shardc.compiler.costmodel.timing import AlphaBeta, Profile, parse_rate, parse_seconds
+# [Note: lazy imports] the CLI dispatcher imports every command module to build its
+# parser, so nothing here (or in cmd_explain / cmd_plan) imports torch at module level.
 
 
 def add_bandwidth_arguments(p) -> None:
@@ -21,6 +22,7 @@ def add_bandwidth_arguments(p) -> None:
 
 
 def bandwidth_from_args(args):
+    from shardc.compiler.costmodel.timing import AlphaBeta, Profile, parse_rate, parse_seconds
     if args.bandwidth:
         return Profile.load(args.bandwidth)
     return AlphaBeta(intra=parse_rate(args.intra), inter=parse_rate(args.inter),
