@@ -74,6 +74,7 @@ def _worker(rank: int, world: int, port: int, conn, path: list[str]) -> None:
     while True:
         job = conn.recv()
         if job is None:
+            dist.barrier()          # nobody closes its connections while a peer still uses them
             break
         fn, args = job
         try:
