@@ -25,6 +25,20 @@ class DoneWork:
         return True
 
 
+class ThenWork:
+    """Work followed by a local step (e.g. dequantize) once it completes."""
+
+    def __init__(self, work, then):
+        self.work, self.then = work, then
+
+    def wait(self) -> bool:
+        self.work.wait()
+        if self.then is not None:
+            self.then()
+            self.then = None
+        return True
+
+
 class Comm:
     def __init__(self, mesh: Mesh, algo: Collectives, ledger: Ledger, shard_mesh=None):
         try:

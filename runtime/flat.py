@@ -30,7 +30,8 @@ from torch import nn
 
 from shardc.dsl.ir import DType
 
-from .comm import Comm, DoneWork
+from . import quant
+from .comm import Comm, DoneWork, ThenWork
 from .layout import GroupLayout, ScopePlan
 from .ledger import elem_bytes, payload
 
@@ -72,7 +73,12 @@ class FlatGroup:
         self.secondary = None
         if sc.params.secondary is not None and not is_root:
             self.q_start, self.q_len = plan.secondary_chunk(n)
-            self.secondary = torch.zeros(self.q_len, dtype=self.pdtype, device=init.device)
+            self.sec_quant = sc.params.secondary.quant
+            if self.sec_quant:
+                nb = quant.shard_payload_bytes(self.q_len, self.sec_quant)
+                self.secondary = torch.zeros(nb, dtype=torch.uint8, device=init.device)
+            else:
+                self.secondary = torch.zeros(self.q_len, dtype=self.pdtype, device=init.device)
         self.grad_pending: list = []
         if self.trainable:
             self._init_grads(init)
@@ -100,11 +106,7 @@ class FlatGroup:
         _alloc(self.full_data)
         sc, plan = self.plan.scopes, self.plan
         if phase == "backward" and self.secondary is not None:
-            sec = sc.params.secondary
-            s_q = plan.s(plan.q)
-            nbytes = payload(self.n, s_q, sec.quant) if sec.quant else self.n * self.full_data.element_size()
-            work = self.comm.all_gather("backward", self.full_data, self.secondary, plan.q,
-                                        plan.q, nbytes)
+            work = self._gather_secondary()
         else:
             nbytes = payload(self.n, self.s_p, sc.params.comm)
             work = self.comm.all_gather(phase, self.full_data, self.shard, plan.p,
@@ -120,7 +122,35 @@ class FlatGroup:
         self.pending = None
         self.held = True
         if phase == "forward" and self.secondary is not None:
-            self.secondary.copy_(self.full_data[self.q_start:self.q_start + self.q_len])
+            mine = self.full_data[self.q_start:self.q_start + self.q_len]
+            if self.sec_quant:
+                quant.quantize(mine, self.sec_quant, out=self.secondary)
+            else:
+                self.secondary.copy_(mine)
+
+    def _gather_secondary(self):
+        """Backward re-gather over Q from the (possibly quantized) secondary shard."""
+        plan, q, s_q = self.plan, self.plan.q, self.plan.s(self.plan.q)
+        if not self.sec_quant:
+            nbytes = self.n * elem_bytes(plan.scopes.params.dtype)
+            return self.comm.all_gather("backward", self.full_data, self.secondary, q, q, nbytes)
+        m, qd = self.q_len, self.sec_quant
+        if s_q == 1:
+            quant.dequantize(self.secondary, m, qd, out=self.full_data)
+            return DoneWork()
+        # [Note: byte payloads] the uint8 payload travels as fp32 words (bit-exact copies).
+        p = self.secondary.numel()
+        p4 = -(-p // 4) * 4
+        send = torch.zeros(p4, dtype=torch.uint8, device=self.secondary.device)
+        send[:p] = self.secondary
+        got = torch.empty(s_q * p4, dtype=torch.uint8, device=send.device)
+        work = self.comm.all_gather("backward", got.view(torch.float32), send.view(torch.float32),
+                                    q, q, payload(self.n, s_q, qd))
+
+        def decode():
+            for c in range(s_q):
+                quant.dequantize(got[c * p4:c * p4 + p], m, qd, out=self.full_data[c * m:(c + 1) * m])
+        return ThenWork(work, decode)
 
     def release(self) -> bool:
         if self.s_p == 1 or not self.held:
