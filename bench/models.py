@@ -21,8 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32),
     "small": dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128),
-    "bench": dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256),
-    "wide": dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=512),
+    "medium": dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256),
+    "bench": dict(vocab_size=256, block_size=64, n_layer=4, n_head=8, n_embd=512),
 }
 SEED = 1234
 

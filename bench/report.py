@@ -1,8 +1,11 @@
 """Per-system summaries (bench stage: rank 0's worker JSON -> the `systems` entry).
 
 Input: the JSON a worker's rank 0 wrote, the cluster shape, the model name. Output:
-`{"step_time_s", "tokens_per_s", "model_state_bytes", "level_bytes",
-"measured_bytes", ...}`.
+`{"step_time_s", "tokens_per_s", "model_state_bytes", "peak_model_state_bytes",
+"level_bytes", "measured_bytes", ...}`. `model_state_bytes`: params + grads + optimizer
+states held after `opt.step()` (max over ranks); `peak_...`: the most held at any
+point of the step, measured in the warm-up (FSDP2's unsharded gradients between
+micro-batches when gradient sync is off count here).
 
 [Note: level bytes]
 `level_bytes[level]` = bytes one rank sends over that level's links per optimizer step,
@@ -57,6 +60,7 @@ def summarize(system: str, res: dict, model_name: str, nodes: int, per_node: int
         "step_time_s": res["step_time_s"],
         "tokens_per_s": res["tokens_per_step"] / res["step_time_s"],
         "model_state_bytes": max(r["state_bytes"] for r in res["per_rank"]),
+        "peak_model_state_bytes": max(r["peak_state_bytes"] for r in res["per_rank"]),
         "level_bytes": level_bytes(system, res, model_name, nodes, per_node, accumulate),
         "measured_bytes": measured_bytes(res, world),
         "step_times": res["step_times"],

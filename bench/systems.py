@@ -31,6 +31,7 @@ class System:
     ledger: object = None         # () -> list of LedgerRecord-like (shardc), else None
     reset_ledger: object = None
     memory: object = None         # () -> bytes per rank (params + grads + optim)
+    pending: object = None        # () -> extra gradient bytes held between micro-batches
     strategy: object = None       # shardc Strategy (for link bytes), else None
     extra: dict = field(default_factory=dict)
 
@@ -58,6 +59,28 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return total
 
 
+def fsdp2_pending_grad_bytes(model: nn.Module) -> int:
+    """Unsharded gradients FSDP2 holds between micro-batches when gradient sync is off.
+
+    With `set_requires_gradient_sync(False)` FSDP2 keeps each parameter's full-size
+    gradient (on its unsharded parameter, or in `unsharded_accumulated_grad` with a
+    reduce dtype) until the synchronising micro-batch; these are not visible through
+    `model.parameters()`, whose sharded DTensors have no grad yet.
+    """
+    total = 0
+    for m in model.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        for group in get_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                up = getattr(fp, "_unsharded_param", None)
+                for t in (up.grad if up is not None else None, fp.unsharded_accumulated_grad):
+                    if t is not None:
+                        total += t.numel() * t.element_size()
+    return total
+
+
 def _adamw(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
@@ -82,7 +105,8 @@ def fsdp2(model: nn.Module, nodes: int, per_node: int, hybrid: bool) -> System:
 
     opt = _adamw(model.parameters())
     return System("fsdp2:hsdp" if hybrid else "fsdp2:full", model, opt, micro,
-                  memory=lambda: state_bytes(model, opt))
+                  memory=lambda: state_bytes(model, opt),
+                  pending=lambda: fsdp2_pending_grad_bytes(model))
 
 
 def ddp(model: nn.Module) -> System:
@@ -129,6 +153,8 @@ def shardc_system(model: nn.Module, spec: str, example, accumulate: int, workdir
     path = with_accumulate(path, accumulate, workdir)
     strategy = shardc.load_strategy(path, world_size=dist.get_world_size())
     sm = shardc.compile(model, path, example_inputs=(example,))
+    plan = getattr(sm, "plan", None)          # the resolved strategy (`collectives auto` decided)
+    strategy = plan.strategy if plan is not None else strategy
     opt = sm.optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.1)
 
     def micro(i: int, last: bool):
@@ -140,7 +166,7 @@ def shardc_system(model: nn.Module, spec: str, example, accumulate: int, workdir
     return System(f"shardc:{spec}", sm, opt, micro, ledger=sm.comm_ledger,
                   reset_ledger=sm.reset_comm_ledger, memory=memory, strategy=strategy,
                   extra={"mesh": [[l.name, l.size] for l in strategy.mesh.levels],
-                         "collectives": getattr(sm, "collectives", strategy.collectives).value})
+                         "collectives": strategy.collectives.value})
 
 
 def build_system(name: str, model: nn.Module, nodes: int, per_node: int, example,

@@ -68,7 +68,8 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def run_step(sys_, model, step: int, args, rank: int) -> float:
+def run_step(sys_, model, step: int, args, rank: int, peak: bool = False) -> float:
+    """One optimizer step; with `peak`, also the model-state bytes after every backward."""
     dist.barrier()
     t0 = time.perf_counter()
     for i in range(args.accumulate):
@@ -77,8 +78,13 @@ def run_step(sys_, model, step: int, args, rank: int) -> float:
             logits = sys_.model(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
             (loss / args.accumulate).backward()
+        if peak:
+            held = sys_.memory() + (sys_.pending() if sys_.pending else 0)
+            sys_.extra["peak_state_bytes"] = max(held, sys_.extra.get("peak_state_bytes", 0))
     sys_.opt.step()
-    sys_.extra["state_bytes"] = sys_.memory()       # grads still held: the step's peak states
+    sys_.extra["state_bytes"] = sys_.memory()       # grads still held: the step's states
+    if peak:
+        sys_.extra["peak_state_bytes"] = max(sys_.extra["state_bytes"], sys_.extra["peak_state_bytes"])
     sys_.opt.zero_grad()
     dist.barrier()
     return time.perf_counter() - t0
@@ -111,7 +117,8 @@ def main() -> int:
     dist.all_gather_object(gathered, result)
     if rank == 0:
         merged = dict(gathered[0])
-        merged["per_rank"] = [{k: g.get(k) for k in ("state_bytes", "nic")} for g in gathered]
+        merged["per_rank"] = [{k: g.get(k) for k in ("state_bytes", "peak_state_bytes", "nic")}
+                              for g in gathered]
         _write(args.out, rank, merged)
     dist.barrier()
     dist.destroy_process_group()
@@ -126,14 +133,15 @@ def _write(out: str, rank: int, result: dict) -> None:
 
 def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
     times = []
-    for step in range(args.warmup):
-        run_step(sys_, model, step, args, rank)
+    for step in range(args.warmup):       # peak states are measured here too
+        run_step(sys_, model, step, args, rank, peak=True)
         _progress(args, rank, f"warmup {step + 1}/{args.warmup}")
     if sys_.reset_ledger:
         sys_.reset_ledger()
     before = nic_counters() if local_rank == 0 else None
     for step in range(args.warmup, args.warmup + args.steps):
-        times.append(run_step(sys_, model, step, args, rank))
+        # the first timed step measures peaks too (optimizer state exists only after a step)
+        times.append(run_step(sys_, model, step, args, rank, peak=step == args.warmup))
         _progress(args, rank, f"step {step - args.warmup + 1}/{args.steps} {times[-1]:.3f}s")
     nic = split_counters(before, nic_counters()) if local_rank == 0 else None
     ledger = None
@@ -142,7 +150,8 @@ def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
                        count=r.count) for r in sys_.ledger()]
     return {**{k: sys_.extra[k] for k in ("mesh", "collectives") if k in sys_.extra},
             "step_times": times, "step_time_s": statistics.median(times),
-            "state_bytes": sys_.extra["state_bytes"], "nic": nic, "ledger": ledger,
+            "state_bytes": sys_.extra["state_bytes"],
+            "peak_state_bytes": sys_.extra["peak_state_bytes"], "nic": nic, "ledger": ledger,
             "ledger_steps": args.steps}
 
 

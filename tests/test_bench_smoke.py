@@ -61,12 +61,16 @@ def test_one_step_two_nodes_two_ranks(tmp_path):
     sys.path.insert(0, ROOT)
     from models import build_model
     model = build_model("small")
-    seen, expect = set(), 0
+    seen, chunk = set(), 0
     for prm in model.parameters():
         if id(prm) not in seen:
             seen.add(id(prm))
-            expect += 16 * math.ceil(prm.shape[0] / 4) * (prm.numel() // prm.shape[0])
-    assert fsdp["model_state_bytes"] == expect
+            chunk += math.ceil(prm.shape[0] / 4) * (prm.numel() // prm.shape[0])
+    assert fsdp["model_state_bytes"] == 16 * chunk
+    # Between micro-batches (gradient sync off) FSDP2 holds every unsharded fp32 gradient
+    # instead of the grad shard: params + exp_avg + exp_avg_sq shards + 4*phi.
+    assert fsdp["peak_model_state_bytes"] == 12 * chunk + 4 * phi
+    assert ddp["peak_model_state_bytes"] == ddp["model_state_bytes"]
     # DDP's one ring all-reduce of V = 4*phi bytes over 4 ranks on 2 nodes: 2 of the 4
     # ring edges cross nodes, each carrying 2*(3/4)*V; averaged per rank: 2/4*2*3/4*V.
     ring_node = 2 / 4 * 2 * 3 / 4 * 4 * phi
