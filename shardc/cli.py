@@ -20,23 +20,32 @@ COMMANDS = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(argv: list[str]) -> argparse.ArgumentParser:
+    """Only the chosen subcommand's module is imported, so one command's heavy imports
+    (or a problem in it) never affect another."""
     p = argparse.ArgumentParser(prog="shardc", description="A compiler for data-parallel training strategies.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, help_ in COMMANDS.items():
-        mod = importlib.import_module(f"shardc.compiler.cmd_{name}")
         sp = sub.add_parser(name, help=help_, description=help_)
-        mod.add_arguments(sp)
-        sp.set_defaults(_run=mod.run)
+        if name == chosen:
+            mod = importlib.import_module(f"shardc.compiler.cmd_{name}")
+            mod.add_arguments(sp)
+            sp.set_defaults(_run=mod.run)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shardc.dsl.diagnostics import StrategyError
     from shardc.dsl.errors import ShardcError
 
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser(argv).parse_args(argv)
     try:
         return int(args._run(args) or 0)
+    except StrategyError as e:       # already rendered rustc-style, one block per diagnostic
+        print(str(e), file=sys.stderr)
+        return 1
     except ShardcError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
