@@ -166,6 +166,8 @@ def test_ring_versus_hierarchical_link_bytes():
     assert record_links("all_reduce", ("node",), 100, M2, Collectives.RING) == pytest.approx({"node": 100.0})
     # all_to_all over 8: V/8 to 7 peers; 4 peers are on the other node: 4·800 = 3200, 3·800 = 2400.
     assert record_links("all_to_all", W2, 6400, M2, Collectives.RING) == pytest.approx({"node": 3200.0, "gpu": 2400.0})
+    # the runtime's qgZ all_to_all ignores the algorithm: one flat all-to-all
+    assert record_links("all_to_all", W2, 6400, M2, Collectives.HIERARCHICAL) == pytest.approx({"node": 3200.0, "gpu": 2400.0})
     # three levels, ring: p = 8, edges crossing node 2, gpu 2·1 = 2, gcd 4·1 = 4 -> ·7/8·V/8
     r3 = record_links("reduce_scatter", ("node", "gpu", "gcd"), 800, M3, Collectives.RING)
     assert r3 == pytest.approx({"node": 175.0, "gpu": 175.0, "gcd": 350.0})
@@ -226,6 +228,12 @@ def test_profile_interpolation(tmp_path):
     gpu_bw = 1e9 + (9e9) * (0.903089987 / 2)          # log10(8e6) − 6 = 0.903, half the span
     expect = 8e6 / gpu_bw + 2e6 / 1e8
     assert prof.seconds("all_gather", W2, 8e6, M2, Collectives.HIERARCHICAL) == pytest.approx(expect, rel=1e-6)
+    # qgZ's all_to_all is not profiled: it is timed as the ring reduce-scatter it replaces... if present
     from shardc.dsl.errors import ShardcError
+    with pytest.raises(ShardcError, match="no reduce_scatter entry over gpu"):
+        prof.seconds("all_to_all", ("gpu",), 10, M2, Collectives.HIERARCHICAL)
     with pytest.raises(ShardcError, match="no reduce_scatter entry"):
         prof.seconds("reduce_scatter", ("gpu",), 10, M2, Collectives.RING)
+    rs = {"op": "reduce_scatter", "levels": ["gpu"], "algo": "ring", "bytes": 1e6, "seconds": 2e-3, "busbw": 0}
+    f.write_text(json.dumps({"mesh": [], "entries": [rs]}))
+    assert Profile.load(str(f)).seconds("all_to_all", ("gpu",), 1e6, M2, Collectives.HO_RING) == pytest.approx(2e-3)

@@ -92,3 +92,24 @@ def test_plot_writes_png(tmp_path, capsys):
                  "--plot", str(out), "--json"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert json.loads(capsys.readouterr().out)["strategy"] == "paro_iig"
+
+
+def test_bandwidth_profile_drives_the_time(tmp_path, capsys):
+    from shardc.cli import main
+    prof = tmp_path / "bw.json"
+    # every group of node(2) > gpu(2) is one level: 1 GB/s inside a node, 0.1 GB/s across nodes
+    entries = [{"op": op, "levels": [lvl], "algo": "ring", "bytes": b, "seconds": b / bw, "busbw": 0}
+               for op in ("all_gather", "reduce_scatter", "all_reduce")
+               for lvl, bw in (("gpu", 1e9), ("node", 1e8)) for b in (1e3, 1e6)]
+    prof.write_text(json.dumps({"mesh": [{"name": "node", "size": 2}, {"name": "gpu", "size": 2}], "entries": entries}))
+    argv = ["explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)", "--json",
+            "--micro-batches", "2", "--flops", "1e15"]
+    assert main([*argv, "--bandwidth", str(prof)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    # PaRO-IIG's inter-node traffic: one reduce-scatter and one all-gather per unit per step,
+    # of the unit's gpu shard (N/2 fp32 elements): V/0.1e9 seconds each.
+    sync = [r for r in doc["ledger"] if r["phase"] == "sync"]
+    assert doc["time"]["comm"]["sync"] == pytest.approx(sum(r["bytes"] * r["count"] for r in sync) / 1e8)
+    assert main([*argv, "--bandwidth", str(tmp_path / "missing.json")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: cannot read bandwidth profile")
