@@ -14,7 +14,9 @@ test on a 2-core machine, so each world size keeps one pool of worker processes 
 whole pytest session: torch is imported once (the workers are forked from a
 forkserver that preloads torch), the default process group is initialised once, and
 jobs are dispatched over pipes. Each job ends with a barrier, so all ranks leave it
-together and the next job starts from a quiet process group. After a failure or a
+together and the next job starts from a quiet process group. Workers are reused, so a
+job must not rely on fresh global state: seed RNGs itself, and leave the default
+process group initialised (never destroy it). After a failure or a
 timeout the ranks may disagree about which collectives ran, so the pool is killed and
 the next call builds a fresh one. At most `MAX_POOLS` pools live at a time (least
 recently used goes first); `shutdown()` (atexit and the session fixture in
