@@ -22,9 +22,25 @@ MEMORY_KEYS = ("params", "params_secondary", "grads", "optim", "total")
 pytestmark = pytest.mark.distributed
 
 
+# Per-unit scopes: block 0 keeps its own (smaller) scopes, so its records differ from the
+# other units' and clip_grad_norm_ all-reduces over two distinct optimizer level sets.
+OVERRIDE = """strategy override_mix
+mesh node(*) > gpu(local)
+params shard over gpu
+grads  shard over world
+optim  shard over world
+override "layers.0" {
+  params replicate
+  grads  shard over gpu
+  optim  shard over gpu
+}
+"""
+
+
 def _strategy(name: str, mesh: str):
     import shardc
-    s = shardc.load_strategy(os.path.join(ROOT, "examples/strategies", name + ".shard"), mesh=mesh)
+    src = OVERRIDE if name == "override_mix" else os.path.join(ROOT, "examples/strategies", name + ".shard")
+    s = shardc.load_strategy(src, mesh=mesh)
     return dataclasses.replace(s, accumulate=2)
 
 
@@ -93,7 +109,8 @@ def _compare(cases, world, *, memory=True):
 
 def test_named_strategies_two_levels():
     cases = [(n, MESH4, False) for n in NAMED if n != "zero_topo"]
-    cases += [("paro_iig", MESH4, True), ("zeropp", MESH4, True), ("ddp", MESH4, True)]
+    cases += [("paro_iig", MESH4, True), ("zeropp", MESH4, True), ("ddp", MESH4, True),
+              ("override_mix", MESH4, False)]
     assert len(cases) >= 14
     _compare(cases, 4)
 
