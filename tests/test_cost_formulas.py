@@ -234,6 +234,12 @@ def test_profile_interpolation(tmp_path):
         prof.seconds("all_to_all", ("gpu",), 10, M2, Collectives.HIERARCHICAL)
     with pytest.raises(ShardcError, match="no reduce_scatter entry"):
         prof.seconds("reduce_scatter", ("gpu",), 10, M2, Collectives.RING)
+    # auto picks among the algorithms the profile has: only `ring` was measured over node+gpu
+    ring2 = [{"op": op, "levels": ["node", "gpu"], "algo": "ring", "bytes": 1e6, "seconds": 1e-3, "busbw": 0}
+             for op in ("all_gather", "reduce_scatter")]
+    f.write_text(json.dumps({"mesh": [], "entries": ring2}))
+    z3 = strat(M2, W2, W2, W2)
+    assert choose_collectives(z3, [10**6], bandwidth=Profile.load(str(f))) == Collectives.RING
     rs = {"op": "reduce_scatter", "levels": ["gpu"], "algo": "ring", "bytes": 1e6, "seconds": 2e-3, "busbw": 0}
     f.write_text(json.dumps({"mesh": [], "entries": [rs]}))
     assert Profile.load(str(f)).seconds("all_to_all", ("gpu",), 1e6, M2, Collectives.HO_RING) == pytest.approx(2e-3)

@@ -221,11 +221,17 @@ def choose_collectives(strategy: Strategy, unit_numels, *, bandwidth=None,
     if not any(len(_stage_sizes(mesh, r.levels)) > 1 for r in records):
         return Collectives.RING
     bw = bandwidth or AlphaBeta()
-    best, best_t = None, math.inf
+    best, best_t, missing = None, math.inf, None
     for algo in (Collectives.HIERARCHICAL, Collectives.RING, Collectives.HO_RING):
-        t = sum(phase_seconds(records, mesh, bw, algo).values())
+        try:
+            t = sum(phase_seconds(records, mesh, bw, algo).values())
+        except ShardcError as e:      # a profile without this algorithm: choose among the others
+            missing = missing or e
+            continue
         if t < best_t * (1 - 1e-9):
             best, best_t = algo, t
+    if best is None:
+        raise missing
     return best
 
 
