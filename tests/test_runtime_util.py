@@ -17,7 +17,7 @@ V, D, H, T = 11, 6, 7, 5          # vocab, width, hidden, sequence
 
 
 class Block(nn.Module):
-    def __init__(self, d=D, h=H):
+    def __init__(self, d, h):
         super().__init__()
         self.ln = nn.LayerNorm(d)
         self.up = nn.Linear(d, h)
@@ -30,14 +30,14 @@ class Block(nn.Module):
 class Tiny(nn.Module):
     """Embedding, 3 blocks, optional parameter-free unit, final norm, head tied to the embedding."""
 
-    def __init__(self, n_blocks=3, empty_unit=False, frozen=False, seed=0):
+    def __init__(self, n_blocks=3, empty_unit=False, frozen=False, seed=0, d=D, h=H):
         super().__init__()
         torch.manual_seed(seed)
-        self.emb = nn.Embedding(V, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
+        self.emb = nn.Embedding(V, d)
+        self.blocks = nn.ModuleList(Block(d, h) for _ in range(n_blocks))
         self.mid = nn.Tanh() if empty_unit else None
-        self.norm = nn.LayerNorm(D)
-        self.head = nn.Linear(D, V, bias=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, V, bias=False)
         self.head.weight = self.emb.weight
         self.register_buffer("scale", torch.tensor(1.5))
         if frozen:
