@@ -69,6 +69,8 @@ def test_paro_iig_two_levels_ledger_memory_links():
     # node (p=2): 1/2·(16+32) sync + 1/2·(16+32) update = 48.
     assert links == pytest.approx({"node": 48.0, "gpu": 768.0})
     assert inter_intra(links, M2) == pytest.approx((48.0, 768.0))
+    one = Mesh((Level("gpu", 4),))                      # one level = one node: all intra
+    assert inter_intra({"gpu": 10.0}, one) == (0.0, 10.0)
 
 
 def test_zero_topo_three_levels_secondary_and_quantized():

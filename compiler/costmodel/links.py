@@ -91,6 +91,11 @@ def link_bytes(records, mesh: Mesh, algo: Collectives = Collectives.RING) -> dic
 
 
 def inter_intra(links: dict[str, float], mesh: Mesh) -> tuple[float, float]:
-    """(inter, intra): bytes on the outermost level's links, and on all the others."""
+    """(inter, intra): bytes on the outermost level's links, and on all the others.
+
+    A one-level mesh is one node (as in the alpha-beta model): everything is intra.
+    """
+    if len(mesh.names) < 2:
+        return 0.0, sum(links.values())
     outer = mesh.names[0]
     return links.get(outer, 0.0), sum(b for k, b in links.items() if k != outer)
