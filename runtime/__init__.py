@@ -6,10 +6,7 @@ from .module import ShardedModule, shard_module
 from .optimizer import ELEMENTWISE
 from .units import UnitSpec
 
-try:
-    from .mesh import ShardMesh
-except ImportError:          # runtime/mesh.py not landed yet
-    from ._fallback import ShardMesh
+from .mesh import ShardMesh
 
 __all__ = ["ShardedModule", "shard_module", "UnitSpec", "LedgerRecord", "ShardMesh",
            "RuntimeUsageError", "ELEMENTWISE", "payload"]

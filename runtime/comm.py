@@ -14,7 +14,6 @@ import torch
 
 from shardc.dsl.ir import Collectives, DType, Mesh
 
-from .errors import RuntimeUsageError
 from .ledger import Ledger
 
 
@@ -40,18 +39,15 @@ class ThenWork:
 
 
 class Comm:
-    def __init__(self, mesh: Mesh, algo: Collectives, ledger: Ledger, shard_mesh=None):
-        try:
-            from . import collectives as C
-            from .mesh import ShardMesh
-        except ImportError:      # colleague's modules not landed yet
-            from . import _fallback as C
-            from ._fallback import ShardMesh
+    def __init__(self, mesh: Mesh, algo: Collectives, ledger: Ledger, shard_mesh=None,
+                 device_type: str = "cpu"):
+        from . import collectives as C
+        from .mesh import ShardMesh
         self.mesh = mesh
         self.algo = algo
         self.ledger = ledger
         self.C = C
-        self.smesh = shard_mesh if shard_mesh is not None else ShardMesh(mesh)
+        self.smesh = shard_mesh if shard_mesh is not None else ShardMesh(mesh, device_type)
 
     @property
     def rank(self) -> int:
@@ -87,17 +83,3 @@ class Comm:
             return DoneWork()
         self.ledger.record(phase, "all_reduce", levels, nbytes)
         return self.C.all_reduce(t, self.smesh, levels, algo=self.algo)
-
-
-def check_quant_available(strategy) -> None:
-    """Quantized storage/comm needs runtime/quant.py; say so clearly if it is missing."""
-    p, g = strategy.params, strategy.grads
-    wants = p.comm.quantized or g.comm.quantized or (p.secondary and p.secondary.quant)
-    if not wants:
-        return
-    try:
-        from . import quant  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - depends on the colleague's module
-        raise RuntimeUsageError(
-            f"strategy {strategy.name!r} quantizes communication but shardc.runtime.quant "
-            f"is not available ({exc})") from exc

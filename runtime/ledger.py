@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from math import ceil
-
 from shardc.dsl.ir import DType
+
+from .quant import payload_bytes
 
 PHASES = ("forward", "backward", "sync", "update")
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
@@ -30,10 +30,7 @@ class LedgerRecord:
 
 def payload(numel: int, s: int, comm: DType) -> int:
     """Bytes of one collective over `s` ranks with full logical numel `numel` (internals.md)."""
-    if not comm.quantized:
-        return numel * comm.bits // 8
-    per = numel // s
-    return s * (ceil(per * comm.bits / 8) + ceil(per / 256) * 4)
+    return payload_bytes(numel, s, comm)
 
 
 def elem_bytes(dtype: DType) -> int:

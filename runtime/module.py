@@ -24,7 +24,7 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
 
 from . import state
-from .comm import Comm, check_quant_available
+from .comm import Comm
 from .engine import Engine, UnitState
 from .errors import RuntimeUsageError
 from .flat import TORCH_DTYPE, FlatGroup
@@ -104,12 +104,12 @@ class ShardedModule(nn.Module):
         if dist.get_world_size() != strategy.mesh.world:
             raise ShardcError(f"mesh {strategy.mesh} has {strategy.mesh.world} ranks but the world "
                               f"size is {dist.get_world_size()}")
-        check_quant_available(strategy)
         self.module = model
         self.strategy = strategy
         self.unit_specs = list(units)
         self.ledger = Ledger()
-        self.comm = Comm(strategy.mesh, strategy.collectives, self.ledger, mesh)
+        dev = next(iter(model.parameters()), torch.empty(0)).device.type
+        self.comm = Comm(strategy.mesh, strategy.collectives, self.ledger, mesh, dev)
         _broadcast_from_rank0(model)
         params, self.aliases, targets, self.param_order = _param_maps(model)
         self.frozen = {n for n, p in params.items() if not p.requires_grad}
