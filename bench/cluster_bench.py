@@ -54,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="time all-gather/reduce-scatter, flat vs hierarchical, instead")
     p.add_argument("--sizes", default="64KB,1MB,8MB", help="--collectives message sizes")
     p.add_argument("--logdir", default=None, help="worker logs (default: a fresh temp dir)")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler on rank 0 over the timed steps -> LOGDIR/<system>.profile.txt")
     p.add_argument("--json", dest="json_out", required=True)
     return p.parse_args(argv)
 
@@ -99,6 +101,8 @@ def run_system(cluster, a, name: str, index: int, logdir: str, progress, task) -
              "--warmup", str(a.warmup), "--out", out, "--progress", prog]
     if a.per_rank_links:
         flags.append("--per-rank-links")
+    if a.profile:
+        flags += ["--profile", os.path.join(logdir, f"{tag}.profile.txt")]
 
     def poll():
         if os.path.exists(prog):

@@ -1,7 +1,8 @@
 """The systems under test (bench stage: system name + model -> a trainable wrapper).
 
 Input: a system name (`fsdp2:full`, `fsdp2:hsdp`, `ddp`, `shardc:<name>` or
-`shardc:<path.shard>`), the model, the cluster shape. Output: a `System` whose
+`shardc:<path.shard>`, optionally `@ring|@hierarchical|@ho-ring|@auto` to
+override the strategy's `collectives`), the model, the cluster shape. Output: a `System` whose
 `micro(i)` context does what a user would write for gradient accumulation, plus the
 model-state bytes each rank holds and the step's ledger (shardc) or the peer's
 collectives derived from its known algorithm (bench/peers.py).
@@ -20,6 +21,7 @@ from torch import nn
 from models import ROOT, block_modules
 
 LR = 3e-4
+ALGOS = ("auto", "ring", "hierarchical", "ho-ring")     # `shardc:NAME@ALGO` overrides `collectives`
 
 
 @dataclass
@@ -128,14 +130,20 @@ def strategy_path(spec: str) -> str:
     return os.path.join(ROOT, "examples", "strategies", f"{spec}.shard")
 
 
-def with_accumulate(path: str, accumulate: int, workdir: str) -> str:
-    """A copy of the strategy file whose `accumulate` is the benchmark's (same for all)."""
+def _set_statement(text: str, keyword: str, value: str) -> str:
+    """Replace the `keyword ...` statement of a .shard text (or append it)."""
+    line = f"{keyword} {value}"
+    text, n = re.subn(rf"(?m)^[ \t]*{keyword}[ \t]+[^\n#]*", line, text)
+    return text if n else text.rstrip("\n") + f"\n{line}\n"
+
+
+def with_accumulate(path: str, accumulate: int, workdir: str, algo: str | None = None) -> str:
+    """A copy of the strategy file whose `accumulate` is the benchmark's (same for all),
+    and whose `collectives` is `algo` when the system name asked for one (`NAME@ALGO`)."""
     with open(path) as f:
-        text = f.read()
-    line = f"accumulate {accumulate}"
-    text, n = re.subn(r"(?m)^[ \t]*accumulate[ \t]+\d+[^\n]*$", line, text)
-    if n == 0:
-        text = text.rstrip("\n") + f"\n{line}\n"
+        text = _set_statement(f.read(), "accumulate", str(accumulate))
+    if algo:
+        text = _set_statement(text, "collectives", algo)
     d = os.path.join(workdir, f"strategies.rank{dist.get_rank()}")    # keeps the file stem
     os.makedirs(d, exist_ok=True)
     out = os.path.join(d, os.path.basename(path))
@@ -147,10 +155,13 @@ def with_accumulate(path: str, accumulate: int, workdir: str) -> str:
 def shardc_system(model: nn.Module, spec: str, example, accumulate: int, workdir: str) -> System:
     import shardc
 
+    spec, _, algo = spec.partition("@")
+    if algo and algo not in ALGOS:
+        raise ValueError(f"unknown collectives {algo!r} in shardc:{spec}@{algo}: use {', '.join(ALGOS)}")
     path = strategy_path(spec)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no strategy file {path}")
-    path = with_accumulate(path, accumulate, workdir)
+    path = with_accumulate(path, accumulate, workdir, algo or None)
     strategy = shardc.load_strategy(path, world_size=dist.get_world_size())
     sm = shardc.compile(model, path, example_inputs=(example,))
     plan = getattr(sm, "plan", None)          # the resolved strategy (`collectives auto` decided)
@@ -163,7 +174,7 @@ def shardc_system(model: nn.Module, spec: str, example, accumulate: int, workdir
     def memory():
         return int(sm.memory_report()["total"])
 
-    return System(f"shardc:{spec}", sm, opt, micro, ledger=sm.comm_ledger,
+    return System(f"shardc:{spec}" + (f"@{algo}" if algo else ""), sm, opt, micro, ledger=sm.comm_ledger,
                   reset_ledger=sm.reset_comm_ledger, memory=memory, strategy=strategy,
                   extra={"mesh": [[l.name, l.size] for l in strategy.mesh.levels],
                          "collectives": strategy.collectives.value})

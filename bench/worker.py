@@ -65,6 +65,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--per-rank-links", action="store_true")
     p.add_argument("--out", required=True)
     p.add_argument("--progress", default=None)
+    p.add_argument("--profile", default=None,
+                   help="rank 0 runs torch.profiler over the timed steps; table written here")
     return p.parse_args()
 
 
@@ -139,11 +141,16 @@ def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
     if sys_.reset_ledger:
         sys_.reset_ledger()
     before = nic_counters() if local_rank == 0 else None
+    prof = _profiler(args, rank)
     for step in range(args.warmup, args.warmup + args.steps):
         # the first timed step measures peaks too (optimizer state exists only after a step)
         times.append(run_step(sys_, model, step, args, rank, peak=step == args.warmup))
         _progress(args, rank, f"step {step - args.warmup + 1}/{args.steps} {times[-1]:.3f}s")
     nic = split_counters(before, nic_counters()) if local_rank == 0 else None
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        with open(args.profile, "w") as f:
+            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
     ledger = None
     if sys_.ledger:
         ledger = [dict(phase=r.phase, op=r.op, levels=list(r.levels), bytes=r.bytes,
@@ -153,6 +160,15 @@ def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
             "state_bytes": sys_.extra["state_bytes"],
             "peak_state_bytes": sys_.extra["peak_state_bytes"], "nic": nic, "ledger": ledger,
             "ledger_steps": args.steps}
+
+
+def _profiler(args, rank: int):
+    if rank != 0 or not args.profile:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    prof = profile(activities=[ProfilerActivity.CPU])
+    prof.__enter__()
+    return prof
 
 
 def _progress(args, rank: int, msg: str) -> None:
