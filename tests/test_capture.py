@@ -1,0 +1,134 @@
+"""compiler/capture: fx and export capture, unit order, and located failures (no tracebacks)."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from shardc.compiler.capture import capture
+from shardc.compiler.units import find_units
+from shardc.dsl.errors import ShardcError
+from shardc.dsl.ir import Level, Mesh, ParamsSpec, Scopes, Strategy
+from examples.gpt import example_inputs, tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+S = Strategy("t", Mesh((Level("gpu", 2),)), Scopes(ParamsSpec(("gpu",), line=2)), file="t.shard")
+
+
+def test_fx_units_are_leaf_calls():
+    m = tiny()
+    gm = capture(m, find_units(m, S), mode="fx")
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    assert calls == ["transformer.wte", "transformer.wpe", "transformer.h.0", "transformer.h.1",
+                     "transformer.ln_f", "lm_head"]
+    assert gm.meta["shardc"].mode == "fx"
+    assert ("lm_head.weight", "transformer.wte.weight") in gm.meta["shardc"].aliases
+
+
+def test_export_units_from_module_stack():
+    m = tiny()
+    gm = capture(m, find_units(m, S), example_inputs(m), mode="export")
+    info = gm.meta["shardc"]
+    assert info.mode == "export" and [u.name for u in info.units] == ["<root>", "transformer.h.0", "transformer.h.1"]
+
+
+class Reversed(nn.Module):
+    """Blocks registered 0, 1, 2 but run 2, 1, 0: capture puts units in run order."""
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(3, 3) for _ in range(3))
+
+    def forward(self, x):
+        for b in reversed(self.blocks):
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["fx", "export"])
+def test_units_reordered_into_execution_order(mode):
+    m = Reversed()
+    units = find_units(m, S)
+    assert [u.name for u in units] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+    gm = capture(m, units, (torch.ones(1, 3),), mode=mode)
+    assert [u.name for u in gm.meta["shardc"].units] == ["<root>", "blocks.2", "blocks.1", "blocks.0"]
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(2, 2)
+        self.gate = Gate()
+
+    def forward(self, x):
+        return self.gate(self.pre(x))
+
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        if x.sum() > 0:                      # data-dependent control flow
+            return self.lin(x)
+        return x
+
+
+def test_fx_failure_is_located():
+    m = Branchy()
+    with pytest.raises(ShardcError) as e:
+        capture(m, find_units(m, S), mode="fx")
+    msg = str(e.value)
+    assert "capture fx stopped in module 'gate'" in msg
+    assert f"test_capture.py:{Gate.forward.__code__.co_firstlineno + 1}" in msg and "if x.sum() > 0:" in msg
+    assert "capture export" in msg and "units" in msg and "Traceback" not in msg
+
+
+def test_export_failure_is_located_and_auto_reports_it():
+    m = Branchy()
+    for mode in ("export", "auto"):
+        with pytest.raises(ShardcError, match=r"capture export stopped in module 'gate' at .*test_capture\.py:\d+ "
+                                              r"\(`if x\.sum\(\) > 0:"):
+            capture(m, find_units(m, S), (torch.ones(1, 2),), mode=mode)
+    with pytest.raises(ShardcError, match="export capture was not tried"):
+        capture(m, find_units(m, S), None, mode="auto")
+
+
+def test_cli_reports_one_line_not_a_traceback(tmp_path):
+    model = tmp_path / "branchy.py"
+    model.write_text(textwrap.dedent('''
+        import torch
+        from torch import nn
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(2, 2)
+            def forward(self, x):
+                if x.sum() > 0:
+                    return self.lin(x)
+                return x
+        def make():
+            return M()
+    '''))
+    strat = tmp_path / "s.shard"
+    strat.write_text("mesh gpu(2)\nparams shard over gpu\ngrads shard over gpu\noptim shard over gpu\n")
+    r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile", str(strat), "--model", f"{model}:make",
+                        "--example-input", "float32[1,2]", "-o", str(tmp_path / "out.py")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: capture export stopped in module '<root>'") and "branchy.py:9" in r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_cli_writes_the_module(tmp_path):
+    out = tmp_path / "gpt_zero3.py"
+    r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile", "examples/strategies/zero3.shard",
+                        "--model", "examples/gpt.py:tiny", "--mesh", "node(2) > gpu(2)", "-o", str(out)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    src = out.read_text()
+    compile(src, str(out), "exec")
+    assert "def shard_model(model):" in src and "rt.run_unit(1, " in src
