@@ -46,10 +46,15 @@ def add_arguments(p) -> None:
 
 def base_strategy(mesh: str, world):
     """A replicate-everything strategy on the resolved mesh (the DSL resolves `*`/`local`)."""
-    from shardc.compiler.cmd_explain import load
+    from shardc.dsl import StrategyError, load_strategy
     if "\n" in mesh or "#" in mesh:
         raise ShardcError("--mesh must be one line such as 'node(8) > gpu(8)'")
-    return load(f"strategy planned\nmesh {mesh}\n", world, None)
+    try:
+        return load_strategy(f"strategy planned\nmesh {mesh}\n", world_size=world)
+    except StrategyError as e:
+        msg = e.errors[0].message if e.errors else str(e).splitlines()[0]
+        hint = "; pass --world" if world is None and "world size is unknown" in msg else ""
+        raise ShardcError(f"--mesh {mesh!r}: {msg}{hint}") from None
 
 
 def run(args) -> int:
@@ -103,14 +108,15 @@ def row(c) -> dict:
     sc, r = c.scopes, c.report
     return {"params": list(sc.params.levels), "grads": list(sc.grads.levels), "optim": list(sc.optim.levels),
             "collectives": r.algo.value, "memory": c.memory, "model_states": r.memory["total"],
-            "inter": round(r.inter), "intra": round(r.intra), "step_seconds": c.step_time}
+            "inter": round(r.inter), "intra": round(r.intra), "step_seconds": c.step_time,
+            "comm_seconds": c.comm_time}
 
 
 def render(cands, fit, args, budget) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = Console(width=max(Console().width, 110))
+    con = Console(width=max(Console().width, 150))
     mesh = cands[0].report.strategy.mesh
     con.print(f"{len(cands)} strategies obey the dependency rule on {mesh}; {len(fit)} fit "
               f"{human_bytes(budget)} per rank ({args.micro_batches} micro-batches, {args.precision})")

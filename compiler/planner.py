@@ -52,6 +52,11 @@ class Candidate:
         return self.report.time.total
 
     @property
+    def comm_time(self) -> float:
+        """Communication seconds before overlap (Lins' objective; breaks compute-bound ties)."""
+        return sum(self.report.time.comm.values())
+
+    @property
     def memory(self) -> int:
         return self.report.memory["total"] + self.report.memory["transient"]
 
@@ -59,7 +64,9 @@ class Candidate:
 def plan(base: Strategy, units: list[UnitSize], budget: float, *, bandwidth=None, micro_batches=None,
          optimizer: str = "adamw", optimizer_kwargs=None, dtype: DType = DType.FP32,
          tokens: int = 4096, flops: float = 150e12) -> list[Candidate]:
-    """All candidates: the fitting ones first, by step time (then memory), then the rest by memory."""
+    """All candidates: the fitting ones first, by step time, then (when compute hides the
+    communication and step times tie) by total communication time, then memory; then
+    the rest by memory."""
     out = []
     for sc in enumerate_scopes(base.mesh, dtype):
         s = replace(base, scopes=sc, overrides=(), collectives=Collectives.AUTO)
@@ -70,7 +77,7 @@ def plan(base: Strategy, units: list[UnitSize], budget: float, *, bandwidth=None
         rep = replace(rep, strategy=chosen)
         mem = rep.memory["total"] + rep.memory["transient"]
         out.append(Candidate(sc, rep, mem <= budget))
-    fit = sorted((c for c in out if c.fits), key=lambda c: (c.step_time, c.memory))
+    fit = sorted((c for c in out if c.fits), key=lambda c: (c.step_time, c.comm_time, c.memory))
     rest = sorted((c for c in out if not c.fits), key=lambda c: c.memory)
     return fit + rest
 

@@ -80,3 +80,18 @@ def test_nothing_fits_is_one_clear_error(tmp_path):
         run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", "1000B"])
     with pytest.raises(ShardcError, match="cannot read memory size"):
         run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", "lots"])
+
+
+def test_compute_bound_ties_go_to_the_least_communication(capsys):
+    # 1 MFLOP/s: compute hides the per-micro-batch and sync collectives, so every strategy
+    # without an update all-gather takes exactly the compute time; Lins' objective
+    # (communication time) then orders them.
+    assert run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", "1GiB",
+                            "--flops", "1e6", "--top", "16", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["ranking"]
+    assert len(rows) == 16
+    keys = [(r["step_seconds"], r["comm_seconds"]) for r in rows]
+    assert keys == sorted(keys)
+    tied = [r for r in rows if r["step_seconds"] == rows[0]["step_seconds"]]
+    # P = G = OS (no update all-gather) for each of the 4 level sets: replicate, node, gpu, world
+    assert len(tied) >= 4 and tied[0]["comm_seconds"] < tied[-1]["comm_seconds"]
