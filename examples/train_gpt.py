@@ -40,6 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--capture", choices=("auto", "fx", "export"), default="auto")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
 
@@ -90,8 +91,8 @@ def report(sm, strategy, tokens, seconds, world, losses):
         print(f"  {levels or '-':<16} {human(nbytes):>12}  ({human(nbytes / len(losses))} per step)")
 
 
-def progress(total: int, rank: int):
-    if rank != 0:
+def progress(total: int, rank: int, enabled: bool = True):
+    if rank != 0 or not enabled:
         return None
     try:
         from tqdm import tqdm
@@ -102,8 +103,16 @@ def progress(total: int, rank: int):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        train(args)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def train(args) -> dict:
+    """The training run on an initialised process group; returns losses and the report data."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     cfg = CONFIGS[args.model]
@@ -119,7 +128,7 @@ def main(argv=None) -> int:
               f"capture {sm.plan.capture}", flush=True)
     opt = sm.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
     M = strategy.accumulate
-    bar, losses = progress(args.steps, rank), []
+    bar, losses = progress(args.steps, rank, not args.quiet), []
     t0 = time.perf_counter()
     for step in range(args.steps):
         total = torch.zeros(())
@@ -139,9 +148,10 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - t0
     if bar is not None:
         bar.close()
-    report(sm, strategy, args.steps * M * args.batch * cfg.block_size * world, seconds, world, losses)
-    dist.destroy_process_group()
-    return 0
+    tokens = args.steps * M * args.batch * cfg.block_size * world
+    report(sm, strategy, tokens, seconds, world, losses)
+    return dict(losses=losses, tokens_per_s=tokens / seconds, memory=sm.memory_report(),
+                comm=comm_by_level(sm.comm_ledger()))
 
 
 if __name__ == "__main__":
