@@ -13,7 +13,7 @@ import re
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import DType
 
-from shardc.compiler.costmodel.cliargs import (
+from shardc.compiler.cmd_explain import (
     add_bandwidth_arguments, bandwidth_from_args, flops_from_args, human_bytes,
 )
 

@@ -5,8 +5,8 @@ communication ledger (record for record what the runtime measures), bytes per li
 level, and an alpha-beta / profiled time estimate. Consumed by `shardc explain`,
 `shardc plan` and the compiler (`choose_collectives`).
 
-Names are imported lazily (PEP 562): the CLI imports `costmodel.cliargs` to build its
-parser, and that must not pull in torch or the runtime.
+Names are imported lazily (PEP 562): importing the package costs nothing; a name loads
+its submodule (and through `ledger`, torch and the runtime) on first use.
 """
 from importlib import import_module
 
