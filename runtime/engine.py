@@ -57,6 +57,7 @@ class UnitState:
     reduced: bool = False
     modules_done: set = field(default_factory=set)
     running: bool = False
+    calls: int = 0
 
     @property
     def trainable(self) -> FlatGroup | None:
@@ -95,6 +96,7 @@ class Engine:
         for u in self.units:
             u.modules_done.clear()
             u.running = False
+            u.calls = 0
         self.issue_gather(0)
         self.wait_gather(0)
         self._set_views(self.units[0])
@@ -144,12 +146,22 @@ class Engine:
     def finish_forward(self, i: int) -> None:
         u = self.units[i]
         u.running = False
+        u.calls = 0
         if i != 0:
             self.release(i)
 
     def run_unit(self, i: int, fn, *args, **kwargs):
-        self.pre_forward(i)
-        return self.post_forward(i, fn(*args, **kwargs))
+        """Run one module of unit i; a unit of k modules (a bucket) is gathered on its
+        first call and released after its k-th."""
+        u = self.units[i]
+        if not u.running:
+            self.pre_forward(i)
+        out = fn(*args, **kwargs)
+        self.watch_backward(i, out)
+        u.calls += 1
+        if u.calls >= max(1, len(u.spec.modules)):
+            self.finish_forward(i)
+        return out
 
     def end_forward(self, out):
         tensors = _grad_tensors(out) if torch.is_grad_enabled() else []

@@ -1,5 +1,5 @@
 """Runtime features on 4 gloo ranks (node(2) > gpu(2)): frozen parameters, param groups,
-clip_grad_norm_, no_sync, a parameter-free unit, eval under no_grad, misuse errors,
+clip_grad_norm_, no_sync, a parameter-free unit, a two-module (bucket) unit, eval under no_grad, misuse errors,
 state-dict round trips and the prefetch schedule. Each compares with one process on the
 concatenated batch (tied embedding/head and padding are in every case: blocks have 109
 elements, not a multiple of 4)."""
@@ -20,10 +20,10 @@ MESH = "node(2) > gpu(2)"
 TOL = 1e-5
 
 
-def _shard(model, name, acc=2):
+def _shard(model, name, acc=2, bucket=False):
     from shardc.runtime import shard_module
     s = strategy(name, MESH, accumulate=acc)
-    return shard_module(copy.deepcopy(model), s, units_for(model, s.scopes))
+    return shard_module(copy.deepcopy(model), s, units_for(model, s.scopes, bucket))
 
 
 def _variants(rank, world):
@@ -34,12 +34,13 @@ def _variants(rank, world):
         ("groups", {}, "paro_igg", dict(groups=True)),
         ("clip", {}, "zero3", dict(clip=0.05)),
         ("clip_mics", {}, "mics", dict(clip=0.05)),
+        ("bucket", {}, "zeropp", dict(bucket=True)),
     ]:
         model = Tiny(**model_kw)
         data = batches(3, world, 2)
         want, want_norms = reference(model, data, "adamw", clip=kw.get("clip"),
                                      groups=kw.get("groups", False))
-        sm = _shard(model, name)
+        sm = _shard(model, name, bucket=kw.get("bucket", False))
         groups = nobias_groups(model) if kw.get("groups") else None
         got, norms, _ = train_sharded(sm, data, rank, world, 2, "adamw", clip=kw.get("clip"),
                                       groups=groups)
@@ -47,7 +48,7 @@ def _variants(rank, world):
     return out
 
 
-def test_frozen_groups_clip_empty_unit():
+def test_frozen_groups_clip_empty_unit_bucket():
     res = dist_run(4, _variants)
     for r in res:
         for label, (err, norms, want_norms) in r.items():

@@ -52,7 +52,9 @@ class Tiny(nn.Module):
         return self.head(self.norm(h))
 
 
-def units_for(model: Tiny, scopes):
+def units_for(model: Tiny, scopes, bucket: bool = False):
+    """Root + one unit per block (+ the parameter-free unit); with `bucket`, blocks 1 and 2
+    form one unit of two modules."""
     from shardc.runtime import UnitSpec
     blocks = [f"blocks.{i}" for i in range(len(model.blocks))]
     names = {n for n, _ in model.named_parameters()}
@@ -63,6 +65,9 @@ def units_for(model: Tiny, scopes):
                             scopes, (b,)))
         if i == 0 and model.mid is not None:
             out.append(UnitSpec("mid", (), scopes, ("mid",)))
+    if bucket:
+        a, b = out[-2], out[-1]
+        out[-2:] = [UnitSpec("bucket", a.params + b.params, scopes, a.modules + b.modules)]
     return out
 
 
