@@ -4,7 +4,8 @@ Input: a graph annotated by `annotate_units`. Output: the same graph with
 - `begin_forward()` after the inputs (gathers the root unit) and `end_forward(out)`
   around the output;
 - before every unit call/region whose params are sharded (s_P > 1): `issue_gather(i)`
-  then `wait_gather(i)` (adjacent; `schedule_overlap` moves the issue earlier);
+  then `wait_gather(i)` (adjacent; `schedule_overlap` moves the issue earlier); a unit
+  called several times in one forward (a bucket of modules) only before its first call;
 - export capture only: `release(i)` after each unit region (with fx capture the
   RUN_UNIT call itself releases and arms the backward collectives).
 Each marker's `NodeInfo.line` is the strategy line of the `params` statement that
@@ -60,13 +61,16 @@ def insert_collectives(gm, strategy):
     with ctx:
         _marker(graph, Op.BEGIN_FORWARD, 0, root_line)
     if capture_mode(gm) == "fx":
+        seen: set[int] = set()
         for node in nodes:
             if info(node) is not None and info(node).op is Op.RUN_UNIT:
                 spec = units[info(node).unit]
                 g_line = spec.scopes.grads.line if strategy.mesh.factor(spec.scopes.grads.levels) > 1 else 0
                 node.meta["shardc"] = NodeInfo(info(node).unit, Op.RUN_UNIT, g_line or (
                     spec.scopes.params.line if sharded(spec, strategy) else 0))
-                _gather_before(graph, node, info(node).unit, strategy, units)
+                if info(node).unit not in seen:          # a multi-call unit is gathered once
+                    _gather_before(graph, node, info(node).unit, strategy, units)
+                    seen.add(info(node).unit)
     else:
         for unit, first, last in _regions(graph):
             _gather_before(graph, first, unit, strategy, units)
