@@ -39,6 +39,12 @@ override "layers.0" {
 
 def _strategy(name: str, mesh: str):
     import shardc
+    if name.startswith("plan:"):     # "plan:I:DTYPE": the planner's I-th scope assignment
+        from shardc.compiler.planner import enumerate_scopes
+        from shardc.dsl.ir import DType
+        _, i, dtype = name.split(":")
+        base = shardc.load_strategy(f"strategy p{i}\nmesh {mesh}\naccumulate 2\n")
+        return dataclasses.replace(base, scopes=enumerate_scopes(base.mesh, DType(dtype))[int(i)])
     src = OVERRIDE if name == "override_mix" else os.path.join(ROOT, "examples/strategies", name + ".shard")
     s = shardc.load_strategy(src, mesh=mesh)
     return dataclasses.replace(s, accumulate=2)
@@ -113,6 +119,12 @@ def test_named_strategies_two_levels():
               ("override_mix", MESH4, False)]
     assert len(cases) >= 14
     _compare(cases, 4)
+
+
+def test_every_planner_assignment_in_bf16():
+    # All 16 dependency-rule assignments on node(2) > gpu(2), bf16 params and grads (comm bf16):
+    # an fp32 master in the optimizer (+4 bytes per OS element), bf16 sync/update payloads.
+    _compare([(f"plan:{i}:bf16", MESH4, i % 5 == 0) for i in range(16)], 4)
 
 
 TOPO = (("zero_topo", MESH8, False), ("zero_topo", MESH8, True), ("paro_igg", MESH8, False))
