@@ -55,8 +55,9 @@ def run(args) -> int:
         strategy = dataclasses.replace(strategy, collectives=Collectives(args.collectives))
     units = load_model_units(strategy, args.model)
     kw = {"momentum": args.momentum}
+    bw = bandwidth_from_args(args)
     e = explain(strategy, units, micro_batches=args.micro_batches, optimizer=args.optimizer,
-                optimizer_kwargs=kw, clip_grad_norm=args.clip, bandwidth=bandwidth_from_args(args),
+                optimizer_kwargs=kw, clip_grad_norm=args.clip, bandwidth=bw,
                 tokens=args.tokens, flops=flops_from_args(args))
     if args.plot:
         from shardc.compiler.plot import plot_among_named
@@ -65,6 +66,7 @@ def run(args) -> int:
         print(json.dumps(to_json(e), indent=2))
     else:
         render(e)
+        print(f"time model: {bw}; compute {args.tokens} tokens per micro-batch at {args.flops} FLOP/s")
     return 0
 
 

@@ -61,6 +61,10 @@ class AlphaBeta:
     intra_lat: float = 5e-6
     inter_lat: float = 20e-6
 
+    def __str__(self) -> str:
+        return (f"alpha-beta: intra {self.intra / 1e9:g} GB/s + {self.intra_lat * 1e6:g} us, "
+                f"inter {self.inter / 1e9:g} GB/s + {self.inter_lat * 1e6:g} us per ring step")
+
     def _link(self, mesh: Mesh, level: str) -> tuple[float, float]:
         outer = level == mesh.names[0] and len(mesh.names) > 1
         return (self.inter_lat, self.inter) if outer else (self.intra_lat, self.intra)
@@ -89,6 +93,9 @@ class AlphaBeta:
 class Profile:
     """Measured bandwidths: `{(op, levels, algo): ((bytes, seconds), ...)}` sorted by bytes."""
     entries: dict
+
+    def __str__(self) -> str:
+        return f"bandwidth profile ({len(self.entries)} measured groups)"
 
     @classmethod
     def load(cls, path: str) -> "Profile":
