@@ -125,26 +125,14 @@ class _Printer:
         return self.call(self.function(t), args, n.kwargs)
 
 
-def _multi_calls(gm) -> dict:
-    """RUN_UNIT node -> (is first call, is last call) for units called more than once."""
-    calls: dict[int, list] = {}
-    for n in gm.graph.nodes:
-        if info(n) is not None and info(n).op is Op.RUN_UNIT:
-            calls.setdefault(info(n).unit, []).append(n)
-    return {n: (n is ns[0], n is ns[-1]) for ns in calls.values() if len(ns) > 1 for n in ns}
-
-
 def graph_code(gm, comment) -> GraphCode:
     """The forward of a scheduled fx-capture graph as Python lines; `comment(node) -> str`.
 
-    [Note: multi-call units] A unit whose modules are called several times (a bucket)
-    cannot use `rt.run_unit` per call, which would release it after the first: it is
-    entered once (`rt.pre_forward(i)`), each call's output is watched for the backward
-    (`rt.watch_backward(i, out)`) and it is released after the last (`rt.finish_forward(i)`).
+    A unit of k modules (a bucket) is k `rt.run_unit(i, ...)` calls: the runtime gathers
+    it on the first and releases it after the k-th; the gather markers precede the first.
     """
     pr = _Printer(gm)
     params, lines = [], []
-    multi = _multi_calls(gm)
     for n in gm.graph.nodes:
         name, meta = pr.names[n], info(n)
         op = meta.op if meta is not None else Op.COMPUTE
@@ -156,20 +144,9 @@ def graph_code(gm, comment) -> GraphCode:
         if n.op == "output":
             lines.append(Line(f"return {pr.arg(n.args[0])}"))
             continue
-        if n in multi:
-            lines += _multi_call_lines(pr, n, meta.unit, *multi[n], comment(n))
-            continue
         code = _node_code(pr, n, op, meta)
         lines.append(Line(f"{name} = {code}" if n.users else code, comment(n)))
     return GraphCode(tuple(params), tuple(lines), tuple(sorted(pr.imports)))
-
-
-def _multi_call_lines(pr: _Printer, n: Node, unit: int, first: bool, last: bool, note: str) -> list[Line]:
-    name = pr.names[n]
-    out = [Line(f"rt.pre_forward({unit})")] if first else []
-    out += [Line(f"{name} = {pr.call(module_expr(n.target), n.args, n.kwargs)}"),
-            Line(f"rt.watch_backward({unit}, {name})", note)]
-    return out + ([Line(f"rt.finish_forward({unit})")] if last else [])
 
 
 def _node_code(pr: _Printer, n: Node, op: Op, meta) -> str:
