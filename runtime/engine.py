@@ -12,7 +12,8 @@ unit i waits its gather, issues the gathers of units i+1..i+prefetch, runs, and 
 released. Backward: a multi-grad hook on unit i's outputs re-gathers it (primary or
 secondary) and prefetches the units before it in the recorded forward order; the
 post-accumulate-grad hook on its flat leaf reduce-scatters the gradient (async) and
-releases the full params. A final callback (queued on the autograd engine) flushes
+releases the full params; issuing it waits the previous unit's reduce-scatter, so at
+most one full-size gradient is in flight. A final callback (queued on the autograd engine) flushes
 groups that got no gradient, waits the reduce-scatters, releases what is still held
 and, on the last micro-batch, issues the per-step sync, waited in opt.step() or
 clip_grad_norm_.
@@ -80,6 +81,8 @@ class Engine:
         self._queued = False
         self._fwd_order: list[int] = []
         self._bwd_seen: set[int] = set()
+        self._in_flight: FlatGroup | None = None
+        self._unit_of = {id(u.trainable): u for u in units if u.trainable is not None}
 
     # -- forward primitives ----------------------------------------------------------
     def begin_forward(self) -> None:
@@ -211,9 +214,19 @@ class Engine:
         self.events.append(("issue_reduce", i))
         if u.trainable.release():
             self.events.append(("release", i))
+        self._bound_reductions(u.trainable)
+
+    def _bound_reductions(self, newest: FlatGroup) -> None:
+        """Keep one reduce-scatter in flight: the previous unit's is waited when the next
+        is issued, so its full-size gradient is freed (FSDP2's rule)."""
+        prev, self._in_flight = self._in_flight, newest
+        if prev is not None and prev is not newest and prev.grad_pending:
+            prev.finish_grads()
+            self.events.append(("wait_reduce", self._unit_of[id(prev)].index))
 
     def _final_callback(self) -> None:
         self._queued = False
+        self._in_flight = None
         for u in self.units:
             if u.trainable is not None and not u.reduced:
                 u.trainable.reduce_grad(None)

@@ -196,3 +196,5 @@ def test_prefetch_overlaps_next_gather():
     bwd = ev[ev.index(("run", 3)):]
     # backward: unit 2's re-gather is issued before unit 3's gradients are reduced
     assert bwd.index(("issue_gather", 2)) < bwd.index(("issue_reduce", 3)), bwd
+    # one reduce-scatter in flight: unit 3's is waited once unit 2's is issued, before unit 1's
+    assert bwd.index(("issue_reduce", 2)) < bwd.index(("wait_reduce", 3)) < bwd.index(("issue_reduce", 1))
