@@ -178,7 +178,7 @@ def capture(model: nn.Module, units, example_inputs=None, mode: str = "auto") ->
         return _capture_fx(model, units)
     except ShardcError as fx_error:
         if example_inputs is None:
-            raise ShardcError(f"{fx_error} (no example inputs were given, so export capture was not tried)") from None
+            raise ShardcError(f"{fx_error} (export capture was not tried: it needs example inputs, --example-input or example_inputs=)") from None
         gm = _capture_export(model, units, example_inputs)
         info = gm.meta["shardc"]
         gm.meta["shardc"] = CaptureInfo(info.mode, info.units, info.notes + (f"fx failed, used export: {fx_error}",),

@@ -93,7 +93,7 @@ def test_export_failure_is_located_and_auto_reports_it():
         with pytest.raises(ShardcError, match=r"capture export stopped in module 'gate' at .*test_capture\.py:\d+ "
                                               r"\(`if x\.sum\(\) > 0:"):
             capture(m, find_units(m, S), (torch.ones(1, 2),), mode=mode)
-    with pytest.raises(ShardcError, match="export capture was not tried"):
+    with pytest.raises(ShardcError, match="export capture was not tried: it needs example inputs"):
         capture(m, find_units(m, S), None, mode="auto")
 
 
