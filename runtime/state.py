@@ -3,13 +3,15 @@
 Input: a `ShardedModule` (its engine's flat groups, its optimizer).
 Output: `memory_report()` measured from the tensors actually held (docs/internals.md
 "Memory"), `full_state_dict()` (original names and shapes, tied aliases included,
-buffers), and a per-rank sharded `state_dict()` that round-trips on the same strategy
-and world. The gathers made here are not training collectives and are not recorded in
+buffers), and a sharded `state_dict()` of 1-D DTensors (one per flat group) that
+torch.distributed.checkpoint saves and loads, also across strategies whose units have
+the same padded sizes. The gathers made here are not training collectives and are not recorded in
 the ledger (like the initial broadcast).
 """
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .errors import RuntimeUsageError
 
@@ -95,28 +97,56 @@ def _key(u, g, what: str) -> str:
     return f"{u.spec.name}/{'params' if g.trainable else 'frozen'}/{what}"
 
 
+def _dtensor(sm, g) -> DTensor:
+    """The group's params shard as a 1-D DTensor of N elements: Shard(0) on the P levels.
+
+    [Note: DTensor placement] Several Shard(0) placements split the tensor mesh dim by
+    mesh dim, outermost first — the params chunk order (P's levels in mesh order)."""
+    dm = sm.comm.smesh.device_mesh
+    placements = [Shard(0) if name in g.plan.p else Replicate() for name in g.plan.mesh.names]
+    return DTensor.from_local(g.shard.detach().clone(), dm, placements, run_check=False,
+                              shape=torch.Size([g.n]), stride=(1,))
+
+
 def sharded_state_dict(sm) -> dict[str, torch.Tensor]:
+    """Per-group flat params shards as DTensors (DCP can save/load and reshard them
+    between strategies whose padded sizes agree), fp32 masters per rank, buffers."""
     out = {}
+    rank = sm.comm.rank
     for u in sm.runtime.units:
         for g in u.groups:
-            out[_key(u, g, "shard")] = g.shard.detach().clone()
+            out[_key(u, g, "shard")] = _dtensor(sm, g)
             if g.trainable and g.master_separate:
-                out[_key(u, g, "master")] = g.master.detach().clone()
+                out[_key(u, g, f"master.rank{rank}")] = g.master.detach().clone()
     for name, buf in sm.module.named_buffers():
         out[f"buffer/{name}"] = buf.detach().clone()
     return out
 
 
+def _local(sm, g, value) -> torch.Tensor | None:
+    if isinstance(value, DTensor):
+        if tuple(value.shape) != (g.n,):
+            return None
+        value = value.redistribute(placements=_dtensor(sm, g).placements).to_local()
+    return value if tuple(value.shape) == tuple(g.shard.shape) else None
+
+
 def load_sharded_state_dict(sm, sd: dict[str, torch.Tensor]) -> None:
+    rank = sm.comm.rank
     with torch.no_grad():
         for u in sm.runtime.units:
             for g in u.groups:
                 key = _key(u, g, "shard")
-                if key not in sd or sd[key].shape != g.shard.shape:
+                local = _local(sm, g, sd[key]) if key in sd else None
+                if local is None:
                     raise RuntimeUsageError(f"load_state_dict: {key!r} missing or of another "
-                                            f"shape (saved with a different strategy or world?)")
-                g.shard.copy_(sd[key])
+                                            f"shape (saved with different units or padding?)")
+                g.shard.copy_(local)
                 if g.trainable and g.master_separate:
-                    g.master.copy_(sd[_key(u, g, "master")])
+                    mkey = _key(u, g, f"master.rank{rank}")
+                    if mkey in sd:
+                        g.master.copy_(sd[mkey])
+                    else:                      # resharded: rebuild the master from the params
+                        g.master.copy_(g.shard[g.os_in_p:g.os_in_p + g.os_len].float())
         for name, buf in sm.module.named_buffers():
             buf.copy_(sd[f"buffer/{name}"])
