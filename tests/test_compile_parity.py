@@ -134,7 +134,7 @@ CASES = [  # (strategy file, mesh override, world)
     ("paro_iig.shard", "node(2) > gpu(2)", 4),
     ("zero_topo.shard", "node(2) > gpu(2) > gcd(2)", 8),
 ]
-COMBOS = (("compile", "adamw"), ("emitted", "sgd"))
+COMBOS = (("compile", "adamw"), ("compile", "sgd"), ("emitted", "adamw"), ("emitted", "sgd"))
 
 
 @pytest.mark.parametrize("name,mesh,world", CASES, ids=[c[0].split(".")[0] for c in CASES])
