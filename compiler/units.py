@@ -21,7 +21,6 @@ gather covers every module that reads it.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import replace
 
 from torch import nn
 
@@ -194,7 +193,3 @@ def reorder(units: list, first_run: list[str]) -> list:
     rest = units[1:]
     key = lambda u: min((rank.get(m, len(rank)) for m in u.modules), default=len(rank))  # noqa: E731
     return [units[0]] + sorted(rest, key=key)
-
-
-def with_scopes(unit, scopes: Scopes):
-    return replace(unit, scopes=scopes)

@@ -8,7 +8,7 @@ Waits stay at first use. `prefetch 0` leaves the graph unchanged.
 """
 from __future__ import annotations
 
-from shardc.compiler.passes.meta import Op, info, marker_nodes
+from shardc.compiler.passes.meta import Op, marker_nodes
 
 
 def schedule_overlap(gm, strategy):
