@@ -132,6 +132,18 @@ def _errors(rank, world):
         sm.optimizer(torch.optim.SGD, param_groups=[{"params": ["nope.weight"]}], lr=0.1)
     except ShardcError as e:
         msgs["badname"] = str(e)
+    loss_fn(sm(x), y).backward()                 # second micro-batch: synced now
+    try:
+        sm(x)
+    except ShardcError as e:
+        msgs["after_sync"] = str(e)
+    opt.step()
+    try:
+        sm(x)
+    except ShardcError as e:
+        msgs["no_zero_grad"] = str(e)
+    sm.zero_grad()
+    msgs["ok_after_zero"] = tuple(sm(x).shape)
     return msgs
 
 
@@ -141,6 +153,9 @@ def test_misuse_errors():
     assert "LBFGS" in msgs["lbfgs"] and "element-wise" in msgs["lbfgs"]
     assert msgs["lbfgs_ddp"] == "LBFGS"
     assert "nope.weight" in msgs["badname"]
+    assert "call opt.step() first" in msgs["after_sync"]
+    assert "zero_grad" in msgs["no_zero_grad"]
+    assert msgs["ok_after_zero"][-1] == 11
 
 
 def _state_dicts(rank, world):
