@@ -2,6 +2,7 @@
 
     python bench/plot.py systems RESULTS.json docs/bench_systems.png
     python bench/plot.py collectives COLL.json docs/bench_collectives.png
+    python bench/plot.py table RESULTS.json        # markdown results table on stdout
 
 `systems`: median step time per system (bars, seconds) and model-state bytes per rank
 (after the step, and the peak during accumulation). `collectives`: time of one
@@ -66,7 +67,32 @@ def plot_collectives(doc: dict, out: str) -> None:
     fig.savefig(out, dpi=110)
 
 
+def table(doc: dict) -> str:
+    """Markdown: one row per system; speed-up against fsdp2:full where it ran."""
+    sysd = doc["systems"]
+    base = sysd.get("fsdp2:full", {}).get("step_time_s")
+    head = ("| system | step (s) | vs fsdp2:full | tokens/s | states MiB (after step / peak) "
+            "| node MB/rank/step: model / wire | gpu MB/rank/step: model / wire |")
+    rows = [head, "|" + "---|" * 7]
+    for name, r in sysd.items():
+        if "error" in r:
+            rows.append(f"| {name} | error: {r['error'][:80]} | | | | | |")
+            continue
+        lb, mb = r["level_bytes"], r.get("measured_bytes") or {}
+        speed = f"{base / r['step_time_s']:.2f}x" if base else "-"
+        rows.append(
+            f"| {name} | {r['step_time_s']:.2f} | {speed} | {r['tokens_per_s']:.0f} "
+            f"| {r['model_state_bytes'] / 2**20:.1f} / {r['peak_model_state_bytes'] / 2**20:.1f} "
+            f"| {lb.get('node', 0) / 1e6:.1f} / {mb.get('node', 0) / 1e6:.1f} "
+            f"| {lb.get('gpu', 0) / 1e6:.1f} / {mb.get('gpu', 0) / 1e6:.1f} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "table":
+        with open(argv[1]) as f:
+            print(table(json.load(f)))
+        return 0
     if len(argv) != 3 or argv[0] not in ("systems", "collectives"):
         print(__doc__, file=sys.stderr)
         return 2
