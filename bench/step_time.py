@@ -1,6 +1,6 @@
 """Step time per named strategy on CPU gloo ranks (information only, no asserts).
 
-    python bench/step_time.py [--mesh "node(2) > gpu(2)"] [--steps 5] [--width 128]
+    python bench/step_time.py [--mesh "node(2) > gpu(2)"] [--steps 5] [--width 128] [--only zero3 ...]
 
 Spawns one process per rank (torch.multiprocessing, gloo on loopback), shards a small
 GPT-like stack with each strategy in examples/strategies/ (as written, quantization
@@ -100,7 +100,7 @@ def worker(rank, world, port, args):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     levels = args.mesh.count(">") + 1
     for name in NAMES:
-        if (name == "zero_topo") != (levels == 3):
+        if (name == "zero_topo") != (levels == 3) or (args.only and name not in args.only):
             continue
         t, mem = run_one(name, args.mesh, args, rank, world)
         if rank == 0:
@@ -117,6 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--only", nargs="*", help="strategy names (default: all that fit the mesh)")
     args = ap.parse_args(argv)
     world = 1
     for part in args.mesh.split(">"):
