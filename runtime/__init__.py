@@ -1,5 +1,15 @@
 """shardc.runtime — what emitted code calls: sharded units, the step engine, the
-sharded optimizer, the communication ledger, memory reports and state dicts."""
+sharded optimizer, the communication ledger, memory reports and state dicts.
+
+    sm = shard_module(model, strategy, units, mesh=None, hooks=True)   # ShardedModule
+    opt = sm.optimizer(torch.optim.AdamW, param_groups=None, lr=...)  # a torch.optim instance
+    loss = f(sm(x)); loss.backward(); sm.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+
+Modules: layout (padding, chunk offsets), flat (per-unit storage and its collectives),
+engine (schedule, hooks, accumulation), optimizer, state (memory report, state dicts),
+ledger, comm (ledger-recording adapter over mesh/collectives), module (entry point).
+`sm.module` keeps no registered parameters: read values with `full_state_dict()`.
+"""
 from .errors import RuntimeUsageError
 from .ledger import LedgerRecord, payload
 from .module import ShardedModule, shard_module
