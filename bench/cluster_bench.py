@@ -45,14 +45,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="one shaped link per rank instead of one per node")
     p.add_argument("--model", default="bench", help=f"{'|'.join(PRESETS)} or PATH.py:FACTORY")
     p.add_argument("--accumulate", type=int, default=4)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=5, help="timed steps (after the warm-up)")
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4, help="timed steps (after the warm-up)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--systems", default="fsdp2:full,fsdp2:hsdp,ddp,shardc:zero3")
     p.add_argument("--timeout", type=float, default=600, help="seconds per system")
     p.add_argument("--collectives", action="store_true",
                    help="time all-gather/reduce-scatter, flat vs hierarchical, instead")
-    p.add_argument("--sizes", default="64KB,1MB,8MB", help="--collectives message sizes")
+    p.add_argument("--sizes", default="64KB,1MB,8MB,32MB", help="--collectives message sizes")
     p.add_argument("--logdir", default=None, help="worker logs (default: a fresh temp dir)")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler on rank 0 over the timed steps -> LOGDIR/<system>.profile.txt")
