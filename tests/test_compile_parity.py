@@ -81,7 +81,7 @@ def _ranks_job(rank, world, strategy_text, mesh, combos, emitted_path):
         o = make_opt(opt_kind, sm)
         opt = sm.optimizer(o.pop("cls"), **o)
         losses = train(sm, opt, batches(world, strategy.accumulate), rank, world, strategy.accumulate)
-        with torch.no_grad():             # an eval forward (also applies any deferred re-gather)
+        with torch.no_grad():             # an eval (no-grad) forward: its loss is compared too
             losses.append(eval_loss(sm, rank, world))
         out.append((losses, {k: v.clone() for k, v in sm.full_state_dict().items()}))
     return out

@@ -66,7 +66,7 @@ def _job(rank, world, kinds):
         cls, kw = opt_kwargs(kind)
         losses = train(sm, sm.optimizer(cls, **kw), rank, world, True)
         with torch.no_grad():
-            sm(torch.zeros(1, T, dtype=torch.long))        # applies any deferred re-gather
+            sm(torch.zeros(1, T, dtype=torch.long))        # a no-grad forward after training must work too
         out.append((losses, {k: v.clone() for k, v in sm.full_state_dict().items()}))
     return out
 
