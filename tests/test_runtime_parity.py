@@ -48,7 +48,8 @@ def test_parity_2x2_all_named():
 
 
 def test_parity_2x4_all_named():
-    _check(dist_run(8, _cases, "node(2) > gpu(4)", TWO_LEVEL, ((2, "adamw"),), timeout=600))
+    _check(dist_run(8, _cases, "node(2) > gpu(4)", TWO_LEVEL, ((1, "sgd"), (2, "adamw")),
+                    timeout=600))
 
 
 def test_parity_zero_topo_2x2x2():
