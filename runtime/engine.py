@@ -23,6 +23,11 @@ A backward outside `no_sync()` syncs once at least `accumulate` micro-batches ha
 since the last step. opt.step() before that is an error; so is a backward after the
 sync but before opt.step(), and a forward with gradients after a step without
 zero_grad() (shardc does not accumulate across optimizer steps).
+
+[Note: recomputation]
+Activation checkpointing re-runs a unit's forward inside the backward (after its
+pre-backward re-gather). Such a call only re-sets the views; the unit is released by
+its post-accumulate-grad hook as usual, not after the recomputed forward.
 """
 from __future__ import annotations
 
@@ -126,6 +131,12 @@ class Engine:
 
     def pre_forward(self, i: int) -> None:
         u = self.units[i]
+        if self._queued:                 # activation recomputation inside the backward
+            self.wait_gather(i, "backward")
+            self._set_views(u)
+            u.running = True
+            self.events.append(("recompute", i))
+            return
         self.wait_gather(i)
         for j in range(i + 1, min(i + 1 + self.prefetch, len(self.units))):
             self.issue_gather(j)
@@ -142,7 +153,7 @@ class Engine:
 
     def watch_backward(self, i: int, out) -> None:
         """Re-gather unit i when the first gradient w.r.t. `out` arrives in the backward."""
-        tensors = _grad_tensors(out) if torch.is_grad_enabled() else []
+        tensors = _grad_tensors(out) if torch.is_grad_enabled() and not self._queued else []
         if tensors and i != 0:
             register_multi_grad_hook(tensors, lambda grads, i=i: self._pre_backward(i), mode="any")
 
@@ -150,6 +161,8 @@ class Engine:
         u = self.units[i]
         u.running = False
         u.calls = 0
+        if self._queued:                 # recomputed in the backward: its grads are still due
+            return
         if i != 0:
             self.release(i)
 

@@ -1,5 +1,6 @@
 """Runtime features on 4 gloo ranks (node(2) > gpu(2)): frozen parameters, param groups,
-clip_grad_norm_, no_sync, a parameter-free unit, a two-module (bucket) unit, eval under no_grad, misuse errors,
+clip_grad_norm_, no_sync, a parameter-free unit, a two-module (bucket) unit,
+activation checkpointing (units recomputed inside the backward), eval under no_grad, misuse errors,
 state-dict round trips and the prefetch schedule. Each compares with one process on the
 concatenated batch (tied embedding/head and padding are in every case: blocks have 109
 elements, not a multiple of 4)."""
@@ -35,6 +36,8 @@ def _variants(rank, world):
         ("clip", {}, "zero3", dict(clip=0.05)),
         ("clip_mics", {}, "mics", dict(clip=0.05)),
         ("bucket", {}, "zeropp", dict(bucket=True)),
+        ("checkpoint", dict(checkpoint=True), "zero3", {}),
+        ("checkpoint_hpz", dict(checkpoint=True), "zeropp", {}),
     ]:
         model = Tiny(**model_kw)
         data = batches(3, world, 2)

@@ -8,6 +8,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from shardc.dsl.ir import DType
@@ -30,8 +31,10 @@ class Block(nn.Module):
 class Tiny(nn.Module):
     """Embedding, 3 blocks, optional parameter-free unit, final norm, head tied to the embedding."""
 
-    def __init__(self, n_blocks=3, empty_unit=False, frozen=False, seed=0, d=D, h=H):
+    def __init__(self, n_blocks=3, empty_unit=False, frozen=False, seed=0, d=D, h=H,
+                 checkpoint=False):
         super().__init__()
+        self.checkpoint = checkpoint
         torch.manual_seed(seed)
         self.emb = nn.Embedding(V, d)
         self.blocks = nn.ModuleList(Block(d, h) for _ in range(n_blocks))
@@ -46,7 +49,10 @@ class Tiny(nn.Module):
     def forward(self, x):
         h = self.emb(x) * self.scale
         for i, b in enumerate(self.blocks):
-            h = b(h)
+            if self.checkpoint:
+                h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False)
+            else:
+                h = b(h)
             if i == 0 and self.mid is not None:
                 h = self.mid(h)
         return self.head(self.norm(h))
