@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import sys
 
 import torch
 
@@ -70,6 +71,8 @@ def run(args) -> int:
     model = build_model(args.model)
     inputs = _example_inputs(args, model) if args.capture != "fx" else None
     source, plan = compile_source(model, args.file, inputs, args.capture, args.mesh, args.world)
+    for warning in plan.strategy.warnings:
+        print(warning, file=sys.stderr)
     out_dir = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(out_dir, exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as f:
