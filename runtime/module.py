@@ -14,7 +14,6 @@ registered parameters left, so `full_state_dict()` is the way to read values bac
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist

@@ -7,6 +7,7 @@ elements, not a multiple of 4)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -147,6 +148,16 @@ def _errors(rank, world):
         msgs["no_zero_grad"] = str(e)
     sm.zero_grad()
     msgs["ok_after_zero"] = tuple(sm(x).shape)
+    from shardc.runtime import UnitSpec, shard_module
+    s = strategy("zero3", MESH)
+    units = units_for(model, s.scopes)
+    split_tied = [UnitSpec("<root>", ("emb.weight", "norm.weight", "norm.bias"), s.scopes),
+                  *units[1:-1], dataclasses.replace(units[-1], params=units[-1].params + ("head.weight",))]
+    for label, bad in (("tied", split_tied), ("orphan", units[:-1])):
+        try:
+            shard_module(copy.deepcopy(model), s, bad)
+        except ShardcError as e:
+            msgs[label] = str(e)
     return msgs
 
 
@@ -159,6 +170,8 @@ def test_misuse_errors():
     assert "call opt.step() first" in msgs["after_sync"]
     assert "zero_grad" in msgs["no_zero_grad"]
     assert msgs["ok_after_zero"][-1] == 11
+    assert "tied parameters must share one unit" in msgs["tied"]
+    assert "blocks.2." in msgs["orphan"] and "no unit" in msgs["orphan"]
 
 
 def _state_dicts(rank, world):
