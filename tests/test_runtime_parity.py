@@ -55,3 +55,27 @@ def test_parity_2x4_all_named():
 def test_parity_zero_topo_2x2x2():
     _check(dist_run(8, _cases, "node(2) > gpu(2) > gcd(2)", ["zero_topo"],
                     ((1, "sgd"), (4, "adamw")), timeout=600))
+
+
+def _variants(rank, world):
+    import dataclasses
+
+    from shardc.dsl.ir import Collectives
+    from shardc.runtime import shard_module
+    out = []
+    data = batches(3, world, 2)
+    model = Tiny()
+    want, _ = reference(model, data, "adamw")
+    for name in ("zero3", "paro_iig"):
+        for algo in (Collectives.RING, Collectives.HIERARCHICAL, Collectives.HO_RING):
+            for prefetch in (0, 2):
+                s = dataclasses.replace(strategy(name, "node(2) > gpu(2)", accumulate=2),
+                                        collectives=algo, prefetch=prefetch)
+                sm = shard_module(copy.deepcopy(model), s, units_for(model, s.scopes))
+                got, _, _ = train_sharded(sm, data, rank, world, 2, "adamw")
+                out.append(((name, algo.value, prefetch), max_rel_err(got, want)))
+    return out
+
+
+def test_parity_collective_algorithms_and_prefetch():
+    _check(dist_run(4, _variants, timeout=600))
