@@ -1,11 +1,13 @@
-"""Packaging: the wheel ships the grammar (and templates) as package data.
+"""Packaging: the wheel ships the grammar, templates and every subpackage.
 
 WHEEL TEST (about 20-40 s, no network): copies the package sources and pyproject to a
 temporary directory, runs `pip wheel <copy> --no-deps --no-build-isolation`, creates a
-fresh venv with `--system-site-packages` (torch, lark, ... are reused, not reinstalled),
+fresh venv that sees this interpreter's packages through a plain path entry (torch, lark,
+... are reused, not reinstalled; the editable install's import hook is not),
 installs the wheel there with `--no-deps`, then runs that venv's `shardc check
 examples/strategies/paro_iig.shard --world 8 --json` with the temporary directory as
-working directory, so nothing can come from the source tree.
+working directory, so nothing can come from the source tree; then `shardc compile` and
+`shardc explain` from the same venv (templates, passes and costmodel must ship).
 """
 from __future__ import annotations
 
@@ -29,6 +31,17 @@ def _copy_sources(dst: Path) -> None:
         shutil.copytree(ROOT / pkg, dst / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
 
 
+def _see_system_packages_only(py: Path) -> None:
+    """Let the venv import torch, lark, ... from this interpreter's site-packages through a
+    plain path entry. `--system-site-packages` would also run that directory's .pth files,
+    among them the editable install's import hook, which maps every `shardc.*` name back to
+    the source tree and would hide a subpackage missing from the wheel."""
+    import sysconfig
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "system_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+
+
 def _run(cmd, **kw):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, **kw)
     assert r.returncode == 0, f"{cmd} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
@@ -47,8 +60,9 @@ def test_wheel_ships_grammar_and_cli_runs_outside_the_repo(tmp_path):
     for t in (ROOT / "compiler" / "templates").glob("*.jinja"):
         assert f"shardc/compiler/templates/{t.name}" in names
 
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)])
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     py, exe = venv / "bin" / "python", venv / "bin" / "shardc"
+    _see_system_packages_only(py)
     _run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q",
           str(wheel)], cwd=tmp_path)
 
@@ -72,3 +86,19 @@ def test_wheel_ships_grammar_and_cli_runs_outside_the_repo(tmp_path):
         ["gpu"], ["gpu"], ["node", "gpu"])
     assert (data["params"]["factor"], data["grads"]["factor"], data["optim"]["factor"]) == (4, 4, 8)
     assert data["accumulate"] == 4 and data["warnings"] == []
+
+    # The compiler's subpackages (passes, costmodel) and templates ship too: compile and
+    # explain run from the installed wheel, outside the repo.
+    gpt = ROOT / "examples" / "gpt.py"
+    out = tmp_path / "gpt_zero3.py"
+    r = subprocess.run([str(exe), "compile", str(ROOT / "examples" / "strategies" / "zero3.shard"),
+                        "--model", f"{gpt}:tiny", "--mesh", "node(2) > gpu(2)", "-o", str(out)],
+                       capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    compile(out.read_text(), str(out), "exec")
+    assert "def shard_model(model)" in out.read_text()
+    r = subprocess.run([str(exe), "explain", str(example), "--model", f"{gpt}:tiny",
+                        "--mesh", "node(2) > gpu(2)", "--json"],
+                       capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    assert set(json.loads(r.stdout)["memory"]) >= {"params", "params_secondary", "grads", "optim", "total"}
