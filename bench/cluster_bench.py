@@ -1,7 +1,7 @@
 """Benchmark shardc against FSDP2 and DDP on an emulated multi-node cluster.
 
-    python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 1gbit \\
-        --accumulate 4 --steps 5 --systems fsdp2:full,fsdp2:hsdp,ddp,shardc:zero3 --json out.json
+    python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 250mbit \\
+        --accumulate 4 --steps 3 --systems fsdp2:full,fsdp2:hsdp,ddp,shardc:zero3 --json out.json
     python bench/cluster_bench.py --collectives --nodes 2 --per-node 4 --json coll.json
 
 Stage: flags -> EmulatedCluster (bench/netns.py) -> one torchrun job per system
@@ -39,14 +39,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--per-node", type=int, default=4)
-    p.add_argument("--inter-rate", default="1gbit", help="tc rate of each inter-node link")
+    p.add_argument("--inter-rate", default="250mbit", help="tc rate of each inter-node link")
     p.add_argument("--inter-delay", default=None, help="one-way inter-node delay, e.g. 0.1ms")
     p.add_argument("--per-rank-links", action="store_true",
                    help="one shaped link per rank instead of one per node")
     p.add_argument("--model", default="bench", help=f"{'|'.join(PRESETS)} or PATH.py:FACTORY")
     p.add_argument("--accumulate", type=int, default=4)
     p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=4, help="timed steps (after the warm-up)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps (after the warm-up)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--systems", default="fsdp2:full,fsdp2:hsdp,ddp,shardc:zero3")
     p.add_argument("--timeout", type=float, default=600, help="seconds per system")

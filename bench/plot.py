@@ -71,17 +71,17 @@ def table(doc: dict) -> str:
     """Markdown: one row per system; speed-up against fsdp2:full where it ran."""
     sysd = doc["systems"]
     base = sysd.get("fsdp2:full", {}).get("step_time_s")
-    head = ("| system | step (s) | vs fsdp2:full | tokens/s | states MiB (after step / peak) "
+    head = ("| system | collectives | step (s) | vs fsdp2:full | tokens/s | states MiB (after step / peak) "
             "| node MB/rank/step: model / wire | gpu MB/rank/step: model / wire |")
-    rows = [head, "|" + "---|" * 7]
+    rows = [head, "|" + "---|" * 8]
     for name, r in sysd.items():
         if "error" in r:
-            rows.append(f"| {name} | error: {r['error'][:80]} | | | | | |")
+            rows.append(f"| {name} | | error: {r['error'][:80]} | | | | | |")
             continue
         lb, mb = r["level_bytes"], r.get("measured_bytes") or {}
         speed = f"{base / r['step_time_s']:.2f}x" if base else "-"
         rows.append(
-            f"| {name} | {r['step_time_s']:.2f} | {speed} | {r['tokens_per_s']:.0f} "
+            f"| {name} | {r.get('collectives', 'gloo ring')} | {r['step_time_s']:.2f} | {speed} | {r['tokens_per_s']:.0f} "
             f"| {r['model_state_bytes'] / 2**20:.1f} / {r['peak_model_state_bytes'] / 2**20:.1f} "
             f"| {lb.get('node', 0) / 1e6:.1f} / {mb.get('node', 0) / 1e6:.1f} "
             f"| {lb.get('gpu', 0) / 1e6:.1f} / {mb.get('gpu', 0) / 1e6:.1f} |")

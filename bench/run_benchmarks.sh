@@ -8,22 +8,22 @@ OUT=${1:-bench/results}
 mkdir -p "$OUT"
 SYSTEMS=fsdp2:full,fsdp2:hsdp,ddp,shardc:zero3,shardc:zero3@hierarchical,shardc:zero1,shardc:zero2,shardc:mics,shardc:hsdp_zero2,shardc:paro_nig,shardc:paro_iig,shardc:paro_igg,shardc:ddp,shardc:zeropp
 
-# 1. the main comparison: 2 nodes x 4 ranks, 1 Gbit/s between nodes
-time python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 1gbit --model bench \
-    --micro-batch 2 --accumulate 4 --steps 4 --warmup 1 --systems "$SYSTEMS" \
-    --json "$OUT/systems_1gbit.json" --logdir "$OUT/logs_1gbit"
+# 1. the main comparison: 2 nodes x 4 ranks, 250 Mbit/s between nodes
+time python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 250mbit --model bench \
+    --micro-batch 2 --accumulate 4 --steps 3 --warmup 1 --systems "$SYSTEMS" \
+    --json "$OUT/systems_250mbit.json" --logdir "$OUT/logs_250mbit"
 
 # 2. collectives over the whole cluster: flat ring vs hierarchical vs HO-Ring
-python bench/cluster_bench.py --collectives --nodes 2 --per-node 4 --inter-rate 1gbit \
-    --sizes 64KB,1MB,8MB,32MB --json "$OUT/collectives_1gbit.json" --logdir "$OUT/logs_coll"
-python bench/cluster_bench.py --collectives --per-rank-links --nodes 2 --per-node 4 --inter-rate 1gbit \
-    --sizes 8MB,32MB --json "$OUT/collectives_1gbit_per_rank.json" --logdir "$OUT/logs_coll_pr"
+python bench/cluster_bench.py --collectives --nodes 2 --per-node 4 --inter-rate 250mbit \
+    --sizes 64KB,1MB,8MB,32MB --json "$OUT/collectives_250mbit.json" --logdir "$OUT/logs_coll"
+python bench/cluster_bench.py --collectives --per-rank-links --nodes 2 --per-node 4 --inter-rate 250mbit \
+    --sizes 8MB,32MB --json "$OUT/collectives_250mbit_per_rank.json" --logdir "$OUT/logs_coll_pr"
 
 # 3. the communication share of the zero3 step: the same step with the link unshaped
 python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 100gbit --model bench \
-    --micro-batch 2 --accumulate 4 --steps 4 --warmup 1 --systems shardc:zero3,fsdp2:full \
+    --micro-batch 2 --accumulate 4 --steps 3 --warmup 1 --systems shardc:zero3,fsdp2:full \
     --json "$OUT/systems_unshaped.json" --logdir "$OUT/logs_unshaped"
 
-python bench/plot.py systems "$OUT/systems_1gbit.json" docs/bench_systems.png
-python bench/plot.py collectives "$OUT/collectives_1gbit.json" docs/bench_collectives.png
-python bench/plot.py table "$OUT/systems_1gbit.json"
+python bench/plot.py systems "$OUT/systems_250mbit.json" docs/bench_systems.png
+python bench/plot.py collectives "$OUT/collectives_250mbit.json" docs/bench_collectives.png
+python bench/plot.py table "$OUT/systems_250mbit.json"

@@ -1,6 +1,7 @@
 """Smoke test of the emulated-cluster benchmark (bench/cluster_bench.py).
 
-Runs the real harness on 2 network namespaces x 2 gloo ranks for one step and checks
+Runs the real harness on 2 network namespaces x 2 gloo ranks for one step (plus one
+system that fails, which must be reported while the others still run) and checks
 the JSON it writes, the memory and link-byte figures against formulas written out
 here, and that no namespace of the run is left behind (after success, after an error
 inside the context manager, and after Ctrl-C). Needs root and iproute2; skipped, with
@@ -42,13 +43,16 @@ def test_one_step_two_nodes_two_ranks(tmp_path):
     out = tmp_path / "bench.json"
     p = _bench(["--nodes", "2", "--per-node", "2", "--inter-rate", "1gbit", "--model", "small",
                 "--accumulate", "2", "--warmup", "1", "--steps", "1",
-                "--systems", "ddp,fsdp2:full", "--json", str(out), "--logdir", str(tmp_path)])
+                "--systems", "ddp,shardc:no_such_strategy,fsdp2:full", "--json", str(out),
+                "--logdir", str(tmp_path)])
     log, _ = p.communicate(timeout=300)
     assert p.returncode == 0, log
     assert leftover_namespaces(f"shardc-{p.pid}-") == []
     doc = json.loads(out.read_text())
     assert doc["config"]["world"] == 4
     ddp, fsdp = doc["systems"]["ddp"], doc["systems"]["fsdp2:full"]
+    # A failing system is reported with its error; the ones after it still ran.
+    assert "no strategy file" in doc["systems"]["shardc:no_such_strategy"]["error"]
     for r in (ddp, fsdp):
         assert "error" not in r, r.get("error")
         assert r["step_time_s"] > 0
