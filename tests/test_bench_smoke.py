@@ -42,7 +42,7 @@ def _bench(args, **kw) -> subprocess.Popen:
 def test_one_step_two_nodes_two_ranks(tmp_path):
     out = tmp_path / "bench.json"
     p = _bench(["--nodes", "2", "--per-node", "2", "--inter-rate", "1gbit", "--model", "small",
-                "--accumulate", "2", "--warmup", "1", "--steps", "1",
+                "--accumulate", "2", "--micro-batch", "2", "--warmup", "1", "--steps", "1",
                 "--systems", "ddp,shardc:no_such_strategy,fsdp2:full", "--json", str(out),
                 "--logdir", str(tmp_path)])
     log, _ = p.communicate(timeout=300)
@@ -56,7 +56,7 @@ def test_one_step_two_nodes_two_ranks(tmp_path):
     for r in (ddp, fsdp):
         assert "error" not in r, r.get("error")
         assert r["step_time_s"] > 0
-        assert r["tokens_per_s"] == pytest.approx(4 * 2 * 4 * 64 / r["step_time_s"])  # world*acc*mb*T
+        assert r["tokens_per_s"] == pytest.approx(4 * 2 * 2 * 64 / r["step_time_s"])  # world*acc*mb*T
     phi = ddp["params"]
     # DDP: every rank holds fp32 params, grads and AdamW's exp_avg, exp_avg_sq: 16 bytes each.
     assert ddp["model_state_bytes"] == 16 * phi
