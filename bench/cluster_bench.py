@@ -174,6 +174,11 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     logdir = a.logdir or tempfile.mkdtemp(prefix="shardc-bench-")
+    try:
+        os.makedirs(logdir, exist_ok=True)
+    except OSError as e:
+        print(f"error: cannot use --logdir {logdir}: {e.strerror}", file=sys.stderr)
+        return 1
     spec = ClusterSpec(a.nodes, a.per_node, a.inter_rate, a.inter_delay, a.per_rank_links)
     doc = {"config": config(a)}
     try:
