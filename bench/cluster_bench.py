@@ -28,7 +28,7 @@ from rich.table import Table
 
 from launch import run_job
 from models import PRESETS
-from netns import ClusterError, ClusterSpec, EmulatedCluster, require_root_and_tools
+from netns import ClusterError, ClusterSpec, EmulatedCluster, remove_stale, require_root_and_tools
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = ("fsdp2:full", "fsdp2:hsdp", "ddp")
@@ -173,6 +173,8 @@ def main(argv=None) -> int:
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    for name in remove_stale():
+        console.print(f"removed {name}, left behind by a run that was killed")
     logdir = a.logdir or tempfile.mkdtemp(prefix="shardc-bench-")
     try:
         os.makedirs(logdir, exist_ok=True)

@@ -229,6 +229,39 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def remove_stale(prefix: str = "shardc-") -> list[str]:
+    """Delete namespaces `<prefix><pid>-...` whose owning process is gone (a run that was
+    SIGKILLed could not tear down); live runs' namespaces are left alone."""
+    removed = []
+    for name in leftover_namespaces(prefix):
+        pid = name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout
+        for p in pids.split():
+            _kill(int(p))
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def leftover_namespaces(prefix: str) -> list[str]:
     """Namespaces whose name starts with `prefix` (for tests and sanity checks)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -23,7 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 sys.path.insert(0, BENCH)
 
-from netns import ClusterError, ClusterSpec, EmulatedCluster, leftover_namespaces, require_root_and_tools  # noqa: E402
+from netns import (ClusterError, ClusterSpec, EmulatedCluster, leftover_namespaces,  # noqa: E402
+                   remove_stale, require_root_and_tools)
 
 try:
     require_root_and_tools()
@@ -108,6 +109,22 @@ def test_teardown_on_ctrl_c(tmp_path):
     assert p.returncode == 130, log
     assert "torn down" in log
     assert leftover_namespaces(f"shardc-{p.pid}-") == []
+
+
+@needs_root
+def test_removes_namespaces_of_killed_runs():
+    dead = subprocess.Popen(["true"])
+    dead.wait()                                   # its pid now names no process
+    stale, live = f"shardc-{dead.pid}-n0", f"shardc-{os.getpid()}-live-n0"
+    for name in (stale, live):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert stale in remove_stale()
+        assert leftover_namespaces(stale) == []
+        assert leftover_namespaces(live) == [live]   # our own (live) run is left alone
+    finally:
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 def test_refuses_without_root(monkeypatch):
