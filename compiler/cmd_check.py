@@ -11,24 +11,16 @@ import argparse
 import json
 import sys
 
+from shardc.compiler.argtypes import positive_int
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="the .shard strategy file")
-    p.add_argument("--world", type=_positive, default=None, metavar="N",
+    p.add_argument("--world", type=positive_int, default=None, metavar="N",
                    help="world size (resolves `*` and checks the mesh product)")
     p.add_argument("--mesh", default=None, metavar="M",
                    help='replace the file\'s mesh, e.g. "node(2) > gpu(2) > gcd(2)"')
     p.add_argument("--json", action="store_true", help="print the resolved strategy as JSON")
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
-    return n
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,6 +26,8 @@ import re
 import sys
 import time
 
+from shardc.compiler.argtypes import positive_int
+
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -39,20 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algos", nargs="+", default=["ring", "hierarchical", "ho-ring"],
                    choices=["ring", "hierarchical", "ho-ring"], help="algorithms to time (default: all)")
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS), help="collectives to time (default: all)")
-    p.add_argument("--iters", type=_positive, default=5, help="timed runs per entry (default 5)")
+    p.add_argument("--iters", type=positive_int, default=5, help="timed runs per entry (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per entry (default 1)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="tensor device (default: cuda when available, else cpu)")
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
-    return n
 
 
 def _size(text: str) -> int:
