@@ -158,16 +158,21 @@ def _ag_bytes(out, inp, sm, key, algo):
     return [_ag_hier_piece(out_view, inp[lo:hi].contiguous(), sm, key, lo, hi) for lo, hi in _pieces(m, k)]
 
 
+def _prologue(out, inp, mesh: ShardMesh, levels, order, algo):
+    """The group's digit key, the resolved algorithm, flat views and the group size."""
+    key = mesh.digits(levels, order)
+    return (key, _resolve(mesh, key, algo), out.view(-1), inp.reshape(-1),
+            prod(mesh.mesh.size(n) for n in key))
+
+
 def all_gather(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collectives.RING,
                comm: DType = DType.FP32) -> Work:
     """out (n) = concat over the chunk index (over `order`) of every rank's inp (n/s)."""
-    key = mesh.digits(levels, order)
-    algo = _resolve(mesh, key, algo)
-    out, inp = out.view(-1), inp.reshape(-1)
+    key, algo, out, inp, s = _prologue(out, inp, mesh, levels, order, algo)
     if not key:
         out.copy_(inp)
         return Work()
-    s, m = prod(mesh.mesh.size(n) for n in key), inp.numel()
+    m = inp.numel()
     assert out.numel() == s * m, f"all_gather: out has {out.numel()} elements, expected {s}*{m}"
     if comm.quantized:
         p = quant.shard_payload_bytes(m, comm)
@@ -227,13 +232,10 @@ def _qgz(out, inp, sm, key, comm):
 def reduce_scatter(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collectives.RING,
                    comm: DType = DType.FP32) -> Work:
     """out (n/s) = sum over the group of inp[chunk(index)], chunks indexed over `order`."""
-    key = mesh.digits(levels, order)
-    algo = _resolve(mesh, key, algo)
-    out, inp = out.view(-1), inp.reshape(-1)
+    key, algo, out, inp, s = _prologue(out, inp, mesh, levels, order, algo)
     if not key:
         out.copy_(inp)
         return Work()
-    s = prod(mesh.mesh.size(n) for n in key)
     assert inp.numel() == s * out.numel(), f"reduce_scatter: inp has {inp.numel()} elements, expected {s}*{out.numel()}"
     if comm.quantized:
         return Work(_qgz(out, inp, mesh, key, comm))
