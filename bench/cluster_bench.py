@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from launch import run_job
+from launch import progress_poller, run_job
 from models import PRESETS
 from netns import ClusterError, ClusterSpec, EmulatedCluster, remove_stale, require_root_and_tools
 
@@ -104,15 +104,9 @@ def run_system(cluster, a, name: str, index: int, logdir: str, progress, task) -
     if a.profile:
         flags += ["--profile", os.path.join(logdir, f"{tag}.profile.txt")]
 
-    def poll():
-        if os.path.exists(prog):
-            with open(prog) as f:
-                lines = f.read().splitlines()
-            if lines:
-                progress.update(task, completed=len(lines), description=f"{name}: {lines[-1]}")
-
     job = run_job(cluster, os.path.join(HERE, "worker.py"), flags, logdir, tag,
-                  port=29400 + index, timeout=a.timeout, poll=poll)
+                  port=29400 + index, timeout=a.timeout,
+                  poll=progress_poller(progress, task, prog, name))
     if job.ok and os.path.exists(out):
         with open(out) as f:
             res = json.load(f)

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from collectives_worker import ALGOS
-from launch import run_job
+from launch import progress_poller, run_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -29,15 +29,9 @@ def run_collectives(cluster, a, logdir: str, console) -> dict:
                   TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task("collectives: starting", total=total)
 
-        def poll():
-            if os.path.exists(prog):
-                with open(prog) as f:
-                    lines = f.read().splitlines()
-                if lines:
-                    progress.update(task, completed=len(lines), description=f"collectives: {lines[-1]}")
-
         job = run_job(cluster, os.path.join(HERE, "collectives_worker.py"), flags, logdir,
-                      "collectives", port=29399, timeout=a.timeout, poll=poll)
+                      "collectives", port=29399, timeout=a.timeout,
+                      poll=progress_poller(progress, task, prog, "collectives"))
     if not job.ok or not os.path.exists(out):
         return {"error": "timed out" if job.timed_out else f"exit codes {list(job.returncodes)}",
                 "log_tail": job.tail()}

@@ -49,6 +49,18 @@ def node_env(cluster: EmulatedCluster) -> dict[str, str]:
     return env
 
 
+def progress_poller(progress, task, path: str, label: str):
+    """A `poll` for run_job: rank 0 appends one line per finished item to `path`; show the
+    count and the last line on the rich `progress` bar."""
+    def poll():
+        if os.path.exists(path):
+            with open(path) as f:
+                lines = f.read().splitlines()
+            if lines:
+                progress.update(task, completed=len(lines), description=f"{label}: {lines[-1]}")
+    return poll
+
+
 def run_job(cluster: EmulatedCluster, script: str, flags: list[str], logdir: str, tag: str,
             port: int, timeout: float, poll=None) -> JobResult:
     """Run `script flags` on every rank; `poll()` is called about 4 times a second."""
