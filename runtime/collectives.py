@@ -28,10 +28,19 @@ caller's program order guarantees. `wait()` must be called before reading the re
 [Note: reduce-scatter on gloo]
 gloo's reduce_scatter is an all-reduce followed by a slice: it moves 2(s-1)/s·n bytes
 per rank (measured on loopback: 6.0·n over 4 ranks, the same as all_reduce), twice a
-ring reduce-scatter. On CPU a reduce-scatter stage is therefore `all_to_all_single`
-(rank j receives every peer's chunk j: (s-1)/s·n bytes per rank, measured 3.0·n)
-followed by a local sum, accumulated in fp32 for 16-bit comm dtypes. Other devices use
-`reduce_scatter_single`.
+ring reduce-scatter. On a gloo group a reduce-scatter stage is therefore
+`all_to_all_single` (rank j receives every peer's chunk j: (s-1)/s·n bytes per rank,
+measured 3.0·n) followed by a local sum, accumulated in fp32 for 16-bit comm dtypes.
+Other backends (NCCL) use their native `reduce_scatter_single`; the choice is the
+group's backend for the tensors' device (`device.native_reduce_scatter`), not the
+device itself (gloo also runs CUDA tensors).
+
+[Note: streams]
+Every call runs on a communication stream of its kind where the device has streams
+(`device.launch`, see runtime/device.py "communication streams"): the body (casts,
+quantization, the first stage) is issued inside `on.active()`, `Work.wait()` drives the
+later stages and the post-processing there too, then joins the caller's stream. The
+trivial cases (no level of size > 1) copy on the caller's stream and return done work.
 
 [Note: comm dtypes]
 fp32/bf16/fp16: the input is cast to the comm dtype, communicated, and cast back into
@@ -51,7 +60,7 @@ import torch.distributed as dist
 
 from shardc.dsl.ir import Collectives, DType
 
-from . import quant
+from . import device, quant
 from .mesh import ShardMesh
 
 HO_PIECES = 4
@@ -61,13 +70,15 @@ _TORCH_DTYPE = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP1
 class Work:
     """Handle of a (possibly multi-stage) collective; `wait()` completes it."""
 
-    __slots__ = ("_pending", "_then")
+    __slots__ = ("_pending", "_then", "_on")
 
-    def __init__(self, *pieces, then=None):
+    def __init__(self, *pieces, then=None, on=device.NO_STREAM):
         self._pending = []
         self._then = then                       # local post-processing once every piece is done
-        for g in pieces:
-            self._advance(g)
+        self._on = on                           # the comm stream (see [Note: streams])
+        with on.active():
+            for g in pieces:
+                self._advance(g)
 
     def _advance(self, gen) -> None:
         try:
@@ -76,15 +87,17 @@ class Work:
             pass
 
     def wait(self) -> bool:
-        while self._pending:
-            current, self._pending = self._pending, []
-            for gen, works in current:
-                for w in works:
-                    w.wait()
-                self._advance(gen)
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
+        with self._on.active():
+            while self._pending:
+                current, self._pending = self._pending, []
+                for gen, works in current:
+                    for w in works:
+                        w.wait()
+                    self._advance(gen)
+            if self._then is not None:
+                then, self._then = self._then, None
+                then()
+        self._on.join()
         return True
 
     def is_completed(self) -> bool:
@@ -96,9 +109,9 @@ def _ag(dst, src, pg):
     return dist.all_gather_single(dst, src, group=pg, async_op=True)
 
 
-def _rs(dst, src, pg, device_type):
+def _rs(dst, src, pg):
     """One flat reduce-scatter stage; yields its handle, finishes into dst."""
-    if device_type != "cpu":
+    if device.native_reduce_scatter(pg, src.device.type):
         yield [dist.reduce_scatter_single(dst, src, group=pg, async_op=True)]
         return
     recv = torch.empty_like(src)
@@ -172,8 +185,16 @@ def all_gather(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collective
     if not key:
         out.copy_(inp)
         return Work()
+    assert out.numel() == s * inp.numel(), f"all_gather: out has {out.numel()} elements, expected {s}*{inp.numel()}"
+    on = device.launch("all_gather", out, inp)
+    with on.active():
+        pieces, then = _ag_plan(out, inp, mesh, key, algo, comm, s)
+        return Work(*pieces, then=then, on=on)
+
+
+def _ag_plan(out, inp, mesh, key, algo, comm, s):
+    """The pieces and the post-processing of an all_gather (comm dtype casts, dequantize)."""
     m = inp.numel()
-    assert out.numel() == s * m, f"all_gather: out has {out.numel()} elements, expected {s}*{m}"
     if comm.quantized:
         p = quant.shard_payload_bytes(m, comm)
         payload = quant.quantize(inp, comm)
@@ -182,34 +203,34 @@ def all_gather(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collective
         def decode():
             for c in range(s):
                 quant.dequantize(gathered[c * p:(c + 1) * p], m, comm, out=out[c * m:(c + 1) * m])
-        return Work(*_ag_bytes(gathered, payload, mesh, key, algo), then=decode)
+        return _ag_bytes(gathered, payload, mesh, key, algo), decode
     cdt = _TORCH_DTYPE[comm]
     if cdt == out.dtype and cdt == inp.dtype:
-        return Work(*_ag_bytes(out, inp, mesh, key, algo))
+        return _ag_bytes(out, inp, mesh, key, algo), None
     tmp = out.new_empty(s * m, dtype=cdt)
-    return Work(*_ag_bytes(tmp, inp.to(cdt), mesh, key, algo), then=lambda: out.copy_(tmp))
+    return _ag_bytes(tmp, inp.to(cdt), mesh, key, algo), lambda: out.copy_(tmp)
 
 
 # -- reduce_scatter -----------------------------------------------------------------------
-def _rs_hier_piece(dst, src, sm, key, device_type):
+def _rs_hier_piece(dst, src, sm, key):
     """Reduce-scatter `src` (dims: stage levels innermost first, then piece) level by level."""
     stages = tuple(reversed(_stage_levels(sm, key)))
     buf = src
     for i, lvl in enumerate(stages):
         last = i == len(stages) - 1
         nxt = dst if last else buf.new_empty(buf.numel() // sm.mesh.size(lvl))
-        yield from _rs(nxt, buf, sm.group((lvl,)), device_type)
+        yield from _rs(nxt, buf, sm.group((lvl,)))
         buf = nxt
 
 
 def _rs_pieces(out, inp, sm, key, algo):
     if algo is Collectives.RING:
-        return [_rs(out, inp, sm.group(key, key), sm.device_type)]
+        return [_rs(out, inp, sm.group(key, key))]
     m = out.numel()
     names = tuple(reversed(_stage_levels(sm, key)))       # innermost first: the first stage's digit leads
     full = inp.view(*[sm.mesh.size(n) for n in key], m).permute(_perm(key, names))
     k = HO_PIECES if algo is Collectives.HO_RING else 1
-    return [_rs_hier_piece(out[lo:hi], full[..., lo:hi].contiguous().view(-1), sm, key, sm.device_type)
+    return [_rs_hier_piece(out[lo:hi], full[..., lo:hi].contiguous().view(-1), sm, key)
             for lo, hi in _pieces(m, k)]
 
 
@@ -237,13 +258,15 @@ def reduce_scatter(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collec
         out.copy_(inp)
         return Work()
     assert inp.numel() == s * out.numel(), f"reduce_scatter: inp has {inp.numel()} elements, expected {s}*{out.numel()}"
-    if comm.quantized:
-        return Work(_qgz(out, inp, mesh, key, comm))
-    cdt = _TORCH_DTYPE[comm]
-    if cdt == out.dtype and cdt == inp.dtype:
-        return Work(*_rs_pieces(out, inp, mesh, key, algo))
-    tmp = out.new_empty(out.numel(), dtype=cdt)
-    return Work(*_rs_pieces(tmp, inp.to(cdt), mesh, key, algo), then=lambda: out.copy_(tmp))
+    on = device.launch("reduce_scatter", out, inp)
+    with on.active():
+        if comm.quantized:
+            return Work(_qgz(out, inp, mesh, key, comm), on=on)
+        cdt = _TORCH_DTYPE[comm]
+        if cdt == out.dtype and cdt == inp.dtype:
+            return Work(*_rs_pieces(out, inp, mesh, key, algo), on=on)
+        tmp = out.new_empty(out.numel(), dtype=cdt)
+        return Work(*_rs_pieces(tmp, inp.to(cdt), mesh, key, algo), then=lambda: out.copy_(tmp), on=on)
 
 
 # -- all_reduce ---------------------------------------------------------------------------
@@ -254,7 +277,7 @@ def _ar_hier_piece(buf, sm, key):
     chunks = [buf]
     for lvl in reversed(inner):                              # reduce-scatter, innermost first
         nxt = buf.new_empty(chunks[-1].numel() // sm.mesh.size(lvl))
-        yield from _rs(nxt, chunks[-1], sm.group((lvl,)), sm.device_type)
+        yield from _rs(nxt, chunks[-1], sm.group((lvl,)))
         chunks.append(nxt)
     yield [dist.all_reduce(chunks[-1], group=sm.group((outer,)), async_op=True)]
     for i, lvl in enumerate(inner):                          # all-gather, outermost first
@@ -267,12 +290,17 @@ def all_reduce(t, mesh: ShardMesh, levels, *, algo=Collectives.RING) -> Work:
     algo = _resolve(mesh, key, algo)
     if not key:
         return Work()
-    if algo is Collectives.RING or len(key) < 2:
-        return Work(_single(dist.all_reduce(t, group=mesh.group(key), async_op=True)))
+    on = device.launch("all_reduce", t)
+    with on.active():
+        pieces, then = _ar_plan(t, mesh, key, algo)
+        return Work(*pieces, then=then, on=on)
+
+
+def _ar_plan(t, mesh, key, algo):
     inner = prod(mesh.mesh.size(n) for n in key[1:])
     n = t.numel()
-    if n < inner:                                            # too small to split: one flat all-reduce
-        return Work(_single(dist.all_reduce(t, group=mesh.group(key), async_op=True)))
+    if algo is Collectives.RING or len(key) < 2 or n < inner:   # n < inner: too small to split
+        return [_ar_flat(t, mesh.group(key))], None
     flat = t.new_zeros(-(-n // inner) * inner)
     flat[:n] = t.reshape(-1)
     view = flat.view(inner, -1)
@@ -284,11 +312,11 @@ def all_reduce(t, mesh: ShardMesh, levels, *, algo=Collectives.RING) -> Work:
         for (lo, hi), b in zip(bounds, bufs):
             view[:, lo:hi].copy_(b.view(inner, -1))
         t.copy_(flat[:n].view(t.shape))
-    return Work(*[_ar_hier_piece(b, mesh, key) for b in bufs], then=finish)
+    return [_ar_hier_piece(b, mesh, key) for b in bufs], finish
 
 
-def _single(work):
-    yield [work]
+def _ar_flat(t, pg):
+    yield [dist.all_reduce(t, group=pg, async_op=True)]
 
 
 def _resolve(sm: ShardMesh, key: tuple[str, ...], algo: Collectives) -> Collectives:

@@ -13,8 +13,9 @@ over `order` (first digit most significant). Size-1 levels never change a positi
 they are dropped before the cache lookup.
 
 [Note: where the groups come from]
-`device_mesh` is a DeviceMesh over the rank tensor arange(world).reshape(sizes) with
-the level names as mesh_dim_names; its construction creates one group per level
+`device_mesh` is a DeviceMesh of the tensors' device type (its groups run on the
+default group's backend for that type: NCCL for CUDA, gloo for CPU; runtime/device.py)
+over the rank tensor arange(world).reshape(sizes) with the level names as mesh_dim_names; its construction creates one group per level
 (eagerly, the same on every rank). A multi-level group in mesh order is
 `device_mesh[levels]._flatten(name)` — DeviceMesh's own flattening. A group whose
 `order` is not mesh order cannot come from DeviceMesh: c10d sorts a group's ranks
@@ -43,6 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Mesh
 
+from . import device
+
 _CACHE: dict[tuple, "ShardMesh"] = {}
 
 
@@ -69,6 +72,7 @@ class ShardMesh:
         if world != mesh.world:
             raise ShardcError(f"mesh {mesh} has {mesh.world} ranks but the job has {world}; "
                               f"launch with --nproc-per-node/--nnodes matching the mesh")
+        device.check_backend(device_type)           # a clear error before DeviceMesh fails
         self.mesh = mesh
         self.device_type = device_type
         self.rank = dist.get_rank()

@@ -24,6 +24,7 @@ from shardc.dsl.ir import Strategy
 
 from . import state
 from .comm import Comm
+from .device import model_device
 from .engine import Engine, UnitState
 from .errors import RuntimeUsageError
 from .flat import TORCH_DTYPE, FlatGroup
@@ -107,8 +108,8 @@ class ShardedModule(nn.Module):
         self.strategy = strategy
         self.unit_specs = list(units)
         self.ledger = Ledger()
-        dev = next(iter(model.parameters()), torch.empty(0)).device.type
-        self.comm = Comm(strategy.mesh, strategy.collectives, self.ledger, mesh, dev)
+        self.device = model_device(model)
+        self.comm = Comm(strategy.mesh, strategy.collectives, self.ledger, mesh, self.device.type)
         _broadcast_from_rank0(model)
         params, self.aliases, targets, self.param_order = _param_maps(model)
         self.frozen = {n for n, p in params.items() if not p.requires_grad}
@@ -218,9 +219,9 @@ class ShardedModule(nn.Module):
         by_levels: dict[tuple, list] = {}
         for g in self.runtime.trainable_groups():
             by_levels.setdefault(g.plan.os, []).append(g)
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         for levels, groups in by_levels.items():
-            sq = torch.zeros(1, dtype=torch.float32)
+            sq = torch.zeros(1, dtype=torch.float32, device=self.device)
             for g in groups:
                 sq += g.os_grad.float().pow(2).sum()
             self.comm.all_reduce("update", sq, levels, 4).wait()
