@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--capture", choices=("auto", "fx", "export"), default="auto")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where the model trains (default: cuda when available, else cpu)")
     return p.parse_args(argv)
 
 
@@ -103,6 +105,8 @@ def progress(total: int, rank: int, enabled: bool = True):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         train(args)
@@ -116,10 +120,11 @@ def train(args) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     cfg = CONFIGS[args.model]
-    model = gpt.GPT(cfg)
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = gpt.GPT(cfg).to(dev)
     data = load_corpus()
     strategy = shardc.load_strategy(args.strategy, world_size=world, mesh=args.mesh)
-    x0, _ = get_batch(data, cfg, args.batch, 0, 0, rank, world)
+    x0 = get_batch(data, cfg, args.batch, 0, 0, rank, world)[0].to(dev)
     t_compile = time.perf_counter()
     sm = shardc.compile(model, strategy, example_inputs=(x0,), capture=args.capture)
     strategy = sm.plan.strategy                     # `collectives auto` resolved by the cost model
@@ -131,9 +136,9 @@ def train(args) -> dict:
     bar, losses = progress(args.steps, rank, not args.quiet), []
     t0 = time.perf_counter()
     for step in range(args.steps):
-        total = torch.zeros(())
+        total = torch.zeros((), device=dev)
         for micro in range(M):
-            x, y = get_batch(data, cfg, args.batch, step, micro, rank, world)
+            x, y = (t.to(dev) for t in get_batch(data, cfg, args.batch, step, micro, rank, world))
             loss = F.cross_entropy(sm(x).flatten(0, 1), y.flatten()) / M
             loss.backward()
             total += loss.detach()

@@ -16,7 +16,8 @@ from torch import nn
 from shardc.dsl.errors import ShardcError
 from shardc.runtime import device
 from tests.harness import dist_run
-from tests.test_runtime_util import (Tiny, batches, max_rel_err, reference, strategy,
+from tests.test_runtime_parity import TWO_LEVEL
+from tests.test_runtime_util import (ROOT, Tiny, batches, max_rel_err, reference, strategy,
                                      train_sharded, units_for)
 
 M22 = "node(2) > gpu(2)"
@@ -215,13 +216,13 @@ def test_native_reduce_scatter_equals_alltoall_path():
         assert counts["alltoall"].get("reduce_scatter_single", 0) == 0
 
 
-def _train(rank, world, name, native, fake=None, dev="cpu"):
-    """Tiny under `name` on M22 (AdamW, accumulate 2): (params, ledger, max err vs reference)."""
+def _train(rank, world, name, native, fake=None, dev="cpu", mesh=M22):
+    """Tiny under `name` (AdamW, accumulate 2): (params, ledger, max err vs reference)."""
     from shardc.runtime import shard_module
     data = [(x.to(dev), y.to(dev)) for x, y in batches(2, world, 2)]
     model = Tiny().to(dev)
     want, _ = reference(model, data, "adamw")
-    s = strategy(name, M22, accumulate=2)
+    s = strategy(name, mesh, accumulate=2)
     ctx = device.use_stream_module("cpu", fake) if fake is not None else contextlib.nullcontext()
     with device.prefer_native_reduce_scatter(native), ctx:
         sm = shard_module(copy.deepcopy(model), s, units_for(model, s.scopes))
@@ -280,18 +281,74 @@ def test_fake_streams_every_collective_on_a_comm_stream():
         assert n_launch > 0 and n_launch == n_join and joins_ok
 
 
+# -- the GPU check script, where there is no GPU ------------------------------------------
+def test_gpu_check_without_cuda_says_so(tmp_path):
+    import subprocess
+    import sys
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present: bench/gpu_check.py would run the GPU checks (minutes)")
+    for mode in ("step", "parity", "trace"):
+        r = subprocess.run([sys.executable, "bench/gpu_check.py", mode, "--out", str(tmp_path)],
+                           capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "needs CUDA" in r.stderr
+
+
+def test_trace_overlap_arithmetic():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", f"{ROOT}/bench/gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    assert gc._union([(5, 7), (0, 2), (1, 3), (7, 8)]) == [(0, 3), (5, 8)]
+    assert gc._overlap([(0, 3), (5, 8)], [(2, 6)]) == 2
+    # compute stream 7 busy [0,10) and [20,30); NCCL on stream 20 [5,25): 10 of its 20 overlap
+    lines = gc.summarize([(7, 0, 10, "gemm"), (7, 20, 30, "gemm"), (20, 5, 25, "ncclAllGather")])
+    assert "stream 7 (compute)" in lines[0] and "stream 20 (side)" in lines[1]
+    assert lines[-1].endswith("of which 0.00 ms (50%) overlapped the compute stream")
+
+
 # -- CUDA only --------------------------------------------------------------------------
-def _cuda_parity(rank, world, names):
-    return [(name, _train(rank, world, name, None, dev="cuda")[2]) for name in names]
+CUDA_PARITY = ((M22, 4, tuple(TWO_LEVEL)), ("node(2) > gpu(2) > gcd(2)", 8, ("zero_topo",)))
+
+
+def _cuda_parity(rank, world, names, mesh):
+    return [(name, _train(rank, world, name, None, dev="cuda", mesh=mesh)[2]) for name in names]
 
 
 @CUDA
 @pytest.mark.distributed
-def test_cuda_parity_every_named_strategy():
-    """4 gloo ranks sharing the GPU (CUDA tensors), each named strategy vs one process."""
-    from tests.test_runtime_parity import TWO_LEVEL
-    for rank_res in dist_run(4, _cuda_parity, TWO_LEVEL, timeout=900):
+@pytest.mark.parametrize("mesh,world,names", CUDA_PARITY)
+def test_cuda_parity_every_named_strategy(mesh, world, names):
+    """gloo ranks sharing the GPU (CUDA tensors), each named strategy vs one process."""
+    for rank_res in dist_run(world, _cuda_parity, names, mesh, timeout=900):
+        assert [n for n, _ in rank_res] == list(names)
         assert all(err < 1e-5 for _, err in rank_res), rank_res
+
+
+def _cuda_bf16(rank, world):
+    import dataclasses
+
+    from shardc.dsl.ir import DType
+    from shardc.runtime import shard_module
+    model = Tiny().cuda()
+    data = [(x.cuda(), y.cuda()) for x, y in batches(3, world, 2)]
+    want, _ = reference(model, data, "adamw")
+    s = strategy("zero3", M22, accumulate=2)
+    bf = dict(dtype=DType.BF16, comm=DType.BF16)
+    sc = dataclasses.replace(s.scopes, params=dataclasses.replace(s.params, **bf),
+                             grads=dataclasses.replace(s.grads, **bf))
+    sm = shard_module(copy.deepcopy(model), dataclasses.replace(s, scopes=sc), units_for(model, sc))
+    got, _, opt = train_sharded(sm, data, rank, world, 2, "adamw")
+    diff = max(float((got[k].float() - want[k]).abs().max()) for k in want)
+    masters = {str(p.dtype) for g in opt.param_groups for p in g["params"]}
+    return diff, {str(v.dtype) for v in got.values()}, masters
+
+
+@CUDA
+@pytest.mark.distributed
+def test_cuda_mixed_precision_bf16_params_and_comm_fp32_master():
+    for diff, dtypes, masters in dist_run(4, _cuda_bf16, timeout=300):
+        assert diff < 0.02 and "torch.bfloat16" in dtypes and masters == {"torch.float32"}, (diff, dtypes)
 
 
 def _cuda_streams(rank, world):
