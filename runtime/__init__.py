@@ -7,7 +7,8 @@ sharded optimizer, the communication ledger, memory reports and state dicts.
 
 Modules: layout (padding, chunk offsets), flat (per-unit storage and its collectives),
 engine (schedule, hooks, accumulation), optimizer, state (memory report, state dicts),
-ledger, comm (ledger-recording adapter over mesh/collectives), module (entry point).
+ledger, comm (ledger-recording adapter over mesh/collectives), device (the model's
+device, the backend per device type, communication streams), module (entry point).
 `sm.module` keeps no registered parameters: read values with `full_state_dict()`.
 """
 from .errors import RuntimeUsageError
