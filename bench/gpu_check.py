@@ -13,7 +13,7 @@ step   (a) world 1 on CUDA (NCCL), a GPT-2-small-sized model (124M: 12 layers, w
        `torch.cuda.max_memory_allocated()`.
 parity (b) every named strategy on ranks sharing the GPU (gloo over CUDA tensors; NCCL
        refuses two ranks on one device) against one process on the concatenated batch:
-       the CUDA tests' own rank function (tests/test_device.py), one line per strategy.
+       the CUDA tests' own rank function (tests/test_device_cuda.py), one line per strategy.
 trace  (c) `--world` ranks (NCCL with one GPU each when there are enough GPUs, else
        gloo sharing GPU 0) train the 124M model under zero3 for 2 profiled steps; every
        rank writes a chrome trace (`OUT/rank<r>.json`) and rank 0 prints, per CUDA
@@ -165,7 +165,7 @@ def run_step(args) -> int:
 
 def run_parity(args) -> int:
     from tests.harness import dist_run
-    from tests.test_device import CUDA_PARITY, _cuda_parity
+    from tests.test_device_cuda import CUDA_PARITY, _cuda_parity
     worst = 0.0
     for mesh, world, names in CUDA_PARITY:
         results = dist_run(world, _cuda_parity, names, mesh, timeout=1800)
@@ -204,6 +204,8 @@ def _overlap(a, b) -> int:
 def summarize(events) -> list[str]:
     """events: (stream, start_ns, end_ns, name) of GPU work. The compute stream is the
     busiest; the rest (NCCL's streams, gloo's copies, shardc's comm streams) are side streams."""
+    if not events:
+        return ["    no CUDA work in the trace"]
     by_stream: dict[int, list] = {}
     for stream, lo, hi, name in events:
         by_stream.setdefault(stream, []).append((lo, hi, name))

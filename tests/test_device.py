@@ -1,8 +1,8 @@
 """Device-generic runtime (runtime/device.py): the model's device, the backend per device
 type, native vs all-to-all reduce-scatter (same values, same ledger), and the
-communication-stream wrapper driven by a fake stream module on CPU gloo ranks.
-CUDA-only checks (parity of every named strategy on a GPU, the real comm streams,
-memory_report against the CUDA allocator) skip with their reason where CUDA is absent."""
+communication-stream wrapper driven by a fake stream module on CPU gloo ranks, and
+bench/gpu_check.py where there is no GPU. The same checks on a GPU are in
+tests/test_device_cuda.py."""
 from __future__ import annotations
 
 import contextlib
@@ -16,13 +16,10 @@ from torch import nn
 from shardc.dsl.errors import ShardcError
 from shardc.runtime import device
 from tests.harness import dist_run
-from tests.test_runtime_parity import TWO_LEVEL
 from tests.test_runtime_util import (ROOT, Tiny, batches, max_rel_err, reference, strategy,
                                      train_sharded, units_for)
 
 M22 = "node(2) > gpu(2)"
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
-                          reason="needs CUDA: runs the sharded model on a GPU (no GPU on this machine)")
 
 
 # -- a fake stream module (the torch.cuda stream API, recording what is asked of it) ------
@@ -305,102 +302,3 @@ def test_trace_overlap_arithmetic():
     lines = gc.summarize([(7, 0, 10, "gemm"), (7, 20, 30, "gemm"), (20, 5, 25, "ncclAllGather")])
     assert "stream 7 (compute)" in lines[0] and "stream 20 (side)" in lines[1]
     assert lines[-1].endswith("of which 0.00 ms (50%) overlapped the compute stream")
-
-
-# -- CUDA only --------------------------------------------------------------------------
-CUDA_PARITY = ((M22, 4, tuple(TWO_LEVEL)), ("node(2) > gpu(2) > gcd(2)", 8, ("zero_topo",)))
-
-
-def _cuda_parity(rank, world, names, mesh):
-    return [(name, _train(rank, world, name, None, dev="cuda", mesh=mesh)[2]) for name in names]
-
-
-@CUDA
-@pytest.mark.distributed
-@pytest.mark.parametrize("mesh,world,names", CUDA_PARITY)
-def test_cuda_parity_every_named_strategy(mesh, world, names):
-    """gloo ranks sharing the GPU (CUDA tensors), each named strategy vs one process."""
-    for rank_res in dist_run(world, _cuda_parity, names, mesh, timeout=900):
-        assert [n for n, _ in rank_res] == list(names)
-        assert all(err < 1e-5 for _, err in rank_res), rank_res
-
-
-def _cuda_bf16(rank, world):
-    import dataclasses
-
-    from shardc.dsl.ir import DType
-    from shardc.runtime import shard_module
-    model = Tiny().cuda()
-    data = [(x.cuda(), y.cuda()) for x, y in batches(3, world, 2)]
-    want, _ = reference(model, data, "adamw")
-    s = strategy("zero3", M22, accumulate=2)
-    bf = dict(dtype=DType.BF16, comm=DType.BF16)
-    sc = dataclasses.replace(s.scopes, params=dataclasses.replace(s.params, **bf),
-                             grads=dataclasses.replace(s.grads, **bf))
-    sm = shard_module(copy.deepcopy(model), dataclasses.replace(s, scopes=sc), units_for(model, sc))
-    got, _, opt = train_sharded(sm, data, rank, world, 2, "adamw")
-    diff = max(float((got[k].float() - want[k]).abs().max()) for k in want)
-    masters = {str(p.dtype) for g in opt.param_groups for p in g["params"]}
-    return diff, {str(v.dtype) for v in got.values()}, masters
-
-
-@CUDA
-@pytest.mark.distributed
-def test_cuda_mixed_precision_bf16_params_and_comm_fp32_master():
-    for diff, dtypes, masters in dist_run(4, _cuda_bf16, timeout=300):
-        assert diff < 0.02 and "torch.bfloat16" in dtypes and masters == {"torch.float32"}, (diff, dtypes)
-
-
-def _cuda_streams(rank, world):
-    import torch.distributed as dist
-    seen, saved = [], {}
-    default = torch.cuda.current_stream()
-    for op in ("all_gather_single", "all_to_all_single", "reduce_scatter_single", "all_reduce"):
-        fn = saved[op] = getattr(dist, op)
-
-        def wrapped(*a, _fn=fn, **kw):
-            seen.append(torch.cuda.current_stream() != default)
-            return _fn(*a, **kw)
-        setattr(dist, op, wrapped)
-    try:
-        err = _train(rank, world, "zero3", None, dev="cuda")[2]
-    finally:
-        for op, fn in saved.items():
-            setattr(dist, op, fn)
-    pool = device.comm_streams(torch.device("cuda", torch.cuda.current_device()))
-    streams = {pool.stream(k) for k in device.STREAM_KINDS} | {default}
-    return err, seen, len(streams)
-
-
-@CUDA
-@pytest.mark.distributed
-def test_cuda_collectives_issue_on_comm_streams():
-    for err, seen, n_streams in dist_run(4, _cuda_streams, timeout=300):
-        assert err < 1e-5 and seen and all(seen) and n_streams == 4
-
-
-def _cuda_memory(rank, world):
-    from shardc.runtime import shard_module
-    from tests.test_runtime_memory import expected
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    model = Tiny(d=8, h=8).cuda()
-    s = strategy("zero3", M22, accumulate=1)
-    sm = shard_module(model, s, units_for(model, s.scopes))
-    del model
-    data = [(x.cuda(), y.cuda()) for x, y in batches(1, world, 1)]
-    train_sharded(sm, data, rank, world, 1, "adamw")
-    del data
-    held = torch.cuda.memory_allocated() - base
-    blocks = torch.cuda.memory_stats()["active.all.current"]
-    return sm.memory_report(), expected("zero3", [104, 160, 160, 160], "adamw"), held, blocks
-
-
-@CUDA
-@pytest.mark.distributed
-def test_cuda_memory_report_matches_the_allocator():
-    """After a step, the allocator holds the reported model state plus at most one
-    512-byte rounding per live block (and the 4-byte `scale` buffer)."""
-    for rep, want, held, blocks in dist_run(4, _cuda_memory, timeout=300):
-        assert rep == want
-        assert rep["total"] <= held <= rep["total"] + 512 * blocks + 512, (rep, held, blocks)
