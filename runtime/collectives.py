@@ -31,9 +31,9 @@ per rank (measured on loopback: 6.0·n over 4 ranks, the same as all_reduce), tw
 ring reduce-scatter. On a gloo group a reduce-scatter stage is therefore
 `all_to_all_single` (rank j receives every peer's chunk j: (s-1)/s·n bytes per rank,
 measured 3.0·n) followed by a local sum, accumulated in fp32 for 16-bit comm dtypes.
-Other backends (NCCL) use their native `reduce_scatter_single`; the choice is the
-group's backend for the tensors' device (`device.native_reduce_scatter`), not the
-device itself (gloo also runs CUDA tensors).
+Other backends (NCCL) use their native `reduce_scatter_single`, which sums in the comm
+dtype (like FSDP2's reduce dtype); the choice is the group's backend for the tensors'
+device (`device.native_reduce_scatter`), not the device (gloo also runs CUDA tensors).
 
 [Note: streams]
 Every call runs on a communication stream of its kind where the device has streams

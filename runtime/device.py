@@ -91,8 +91,8 @@ def backend_name(pg: dist.ProcessGroup, device_type: str) -> str:
     except RuntimeError:
         raise ShardcError(
             f"the process group has no backend for {device_type} tensors (it was initialised as "
-            f"{dist.get_backend_config(pg)!r}); initialise it with "
-            f"init_process_group({default_backend(device_type)!r}) for a model on {device_type}") from None
+            f"{dist.get_backend_config(pg)!r}); move the model to a device it serves, or initialise "
+            f"it with init_process_group({default_backend(device_type)!r}) for a model on {device_type}") from None
 
 
 def check_backend(device_type: str) -> str:
