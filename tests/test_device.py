@@ -133,17 +133,30 @@ def _backends(rank, world):
             bad()
         except ShardcError as e:
             errors.append(str(e))
-    return names, native, errors
+    return names, native, errors, _shard_meta_model()
+
+
+def _shard_meta_model() -> str:
+    from shardc.runtime import shard_module
+    with torch.device("meta"):
+        model = Tiny()
+    s = strategy("zero3", M22)
+    try:
+        shard_module(model, s, units_for(model, s.scopes))
+    except ShardcError as e:
+        return str(e)
+    return "no error"
 
 
 @pytest.mark.distributed
 def test_groups_and_reduce_scatter_choice_follow_the_backend():
-    for names, native, errors in dist_run(4, _backends):
+    for names, native, errors, meta in dist_run(4, _backends):
         assert names == ["gloo"] * 4
         assert native == [False, True, False]
         assert len(errors) == 2
         for e in errors:
             assert "no backend for meta tensors" in e and "init_process_group" in e
+        assert meta.startswith("the model's parameters are on the meta device"), meta
 
 
 def _counting(dist, counts):
