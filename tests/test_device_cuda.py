@@ -6,6 +6,7 @@ synchronisation added to a step. Every test skips with its reason where CUDA is 
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -89,6 +90,7 @@ def test_cuda_collectives_issue_on_comm_streams():
 def _cuda_memory(rank, world):
     from shardc.runtime import shard_module
     from tests.test_runtime_memory import expected
+    gc.collect()                      # earlier jobs' garbage must not be freed inside the window
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     model = Tiny(d=8, h=8).cuda()
@@ -98,6 +100,7 @@ def _cuda_memory(rank, world):
     data = [(x.cuda(), y.cuda()) for x, y in batches(1, world, 1)]
     train_sharded(sm, data, rank, world, 1, "adamw")
     del data
+    gc.collect()
     held = torch.cuda.memory_allocated() - base
     blocks = torch.cuda.memory_stats()["active.all.current"]
     return sm.memory_report(), expected("zero3", [104, 160, 160, 160], "adamw"), held, blocks
