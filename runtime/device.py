@@ -108,8 +108,9 @@ def native_reduce_scatter(pg: dist.ProcessGroup, device_type: str) -> bool:
 
 
 @contextlib.contextmanager
-def prefer_native_reduce_scatter(flag: bool):
-    """Within the block, reduce-scatters use the native op (True) or all-to-all + sum (False)."""
+def prefer_native_reduce_scatter(flag: bool | None):
+    """Within the block, reduce-scatters use the native op (True), all-to-all + sum (False)
+    or what the backend calls for (None)."""
     global _native_rs_override
     old, _native_rs_override = _native_rs_override, flag
     try:
@@ -123,7 +124,7 @@ def _stream_module(device_type: str):
     mod = _stream_modules.get(device_type)
     if mod is None and device_type == "cuda" and torch.cuda.is_available():
         mod = _stream_modules[device_type] = torch.cuda
-    return mod
+    return mod or None                       # False: streams turned off (use_stream_module)
 
 
 @contextlib.contextmanager
@@ -132,7 +133,7 @@ def use_stream_module(device_type: str, module):
     `Stream(device=, priority=)`, `current_stream(device)` and `stream(s)`, like
     torch.cuda); None turns streams off. For tests (fake streams on CPU)."""
     old = _stream_modules.get(device_type)
-    _stream_modules[device_type] = module
+    _stream_modules[device_type] = module if module is not None else False
     _drop_pools(device_type)
     try:
         yield

@@ -109,6 +109,8 @@ def test_on_stream_orders_and_keeps_tensors_alive():
         kinds = {k: pool.stream(k).name for k in device.STREAM_KINDS}
         assert len(set(kinds.values())) == 3 and pool.stream("all_gather").name == kinds["all_gather"]
     assert device.comm_streams(torch.device("cpu")) is None            # uninstalled
+    with device.use_stream_module("cpu", FakeStreams()), device.use_stream_module("cpu", None):
+        assert device.launch("all_reduce", torch.zeros(1)) is device.NO_STREAM   # turned off
 
 
 # -- gloo ranks -------------------------------------------------------------------------
