@@ -97,7 +97,7 @@ def write_best(c, path: str) -> None:
 
 
 def describe(c) -> str:
-    from shardc.compiler.planner import scope_text
+    from shardc.dsl.unparse import scope_text
     m = c.report.strategy.mesh
     sc = c.scopes
     return (f"params {scope_text(sc.params.levels, m)}; grads {scope_text(sc.grads.levels, m)}; "
