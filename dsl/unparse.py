@@ -3,8 +3,8 @@
 Input: an `ir.Strategy` (loaded, or built in code, e.g. with `dataclasses.replace`);
 output: the text of a `.shard` file that `load_strategy` reads back into an equal
 Strategy, source positions aside (`line` fields, `lines`, `file`, `warnings`). The one
-place that writes strategy text: `shardc plan`, the emitted module's comments and the
-benchmark all go through it.
+place that writes strategy text: `shardc plan -o` and the emitted module's comments go
+through it (the benchmark hands `shardc.compile` a replaced Strategy, no text at all).
 
 [Note: canonical form]
 Statements come in a fixed order, one per line: `strategy`, `mesh` (sizes resolved),
