@@ -2,7 +2,7 @@
 
 Input: a peer system name, the model's unit sizes, the mesh `node(n) > gpu(p)` and the
 number of micro-batches M. Output: ledger records in shardc's format (phase, op,
-levels, bytes, count per optimizer step), which `shardc.compiler.costmodel.link_bytes`
+levels, bytes, count per optimizer step), which `shardc.analysis.costmodel.link_bytes`
 turns into bytes per rank per level exactly as it does for shardc's own ledger.
 
 [Note: the peers' algorithms, per optimizer step, fp32, Φ_u elements in unit u]

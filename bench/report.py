@@ -9,7 +9,7 @@ micro-batches when gradient sync is off count here).
 
 [Note: level bytes]
 `level_bytes[level]` = bytes one rank sends over that level's links per optimizer step,
-averaged over ranks (shardc.compiler.costmodel.links' definition; `node` = the
+averaged over ranks (shardc.analysis.costmodel.links' definition; `node` = the
 shaped inter-node NICs, `gpu` = loopback inside a node). For shardc it comes from the
 runtime's measured ledger (counts divided by the timed steps) and the strategy's
 collective algorithm; for the peers from bench/peers.py's formulas, as gloo rings.
@@ -21,7 +21,7 @@ moves twice the ring bytes).
 """
 from __future__ import annotations
 
-from shardc.compiler.costmodel import link_bytes
+from shardc.analysis.costmodel import link_bytes
 from shardc.dsl.ir import Collectives, Level, Mesh
 
 from models import build_model

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from models import ROOT, block_modules
+from shardc.dsl.ir import Collectives, Strategy
 
 LR = 3e-4
-ALGOS = ("auto", "ring", "hierarchical", "ho-ring")     # `shardc:NAME@ALGO` overrides `collectives`
+ALGOS = tuple(c.value for c in Collectives)     # `shardc:NAME@ALGO` overrides `collectives`
 
 
 @dataclass
@@ -130,29 +130,13 @@ def strategy_path(spec: str) -> str:
     return os.path.join(ROOT, "examples", "strategies", f"{spec}.shard")
 
 
-def _set_statement(text: str, keyword: str, value: str) -> str:
-    """Replace the `keyword ...` statement of a .shard text (or append it)."""
-    line = f"{keyword} {value}"
-    text, n = re.subn(rf"(?m)^[ \t]*{keyword}[ \t]+[^\n#]*", line, text)
-    return text if n else text.rstrip("\n") + f"\n{line}\n"
+def for_bench(strategy: Strategy, accumulate: int, algo: str | None = None) -> Strategy:
+    """The strategy with the benchmark's `accumulate` (same for all systems), and with
+    `collectives` set to `algo` when the system name asked for one (`NAME@ALGO`)."""
+    return replace(strategy, accumulate=accumulate, collectives=Collectives(algo) if algo else strategy.collectives)
 
 
-def with_accumulate(path: str, accumulate: int, workdir: str, algo: str | None = None) -> str:
-    """A copy of the strategy file whose `accumulate` is the benchmark's (same for all),
-    and whose `collectives` is `algo` when the system name asked for one (`NAME@ALGO`)."""
-    with open(path) as f:
-        text = _set_statement(f.read(), "accumulate", str(accumulate))
-    if algo:
-        text = _set_statement(text, "collectives", algo)
-    d = os.path.join(workdir, f"strategies.rank{dist.get_rank()}")    # keeps the file stem
-    os.makedirs(d, exist_ok=True)
-    out = os.path.join(d, os.path.basename(path))
-    with open(out, "w") as f:
-        f.write(text)
-    return out
-
-
-def shardc_system(model: nn.Module, spec: str, example, accumulate: int, workdir: str) -> System:
+def shardc_system(model: nn.Module, spec: str, example, accumulate: int) -> System:
     import shardc
 
     spec, _, algo = spec.partition("@")
@@ -161,9 +145,8 @@ def shardc_system(model: nn.Module, spec: str, example, accumulate: int, workdir
     path = strategy_path(spec)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no strategy file {path}")
-    path = with_accumulate(path, accumulate, workdir, algo or None)
-    strategy = shardc.load_strategy(path, world_size=dist.get_world_size())
-    sm = shardc.compile(model, path, example_inputs=(example,))
+    strategy = for_bench(shardc.load_strategy(path, world_size=dist.get_world_size()), accumulate, algo or None)
+    sm = shardc.compile(model, strategy, example_inputs=(example,))
     plan = getattr(sm, "plan", None)          # the resolved strategy (`collectives auto` decided)
     strategy = plan.strategy if plan is not None else strategy
     opt = sm.optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.1)
@@ -180,8 +163,7 @@ def shardc_system(model: nn.Module, spec: str, example, accumulate: int, workdir
                          "collectives": strategy.collectives.value})
 
 
-def build_system(name: str, model: nn.Module, nodes: int, per_node: int, example,
-                 accumulate: int, workdir: str) -> System:
+def build_system(name: str, model: nn.Module, nodes: int, per_node: int, example, accumulate: int) -> System:
     if name == "fsdp2:full":
         return fsdp2(model, nodes, per_node, hybrid=False)
     if name == "fsdp2:hsdp":
@@ -189,5 +171,5 @@ def build_system(name: str, model: nn.Module, nodes: int, per_node: int, example
     if name == "ddp":
         return ddp(model)
     if name.startswith("shardc:"):
-        return shardc_system(model, name.split(":", 1)[1], example, accumulate, workdir)
+        return shardc_system(model, name.split(":", 1)[1], example, accumulate)
     raise ValueError(f"unknown system {name!r}: use fsdp2:full, fsdp2:hsdp, ddp, shardc:<strategy>")

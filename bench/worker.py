@@ -104,8 +104,7 @@ def main() -> int:
     try:
         model = build_model(args.model)
         example = batch(model, 0, 0, 0, args.micro_batch)[0]
-        sys_ = build_system(args.system, model, args.nodes, args.per_node, example,
-                            args.accumulate, os.path.dirname(os.path.abspath(args.out)))
+        sys_ = build_system(args.system, model, args.nodes, args.per_node, example, args.accumulate)
         result.update(measure(sys_, model, args, rank, local_rank))
         result["params"] = n_params(build_model(args.model))
         result["tokens_per_step"] = world * args.accumulate * args.micro_batch * example.size(1)

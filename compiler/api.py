@@ -50,7 +50,7 @@ def _resolve_collectives(strategy: Strategy, model: nn.Module, units) -> Strateg
     """`collectives auto` -> the cost model's choice for these unit sizes."""
     if strategy.collectives is not Collectives.AUTO:
         return strategy
-    from shardc.compiler.costmodel.timing import choose_collectives
+    from shardc.analysis.costmodel.timing import choose_collectives
     params = dict(model.named_parameters())
     sizes = [(sum(params[n].numel() for n in u.params if params[n].requires_grad),
               sum(params[n].numel() for n in u.params if not params[n].requires_grad)) for u in units]

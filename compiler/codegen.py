@@ -29,8 +29,9 @@ from shardc.compiler.emit_graph import graph_code
 from shardc.compiler.passes.meta import Op, info
 from shardc.compiler.plan import Plan
 from shardc.dsl.ir import Scopes, Strategy
+from shardc.dsl.unparse import state_clause, state_text
 
-__all__ = ["emit", "statement", "render_scope"]
+__all__ = ["emit", "statement"]
 
 TEMPLATE = "sharded_module.py.jinja"
 
@@ -40,25 +41,6 @@ def _env() -> jinja2.Environment:
     loader = jinja2.FileSystemLoader(os.path.join(os.path.dirname(__file__), "templates"))
     return jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                               trim_blocks=True, lstrip_blocks=True, autoescape=False)
-
-
-def render_scope(strategy: Strategy, levels: tuple[str, ...]) -> str:
-    if not levels:
-        return "replicate"
-    return "shard over world" if levels == strategy.mesh.names else f"shard over {', '.join(levels)}"
-
-
-def _rendered(strategy: Strategy, scopes: Scopes, state: str) -> str:
-    spec = getattr(scopes, state)
-    text = f"{state} {render_scope(strategy, spec.levels)}"
-    if state == "params" and spec.secondary is not None:
-        sec = spec.secondary
-        text += f" secondary {', '.join(sec.levels)}" + (f" {sec.quant.value}" if sec.quant else "")
-    if state in ("params", "grads") and spec.comm.value != "fp32":
-        text += f" comm {spec.comm.value}"
-    if state in ("params", "grads") and spec.dtype.value != "fp32":
-        text += f" dtype {spec.dtype.value}"
-    return text
 
 
 def _source_line(strategy: Strategy, line: int) -> str | None:
@@ -84,7 +66,8 @@ class _Commenter:
 
     def stmt(self, scopes: Scopes, state: str) -> str:
         s = self.plan.strategy
-        return statement(s, getattr(scopes, state).line, _rendered(s, scopes, state))
+        spec = getattr(scopes, state)
+        return statement(s, spec.line, state_text(state, spec, s.mesh))
 
     def __call__(self, node) -> str:
         meta = info(node)
@@ -138,7 +121,7 @@ def _header(plan: Plan, model_class: str) -> list[str]:
     for state in ("params", "grads", "optim"):
         spec = getattr(s.scopes, state)
         where = f"{os.path.basename(s.file)}:{spec.line}" if spec.line else "default"
-        lines.append(f"{state:<11} {_rendered(s, s.scopes, state)[len(state) + 1:]}  (s={s.factor(spec.levels)}, {where})")
+        lines.append(f"{state:<11} {state_clause(spec, s.mesh)}  (s={s.factor(spec.levels)}, {where})")
     lines.append(f"accumulate {s.accumulate}, prefetch {s.prefetch}, collectives {s.collectives.value}, "
                  f"capture {plan.capture}")
     if plan.capture == "export":

@@ -1,7 +1,7 @@
 """shardc.dsl — the strategy language: text -> AST -> checked `Strategy` IR.
 
 `load_strategy(path_or_text, world_size=None, mesh=None)` is the entry point (also
-exported as `shardc.load_strategy`). It never raises anything but `StrategyError`
+exported as `shardc.load_strategy`); `unparse(strategy)` writes a Strategy back as text. It never raises anything but `StrategyError`
 (a `ShardcError` carrying rustc-style diagnostics) for bad input.
 """
 from __future__ import annotations
@@ -13,8 +13,9 @@ from pathlib import Path
 from shardc.dsl.diagnostics import Diagnostic, Severity, StrategyError, render_all
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Mesh, Span, Strategy
+from shardc.dsl.unparse import unparse
 
-__all__ = ["load_strategy", "parse_mesh_text", "StrategyError", "Diagnostic", "Severity", "ShardcError"]
+__all__ = ["load_strategy", "parse_mesh_text", "unparse", "StrategyError", "Diagnostic", "Severity", "ShardcError"]
 
 MAX_BYTES = 100_000     # a strategy is a dozen lines; refuse megabytes of text
 

@@ -35,6 +35,13 @@ def _lark() -> Lark:
                 start=["start", "mesh_spec"], maybe_placeholders=False)
 
 
+@functools.lru_cache(maxsize=1)
+def keywords() -> frozenset[str]:
+    """The grammar's reserved words (`mesh`, `shard`, `world`, ...): never usable as a name."""
+    return frozenset(t.pattern.value for t in _lark().terminals
+                     if t.pattern.type == "str" and t.pattern.value.isidentifier())
+
+
 def parse_program(text: str, file: str) -> tuple[ast.Program, list[Diagnostic]]:
     """Parse a whole strategy file; returns the AST of the lines that parse and the errors."""
     text, diags = _scrub_control(text, file)
@@ -92,11 +99,16 @@ def _unclosed_block(e: UnexpectedInput, lines: list[str]) -> int | None:
     return opened[-1] if opened else None
 
 
+def is_control(c: str) -> bool:
+    """A character a strategy file may not contain (NUL, ESC, DEL, ...; tab and CR are fine)."""
+    return (ord(c) < 32 and c not in "\t\r") or ord(c) == 127
+
+
 def _scrub_control(text: str, file: str) -> tuple[str, list[Diagnostic]]:
     """Report control characters (NUL, ESC, ...) once per line; replace them by spaces."""
     diags, out = [], []
     for n, line in enumerate(text.split("\n"), start=1):
-        bad = [i for i, c in enumerate(line) if (ord(c) < 32 and c not in "\t\r") or ord(c) == 127]
+        bad = [i for i, c in enumerate(line) if is_control(c)]
         if bad:
             c = line[bad[0]]
             if len(diags) < _MAX_ERRORS:

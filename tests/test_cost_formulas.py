@@ -13,11 +13,11 @@ import pytest
 from shardc.dsl.ir import (
     Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, ParamsSpec, Scopes, Secondary, Strategy,
 )
-from shardc.compiler.costmodel import (
+from shardc.analysis.costmodel import (
     AlphaBeta, Profile, UnitSize, choose_collectives, inter_intra, link_bytes, predict_ledger,
     predict_memory,
 )
-from shardc.compiler.costmodel.links import record_links
+from shardc.analysis.costmodel.links import record_links
 
 M2 = Mesh((Level("node", 2), Level("gpu", 4)))
 M3 = Mesh((Level("node", 2), Level("gpu", 2), Level("gcd", 2)))

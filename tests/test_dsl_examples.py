@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import shardc
-from shardc.compiler import cmd_check
+from shardc.cli import cmd_check
 from shardc.dsl.ir import DType
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "strategies"

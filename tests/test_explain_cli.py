@@ -50,7 +50,7 @@ def test_llama_7b_on_64_ranks_json_and_not_allocated():
 
 
 def test_explain_builds_on_meta(monkeypatch, capsys):
-    from shardc.compiler.costmodel import report
+    from shardc.analysis.costmodel import report
     seen = []
     real = report.model_units
 

@@ -40,7 +40,7 @@ override "layers.0" {
 def _strategy(name: str, mesh: str):
     import shardc
     if name.startswith("plan:"):     # "plan:I:DTYPE": the planner's I-th scope assignment
-        from shardc.compiler.planner import enumerate_scopes
+        from shardc.analysis.planner import enumerate_scopes
         from shardc.dsl.ir import DType
         _, i, dtype = name.split(":")
         base = shardc.load_strategy(f"strategy p{i}\nmesh {mesh}\naccumulate 2\n")
@@ -52,7 +52,7 @@ def _strategy(name: str, mesh: str):
 
 def _model(frozen: bool):
     import torch
-    from shardc.compiler.loader import load_factory
+    from shardc.cli.loader import load_factory
     factory = load_factory(os.path.join(ROOT, "examples/llama.py") + ":llama_tiny")
     torch.manual_seed(0)
     m = factory()
@@ -88,8 +88,8 @@ def _measure(rank, world, cases):
 
 
 def _predict(name, mesh, frozen):
-    from shardc.compiler.costmodel import predict_ledger, predict_memory
-    from shardc.compiler.costmodel.report import model_units
+    from shardc.analysis.costmodel import predict_ledger, predict_memory
+    from shardc.analysis.costmodel.report import model_units
     s = _strategy(name, mesh)
     units = model_units(s, _model(frozen))
     ledger = [(r.phase, r.op, tuple(r.levels), r.bytes, r.count)

@@ -1,10 +1,10 @@
-"""compiler/loader.py: factory specs resolve to modules; every mistake is one ShardcError sentence."""
+"""shardc/cli/loader.py: factory specs resolve to modules; every mistake is one ShardcError sentence."""
 import textwrap
 
 import pytest
 from torch import nn
 
-from shardc.compiler.loader import build_model, load_factory
+from shardc.cli.loader import build_model, load_factory
 from shardc.dsl.errors import ShardcError
 
 

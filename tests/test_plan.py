@@ -14,14 +14,14 @@ LLAMA = "examples/llama.py:llama_tiny"
 
 def run_cmd(name: str, argv: list[str]) -> int:
     """Run `shardc NAME ARGV` through the command module, as shardc.cli does."""
-    mod = importlib.import_module(f"shardc.compiler.cmd_{name}")
+    mod = importlib.import_module(f"shardc.cli.cmd_{name}")
     p = argparse.ArgumentParser(prog=f"shardc {name}")
     mod.add_arguments(p)
     return mod.run(p.parse_args(argv))
 
 
 def test_enumeration_count_by_hand():
-    from shardc.compiler.planner import enumerate_scopes
+    from shardc.analysis.planner import enumerate_scopes
     two = Mesh((Level("node", 2), Level("gpu", 4)))
     # Each level is, independently, in no scope / optim only / grads+optim / all three
     # (params ⊆ grads ⊆ optim): 4 choices per level -> 4·4 = 16 on a 2-level mesh.
@@ -59,7 +59,8 @@ def test_best_plan_fits_obeys_rule_and_checks(tmp_path, capsys):
         (best["params"], best["grads"], best["optim"])
     assert s.accumulate == 2 and str(s.mesh) == "node(2) > gpu(2)"
     # The written strategy's explained memory equals the planner's figure.
-    from shardc.compiler.costmodel.report import explain, load_model_units
+    from shardc.analysis.costmodel.report import explain
+    from shardc.cli.loader import load_model_units
     e = explain(s, load_model_units(s, LLAMA), micro_batches=2)
     assert e.memory["total"] + e.memory["transient"] == best["memory"]
 

@@ -1,6 +1,6 @@
 """`shardc profile`: the bandwidth JSON, through the harness (4 ranks) and through torchrun.
 
-The command is run as `shardc.compiler.cmd_profile.main` (what the dispatcher calls,
+The command is run as `shardc.cli.cmd_profile.main` (what the dispatcher calls,
 with the same exit codes), so these tests do not depend on every other command loading."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _profile(rank, world, path):
-    from shardc.compiler.cmd_profile import main
+    from shardc.cli.cmd_profile import main
 
     return main(["-o", path, "--sizes", "4KiB", "64KiB", "--mesh", "node(2) > gpu(2)",
                  "--iters", "2", "--warmup", "1"])
@@ -66,7 +66,7 @@ def test_profile_under_torchrun(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     r = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-              "-m", "shardc.compiler.cmd_profile", "-o", str(path), "--sizes", "1KiB", "--iters", "1"],
+              "-m", "shardc.cli.cmd_profile", "-o", str(path), "--sizes", "1KiB", "--iters", "1"],
              env=env, cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(path.read_text())
@@ -78,7 +78,7 @@ def test_profile_under_torchrun(tmp_path):
 def test_profile_outside_torchrun_is_a_clear_error(tmp_path, monkeypatch, capsys):
     import torch.distributed as dist
 
-    from shardc.compiler.cmd_profile import main
+    from shardc.cli.cmd_profile import main
 
     assert not dist.is_initialized()              # the pytest process never joins a world
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -90,7 +90,7 @@ def test_profile_outside_torchrun_is_a_clear_error(tmp_path, monkeypatch, capsys
 
 
 def test_profile_bad_size_is_a_usage_error(capsys):
-    from shardc.compiler.cmd_profile import main
+    from shardc.cli.cmd_profile import main
 
     with pytest.raises(SystemExit) as e:
         main(["-o", "x.json", "--sizes", "lots"])

@@ -7,7 +7,7 @@ fresh venv that sees this interpreter's packages through a plain path entry (tor
 installs the wheel there with `--no-deps`, then runs that venv's `shardc check
 examples/strategies/paro_iig.shard --world 8 --json` with the temporary directory as
 working directory, so nothing can come from the source tree; then `shardc compile` and
-`shardc explain` from the same venv (templates, passes and costmodel must ship).
+`shardc explain` from the same venv (templates, passes, the cli and analysis packages must ship).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("shardc", "dsl", "compiler", "runtime", "grammars")
+PACKAGES = ("shardc", "dsl", "compiler", "analysis", "runtime", "grammars")
 
 
 def _copy_sources(dst: Path) -> None:
@@ -87,8 +87,8 @@ def test_wheel_ships_grammar_and_cli_runs_outside_the_repo(tmp_path):
     assert (data["params"]["factor"], data["grads"]["factor"], data["optim"]["factor"]) == (4, 4, 8)
     assert data["accumulate"] == 4 and data["warnings"] == []
 
-    # The compiler's subpackages (passes, costmodel) and templates ship too: compile and
-    # explain run from the installed wheel, outside the repo.
+    # The compiler's subpackages (passes) and templates, the cli and the analysis package
+    # (costmodel) ship too: compile and explain run from the installed wheel, outside the repo.
     gpt = ROOT / "examples" / "gpt.py"
     out = tmp_path / "gpt_zero3.py"
     r = subprocess.run([str(exe), "compile", str(ROOT / "examples" / "strategies" / "zero3.shard"),

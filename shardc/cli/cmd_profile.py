@@ -2,7 +2,7 @@
 
 Input: a running world (under torchrun, or an already initialised default process
 group) and a mesh. Output (rank 0): a JSON bandwidth profile read by the cost model
-(`compiler/costmodel/timing.py`, `--bandwidth F.json`):
+(`analysis/costmodel/timing.py`, `--bandwidth F.json`):
 
     {"mesh": [{"name", "size"}], "device": "cpu", "entries":
        [{"op", "levels", "algo", "bytes", "seconds", "busbw"}]}
@@ -26,7 +26,7 @@ import re
 import sys
 import time
 
-from shardc.compiler.argtypes import positive_int
+from shardc.cli.argtypes import positive_int
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -194,7 +194,7 @@ def _profile(mesh, args, device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`shardc profile` on its own (`torchrun ... -m shardc.compiler.cmd_profile -o F.json`):
+    """`shardc profile` on its own (`torchrun ... -m shardc.cli.cmd_profile -o F.json`):
     the same arguments, exit codes and `error: ...` line as the `shardc` dispatcher."""
     from shardc.dsl.errors import ShardcError
 

@@ -1,6 +1,6 @@
 """The `shardc` command line: parses the subcommand and hands off to its module.
 
-Each subcommand lives in `shardc.compiler.cmd_<name>` and exposes
+Each subcommand lives in `shardc.cli.cmd_<name>` and exposes
 `add_arguments(parser)` and `run(args) -> int`. A `ShardcError` from any stage is a
 user mistake: it is printed as one line (`error: ...`) and the exit code is 1; argparse
 usage errors exit 2. No user mistake ever shows a Python traceback.
@@ -29,7 +29,7 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
     for name, help_ in COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
         if name == chosen:
-            mod = importlib.import_module(f"shardc.compiler.cmd_{name}")
+            mod = importlib.import_module(f"shardc.cli.cmd_{name}")
             mod.add_arguments(sp)
             sp.set_defaults(_run=mod.run)
     return p
@@ -52,7 +52,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

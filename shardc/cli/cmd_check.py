@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from shardc.compiler.argtypes import positive_int
+from shardc.cli.argtypes import positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

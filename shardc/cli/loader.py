@@ -1,7 +1,8 @@
 """Model loading — the front of every model-taking CLI command.
 
 Input: a factory spec `PATH.py:FACTORY` (a file) or `dotted.module:FACTORY`.
-Output: the factory (a zero-argument callable returning an `nn.Module`), or the model.
+Output: the factory (a zero-argument callable returning an `nn.Module`), the model, or
+(`load_model_units`) the model built on the meta device with its units sized for the cost model.
 
 Every failure is one `ShardcError` sentence (file not found, no such attribute, not
 callable, the factory raised, the factory did not return a module), never a traceback.
@@ -19,7 +20,7 @@ from torch import nn
 
 from shardc.dsl.errors import ShardcError
 
-__all__ = ["load_factory", "build_model", "load_module"]
+__all__ = ["load_factory", "build_model", "load_module", "load_model_units"]
 
 
 def _split(spec: str) -> tuple[str, str]:
@@ -94,3 +95,10 @@ def build_model(spec: str, device: str | None = None) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ShardcError(f"factory {spec} did not return an nn.Module (got {type(model).__name__})")
     return model
+
+
+def load_model_units(strategy, spec: str):
+    """Build `spec` (PATH.py:FACTORY) on the meta device and size its units (`UnitSize`s)."""
+    from shardc.analysis.costmodel import report
+    model = build_model(spec, device="meta")
+    return report.model_units(strategy, model)

@@ -48,7 +48,8 @@ def load(file: str, world, mesh):
 
 
 def run(args) -> int:
-    from shardc.compiler.costmodel.report import explain, load_model_units, to_json
+    from shardc.analysis.costmodel.report import explain, to_json
+    from shardc.cli.loader import load_model_units
 
     strategy = load(args.file, args.world, args.mesh)
     if args.collectives:
@@ -60,7 +61,7 @@ def run(args) -> int:
                 optimizer_kwargs=kw, clip_grad_norm=args.clip, bandwidth=bw,
                 tokens=args.tokens, flops=flops_from_args(args))
     if args.plot:
-        from shardc.compiler.plot import plot_among_named
+        from shardc.cli.plot import plot_among_named
         plot_among_named(e, args.model, args.plot, optimizer=args.optimizer, optimizer_kwargs=kw)
     if args.json:
         print(json.dumps(to_json(e), indent=2))
@@ -123,7 +124,7 @@ def add_bandwidth_arguments(p) -> None:
 
 
 def bandwidth_from_args(args):
-    from shardc.compiler.costmodel.timing import AlphaBeta, Profile, parse_rate, parse_seconds
+    from shardc.analysis.costmodel.timing import AlphaBeta, Profile, parse_rate, parse_seconds
     if args.bandwidth:
         return Profile.load(args.bandwidth)
     return AlphaBeta(intra=parse_rate(args.intra), inter=parse_rate(args.inter),

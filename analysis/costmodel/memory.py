@@ -19,8 +19,8 @@ from math import ceil
 
 from shardc.dsl.ir import Mesh
 
-from shardc.compiler.costmodel.ledger import nbytes
-from shardc.compiler.costmodel.sizes import Factors, UnitSize
+from shardc.analysis.costmodel.ledger import nbytes
+from shardc.analysis.costmodel.sizes import Factors, UnitSize
 
 ELEMENTWISE = {"adam", "adamw", "sgd", "adagrad", "rmsprop"}
 

@@ -23,7 +23,7 @@ from collections import Counter
 
 from shardc.dsl.ir import DType, Mesh, Strategy
 
-from shardc.compiler.costmodel.sizes import Factors, UnitSize, payload_bytes
+from shardc.analysis.costmodel.sizes import Factors, UnitSize, payload_bytes
 
 PHASES = ("forward", "backward", "sync", "update")
 

@@ -33,9 +33,9 @@ from math import prod
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Mesh, Strategy
 
-from shardc.compiler.costmodel.ledger import PHASES, predict_ledger
-from shardc.compiler.costmodel.links import FACTOR
-from shardc.compiler.costmodel.sizes import UnitSize
+from shardc.analysis.costmodel.ledger import PHASES, predict_ledger
+from shardc.analysis.costmodel.links import FACTOR
+from shardc.analysis.costmodel.sizes import UnitSize
 
 HO_RING_CHUNKS = 4
 

@@ -13,7 +13,7 @@ import re
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import DType
 
-from shardc.compiler.cmd_explain import (
+from shardc.cli.cmd_explain import (
     add_bandwidth_arguments, bandwidth_from_args, flops_from_args, human_bytes,
 )
 
@@ -58,8 +58,8 @@ def base_strategy(mesh: str, world):
 
 
 def run(args) -> int:
-    from shardc.compiler.costmodel.report import load_model_units
-    from shardc.compiler.planner import plan, shard_text
+    from shardc.cli.loader import load_model_units
+    from shardc.analysis.planner import plan, shard_text
 
     budget = parse_memory(args.memory)
     if args.top < 1:
@@ -85,7 +85,7 @@ def run(args) -> int:
 
 
 def write_best(c, path: str) -> None:
-    from shardc.compiler.planner import shard_text
+    from shardc.analysis.planner import shard_text
     from shardc.dsl import load_strategy
     text = shard_text(c)
     load_strategy(text)      # the planner only writes what `shardc check` accepts
@@ -97,7 +97,7 @@ def write_best(c, path: str) -> None:
 
 
 def describe(c) -> str:
-    from shardc.compiler.planner import scope_text
+    from shardc.dsl.unparse import scope_text
     m = c.report.strategy.mesh
     sc = c.scopes
     return (f"params {scope_text(sc.params.levels, m)}; grads {scope_text(sc.grads.levels, m)}; "

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Strategy
 
-from shardc.compiler.costmodel.ledger import ledger_dicts, predict_ledger
-from shardc.compiler.costmodel.links import inter_intra, link_bytes
-from shardc.compiler.costmodel.memory import predict_memory
-from shardc.compiler.costmodel.sizes import UnitSize, unit_sizes
-from shardc.compiler.costmodel.timing import AlphaBeta, StepTime, choose_collectives, step_time
+from shardc.analysis.costmodel.ledger import ledger_dicts, predict_ledger
+from shardc.analysis.costmodel.links import inter_intra, link_bytes
+from shardc.analysis.costmodel.memory import predict_memory
+from shardc.analysis.costmodel.sizes import UnitSize, unit_sizes
+from shardc.analysis.costmodel.timing import AlphaBeta, StepTime, choose_collectives, step_time
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,13 +38,6 @@ def model_units(strategy: Strategy, model) -> list[UnitSize]:
     """The model's units under `strategy` (the compiler's unit finder) with their sizes."""
     from shardc.compiler.units import find_units
     return unit_sizes(model, find_units(model, strategy))
-
-
-def load_model_units(strategy: Strategy, spec: str) -> list[UnitSize]:
-    """Build `spec` (PATH.py:FACTORY) on the meta device and size its units."""
-    from shardc.compiler.loader import build_model
-    model = build_model(spec, device="meta")
-    return model_units(strategy, model)
 
 
 def explain(strategy: Strategy, units, *, micro_batches: int | None = None, optimizer: str = "adamw",

@@ -51,7 +51,7 @@ def parse_input_spec(spec: str) -> torch.Tensor:
 def _example_inputs(args, model):
     if args.example_input:
         return tuple(parse_input_spec(s) for s in args.example_input)
-    from shardc.compiler.loader import load_module
+    from shardc.cli.loader import load_module
     fn = getattr(load_module(args.model), "example_inputs", None)
     if fn is None:
         return None
@@ -64,7 +64,7 @@ def _example_inputs(args, model):
 
 def run(args) -> int:
     from shardc.compiler.api import compile_source
-    from shardc.compiler.loader import build_model
+    from shardc.cli.loader import build_model
 
     if not os.path.isfile(args.file):
         raise ShardcError(f"strategy file {args.file!r} not found")

@@ -11,13 +11,13 @@ from pathlib import Path
 
 from shardc.dsl.errors import ShardcError
 
-NAMED_DIR = Path(__file__).resolve().parent.parent / "examples" / "strategies"
+NAMED_DIR = Path(__file__).resolve().parents[2] / "examples" / "strategies"
 
 
 def named_points(mesh, units_of, accumulate: int, optimizer: str, optimizer_kwargs) -> list[tuple]:
     """`(name, memory, inter, intra)` for every named strategy that loads on `mesh`."""
     from shardc.dsl import load_strategy
-    from shardc.compiler.costmodel.report import explain
+    from shardc.analysis.costmodel.report import explain
 
     out = []
     for path in sorted(NAMED_DIR.glob("*.shard")):
@@ -36,8 +36,8 @@ def plot_among_named(e, model_spec: str, out: str, *, optimizer: str = "adamw", 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from shardc.compiler.costmodel.report import model_units
-    from shardc.compiler.loader import build_model
+    from shardc.analysis.costmodel.report import model_units
+    from shardc.cli.loader import build_model
 
     model = build_model(model_spec, device="meta")
     pts = named_points(e.strategy.mesh, lambda s: model_units(s, model), e.micro_batches,

@@ -21,9 +21,10 @@ import itertools
 from dataclasses import dataclass, replace
 
 from shardc.dsl.ir import Collectives, DType, GradsSpec, Mesh, OptimSpec, ParamsSpec, Scopes, Strategy
+from shardc.dsl.unparse import unparse
 
-from shardc.compiler.costmodel.report import Explained, explain
-from shardc.compiler.costmodel.sizes import UnitSize
+from shardc.analysis.costmodel.report import Explained, explain
+from shardc.analysis.costmodel.sizes import UnitSize
 
 # Which scopes a level joins, for each of its four choices.
 CHOICES = ((), ("optim",), ("grads", "optim"), ("params", "grads", "optim"))
@@ -82,34 +83,9 @@ def plan(base: Strategy, units: list[UnitSize], budget: float, *, bandwidth=None
     return fit + rest
 
 
-def scope_text(levels: tuple[str, ...], mesh: Mesh) -> str:
-    if not levels:
-        return "replicate"
-    if tuple(levels) == mesh.names and len(levels) > 1:
-        return "shard over world"
-    return "shard over " + ", ".join(levels)
-
-
 def shard_text(c: Candidate, name: str = "planned") -> str:
     """The candidate as a `.shard` file (it loads with `shardc check`)."""
-    s = c.report.strategy
-    sc, mesh = s.scopes, s.mesh
-
-    def opts(spec) -> str:     # `comm` only where the state has a collective of its own
-        if spec.dtype == DType.FP32:
-            return ""
-        return (f" comm {spec.comm.value}" if spec.levels else "") + f" dtype {spec.dtype.value}"
+    s = replace(c.report.strategy, name=name, accumulate=c.report.micro_batches)
     t = c.report.time
-    return "\n".join([
-        f"# written by `shardc plan`: estimated step {t.total * 1e3:.1f} ms, "
-        f"{c.memory / 2**30:.2f} GiB per rank (model states + gathered units)",
-        f"strategy {name}",
-        f"mesh {mesh}",
-        f"params {scope_text(sc.params.levels, mesh)}{opts(sc.params)}",
-        f"grads  {scope_text(sc.grads.levels, mesh)}{opts(sc.grads)}",
-        f"optim  {scope_text(sc.optim.levels, mesh)}",
-        f"accumulate {c.report.micro_batches}",
-        f"prefetch {s.prefetch}",
-        f"collectives {s.collectives.value}",
-        "",
-    ])
+    return (f"# written by `shardc plan`: estimated step {t.total * 1e3:.1f} ms, "
+            f"{c.memory / 2**30:.2f} GiB per rank (model states + gathered units)\n" + unparse(s))

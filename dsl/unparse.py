@@ -1,0 +1,124 @@
+"""Unparser — the inverse of stages 1–2 (**Strategy -> `.shard` text**).
+
+Input: an `ir.Strategy` (loaded, or built in code, e.g. with `dataclasses.replace`);
+output: the text of a `.shard` file that `load_strategy` reads back into an equal
+Strategy, source positions aside (`line` fields, `lines`, `file`, `warnings`). The one
+place that writes strategy text: `shardc plan -o` and the emitted module's comments go
+through it (the benchmark hands `shardc.compile` a replaced Strategy, no text at all).
+
+[Note: canonical form]
+Statements come in a fixed order, one per line: `strategy`, `mesh` (sizes resolved),
+`params`, `grads`, `optim` (keywords padded to one width), `accumulate`, `prefetch`,
+`collectives`, then `units` unless it is `auto`, `bucket` when set (in the largest
+unit that divides it exactly), then the overrides. A scope over every level of a
+multi-level mesh is written `shard over world`. Options are written only where they
+differ from the default (`comm`/`dtype` fp32, no `secondary`); `comm` is never written
+on a replicated state, which has no collective for it to act on (the DSL rejects
+it there, so no loaded Strategy carries one).
+
+[Note: override blocks]
+An override is written with the states the block sets. In the IR a block's scopes
+carry the states it does not mention inherited from the top level (same spec, same
+line); a state is written when it differs from the top-level one or was set on a
+line of its own. A block that would come out empty (built in code, equal to the top
+level) is written with all three states, which reads back the same.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from shardc.dsl.errors import ShardcError
+from shardc.dsl.ir import DType, Mesh, Scopes, Strategy, UnitsKind
+from shardc.dsl.mesh import MAX_DIGITS
+from shardc.dsl.resolve import BUCKET_UNITS
+
+__all__ = ["unparse", "scope_text", "state_clause", "state_text"]
+
+STATES = ("params", "grads", "optim")
+_WIDTH = max(len(s) for s in STATES)
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def scope_text(levels: tuple[str, ...], mesh: Mesh) -> str:
+    """`replicate`, `shard over world` or `shard over a, b`."""
+    if not levels:
+        return "replicate"
+    if tuple(levels) == mesh.names and len(levels) > 1:
+        return "shard over world"
+    return "shard over " + ", ".join(levels)
+
+
+def state_clause(spec, mesh: Mesh) -> str:
+    """What follows the `params`/`grads`/`optim` keyword: the scope and its options."""
+    text = scope_text(spec.levels, mesh)
+    sec = getattr(spec, "secondary", None)
+    if sec is not None:
+        text += f" secondary {', '.join(sec.levels)}" + (f" {sec.quant.value}" if sec.quant else "")
+    comm, dtype = getattr(spec, "comm", DType.FP32), getattr(spec, "dtype", DType.FP32)
+    if comm is not DType.FP32 and spec.levels:
+        text += f" comm {comm.value}"
+    if dtype is not DType.FP32:
+        text += f" dtype {dtype.value}"
+    return text
+
+
+def state_text(state: str, spec, mesh: Mesh) -> str:
+    """One state statement, e.g. `params shard over gpu comm int8`."""
+    return f"{state} {state_clause(spec, mesh)}"
+
+
+def unparse(s: Strategy) -> str:
+    """The strategy as `.shard` text (see the module notes), ending in a newline."""
+    _check_names((s.name,), "strategy name")
+    _check_names(s.mesh.names, "level")
+    lines = [f"strategy {s.name}", f"mesh {s.mesh}"]
+    lines += _scope_lines(s.scopes, s.mesh, STATES)
+    lines += [f"accumulate {s.accumulate}", f"prefetch {s.prefetch}", f"collectives {s.collectives.value}"]
+    if s.units.kind is UnitsKind.PATTERNS:
+        lines.append("units " + ", ".join(_quoted(p, "unit pattern") for p in s.units.names))
+    elif s.units.kind is UnitsKind.TYPE:
+        _check_names(s.units.names, "unit type")
+        lines.append("units type " + ", ".join(s.units.names))
+    if s.bucket is not None:
+        lines.append(f"bucket {_size(s.bucket)}")
+    for o in s.overrides:
+        own = tuple(k for k in STATES if _own(getattr(o.scopes, k), getattr(s.scopes, k)))
+        lines.append(f"override {_quoted(o.pattern, 'override pattern')} {{")
+        lines += ["    " + ln for ln in _scope_lines(o.scopes, s.mesh, own or STATES)]
+        lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _scope_lines(scopes: Scopes, mesh: Mesh, states) -> list[str]:
+    return [f"{k:<{_WIDTH}} {state_clause(getattr(scopes, k), mesh)}" for k in states]
+
+
+def _own(spec, top) -> bool:
+    """Whether an override's state is its own rather than inherited (see the note)."""
+    return spec.line != top.line or replace(spec, line=0) != replace(top, line=0)
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest unit that divides them exactly (`25MB`, `2MiB`, `100B`)."""
+    unit = max((u for u, m in BUCKET_UNITS.items() if n % m == 0), key=BUCKET_UNITS.get)
+    if len(str(n // BUCKET_UNITS[unit])) > MAX_DIGITS:
+        raise ShardcError(f"bucket size {n} cannot be written in a .shard file: a number has at most "
+                          f"{MAX_DIGITS} digits and no size unit divides it")
+    return f"{n // BUCKET_UNITS[unit]}{unit}"
+
+
+def _check_names(names, what: str) -> None:
+    from shardc.dsl.parser import keywords      # lark: loaded only when a name is checked
+    for n in names:
+        if not _NAME.fullmatch(n) or n in keywords():
+            raise ShardcError(f"{what} {n!r} cannot be written in a .shard file: a name is letters, digits and "
+                              f"`_`, not starting with a digit, and not a keyword of the language")
+
+
+def _quoted(text: str, what: str) -> str:
+    from shardc.dsl.parser import is_control
+    if '"' in text or not text.strip() or "\n" in text or any(map(is_control, text)):
+        raise ShardcError(f"{what} {text!r} cannot be written in a .shard file: it must be non-empty, "
+                          f"without `\"` and without control characters")
+    return f'"{text}"'

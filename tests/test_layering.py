@@ -1,0 +1,109 @@
+"""Layering: the import arrows between shardc's packages, read from the source (ast).
+
+CLI (`shardc.cli`) -> compiler and analysis -> lowering -> dsl; runtime -> lowering -> dsl.
+Every `import`/`from ... import` of every module (including those inside functions, and
+`importlib.import_module("shardc....")` with a literal prefix) is mapped to the layer it
+names; a layer may import itself and the layers `MAY_IMPORT` lists, nothing else. The
+layers come from pyproject.toml's package-dir, so a new package must be placed here.
+"""
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MAY_IMPORT = {
+    "dsl": set(),
+    "lowering": {"dsl"},
+    "runtime": {"lowering", "dsl"},
+    "analysis": {"lowering", "dsl"},
+    # The compiler asks the cost model to resolve `collectives auto`, and emits code for the
+    # runtime (it builds the runtime's UnitSpecs).
+    "compiler": {"analysis", "lowering", "dsl", "runtime"},
+    "grammars": set(),
+    "cli": {"compiler", "analysis", "lowering", "dsl", "runtime"},
+    "shardc": {"compiler", "analysis", "lowering", "dsl", "runtime"},    # the public API (`shardc.compile`)
+}
+# Edges against the arrows that exist today, each named; the lowering (issue 9) is to own
+# these facts. A stale entry fails `test_known_exceptions_are_still_needed`: delete it.
+KNOWN = {
+    ("analysis", "shardc.runtime"): "the ledger row type (LedgerRecord)",
+    ("analysis", "shardc.runtime.ledger"): "the ledger row type (LedgerRecord)",
+    ("analysis", "shardc.runtime.quant"): "the quantized payload formula",
+    ("analysis", "shardc.compiler.units"): "the unit finder, whose units the cost model sizes",
+}
+
+
+def layer(module: str) -> str:
+    """`shardc.cli.cmd_plan` -> `cli`; `shardc` -> `shardc`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the distribution, by dotted name (from pyproject's package-dir)."""
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    out = {}
+    for pkg, d in sorted(dirs.items(), key=lambda kv: kv[0].count(".")):
+        for path in sorted((ROOT / d).rglob("*.py")):
+            rel = path.relative_to(ROOT / d).with_suffix("").parts
+            name = ".".join((pkg, *rel[:-1]) + (() if rel[-1] == "__init__" else (rel[-1],)))
+            out.setdefault(name, path)
+    return out
+
+
+def imports(name: str, path: Path) -> set[str]:
+    """The `shardc...` modules `path` imports (absolute names)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            if base == "shardc":
+                found |= {f"shardc.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+                arg = arg.values[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                found.add(arg.value.rstrip("._"))
+    return {m for m in found if m == "shardc" or m.startswith("shardc.")}
+
+
+def edges() -> list[tuple[str, str, str]]:
+    """(importing module, its layer, imported module) for every shardc import."""
+    return [(name, layer(name), dep) for name, path in modules().items() for dep in sorted(imports(name, path))]
+
+
+def test_every_package_is_a_known_layer():
+    assert {layer(n) for n in modules()} <= set(MAY_IMPORT)
+    assert {"dsl", "compiler", "analysis", "runtime", "cli"} <= {layer(n) for n in modules()}
+
+
+def test_import_arrows():
+    bad = [f"{mod} ({lay}) imports {dep}" for mod, lay, dep in edges()
+           if layer(dep) not in MAY_IMPORT[lay] | {lay} and (lay, dep) not in KNOWN]
+    assert bad == []
+
+
+def test_nothing_below_the_cli_imports_it():
+    assert [(m, d) for m, lay, d in edges() if layer(d) == "cli" and lay != "cli"] == []
+
+
+def test_known_exceptions_are_still_needed():
+    used = {(lay, dep) for _, lay, dep in edges()}
+    assert set(KNOWN) - used == set()
+
+
+def test_the_scan_sees_lazy_and_dynamic_imports():
+    """Guards the scanner itself: a function-level import and an import_module f-string."""
+    cli = modules()["shardc.cli"]
+    assert "shardc.cli.cmd" in imports("shardc.cli", cli)           # f"shardc.cli.cmd_{name}"
+    assert "shardc.analysis.costmodel.timing" in imports("shardc.compiler.api", modules()["shardc.compiler.api"])
