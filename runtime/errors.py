@@ -6,3 +6,8 @@ from shardc.dsl.errors import ShardcError
 
 class RuntimeUsageError(ShardcError):
     """A training loop used a ShardedModule out of order (e.g. opt.step() mid-accumulation)."""
+
+
+class AccumulationWarning(UserWarning):
+    """A step ran after a number of micro-batches other than the strategy's `accumulate`
+    (exact, but the sync the plan overlaps with the last backward ran unoverlapped)."""

@@ -190,8 +190,15 @@ class ShardedModule(nn.Module):
     def events(self) -> list[tuple[str, int]]:
         return self.runtime.events
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's spelling, after which the loop decides: backwards with it False accumulate
+        without the step's gradient sync; each backward with it True ends by issuing it (see
+        the engine's [Note: accumulation]). `recurse` is accepted for FSDP2 compatibility."""
+        self.runtime.requires_sync = bool(requires_gradient_sync)
+
     @contextlib.contextmanager
     def no_sync(self):
+        """DDP's spelling: backwards inside do not issue the step's gradient sync."""
         self.runtime.no_sync_depth += 1
         try:
             yield
