@@ -99,7 +99,9 @@ class ShardedModule(nn.Module):
                  hooks: bool = True):
         super().__init__()
         if not dist.is_initialized():
-            raise ShardcError("shard_module needs torch.distributed initialised (init_process_group)")
+            raise ShardcError("shard_model/shard_module need one process per rank: launch with torchrun "
+                              "(e.g. `torchrun --nproc-per-node 4 train.py`) and call "
+                              "torch.distributed.init_process_group() first")
         if dist.get_world_size() != strategy.mesh.world:
             raise ShardcError(f"mesh {strategy.mesh} has {strategy.mesh.world} ranks but the world "
                               f"size is {dist.get_world_size()}")
