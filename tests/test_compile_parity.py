@@ -1,6 +1,6 @@
 """End to end: the example GPT compiled by shardc on N gloo ranks equals one process.
 
-Parity (DESIGN.md §1): W ranks, each on its slice of every micro-batch, with
+Parity: W ranks, each on its slice of every micro-batch, with
 `accumulate` micro-batches per step, equal one process on the concatenated batch
 (loss/accumulate summed over micro-batches) to float32 rounding (rel 1e-5), after
 several optimizer steps, for AdamW and SGD with momentum. Both routes are checked:

@@ -1,4 +1,4 @@
-"""Static checks of DESIGN.md §2 beyond the corpus: warnings (exit 0), overrides and
+"""Static checks of docs/language.md beyond the corpus: warnings (exit 0), overrides and
 inheritance, option values, mesh overrides, `local` and `*` resolution."""
 from __future__ import annotations
 
