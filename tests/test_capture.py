@@ -14,6 +14,7 @@ from shardc.compiler.units import find_units
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Level, Mesh, ParamsSpec, Scopes, Strategy, UnitsKind, UnitsSpec
 from examples.gpt import example_inputs, tiny
+from tests.harness import HANG_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S = Strategy("t", Mesh((Level("gpu", 2),)), Scopes(ParamsSpec(("gpu",), line=2)), file="t.shard")
@@ -163,7 +164,7 @@ def test_cli_reports_one_line_not_a_traceback(tmp_path):
     strat.write_text("mesh gpu(2)\nparams shard over gpu\ngrads shard over gpu\noptim shard over gpu\n")
     r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile", str(strat), "--model", f"{model}:make",
                         "--example-input", "float32[1,2]", "-o", str(tmp_path / "out.py")],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+                       capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
     assert r.returncode == 1
     assert r.stderr.startswith("error: neither capture mode worked — capture fx stopped in module '<root>'")
     assert "capture export stopped in module '<root>'" in r.stderr and "branchy.py:9" in r.stderr
@@ -174,7 +175,7 @@ def test_cli_writes_the_module(tmp_path):
     out = tmp_path / "gpt_zero3.py"
     r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile", "examples/strategies/zero3.shard",
                         "--model", "examples/gpt.py:tiny", "--mesh", "node(2) > gpu(2)", "-o", str(out)],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+                       capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     src = out.read_text()
     compile(src, str(out), "exec")

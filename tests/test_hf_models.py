@@ -89,7 +89,7 @@ def _job(rank, world, cases):
 
 
 def test_hf_causal_lms_with_default_configs_match_reference():
-    results = dist_run(MESH_WORLD, _job, CASES, timeout=900)
+    results = dist_run(MESH_WORLD, _job, CASES)
     for i, (kind, opt_kind) in enumerate(CASES):
         model = make_model(kind)
         cls, kw = opt_kwargs(opt_kind)

@@ -8,6 +8,7 @@ import pytest
 import torch.distributed as dist
 
 import shardc
+from tests.harness import HANG_S
 from examples.gpt import example_inputs, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_train_gpt_without_torchrun_says_how_to_launch():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     r = subprocess.run([sys.executable, "examples/train_gpt.py", "--strategy", "examples/strategies/paro_iig.shard"],
-                       capture_output=True, text=True, cwd=ROOT, env=env)
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=HANG_S)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert "launch it with torchrun" in r.stderr and "--nproc-per-node 4 examples/train_gpt.py" in r.stderr

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.harness import dist_run
+from tests.harness import HANG_S, dist_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()
@@ -28,7 +28,8 @@ def cli_line(command):
 def test_check_example_names_its_mesh_and_passes():
     argv = cli_line("check")
     assert "--mesh" in argv
-    r = subprocess.run([sys.executable, "-m", "shardc.cli", *argv[1:]], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "shardc.cli", *argv[1:]], capture_output=True, text=True, cwd=ROOT,
+                       timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     assert "mesh node(2) > gpu(4)" in r.stdout and "warning" not in r.stderr
 
@@ -59,7 +60,8 @@ def test_emitted_file_in_the_readme_loop(tmp_path):
     argv = cli_line("compile")
     out = argv[argv.index("-o") + 1]
     argv[argv.index("-o") + 1] = str(tmp_path / os.path.basename(out))
-    r = subprocess.run([sys.executable, "-m", "shardc.cli", *argv[1:]], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "shardc.cli", *argv[1:]], capture_output=True, text=True, cwd=ROOT,
+                       timeout=HANG_S)
     assert r.returncode == 0, r.stderr
-    results = dist_run(8, _loop, str(tmp_path), timeout=900)
+    results = dist_run(8, _loop, str(tmp_path))
     assert all(name == "ShardedModule" and loss > 0 for name, loss in results)

@@ -24,7 +24,7 @@ def _job(rank, world, argv):
 def test_train_gpt_loss_falls_and_reports():
     argv = ["--strategy", os.path.join(ROOT, "examples", "strategies", "paro_iig.shard"),
             "--mesh", "node(2) > gpu(2)", "--model", "tiny", "--steps", "8", "--quiet", "--lr", "1e-2"]
-    results = dist_run(4, _job, argv, timeout=300)
+    results = dist_run(4, _job, argv)
     losses = results[0]["losses"]
     assert len(losses) == 8 and all(r["losses"] == losses for r in results)    # all ranks agree
     assert losses[-1] < losses[0] - 0.5, losses
