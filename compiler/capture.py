@@ -185,9 +185,10 @@ def _construct_hint(exc: BaseException) -> str:
     """What to change when torch could not capture a construct it names."""
     m = re.search(r"<class '([\w.]+)'>", str(exc))
     if m and "Cache" in m.group(1):
-        return f"; the model built a {m.group(1).rsplit('.', 1)[-1]}: set `use_cache=False` in its config"
+        return (f"; torch cannot capture the {m.group(1).rsplit('.', 1)[-1]} there: pass no cache "
+                f"(or set `use_cache=False` in the model's config)")
     if m:
-        return f"; torch cannot capture a {m.group(1).rsplit('.', 1)[-1]} there"
+        return f"; torch cannot capture the {m.group(1).rsplit('.', 1)[-1]} there"
     return ""
 
 

@@ -144,6 +144,26 @@ def test_example_inputs_must_fit_the_forward(mode):
         capture(m, units, (x.float()[..., None],), mode=mode)
 
 
+class TakesCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x, cache=None):
+        return self.lin(x)
+
+
+def test_uncapturable_construct_is_named_with_the_setting():
+    """A Hugging Face cache passed in the example inputs: named, with what avoids it."""
+    transformers = pytest.importorskip("transformers")
+    m = TakesCache()
+    with pytest.raises(ShardcError) as e:
+        capture(m, find_units(m, S), (torch.ones(1, 2), transformers.DynamicCache()), mode="export")
+    msg = str(e.value)
+    assert "torch cannot capture the DynamicCache there" in msg and "use_cache=False" in msg
+    assert "move that code into a unit" not in msg
+
+
 def test_cli_reports_one_line_not_a_traceback(tmp_path):
     model = tmp_path / "branchy.py"
     model.write_text(textwrap.dedent('''
