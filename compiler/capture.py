@@ -240,7 +240,7 @@ def check_example_inputs(model: nn.Module, example_inputs, run: bool = True) -> 
                           f"{e} ({len(args)} given)") from None
     except ValueError:                      # no signature to compare with (a C function)
         pass
-    if not run:
+    if not run or any(p.is_meta for p in model.parameters()):     # nothing to run on
         return
     try:
         with torch.no_grad(), _quiet_torch_logs():

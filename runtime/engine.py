@@ -24,14 +24,15 @@ end of a backward the step's sync is issued early (to overlap whatever runs befo
 opt.step()) when gradient sync is on (outside `no_sync()`, `set_requires_gradient_sync`
 not False) and either this is the N-th micro-batch, or the loop took charge: it called
 `set_requires_gradient_sync` (FSDP2: every backward with sync on issues it), or an
-earlier backward this step ran inside `no_sync()` (DDP: the next one outside is the last). opt.step()/clip_grad_norm_ with the sync not issued (k < N) issues and
-completes it then. A backward after the sync was issued (k > N) first completes it,
-moves the synced OS slices into a carry and zeroes the grad shards; the later
-micro-batches accumulate from zero and their own sync, at the step, adds the carry
-back (both halves are divided by the world size, so the sum is the step's mean).
-Either deviation costs the planned overlap (k > N also a second sync) and warns once
-per run. A forward with gradients after opt.step() without zero_grad() is an error
-(shardc does not accumulate across optimizer steps).
+earlier backward this step ran inside `no_sync()` (DDP: the next one outside is the
+last). opt.step()/clip_grad_norm_ with the sync not issued (k < N) issues and completes
+it then. A backward after the sync was issued (k > N) first completes it, moves the
+synced OS slices into a carry and zeroes the grad shards; the later micro-batches
+accumulate from zero and their own sync, at the step, adds the carry back (both halves
+are divided by the world size, so the sum is the step's mean). Either deviation costs
+the planned overlap (k > N also a second sync) and warns once per run. A forward with
+gradients after opt.step() without zero_grad() is an error (shardc does not accumulate
+across optimizer steps).
 
 [Note: recomputation]
 Activation checkpointing re-runs a unit's forward inside the backward (after its
@@ -308,8 +309,10 @@ class Engine:
     def wait_sync(self, what: str) -> None:
         if self.phase is Phase.ACCUMULATING:
             if not self._carry:
-                self._warn(f"{what} after {self.micro} micro-batch(es) while the strategy plans "
-                           f"accumulate {self.accumulate}: the gradient sync runs now, exact")
+                why = (f"after {self.micro} micro-batch(es) while the strategy plans accumulate "
+                       f"{self.accumulate}" if self.micro != self.accumulate else
+                       "with every backward of the step run with gradient sync off")
+                self._warn(f"{what} {why}: the gradient sync runs now, exact")
             self._issue_sync()
         if self.phase is Phase.SYNCING:
             self._complete_sync()
