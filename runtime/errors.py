@@ -5,7 +5,7 @@ from shardc.dsl.errors import ShardcError
 
 
 class RuntimeUsageError(ShardcError):
-    """A training loop used a ShardedModule out of order (e.g. opt.step() mid-accumulation)."""
+    """A training loop used a ShardedModule out of order (e.g. a forward with gradients after opt.step() without zero_grad())."""
 
 
 class AccumulationWarning(UserWarning):
