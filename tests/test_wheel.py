@@ -41,7 +41,9 @@ def _see_system_packages_only(py: Path) -> None:
     import sysconfig
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    Path(site, "system_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    import site as site_mod             # a venv made with --system-site-packages: its base's too
+    dirs = dict.fromkeys([sysconfig.get_paths()["purelib"], *site_mod.getsitepackages()])
+    Path(site, "system_packages.pth").write_text("".join(d + "\n" for d in dirs))
 
 
 def _run(cmd, **kw):
