@@ -1,4 +1,4 @@
-"""Planner — search every scope assignment on a mesh and rank it (DESIGN.md §4).
+"""Planner — search every scope assignment on a mesh and rank it (docs/explain.md).
 
 Input: a mesh, the model's unit sizes, a memory budget per rank and a bandwidth model.
 Output: `Candidate`s — one per assignment of params ⊆ grads ⊆ optim level sets —

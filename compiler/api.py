@@ -24,7 +24,12 @@ from shardc.compiler.units import find_units
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Strategy
 
-__all__ = ["compile_model", "compile_source", "resolve_strategy", "load_emitted"]
+__all__ = ["compile_model", "compile_source", "resolve_strategy", "load_emitted", "NO_PROCESS_GROUP"]
+
+NO_PROCESS_GROUP = ("shardc.compile returns a distributed module, so it runs in one process per rank: "
+                    "launch your script with torchrun (e.g. `torchrun --nproc-per-node 4 train.py`) and call "
+                    "torch.distributed.init_process_group() before it; `shardc compile ... -o out.py` "
+                    "writes the module without a process group")
 
 
 def resolve_strategy(strategy, mesh=None, world_size: int | None = None) -> Strategy:
@@ -82,6 +87,9 @@ def load_emitted(source: str, name: str) -> dict:
 
 def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str = "auto", mesh=None):
     """`shardc.compile`: the same pipeline as `shardc compile`, run in memory."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ShardcError(NO_PROCESS_GROUP)
     source, plan = compile_source(model, strategy, example_inputs, capture, mesh)
     namespace = load_emitted(source, plan.strategy.name)
     sm = namespace["shard_model"](model)

@@ -12,12 +12,21 @@ strict=False)` on the example inputs (aten-level graph); each node's unit is the
 outermost unit module on its `nn_module_stack`, so a unit is a region of nodes. Used
 for models with Python control flow (Hugging Face transformers). `auto` tries fx, then
 export (with a note). A failed capture raises one ShardcError naming the module and
-source line that stopped it and what to try, never a torch traceback.
+source line that stopped it and what to try (both reasons when both modes fail), never
+a torch traceback. Example inputs are checked against the model in every mode.
+
+[Note: outputs as they come]
+Export only analyses the forward (the runtime runs the model's own code), so it traces
+a forward that returns the tensors of the output: a `ModelOutput` with a loss from
+`labels=` and a `DynamicCache` (`use_cache=True`, Hugging Face's default) need no
+setting changed; containers torch cannot flatten are left out of the traced output.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
+import re
 import logging
 import os
 import traceback
@@ -66,7 +75,8 @@ class _UnitTracer(fx.Tracer):
 def _user_frame(exc: BaseException):
     """The innermost traceback frame outside torch (the user's line), or None."""
     frames = [f for f, _ in traceback.walk_tb(exc.__traceback__)]
-    user = [f for f in frames if not os.path.abspath(f.f_code.co_filename).startswith((_TORCH_DIR, _HERE))]
+    user = [f for f in frames if not f.f_code.co_filename.startswith("<")
+            and not os.path.abspath(f.f_code.co_filename).startswith((_TORCH_DIR, _HERE))]
     return user[-1] if user else None
 
 
@@ -79,7 +89,8 @@ def _module_at(model: nn.Module, frame) -> str | None:
     return None
 
 
-def _located(model: nn.Module, mode: str, exc: BaseException, fallback_module: str | None = None) -> str:
+def _located(model: nn.Module, what: str, exc: BaseException, fallback_module: str | None = None) -> str:
+    """`<what> stopped in module 'm' at file:line (`code`): Error: first line`."""
     frame = _user_frame(exc)
     module = _module_at(model, frame) or fallback_module or "<root>"
     where = ""
@@ -91,7 +102,7 @@ def _located(model: nn.Module, mode: str, exc: BaseException, fallback_module: s
         code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
         where = f" at {path}:{frame.f_lineno}" + (f" (`{code}`)" if code else "")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"capture {mode} stopped in module '{module}'{where}: {type(exc).__name__}: {first}"
+    return f"{what} stopped in module '{module}'{where}: {type(exc).__name__}: {first}"
 
 
 def _leaves(units) -> set[str]:
@@ -104,7 +115,7 @@ def _capture_fx(model: nn.Module, units) -> fx.GraphModule:
         graph = tracer.trace(model)
     except Exception as e:  # noqa: BLE001 — reported as a located ShardcError
         inner = tracer.stack[-1][0] if tracer.stack else None
-        raise ShardcError(_located(model, "fx", e, inner) + "; try `capture export` with example inputs, "
+        raise ShardcError(_located(model, "capture fx", e, inner) + "; try `capture export` with example inputs, "
                           "or list that module in `units` so its code runs inside a leaf unit") from None
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
     leaves = _leaves(units)
@@ -144,16 +155,62 @@ def _quiet_torch_logs():
             lg.setLevel(lv)
 
 
+def _tensor_leaves(out) -> tuple:
+    """The tensors of a forward's output (dicts incl. ModelOutput, tuples, lists), in order."""
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, dict):
+        return tuple(t for v in out.values() for t in _tensor_leaves(v))
+    if isinstance(out, (tuple, list)):
+        return tuple(t for v in out for t in _tensor_leaves(v))
+    return ()
+
+
+@contextlib.contextmanager
+def _tensor_outputs(model: nn.Module):
+    """Export a forward that returns the output's tensors (see [Note: outputs as they come])."""
+    own = model.__dict__.get("forward")
+    inner = model.forward
+    model.forward = lambda *a, **k: _tensor_leaves(inner(*a, **k))
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
+
+
+def _construct_hint(exc: BaseException) -> str:
+    """What to change when torch could not capture a construct it names."""
+    m = re.search(r"<class '([\w.]+)'>", str(exc))
+    if m and "Cache" in m.group(1):
+        return (f"; torch cannot capture the {m.group(1).rsplit('.', 1)[-1]} there: pass no cache "
+                f"(or set `use_cache=False` in the model's config)")
+    if m:
+        return f"; torch cannot capture the {m.group(1).rsplit('.', 1)[-1]} there"
+    return ""
+
+
+def _export_hint(model: nn.Module, units, exc: BaseException) -> str:
+    module = _module_at(model, _user_frame(exc))
+    leaves = _leaves(units)
+    inside = module is not None and any(module == u or module.startswith(u + ".") for u in leaves)
+    if inside:
+        return (f"; that code is inside unit '{next(u for u in leaves if module == u or module.startswith(u + '.'))}', "
+                f"so make it traceable for these example inputs (or try `capture fx`)")
+    return "; move that code into a unit listed in `units`, or make it traceable for these example inputs"
+
+
 def _capture_export(model: nn.Module, units, example_inputs) -> fx.GraphModule:
     if example_inputs is None:
         raise ShardcError("capture export needs example inputs (pass example_inputs=..., or --example-input)")
-    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    args = _as_args(example_inputs)
     try:
-        with _quiet_torch_logs():
+        with _quiet_torch_logs(), _tensor_outputs(model):
             ep = torch.export.export(model, args, strict=False)
     except Exception as e:  # noqa: BLE001
-        raise ShardcError(_located(model, "export", e) + "; move that code into a unit listed in `units`, "
-                          "or make it traceable for these example inputs") from None
+        raise ShardcError(_located(model, "capture export", e) + (_construct_hint(e) or _export_hint(model, units, e))) from None
     gm = ep.graph_module
     leaves = _leaves(units)
     first_run = []
@@ -166,10 +223,37 @@ def _capture_export(model: nn.Module, units, example_inputs) -> fx.GraphModule:
     return gm
 
 
+def _as_args(example_inputs) -> tuple:
+    return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+
+
+def check_example_inputs(model: nn.Module, example_inputs, run: bool = True) -> None:
+    """Example inputs must fit the model's forward: its signature, then (`run`) one no-grad run."""
+    if example_inputs is None:
+        return
+    args = _as_args(example_inputs)
+    name = f"{type(model).__name__}.forward"
+    try:
+        inspect.signature(model.forward).bind(*args)
+    except TypeError as e:
+        raise ShardcError(f"the example inputs do not match {name}{inspect.signature(model.forward)}: "
+                          f"{e} ({len(args)} given)") from None
+    except ValueError:                      # no signature to compare with (a C function)
+        pass
+    if not run or any(p.is_meta for p in model.parameters()):     # nothing to run on
+        return
+    try:
+        with torch.no_grad(), _quiet_torch_logs():
+            model(*args)
+    except Exception as e:  # noqa: BLE001 — reported as one located sentence
+        raise ShardcError(f"the example inputs do not fit {name}: running them " + _located(model, "", e).lstrip()) from None
+
+
 def capture(model: nn.Module, units, example_inputs=None, mode: str = "auto") -> fx.GraphModule:
     """Capture `model` as an fx graph with one region per unit (see the module note)."""
     if mode not in MODES:
         raise ShardcError(f"unknown capture mode {mode!r}; use one of {', '.join(MODES)}")
+    check_example_inputs(model, example_inputs, run=mode != "export")   # export runs them itself
     if mode == "fx":
         return _capture_fx(model, units)
     if mode == "export":
@@ -179,7 +263,10 @@ def capture(model: nn.Module, units, example_inputs=None, mode: str = "auto") ->
     except ShardcError as fx_error:
         if example_inputs is None:
             raise ShardcError(f"{fx_error} (export capture was not tried: it needs example inputs, --example-input or example_inputs=)") from None
-        gm = _capture_export(model, units, example_inputs)
+        try:
+            gm = _capture_export(model, units, example_inputs)
+        except ShardcError as export_error:
+            raise ShardcError(f"neither capture mode worked — {fx_error}; and {export_error}") from None
         info = gm.meta["shardc"]
         gm.meta["shardc"] = CaptureInfo(info.mode, info.units, info.notes + (f"fx failed, used export: {fx_error}",),
                                         info.aliases)

@@ -14,7 +14,7 @@ wrote them in; `world` is expanded to every mesh level. A scope with no levels i
 [Note: chunk order]
 The chunk a rank holds for a state is indexed by a mixed-radix number over the state's
 levels whose digits are ordered params levels first, then the levels grads add, then
-the levels optim adds (each group outermost first) — DESIGN.md §3. `Scopes.chunk_order`
+the levels optim adds (each group outermost first) — docs/internals.md. `Scopes.chunk_order`
 returns that digit order for one state; with the dependency rule it makes the optim
 chunk a contiguous slice of the grad chunk, itself a slice of the params chunk.
 """

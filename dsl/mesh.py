@@ -18,6 +18,7 @@ from shardc.dsl.diagnostics import Diagnostic, Note, error, short, warning
 from shardc.dsl.ir import Level, Mesh
 
 MAX_SIZE = 1 << 20          # no mesh level has more than a million members
+MAX_LEVELS = 16             # hardware hierarchies have a handful of levels (node > gpu > die ...)
 MAX_DIGITS = 12
 
 

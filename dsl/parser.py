@@ -11,6 +11,12 @@ offending line is blanked — replaced by spaces so every other position stays p
 the text is parsed again, so one run reports every broken line. The loop stops at an
 error on a blank line (nothing left to remove), at the end of the file, or after
 `_MAX_ERRORS` errors.
+
+[Note: bounded meshes]
+A mesh line with more than `MAX_LEVELS` levels is reported (located at the first level
+too many) and blanked before lark sees it, so a hostile 50 KB mesh line is rejected in
+linear time with one short error instead of being parsed, resolved and echoed level by
+level.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from lark.exceptions import UnexpectedInput
 from shardc.dsl import ast
 from shardc.dsl.diagnostics import Diagnostic, error
 from shardc.dsl.ir import Span
+from shardc.dsl.mesh import MAX_LEVELS
 from shardc.dsl.syntax_errors import describe
 
 _MAX_ERRORS = 20
@@ -47,6 +54,10 @@ def parse_program(text: str, file: str) -> tuple[ast.Program, list[Diagnostic]]:
     text, diags = _scrub_control(text, file)
     lines = text.split("\n")
     skipped: list[str] = []
+    for n, line in enumerate(lines, start=1):
+        if line.lstrip().startswith("mesh") and _too_deep(line, file, n, diags):
+            skipped.append("mesh")
+            lines[n - 1] = " " * len(line)
     for _ in range(_MAX_ERRORS):
         try:
             tree = _lark().parse("\n".join(lines) + "\n", start="start")
@@ -74,11 +85,29 @@ def parse_mesh(text: str, file: str = "<mesh>") -> tuple[ast.MeshAst | None, lis
     body = scrubbed.strip()
     if body.startswith("mesh "):        # tolerate a pasted `mesh ...` line
         scrubbed = scrubbed.replace("mesh", "    ", 1)
+    if _too_deep(scrubbed, file, 1, diags):
+        return None, diags
     try:
         tree = _lark().parse(scrubbed, start="mesh_spec")
     except UnexpectedInput as e:
         return None, [describe(e, [scrubbed], file, _lark())]
     return _ToAst(file).transform(tree), []
+
+
+def _too_deep(line: str, file: str, n: int, diags: list[Diagnostic]) -> bool:
+    """A mesh line of more than MAX_LEVELS levels: one error at the first extra level."""
+    code = line.split("#", 1)[0]
+    levels = code.count(">") + 1
+    if levels <= MAX_LEVELS:
+        return False
+    pos = -1
+    for _ in range(MAX_LEVELS):
+        pos = code.index(">", pos + 1)
+    col = len(code) - len(code[pos + 1:].lstrip()) + 1       # the first level too many
+    diags.append(error(Span(file, n, col, n, col + 1),
+                       f"the mesh has {levels} levels; at most {MAX_LEVELS} are supported",
+                       "a mesh lists the levels of the hardware, outermost first, e.g. `node(8) > gpu(8)`"))
+    return True
 
 
 def _error_line(e: UnexpectedInput, n_lines: int) -> int | None:

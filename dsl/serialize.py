@@ -1,6 +1,6 @@
 """Strategy -> JSON-ready dict — the view printed by `shardc check --json`.
 
-Input: an `ir.Strategy`; output: plain dicts/lists/ints/strings (DESIGN.md §6):
+Input: an `ir.Strategy`; output: plain dicts/lists/ints/strings (the `--json` form of docs/language.md):
 `{"name", "mesh", "params", "grads", "optim", "accumulate", "prefetch", "collectives",
 "units", "bucket", "overrides", "warnings"}`, each scope with its levels (mesh order)
 and shard factor.

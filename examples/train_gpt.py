@@ -8,7 +8,8 @@ strategy) make one optimizer step, losses are divided by it (DDP semantics). Ran
 shows a progress bar with the loss and prints, at the end, tokens/s, the model-state
 memory per rank (`memory_report()`) and the communication per mesh level
 (`comm_ledger()`, bytes of the logical collectives summed by the levels they span).
-Runs on CPU with gloo (or CUDA with nccl when available).
+Runs on CPU with gloo (or CUDA with nccl when available). `SHARDC_EXAMPLE_STEPS` overrides
+the default number of steps (CI uses it to shorten the run).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--strategy", required=True, help="a .shard file")
     p.add_argument("--mesh", default=None, help='mesh override, e.g. "node(2) > gpu(2)"')
     p.add_argument("--model", choices=sorted(CONFIGS), default="small")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=int(os.environ.get("SHARDC_EXAMPLE_STEPS", 20)))
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--capture", choices=("auto", "fx", "export"), default="auto")
@@ -93,23 +94,49 @@ def report(sm, strategy, tokens, seconds, world, losses):
         print(f"  {levels or '-':<16} {human(nbytes):>12}  ({human(nbytes / len(losses))} per step)")
 
 
-def progress(total: int, rank: int, enabled: bool = True):
-    if rank != 0 or not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-        return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
-    except ImportError:
-        return None
+class Progress:
+    """Rank 0's progress: a rich bar on a terminal, one plain line per step otherwise (CI logs)."""
+
+    def __init__(self, total: int, enabled: bool):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+        self.total, self.enabled, self.step = total, enabled, 0
+        self.console = Console(stderr=False)
+        self.bar = None
+        if enabled and self.console.is_terminal:
+            self.bar = Bar(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                           TextColumn("loss {task.fields[loss]}"), console=self.console)
+            self.task = self.bar.add_task("train", total=total, loss="-")
+            self.bar.start()
+
+    def update(self, loss: float) -> None:
+        self.step += 1
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, loss=f"{loss:.4f}")
+        elif self.enabled:
+            print(f"step {self.step}/{self.total} loss {loss:.4f}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if torch.cuda.is_available():
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("train_gpt.py runs one process per rank: launch it with torchrun, e.g. "
+              "`torchrun --nproc-per-node 4 examples/train_gpt.py --strategy "
+              "examples/strategies/paro_iig.shard --mesh \"node(2) > gpu(2)\"`", file=sys.stderr)
+        return 2
+    on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if on_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group("nccl" if on_cuda else "gloo")
     try:
         train(args)
+    except shardc.ShardcError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         dist.destroy_process_group()
     return 0
@@ -124,6 +151,9 @@ def train(args) -> dict:
     model = gpt.GPT(cfg).to(dev)
     data = load_corpus()
     strategy = shardc.load_strategy(args.strategy, world_size=world, mesh=args.mesh)
+    if rank == 0:
+        for warning in strategy.warnings:           # the checker's advice (e.g. a degenerate level)
+            print(warning, file=sys.stderr, flush=True)
     x0 = get_batch(data, cfg, args.batch, 0, 0, rank, world)[0].to(dev)
     t_compile = time.perf_counter()
     sm = shardc.compile(model, strategy, example_inputs=(x0,), capture=args.capture)
@@ -133,7 +163,7 @@ def train(args) -> dict:
               f"capture {sm.plan.capture}", flush=True)
     opt = sm.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
     M = strategy.accumulate
-    bar, losses = progress(args.steps, rank, not args.quiet), []
+    bar, losses = Progress(args.steps, rank == 0 and not args.quiet), []
     t0 = time.perf_counter()
     for step in range(args.steps):
         total = torch.zeros((), device=dev)
@@ -147,12 +177,9 @@ def train(args) -> dict:
         opt.zero_grad()
         dist.all_reduce(total)                      # for display only (not in the ledger)
         losses.append(total.item() / world)
-        if bar is not None:
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
-            bar.update(1)
+        bar.update(losses[-1])
     seconds = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
+    bar.close()
     tokens = args.steps * M * args.batch * cfg.block_size * world
     report(sm, strategy, tokens, seconds, world, losses)
     return dict(losses=losses, tokens_per_s=tokens / seconds, memory=sm.memory_report(),

@@ -19,10 +19,20 @@ and, on the last micro-batch, issues the per-step sync, waited in opt.step() or
 clip_grad_norm_.
 
 [Note: accumulation]
-A backward outside `no_sync()` syncs once at least `accumulate` micro-batches have run
-since the last step. opt.step() before that is an error; so is a backward after the
-sync but before opt.step(), and a forward with gradients after a step without
-zero_grad() (shardc does not accumulate across optimizer steps).
+The loop decides how many micro-batches make a step; `accumulate N` is the plan. At the
+end of a backward the step's sync is issued early (to overlap whatever runs before
+opt.step()) when gradient sync is on (outside `no_sync()`, `set_requires_gradient_sync`
+not False) and either this is the N-th micro-batch, or the loop took charge: it called
+`set_requires_gradient_sync` (FSDP2: every backward with sync on issues it), or an
+earlier backward this step ran inside `no_sync()` (DDP: the next one outside is the
+last). opt.step()/clip_grad_norm_ with the sync not issued (k < N) issues and completes
+it then. A backward after the sync was issued (k > N) first completes it, moves the
+synced OS slices into a carry and zeroes the grad shards; the later micro-batches
+accumulate from zero and their own sync, at the step, adds the carry back (both halves
+are divided by the world size, so the sum is the step's mean). Either deviation costs
+the planned overlap (k > N also a second sync) and warns once per run. A forward with
+gradients after opt.step() without zero_grad() is an error (shardc does not accumulate
+across optimizer steps).
 
 [Note: recomputation]
 Activation checkpointing re-runs a unit's forward inside the backward (after its
@@ -32,13 +42,14 @@ its post-accumulate-grad hook as usual, not after the recomputed forward.
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from .errors import RuntimeUsageError
+from .errors import AccumulationWarning, RuntimeUsageError
 from .flat import FlatGroup
 from .units import UnitSpec
 
@@ -83,6 +94,10 @@ class Engine:
         self.phase = Phase.FRESH
         self.micro = 0
         self.no_sync_depth = 0
+        self.requires_sync: bool | None = None   # set_requires_gradient_sync; None: the plan
+        self._loop_decides = False         # a backward this step ran with sync off
+        self._carry: dict[int, torch.Tensor] = {}   # unit -> synced OS grads before a fold
+        self._warned = False
         self._queued = False
         self._fwd_order: list[int] = []
         self._bwd_seen: set[int] = set()
@@ -92,10 +107,6 @@ class Engine:
     # -- forward primitives ----------------------------------------------------------
     def begin_forward(self) -> None:
         if torch.is_grad_enabled():
-            if self.phase is Phase.SYNCED or self.phase is Phase.SYNCING:
-                raise RuntimeUsageError(
-                    "forward with gradients after the step's gradients were synchronised; "
-                    "call opt.step() first")
             if self.phase is Phase.STEPPED:
                 raise RuntimeUsageError(
                     "forward with gradients after opt.step() without opt.zero_grad(); "
@@ -198,9 +209,7 @@ class Engine:
         if self._queued:
             return
         if self.phase in (Phase.SYNCING, Phase.SYNCED):
-            raise RuntimeUsageError(
-                "backward after the step's gradients were synchronised; call opt.step() "
-                "and opt.zero_grad() before the next micro-batch")
+            self._fold()
         self._queued = True
         self._bwd_seen = set()
         torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
@@ -251,30 +260,65 @@ class Engine:
             self.release(u.index)
         self.micro += 1
         self.phase = Phase.ACCUMULATING
-        if self.no_sync_depth == 0 and self.micro >= self.accumulate:
-            for u in self.units:
-                if u.trainable is not None:
-                    u.trainable.sync_issue()
-                    self.events.append(("issue_sync", u.index))
-            self.phase = Phase.SYNCING
+        if self.no_sync_depth > 0 or self.requires_sync is False:
+            self._loop_decides = True
+        elif self.requires_sync or self._loop_decides or self.micro == self.accumulate:
+            self._issue_sync()
 
     # -- step boundary -------------------------------------------------------------
     def trainable_groups(self) -> list[FlatGroup]:
         return [u.trainable for u in self.units if u.trainable is not None]
 
+    def _issue_sync(self) -> None:
+        for u in self.units:
+            if u.trainable is not None:
+                u.trainable.sync_issue()
+                self.events.append(("issue_sync", u.index))
+        self.phase = Phase.SYNCING
+
+    def _complete_sync(self) -> None:
+        groups = self.trainable_groups()
+        for g in groups:
+            g.sync_advance()
+        for g in groups:
+            g.sync_wait()
+        self.phase = Phase.SYNCED
+        self.events.append(("sync_done", -1))
+
+    def _fold(self) -> None:
+        """A backward after the sync was issued: keep the synced grads aside (see Note)."""
+        self._warn(f"micro-batch {self.micro + 1} ran after the step's gradient sync was issued "
+                   f"(the strategy plans accumulate {self.accumulate}); it is folded in exactly "
+                   f"with a second sync at the step")
+        if self.phase is Phase.SYNCING:
+            self._complete_sync()
+        for u in self.units:
+            g = u.trainable
+            if g is not None:
+                done = self._carry.get(u.index)
+                self._carry[u.index] = g.os_grad.clone() if done is None else done.add_(g.os_grad)
+                g.zero_grads()
+        self.phase = Phase.ACCUMULATING
+
+    def _warn(self, what: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"{what}; the overlap the plan gives that sync is lost (warned once per run)",
+                          AccumulationWarning, stacklevel=4)
+
     def wait_sync(self, what: str) -> None:
         if self.phase is Phase.ACCUMULATING:
-            raise RuntimeUsageError(
-                f"{what} called after {self.micro} of {self.accumulate} micro-batches; run "
-                f"the remaining backward passes (or leave no_sync()) first")
+            if not self._carry:
+                why = (f"after {self.micro} micro-batch(es) while the strategy plans accumulate "
+                       f"{self.accumulate}" if self.micro != self.accumulate else
+                       "with every backward of the step run with gradient sync off")
+                self._warn(f"{what} {why}: the gradient sync runs now, exact")
+            self._issue_sync()
         if self.phase is Phase.SYNCING:
-            groups = self.trainable_groups()
-            for g in groups:
-                g.sync_advance()
-            for g in groups:
-                g.sync_wait()
-            self.phase = Phase.SYNCED
-            self.events.append(("sync_done", -1))
+            self._complete_sync()
+            for u in self.units:
+                if u.index in self._carry:
+                    u.trainable.os_grad.add_(self._carry.pop(u.index))
 
     def after_step(self) -> None:
         works = [g.update_issue() for g in self.trainable_groups()]
@@ -286,4 +330,6 @@ class Engine:
         for g in self.trainable_groups():
             g.zero_grads()
         self.micro = 0
+        self._loop_decides = False
+        self._carry.clear()
         self.phase = Phase.FRESH

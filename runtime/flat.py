@@ -4,7 +4,7 @@ Input: a `GroupLayout` (parameter offsets in a padded flat buffer), the unit's
 `ScopePlan`, the full initial values (identical on every rank), a `Comm`.
 Output: the persistent shards (params N/s_P, optional secondary N/s_Q, grads N/s_G),
 the transient full buffer the module's parameters are views of while gathered, and the
-per-step collectives of DESIGN.md §3 (gather, grad reduce-scatter, sync, update).
+per-step collectives (gather, grad reduce-scatter, sync, update; docs/internals.md).
 
 [Note: full buffer and autograd]
 The trainable full buffer is one leaf `nn.Parameter` of N elements; the module's

@@ -100,7 +100,9 @@ class ShardedModule(nn.Module):
                  hooks: bool = True):
         super().__init__()
         if not dist.is_initialized():
-            raise ShardcError("shard_module needs torch.distributed initialised (init_process_group)")
+            raise ShardcError("shard_model/shard_module need one process per rank: launch with torchrun "
+                              "(e.g. `torchrun --nproc-per-node 4 train.py`) and call "
+                              "torch.distributed.init_process_group() first")
         if dist.get_world_size() != strategy.mesh.world:
             raise ShardcError(f"mesh {strategy.mesh} has {strategy.mesh.world} ranks but the world "
                               f"size is {dist.get_world_size()}")
@@ -191,8 +193,15 @@ class ShardedModule(nn.Module):
     def events(self) -> list[tuple[str, int]]:
         return self.runtime.events
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's spelling, after which the loop decides: backwards with it False accumulate
+        without the step's gradient sync; each backward with it True ends by issuing it (see
+        the engine's [Note: accumulation]). `recurse` is accepted for FSDP2 compatibility."""
+        self.runtime.requires_sync = bool(requires_gradient_sync)
+
     @contextlib.contextmanager
     def no_sync(self):
+        """DDP's spelling: backwards inside do not issue the step's gradient sync."""
         self.runtime.no_sync_depth += 1
         try:
             yield

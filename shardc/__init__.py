@@ -1,6 +1,6 @@
 """shardc — a compiler for data-parallel training strategies in PyTorch.
 
-Public API (DESIGN.md §6): `load_strategy`, `compile`, `ShardcError`. Imports are lazy
+Public API (docs/internals.md): `load_strategy`, `compile`, `ShardcError`. Imports are lazy
 so `import shardc` stays cheap for the CLI.
 """
 from shardc.dsl.errors import ShardcError
@@ -16,6 +16,6 @@ def load_strategy(path_or_text, world_size=None, mesh=None):
 
 
 def compile(model, strategy, example_inputs=None, capture="auto", mesh=None):  # noqa: A001
-    """Compile `model` under `strategy` into a ShardedModule (DESIGN.md §1)."""
+    """Compile `model` under `strategy` into a ShardedModule (run under torchrun)."""
     from shardc.compiler.api import compile_model
     return compile_model(model, strategy, example_inputs=example_inputs, capture=capture, mesh=mesh)

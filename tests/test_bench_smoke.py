@@ -4,8 +4,9 @@ Runs the real harness on 2 network namespaces x 2 gloo ranks for one step (plus 
 system that fails, which must be reported while the others still run) and checks
 the JSON it writes, the memory and link-byte figures against formulas written out
 here, and that no namespace of the run is left behind (after success, after an error
-inside the context manager, and after Ctrl-C). Needs root and iproute2; skipped, with
-that reason, anywhere else.
+inside the context manager, and after Ctrl-C). Opt-in (`pytest -m netns` or
+SHARDC_NETNS=1, see tests/conftest.py); needs root and iproute2, skipped with that
+reason anywhere else.
 """
 from __future__ import annotations
 
@@ -26,12 +27,19 @@ sys.path.insert(0, BENCH)
 from netns import (ClusterError, ClusterSpec, EmulatedCluster, leftover_namespaces,  # noqa: E402
                    remove_stale, require_root_and_tools)
 
+from tests.harness import HANG_S  # noqa: E402
+
 try:
     require_root_and_tools()
     SKIP = None
 except ClusterError as e:
     SKIP = str(e)
-needs_root = pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster unavailable: {SKIP}")
+_root = pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster unavailable: {SKIP}")
+
+
+def needs_root(fn):
+    """An emulated-cluster test: opt-in by the `netns` marker, and skipped without root."""
+    return pytest.mark.netns(_root(fn))
 
 
 def _bench(args, **kw) -> subprocess.Popen:
@@ -46,7 +54,7 @@ def test_one_step_two_nodes_two_ranks(tmp_path):
                 "--accumulate", "2", "--micro-batch", "2", "--warmup", "1", "--steps", "1",
                 "--systems", "ddp,shardc:no_such_strategy,fsdp2:full", "--json", str(out),
                 "--logdir", str(tmp_path)])
-    log, _ = p.communicate(timeout=300)
+    log, _ = p.communicate(timeout=HANG_S)
     assert p.returncode == 0, log
     assert leftover_namespaces(f"shardc-{p.pid}-") == []
     doc = json.loads(out.read_text())
@@ -99,13 +107,13 @@ def test_teardown_on_error():
 def test_teardown_on_ctrl_c(tmp_path):
     p = _bench(["--nodes", "2", "--per-node", "1", "--model", "tiny", "--steps", "1000",
                 "--systems", "ddp", "--json", str(tmp_path / "x.json")])
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_S
     while len(leftover_namespaces(f"shardc-{p.pid}-")) < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert len(leftover_namespaces(f"shardc-{p.pid}-")) == 3
     time.sleep(1.0)
     p.send_signal(signal.SIGINT)
-    log, _ = p.communicate(timeout=60)
+    log, _ = p.communicate(timeout=HANG_S)
     assert p.returncode == 130, log
     assert "torn down" in log
     assert leftover_namespaces(f"shardc-{p.pid}-") == []

@@ -1,4 +1,5 @@
 """compiler/capture: fx and export capture, unit order, and located failures (no tracebacks)."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,8 +12,9 @@ from torch import nn
 from shardc.compiler.capture import capture
 from shardc.compiler.units import find_units
 from shardc.dsl.errors import ShardcError
-from shardc.dsl.ir import Level, Mesh, ParamsSpec, Scopes, Strategy
+from shardc.dsl.ir import Level, Mesh, ParamsSpec, Scopes, Strategy, UnitsKind, UnitsSpec
 from examples.gpt import example_inputs, tiny
+from tests.harness import HANG_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S = Strategy("t", Mesh((Level("gpu", 2),)), Scopes(ParamsSpec(("gpu",), line=2)), file="t.shard")
@@ -97,6 +99,71 @@ def test_export_failure_is_located_and_auto_reports_it():
         capture(m, find_units(m, S), None, mode="auto")
 
 
+class GatedUnit(nn.Module):
+    """Gate's data-dependent branch inside a unit (`units type Gate`)."""
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(2, 2)
+        self.gate = Gate()
+
+    def forward(self, x):
+        return self.gate(self.pre(x))
+
+
+def test_export_hint_fits_code_already_in_a_unit():
+    m = GatedUnit()
+    s = dataclasses.replace(S, units=UnitsSpec(UnitsKind.TYPE, ("Gate",)))
+    units = find_units(m, s)
+    assert [u.name for u in units] == ["<root>", "gate"]
+    with pytest.raises(ShardcError) as e:
+        capture(m, units, (torch.ones(1, 2),), mode="export")
+    msg = str(e.value)
+    assert "capture export stopped in module 'gate'" in msg and "if x.sum() > 0:" in msg
+    assert "inside unit 'gate'" in msg and "move that code into a unit" not in msg
+
+
+def test_auto_shows_both_reasons():
+    m = Branchy()
+    with pytest.raises(ShardcError) as e:
+        capture(m, find_units(m, S), (torch.ones(1, 2),), mode="auto")
+    msg = str(e.value)
+    assert msg.startswith("neither capture mode worked")
+    assert "capture fx stopped in module 'gate'" in msg and "TraceError" in msg
+    assert "capture export stopped in module 'gate'" in msg and "GuardOnDataDependent" in msg
+
+
+@pytest.mark.parametrize("mode", ["fx", "auto", "export"])
+def test_example_inputs_must_fit_the_forward(mode):
+    m = tiny()
+    units = find_units(m, S)
+    (x,) = example_inputs(m)
+    with pytest.raises(ShardcError, match=r"the example inputs do not match GPT\.forward\(idx\): "
+                                          r"too many positional arguments \(3 given\)"):
+        capture(m, units, (x, x, x), mode=mode)
+    with pytest.raises(ShardcError, match=r"example inputs do not fit GPT\.forward|capture export stopped"):
+        capture(m, units, (x.float()[..., None],), mode=mode)
+
+
+class TakesCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x, cache=None):
+        return self.lin(x)
+
+
+def test_uncapturable_construct_is_named_with_the_setting():
+    """A Hugging Face cache passed in the example inputs: named, with what avoids it."""
+    transformers = pytest.importorskip("transformers")
+    m = TakesCache()
+    with pytest.raises(ShardcError) as e:
+        capture(m, find_units(m, S), (torch.ones(1, 2), transformers.DynamicCache()), mode="export")
+    msg = str(e.value)
+    assert "torch cannot capture the DynamicCache there" in msg and "use_cache=False" in msg
+    assert "move that code into a unit" not in msg
+
+
 def test_cli_reports_one_line_not_a_traceback(tmp_path):
     model = tmp_path / "branchy.py"
     model.write_text(textwrap.dedent('''
@@ -117,9 +184,10 @@ def test_cli_reports_one_line_not_a_traceback(tmp_path):
     strat.write_text("mesh gpu(2)\nparams shard over gpu\ngrads shard over gpu\noptim shard over gpu\n")
     r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile", str(strat), "--model", f"{model}:make",
                         "--example-input", "float32[1,2]", "-o", str(tmp_path / "out.py")],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+                       capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
     assert r.returncode == 1
-    assert r.stderr.startswith("error: capture export stopped in module '<root>'") and "branchy.py:9" in r.stderr
+    assert r.stderr.startswith("error: neither capture mode worked — capture fx stopped in module '<root>'")
+    assert "capture export stopped in module '<root>'" in r.stderr and "branchy.py:9" in r.stderr
     assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
 
 
@@ -127,7 +195,7 @@ def test_cli_writes_the_module(tmp_path):
     out = tmp_path / "gpt_zero3.py"
     r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile", "examples/strategies/zero3.shard",
                         "--model", "examples/gpt.py:tiny", "--mesh", "node(2) > gpu(2)", "-o", str(out)],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+                       capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     src = out.read_text()
     compile(src, str(out), "exec")

@@ -1,6 +1,6 @@
 """End to end: the example GPT compiled by shardc on N gloo ranks equals one process.
 
-Parity (DESIGN.md §1): W ranks, each on its slice of every micro-batch, with
+Parity: W ranks, each on its slice of every micro-batch, with
 `accumulate` micro-batches per step, equal one process on the concatenated batch
 (loss/accumulate summed over micro-batches) to float32 rounding (rel 1e-5), after
 several optimizer steps, for AdamW and SGD with momentum. Both routes are checked:
@@ -145,7 +145,7 @@ def test_compile_and_emitted_match_reference(name, mesh, world, tmp_path):
     source, _ = compile_source(make_model(), strategy, capture="fx")
     emitted = tmp_path / f"emitted_{name.split('.')[0]}.py"
     emitted.write_text(source)
-    results = dist_run(world, _ranks_job, text, mesh, COMBOS, str(emitted), timeout=300)
+    results = dist_run(world, _ranks_job, text, mesh, COMBOS, str(emitted))
     for i, (_, opt_kind) in enumerate(COMBOS):
         _assert_close([r[i] for r in results], _reference(strategy.accumulate, opt_kind, world))
 
@@ -155,7 +155,7 @@ def test_quantized_zero_topo_trains_close_to_reference():
     text, mesh = _text("zero_topo.shard", exact=False), "node(2) > gpu(2) > gcd(2)"
     strategy = shardc.load_strategy(text, mesh=mesh)
     assert strategy.grads.comm.quantized
-    results = dist_run(8, _ranks_job, text, mesh, (("compile", "adamw"),), None, timeout=300)
+    results = dist_run(8, _ranks_job, text, mesh, (("compile", "adamw"),), None)
     ref_losses, _ = _reference(strategy.accumulate, "adamw", 8)
     mean = torch.tensor([r[0][0] for r in results]).mean(0)
     torch.testing.assert_close(mean, torch.tensor(ref_losses), rtol=1e-2, atol=0)
@@ -185,7 +185,7 @@ def _bucket_job(rank, world):
 
 
 def test_bucketed_unit_is_gathered_once_per_forward():
-    results = dist_run(4, _bucket_job, timeout=300)
+    results = dist_run(4, _bucket_job)
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(TINY, n_layer=3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -51,7 +51,7 @@ def _first(events, ev):
 
 
 def test_prefetch_changes_schedule_not_numerics():
-    results = dist_run(4, _job, (0, 1, 2), timeout=300)
+    results = dist_run(4, _job, (0, 1, 2))
     for r in results:
         assert r[0][0] == r[2][0] and r[0][0] == r[1][0]                 # bitwise-equal losses
         for name, t in r[0][1].items():

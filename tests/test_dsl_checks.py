@@ -1,4 +1,4 @@
-"""Static checks of DESIGN.md §2 beyond the corpus: warnings (exit 0), overrides and
+"""Static checks of docs/language.md beyond the corpus: warnings (exit 0), overrides and
 inheritance, option values, mesh overrides, `local` and `*` resolution."""
 from __future__ import annotations
 
@@ -239,3 +239,36 @@ def test_dependency_reported_with_other_errors():
     # ... but not when a broken line may have been the missing scope statement
     e = errors_of(MESH + "params shard over world\ngrads shard over world\noptm shard over world\n")
     assert [d.message for d in e.errors] == ["unknown statement `optm`"]
+
+
+def _deep_mesh(levels: int) -> str:
+    return "strategy s\nmesh " + " > ".join(f"l{i}(1)" for i in range(levels)) + "\nparams shard over l0\ngrads shard over l0\noptim shard over l0\n"
+
+
+@pytest.mark.parametrize("via", ["file", "override"])
+def test_hostile_mesh_is_rejected_fast_and_briefly(via):
+    """A 5,000-level mesh line (~54 KB): one located error, short, in well under 0.5 s."""
+    import time
+    text = _deep_mesh(5000)
+    assert len(text) > 50_000
+    best = float("inf")
+    for _ in range(3):                      # the best of three: a busy machine only slows some
+        t0 = time.perf_counter()
+        with pytest.raises(StrategyError) as e:
+            if via == "file":
+                load_text(text)
+            else:
+                load_text(_deep_mesh(2), mesh=text.split("\n")[1][len("mesh "):])
+        best = min(best, time.perf_counter() - t0)
+    assert best < 0.5, best
+    msg = str(e.value)
+    assert msg.startswith("error: the mesh has 5000 levels; at most 16 are supported")
+    assert len(msg) < 600 and "1 × " not in msg and msg.count("error") == 1
+
+
+def test_sixteen_levels_are_fine_seventeen_located():
+    assert len(load_text(_deep_mesh(16), world_size=1).mesh.levels) == 16
+    with pytest.raises(StrategyError) as e:
+        load_text(_deep_mesh(17))
+    col = _deep_mesh(17).split("\n")[1].index("l16(1)") + 1
+    assert f"<string>:2:{col}" in str(e.value)

@@ -1,4 +1,4 @@
-"""The twelve named strategies of DESIGN.md §2 resolve to the levels of its table.
+"""The twelve named strategies resolve to the levels of the layouts they stand for.
 
 Mesh `node(*) > gpu(local)` at world 8 with LOCAL_WORLD_SIZE=4 is node(2) > gpu(4), so
 `world` = (node, gpu) with factor 2*4 = 8 and `gpu` has factor 4. zero_topo runs on the
@@ -20,7 +20,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "strategies"
 W, G = ("node", "gpu"), ("gpu",)
 TOPO_MESH = "node(2) > gpu(2) > gcd(2)"
 
-# name: (params levels, grads levels, optim levels) — DESIGN.md §2 table.
+# name: (params levels, grads levels, optim levels) — the layout each named strategy stands for.
 TABLE = {
     "ddp": ((), (), ()),
     "zero1": ((), (), W),

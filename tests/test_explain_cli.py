@@ -11,12 +11,14 @@ import time
 
 import pytest
 
+from tests.harness import HANG_S
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IIG = "examples/strategies/paro_iig.shard"
 MESH64 = "node(8) > gpu(8)"
 
 
-def shardc(*argv, timeout=120):
+def shardc(*argv, timeout=HANG_S):
     return subprocess.run([sys.executable, "-m", "shardc.cli", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 

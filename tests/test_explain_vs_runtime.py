@@ -99,7 +99,7 @@ def _predict(name, mesh, frozen):
 
 @functools.lru_cache(maxsize=None)
 def _measured(cases, world):
-    measured = dist_run(world, _measure, list(cases), timeout=600)
+    measured = dist_run(world, _measure, list(cases))
     for rank_results in measured[1:]:      # every rank measures the same sizes
         assert [m for _, m in rank_results] == [m for _, m in measured[0]]
     return measured[0]

@@ -51,5 +51,5 @@ def test_timeout_does_not_hang():
     t0 = time.monotonic()
     with pytest.raises(AssertionError, match="timed out"):
         dist_run(2, _hang_on_zero, timeout=3)
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 120            # 3 s, plus a generous margin for a busy machine
     assert dist_run(2, _sum_ranks, 3.0)[0] == (0, 2, 3.0, 0, 2)

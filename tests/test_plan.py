@@ -42,7 +42,7 @@ def test_best_plan_fits_obeys_rule_and_checks(tmp_path, capsys):
     # llama_tiny: 10,314 parameters; DDP with AdamW in fp32 holds 16 bytes each = 165,024 bytes,
     # so a 120,000-byte budget must shard something.
     budget = 120_000
-    rc = run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", str(budget),
+    rc = run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", f"{budget}B",
                           "--micro-batches", "2", "--top", "5", "-o", str(out), "--json"])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
@@ -81,6 +81,8 @@ def test_nothing_fits_is_one_clear_error(tmp_path):
         run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", "1000B"])
     with pytest.raises(ShardcError, match="cannot read memory size"):
         run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", "lots"])
+    with pytest.raises(ShardcError, match=r"memory size '80' has no unit; write e\.g\. 80GiB or 80GB"):
+        run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", "80"])
 
 
 def test_compute_bound_ties_go_to_the_least_communication(capsys):

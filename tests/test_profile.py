@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.harness import dist_run
+from tests.harness import HANG_S, dist_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,7 +24,7 @@ def _profile(rank, world, path):
                  "--iters", "2", "--warmup", "1"])
 
 
-def _run(cmd, timeout=120, **kw) -> subprocess.CompletedProcess:
+def _run(cmd, timeout=HANG_S, **kw) -> subprocess.CompletedProcess:
     """subprocess.run that kills the whole process group (torchrun's workers too) on timeout."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, **kw)

@@ -19,7 +19,7 @@ NAMED = ["ddp", "zero1", "zero2", "zero3", "mics", "hsdp_zero2", "zeropp", "paro
 SIZES_2x2 = {"node": 2, "gpu": 2}
 ORDER = ("node", "gpu", "gcd")
 
-# (params, secondary, grads, optim) levels of each named strategy, from DESIGN.md's table.
+# (params, secondary, grads, optim) levels of each named strategy (the layout it stands for).
 W2 = ("node", "gpu")
 TABLE = {
     "ddp": ((), None, (), ()),

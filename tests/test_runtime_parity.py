@@ -44,17 +44,16 @@ def _check(results):
 
 
 def test_parity_2x2_all_named():
-    _check(dist_run(4, _cases, "node(2) > gpu(2)", TWO_LEVEL, ALL_COMBOS, timeout=600))
+    _check(dist_run(4, _cases, "node(2) > gpu(2)", TWO_LEVEL, ALL_COMBOS))
 
 
 def test_parity_2x4_all_named():
-    _check(dist_run(8, _cases, "node(2) > gpu(4)", TWO_LEVEL, ((2, "sgd"), (1, "adamw")),
-                    timeout=600))
+    _check(dist_run(8, _cases, "node(2) > gpu(4)", TWO_LEVEL, ((2, "sgd"), (1, "adamw"))))
 
 
 def test_parity_zero_topo_2x2x2():
     _check(dist_run(8, _cases, "node(2) > gpu(2) > gcd(2)", ["zero_topo"],
-                    ((4, "sgd"), (1, "adamw")), timeout=600))
+                    ((4, "sgd"), (1, "adamw"))))
 
 
 def _variants(rank, world):
@@ -78,4 +77,4 @@ def _variants(rank, world):
 
 
 def test_parity_collective_algorithms_and_prefetch():
-    _check(dist_run(4, _variants, timeout=600))
+    _check(dist_run(4, _variants))

@@ -13,18 +13,23 @@ pytestmark = pytest.mark.distributed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _job(rank, world, argv):
+def _job(rank, world, argv, capture_stderr=False):
+    import contextlib
     import importlib.util
+    import io
     spec = importlib.util.spec_from_file_location("train_gpt", os.path.join(ROOT, "examples", "train_gpt.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.train(mod.parse_args(argv))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err) if capture_stderr else contextlib.nullcontext():
+        out = mod.train(mod.parse_args(argv))
+    return dict(out, stderr=err.getvalue())
 
 
 def test_train_gpt_loss_falls_and_reports():
     argv = ["--strategy", os.path.join(ROOT, "examples", "strategies", "paro_iig.shard"),
             "--mesh", "node(2) > gpu(2)", "--model", "tiny", "--steps", "8", "--quiet", "--lr", "1e-2"]
-    results = dist_run(4, _job, argv, timeout=300)
+    results = dist_run(4, _job, argv)
     losses = results[0]["losses"]
     assert len(losses) == 8 and all(r["losses"] == losses for r in results)    # all ranks agree
     assert losses[-1] < losses[0] - 0.5, losses
@@ -34,3 +39,14 @@ def test_train_gpt_loss_falls_and_reports():
     assert results[0]["comm"]["gpu"] > results[0]["comm"]["node"]
     mem = results[0]["memory"]
     assert mem["total"] == mem["params"] + mem["params_secondary"] + mem["grads"] + mem["optim"]
+
+
+def test_train_gpt_shows_the_strategys_warnings():
+    """A strategy the checker warns about: rank 0 prints the warning before training."""
+    argv = ["--strategy", os.path.join(ROOT, "tests", "corpus", "warnings", "partial_scope.shard"),
+            "--mesh", "node(2) > gpu(2)", "--model", "tiny", "--steps", "1", "--quiet"]
+    results = dist_run(4, _job, argv, True)
+    want = open(os.path.join(ROOT, "tests", "golden", "diagnostics", "warnings", "partial_scope.txt")).read()
+    first = want.strip().splitlines()[0]
+    assert first.startswith("warning:") and first in results[0]["stderr"]
+    assert all(first not in r["stderr"] for r in results[1:])          # rank 0 only

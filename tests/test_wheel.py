@@ -19,6 +19,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from tests.harness import HANG_S
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("shardc", "dsl", "compiler", "analysis", "runtime", "grammars")
 
@@ -39,11 +41,13 @@ def _see_system_packages_only(py: Path) -> None:
     import sysconfig
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    Path(site, "system_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    import site as site_mod             # a venv made with --system-site-packages: its base's too
+    dirs = dict.fromkeys([sysconfig.get_paths()["purelib"], *site_mod.getsitepackages()])
+    Path(site, "system_packages.pth").write_text("".join(d + "\n" for d in dirs))
 
 
 def _run(cmd, **kw):
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, **kw)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, **kw)
     assert r.returncode == 0, f"{cmd} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
     return r
 
@@ -76,7 +80,7 @@ def test_wheel_ships_grammar_and_cli_runs_outside_the_repo(tmp_path):
     assert api.stdout.strip() == "('node', 'gpu')"
 
     r = subprocess.run([str(exe), "check", str(example),
-                        "--world", "8", "--json"], capture_output=True, text=True, timeout=120,
+                        "--world", "8", "--json"], capture_output=True, text=True, timeout=HANG_S,
                        cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
@@ -93,12 +97,12 @@ def test_wheel_ships_grammar_and_cli_runs_outside_the_repo(tmp_path):
     out = tmp_path / "gpt_zero3.py"
     r = subprocess.run([str(exe), "compile", str(ROOT / "examples" / "strategies" / "zero3.shard"),
                         "--model", f"{gpt}:tiny", "--mesh", "node(2) > gpu(2)", "-o", str(out)],
-                       capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+                       capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     compile(out.read_text(), str(out), "exec")
     assert "def shard_model(model)" in out.read_text()
     r = subprocess.run([str(exe), "explain", str(example), "--model", f"{gpt}:tiny",
                         "--mesh", "node(2) > gpu(2)", "--json"],
-                       capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+                       capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     assert set(json.loads(r.stdout)["memory"]) >= {"params", "params_secondary", "grads", "optim", "total"}

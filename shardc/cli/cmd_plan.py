@@ -26,6 +26,9 @@ def parse_memory(text: str) -> float:
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _MEM or float(m.group(1)) <= 0:
         raise ShardcError(f"cannot read memory size {text!r}; write e.g. 80GiB or 40GB")
+    if not unit:
+        raise ShardcError(f"memory size {text!r} has no unit; write e.g. {m.group(1)}GiB or {m.group(1)}GB "
+                          f"(B, KB/KiB, MB/MiB, GB/GiB or TB/TiB)")
     return float(m.group(1)) * _MEM[unit]
 
 
