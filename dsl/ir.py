@@ -146,12 +146,27 @@ class Scopes:
         mine = set(getattr(self, state).levels)
         return tuple(l for l in order if l in mine)
 
+    def missing(self, inner: str, outer: str) -> tuple[str, ...]:
+        """Levels `inner` shards over that `outer` does not (the dependency rule's culprit)."""
+        return tuple(l for l in getattr(self, inner).levels if l not in getattr(self, outer).levels)
+
+
+# [Note: dependency rule] levels(params) ⊆ levels(grads) ⊆ levels(optim), checked pair by
+# pair (`Scopes.missing`): by the DSL per statement block, by the lowering per unit.
+DEPENDENCY = (("params", "grads"), ("grads", "optim"))
+
 
 @dataclass(frozen=True, slots=True)
 class Override:
+    """An override block; it is partial: a state it does not mention is None (not set by it)."""
     pattern: str                      # glob over unit/module names, e.g. "transformer.h.0"
-    scopes: Scopes
+    params: ParamsSpec | None = None
+    grads: GradsSpec | None = None
+    optim: OptimSpec | None = None
     line: int = 0
+
+    def sets(self) -> tuple[str, ...]:
+        return tuple(k for k in ("params", "grads", "optim") if getattr(self, k) is not None)
 
 
 class UnitsKind(enum.Enum):

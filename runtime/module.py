@@ -14,6 +14,7 @@ registered parameters left, so `full_state_dict()` is the way to read values bac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -21,13 +22,14 @@ from torch import nn
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
+from shardc.lowering import RankPlan, lower, unit_sizes
 
 from . import state
 from .comm import Comm
 from .engine import Engine, UnitState
 from .errors import RuntimeUsageError
 from .flat import TORCH_DTYPE, FlatGroup
-from .layout import ScopePlan, build_layout
+from .layout import build_layout
 from .ledger import Ledger, LedgerRecord
 from .optimizer import build_optimizer
 from .units import UnitSpec
@@ -81,17 +83,15 @@ def _check_units(units: list[UnitSpec], params: dict, aliases: dict) -> list[lis
     return per_unit
 
 
-def _make_group(names, params, plan, comm, trainable, is_root):
-    shapes = [(n, tuple(params[n].shape)) for n in names]
-    layout = build_layout(shapes, trainable, plan.pad_multiple(trainable))
-    if layout.n == 0:
-        return None
+def _make_group(names, params, gplan, plan, comm, is_root):
+    """The flat group of `names` with the plan's padded size and rows."""
+    layout = build_layout([(n, tuple(params[n].shape)) for n in names], gplan.trainable, gplan.n)
     dtype = TORCH_DTYPE[plan.scopes.params.dtype]
     dev = next(iter(params.values())).device
     init = torch.zeros(layout.n, dtype=dtype, device=dev)
     for s in layout.slots:
         init[s.offset:s.offset + s.numel].copy_(params[s.fqn].detach().reshape(-1))
-    return FlatGroup(layout, plan, comm, init, is_root)
+    return FlatGroup(layout, gplan, plan, comm, init, is_root)
 
 
 class ShardedModule(nn.Module):
@@ -113,17 +113,18 @@ class ShardedModule(nn.Module):
         params, self.aliases, targets, self.param_order = _param_maps(model)
         self.frozen = {n for n, p in params.items() if not p.requires_grad}
         per_unit = _check_units(self.unit_specs, params, self.aliases)
+        canonical = [dataclasses.replace(u, params=tuple(n)) for u, n in zip(self.unit_specs, per_unit)]
+        self.lowering = lower(strategy.mesh, unit_sizes(params, canonical), strategy.prefetch)
         self._warm_groups()
         states = []
-        for i, (spec, names) in enumerate(zip(self.unit_specs, per_unit)):
-            plan = ScopePlan(strategy.mesh, spec.scopes, self.comm.rank)
+        for i, (spec, names, uplan) in enumerate(zip(self.unit_specs, per_unit, self.lowering.units)):
+            plan = RankPlan(strategy.mesh, spec.scopes, self.comm.rank)
             groups, tg = [], []
-            for trainable in (True, False):
-                sel = [n for n in names if (n not in self.frozen) == trainable]
-                g = _make_group(sel, params, plan, self.comm, trainable, i == 0)
-                if g is not None:
-                    groups.append(g)
-                    tg.append([targets[s.fqn] for s in g.layout.slots])
+            for gplan in uplan.groups:
+                sel = [n for n in names if (n not in self.frozen) == gplan.trainable]
+                g = _make_group(sel, params, gplan, plan, self.comm, i == 0)
+                groups.append(g)
+                tg.append([targets[s.fqn] for s in g.layout.slots])
             states.append(UnitState(i, spec, groups, tg))
         for mod_targets in targets.values():
             for mod, attr in mod_targets:
@@ -152,10 +153,8 @@ class ShardedModule(nn.Module):
     def _warm_groups(self) -> None:
         """Create every process group up front, in the same order on every rank."""
         for spec in self.unit_specs:
-            plan = ScopePlan(self.strategy.mesh, spec.scopes, self.comm.rank)
-            for lv in (plan.p, plan.g, plan.os, plan.q, plan.outside_os,
-                       tuple(l for l in plan.os if l not in plan.g),
-                       tuple(l for l in plan.os if l not in plan.p)):
+            plan = RankPlan(self.strategy.mesh, spec.scopes, self.comm.rank)
+            for lv in plan.groups():
                 if lv and plan.s(lv) > 1:
                     self.comm.smesh.group(lv)
 
@@ -215,6 +214,7 @@ class ShardedModule(nn.Module):
         if norm_type != 2.0:
             raise RuntimeUsageError("clip_grad_norm_ supports only the 2-norm")
         self.runtime.wait_sync("clip_grad_norm_()")
+        clip_rows = {r.levels: r for r in self.lowering.clip_rows}
         by_levels: dict[tuple, list] = {}
         for g in self.runtime.trainable_groups():
             by_levels.setdefault(g.plan.os, []).append(g)
@@ -223,7 +223,9 @@ class ShardedModule(nn.Module):
             sq = torch.zeros(1, dtype=torch.float32)
             for g in groups:
                 sq += g.os_grad.float().pow(2).sum()
-            self.comm.all_reduce("update", sq, levels, 4).wait()
+            row = clip_rows.get(levels)
+            if row is not None:
+                self.comm.all_reduce(row.phase.value, sq, row.levels, row.bytes).wait()
             total += sq[0]
         norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -1,8 +1,8 @@
 """Blockwise absmax quantization for communication (ZeRO++ qwZ/qgZ, ZeRO-topo).
 
 Input: a 1-D float tensor (one rank's shard, or one chunk of a reduce-scatter input).
-Output: one uint8 payload buffer, and back. Also `payload_bytes`, the ledger's byte
-formula shared by the runtime and the cost model (docs/internals.md, "Ledger").
+Output: one uint8 payload buffer, and back. The payload sizes come from
+`shardc.lowering` (docs/internals.md, "Ledger").
 
 [Note: payload layout]
 A shard of m elements quantized to b bits (b = 8 or 4) is one uint8 buffer of
@@ -20,24 +20,14 @@ from math import ceil
 import torch
 
 from shardc.dsl.ir import DType
+from shardc.lowering import BLOCK, payload_bytes, shard_payload_bytes  # noqa: F401 (re-exported)
 
-BLOCK = 256
+# The payload layout's sizes (BLOCK, `shard_payload_bytes`) and the ledger's byte formula
+# (`payload_bytes`) are owned by the lowering; the codecs below follow them.
 
 
 def _qmax(dtype: DType) -> int:
     return (1 << (dtype.bits - 1)) - 1
-
-
-def shard_payload_bytes(m: int, dtype: DType) -> int:
-    """Bytes of one quantized m-element shard: codes then fp32 block scales."""
-    return ceil(m * dtype.bits / 8) + ceil(m / BLOCK) * 4
-
-
-def payload_bytes(n: int, s: int, dtype: DType) -> int:
-    """Payload of one collective with logical numel n over s ranks in comm dtype `dtype`."""
-    if dtype.quantized:
-        return s * shard_payload_bytes(n // s, dtype)
-    return n * dtype.bits // 8
 
 
 def quantize(x: torch.Tensor, dtype: DType, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("shardc", "dsl", "compiler", "runtime", "grammars")
+PACKAGES = ("shardc", "dsl", "compiler", "runtime", "lowering", "grammars")
 
 
 def _copy_sources(dst: Path) -> None:

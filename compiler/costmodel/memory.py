@@ -15,12 +15,8 @@ in the params dtype, padded. It is an estimate the runtime does not report.
 """
 from __future__ import annotations
 
-from math import ceil
-
 from shardc.dsl.ir import Mesh
-
-from shardc.compiler.costmodel.ledger import nbytes
-from shardc.compiler.costmodel.sizes import Factors, UnitSize
+from shardc.lowering import Lowering, lower
 
 ELEMENTWISE = {"adam", "adamw", "sgd", "adagrad", "rmsprop"}
 
@@ -40,49 +36,33 @@ def optimizer_state_bytes(optimizer: str = "adamw", **kw) -> int:
     raise ShardcError(f"unknown optimizer {optimizer!r}; the cost model knows {', '.join(sorted(ELEMENTWISE))}")
 
 
-def _secondary_bytes(n: int, q: int, quant, dtype) -> int:
-    per = n // q
-    if quant is None:
-        return per * nbytes(dtype)
-    return ceil(per * quant.bits / 8) + ceil(per / 256) * 4
-
-
-def predict_memory(mesh: Mesh, units: list[UnitSize], *, optimizer: str = "adamw",
-                   optimizer_kwargs: dict | None = None, prefetch: int = 1) -> dict[str, int]:
-    """Bytes per rank of each model state, as `memory_report()` measures it."""
-    k_state = optimizer_state_bytes(optimizer, **(optimizer_kwargs or {}))
-    mem = dict(params=0, params_secondary=0, grads=0, optim=0)
-    for u in units:
-        sc = u.scopes
-        f = Factors.of(sc, mesh)
-        pb = nbytes(sc.params.dtype)
-        for n, trainable in u.groups(mesh):
-            mem["params"] += n // f.p * pb
-            sec = sc.params.secondary
-            if sec is not None and not u.root:
-                mem["params_secondary"] += _secondary_bytes(n, f.q, sec.quant, sc.params.dtype)
-            if trainable:
-                mem["grads"] += n // f.g * nbytes(sc.grads.dtype)
-                master = 4 if pb != 4 else 0
-                mem["optim"] += n // f.os * (k_state + master)
+def memory_of(plan: Lowering, *, k_state: int, prefetch: int = 1) -> dict[str, int]:
+    """Bytes per rank of each model state: sums of the plan's per-group storage."""
+    groups = [g for u in plan.units for g in u.groups]
+    mem = dict(params=sum(g.params_bytes for g in groups),
+               params_secondary=sum(g.secondary_bytes for g in groups),
+               grads=sum(g.grads_bytes for g in groups),
+               optim=sum(g.optim_elems * k_state + g.master_bytes for g in groups))
     mem["total"] = sum(mem.values())
-    mem["transient"] = transient_bytes(mesh, units, prefetch)
+    mem["transient"] = transient_bytes(plan, prefetch)
     return mem
 
 
-def _gathered(u: UnitSize, mesh: Mesh) -> int:
-    f = Factors.of(u.scopes, mesh)
-    if f.p == 1:
-        return 0
-    return sum(n for n, _ in u.groups(mesh)) * nbytes(u.scopes.params.dtype)
+def predict_memory(mesh: Mesh, units, *, optimizer: str = "adamw",
+                   optimizer_kwargs: dict | None = None, prefetch: int = 1) -> dict[str, int]:
+    """Bytes per rank of each model state, as `memory_report()` measures it."""
+    k_state = optimizer_state_bytes(optimizer, **(optimizer_kwargs or {}))
+    plan = lower(mesh, units, prefetch)
+    return memory_of(plan, k_state=k_state, prefetch=prefetch)
 
 
-def transient_bytes(mesh: Mesh, units: list[UnitSize], prefetch: int = 1) -> int:
+def transient_bytes(plan: Lowering, prefetch: int = 1) -> int:
     """Peak bytes of gathered (full) unit params held at once; see [Note: transient window]."""
-    if not units:
+    sizes = [sum(g.gathered_bytes for g in u.groups) for u in plan.units]
+    if not sizes:
         return 0
-    root = _gathered(units[0], mesh) if units[0].root else 0
-    rest = [_gathered(u, mesh) for u in units if not u.root]
+    root = sizes[0] if plan.units[0].root else 0
+    rest = [b for u, b in zip(plan.units, sizes) if not u.root]
     w = max(prefetch, 0) + 1
     window = max((sum(rest[i:i + w]) for i in range(max(len(rest) - w + 1, 1))), default=0)
     return root + window
