@@ -22,7 +22,7 @@ from torch import nn
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
-from shardc.lowering import RankPlan, lower, unit_sizes
+from shardc.lowering import RankPlan, Schedule, lower, unit_sizes
 
 from . import state
 from .comm import Comm
@@ -96,7 +96,7 @@ def _make_group(names, params, gplan, plan, comm, is_root):
 
 class ShardedModule(nn.Module):
     def __init__(self, model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None,
-                 hooks: bool = True):
+                 hooks: bool = True, schedule: Schedule | None = None):
         super().__init__()
         if not dist.is_initialized():
             raise ShardcError("shard_module needs torch.distributed initialised (init_process_group)")
@@ -129,7 +129,8 @@ class ShardedModule(nn.Module):
         for mod_targets in targets.values():
             for mod, attr in mod_targets:
                 del mod._parameters[attr]
-        self.runtime = Engine(states, strategy.accumulate, strategy.prefetch)
+        self.schedule = _checked(schedule, len(states)) if schedule is not None else self.lowering.schedule
+        self.runtime = Engine(states, strategy.accumulate, self.schedule, drive_forward=hooks)
         for u in states:
             self._placeholders(u)
             if u.trainable is not None:
@@ -169,12 +170,8 @@ class ShardedModule(nn.Module):
                     if not u.running:
                         rt.pre_forward(u.index)
 
-                def post(mod, args, out, u=u, name=name, mods=mods):
-                    rt.watch_backward(u.index, out)
-                    u.modules_done.add(name)
-                    if u.modules_done >= set(mods):
-                        u.modules_done.clear()
-                        rt.finish_forward(u.index)
+                def post(mod, args, out, u=u):
+                    rt.module_done(u.index, out)
 
                 m.register_forward_pre_hook(pre)
                 m.register_forward_hook(post)
@@ -256,7 +253,20 @@ class ShardedModule(nn.Module):
         state.load_sharded_state_dict(self, sd)
 
 
+def _checked(schedule: Schedule, n: int) -> Schedule:
+    """A schedule given by emitted code must name existing units."""
+    for st in schedule.forward + schedule.backward:
+        bad = [j for j in (st.unit, *st.issue) if not 0 <= j < n]
+        if bad:
+            raise ShardcError(f"the schedule names unit {bad[0]}, but the model has units 0..{n - 1}")
+    return schedule
+
+
 def shard_module(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None,
-                 hooks: bool = True) -> ShardedModule:
-    """Shard `model` per `strategy` over its `units` (root first); see docs/internals.md."""
-    return ShardedModule(model, strategy, units, mesh=mesh, hooks=hooks)
+                 hooks: bool = True, schedule: Schedule | None = None) -> ShardedModule:
+    """Shard `model` per `strategy` over its `units` (root first); see docs/internals.md.
+
+    `schedule` (default: the lowering's) says which gathers are issued before each unit
+    runs, forward and backward; with `hooks=False` the caller's forward issues the forward
+    gathers itself (emitted code), and the engine follows only the backward stages."""
+    return ShardedModule(model, strategy, units, mesh=mesh, hooks=hooks, schedule=schedule)
