@@ -132,12 +132,14 @@ class Schedule:
         return next((s for s in getattr(self, direction) if s.unit == unit), None)
 
     def events(self) -> list[tuple[str, int]]:
-        """The gather issues and runs this schedule asks for, in order (forward then backward)."""
+        """The gather issues and unit runs this schedule asks for, in order, as the engine
+        records them: forward then backward (the root is gathered for the whole pass, so
+        its stage issues but records no run)."""
         out: list[tuple[str, int]] = []
         for direction, run in (("forward", "run"), ("backward", "backward")):
             for st in getattr(self, direction):
                 out += [("issue_gather", j) for j in st.issue]
-                out.append((run, st.unit))
+                out += [(run, st.unit)] if st.unit != 0 else []
         return out
 
 

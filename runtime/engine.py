@@ -112,7 +112,6 @@ class Engine:
         self.issue_gather(0)
         self.wait_gather(0)
         self._set_views(self.units[0])
-        self.events.append(("run", 0))
         if self.drive_forward:
             self._issue_stage("forward", 0)
 
