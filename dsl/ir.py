@@ -25,17 +25,21 @@ from dataclasses import dataclass, field
 from math import prod
 
 
-class Collectives(enum.Enum):
+class CodeEnum(enum.Enum):
+    """An enum whose repr reads back as code (`DType.INT8`)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class Collectives(CodeEnum):
     AUTO = "auto"
     RING = "ring"
     HIERARCHICAL = "hierarchical"
     HO_RING = "ho-ring"
 
-    def __repr__(self) -> str:
-        return f"Collectives.{self.name}"
 
-
-class DType(enum.Enum):
+class DType(CodeEnum):
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
@@ -49,9 +53,6 @@ class DType(enum.Enum):
     @property
     def quantized(self) -> bool:
         return self in (DType.INT8, DType.INT4)
-
-    def __repr__(self) -> str:
-        return f"DType.{self.name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,13 +170,10 @@ class Override:
         return tuple(k for k in ("params", "grads", "optim") if getattr(self, k) is not None)
 
 
-class UnitsKind(enum.Enum):
+class UnitsKind(CodeEnum):
     AUTO = "auto"
     PATTERNS = "patterns"
     TYPE = "type"
-
-    def __repr__(self) -> str:
-        return f"UnitsKind.{self.name}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,43 +14,33 @@ ledger of a step is the sum of the rows times their counts.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-from shardc.dsl.ir import DType, Scopes
+from shardc.dsl.ir import CodeEnum, DType, Scopes
 
 
-class Phase(enum.Enum):
+class Phase(CodeEnum):
     """When a collective runs, in ledger order."""
     FORWARD = "forward"
     BACKWARD = "backward"
     SYNC = "sync"
     UPDATE = "update"
 
-    def __repr__(self) -> str:
-        return f"Phase.{self.name}"
 
-
-class Op(enum.Enum):
+class Op(CodeEnum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
     BROADCAST = "broadcast"
     ALL_TO_ALL = "all_to_all"
 
-    def __repr__(self) -> str:
-        return f"Op.{self.name}"
 
-
-class Per(enum.Enum):
+class Per(CodeEnum):
     """How often a row runs: per forward, per backward, once per step, per clip call."""
     FORWARD = "forward"
     BACKWARD = "backward"
     STEP = "step"
     CLIP = "clip"
-
-    def __repr__(self) -> str:
-        return f"Per.{self.name}"
 
 
 @dataclass(frozen=True, slots=True)

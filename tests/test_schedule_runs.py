@@ -17,12 +17,8 @@ from tests.harness import dist_run
 
 pytestmark = pytest.mark.distributed
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
-TEXT = """mesh node(2) > gpu(2)
-params shard over world
-grads  shard over world
-optim  shard over world
-prefetch 1
-"""
+TEXT = "\n".join(["mesh node(2) > gpu(2)", *(f"{state} shard over world" for state in ("params", "grads", "optim")),
+                  "prefetch 1", ""])
 KINDS = ("issue_gather", "run", "backward")
 NO_PREFETCH = {  # the emitted prefetch-1 stages -> each unit issues its own gather just before it runs
     "Stage(unit=0, issue=(0, 1)),": "Stage(unit=0, issue=(0,)),",
