@@ -37,6 +37,7 @@ from shardc.compiler.emit_graph import graph_code
 from shardc.compiler.passes.meta import Op, info
 from shardc.compiler.plan import Plan
 from shardc.dsl.ir import Scopes, Strategy
+from shardc.lowering import Phase
 
 __all__ = ["emit", "statement", "render_scope"]
 
@@ -107,17 +108,18 @@ class _Commenter:
             return self.stmt(sc, "params") + pre
         if meta.op in (Op.WAIT_GATHER, Op.RELEASE):
             return self.stmt(sc, "params")
-        return self._backward(sc)
+        return self._backward(meta.unit)
 
-    def _backward(self, sc: Scopes) -> str:
-        mesh = self.plan.strategy.mesh
+    def _backward(self, unit: int) -> str:
+        """The unit's backward and step collectives, named by the plan's rows."""
+        sc = self.plan.units[unit].scopes
+        rows = [r for g in self.plan.lowering.units[unit].groups for r in g.rows]
         parts = []
-        if mesh.factor(sc.params.levels) > 1:
-            parts.append(self.stmt(sc, "params") + " (backward re-gather)")
-        if mesh.factor(sc.grads.levels) > 1:
-            parts.append(self.stmt(sc, "grads") + " (backward reduce-scatter)")
-        if set(sc.optim.levels) - set(sc.grads.levels) or set(mesh.names) - set(sc.optim.levels):
-            parts.append(self.stmt(sc, "optim") + " (step sync)")
+        for phase, state, what in ((Phase.BACKWARD, "params", "backward re-gather"),
+                                   (Phase.BACKWARD, "grads", "backward reduce-scatter"),
+                                   (Phase.SYNC, "optim", "step sync")):
+            if any(r.phase is phase and r.state == state for r in rows):
+                parts.append(f"{self.stmt(sc, state)} ({what})")
         return "; ".join(parts)
 
 
