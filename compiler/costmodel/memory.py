@@ -7,11 +7,11 @@ the four persistent states, as the runtime reports it; `transient` is extra.
 
 [Note: transient window]
 The root unit stays gathered through forward and backward; every other unit is held
-gathered from the moment its all-gather is issued until it is released. With
-`prefetch k`, unit i+k is issued before unit i runs, so at most k+1 non-root units
-are gathered at once. `transient` = the root's full size + the largest sum over k+1
-consecutive non-root units, counting only units whose params are sharded (s_P > 1),
-in the params dtype, padded. It is an estimate the runtime does not report.
+gathered from the moment its all-gather is issued until it is released. `transient`
+walks the plan's forward `Schedule`: before each unit runs its stage's gathers are
+issued; the peak of the full sizes (params dtype, padded, units with s_P > 1) held at
+once is the figure. With `prefetch k` that is the root plus k+1 consecutive gathered
+units. It is an estimate the runtime does not report.
 """
 from __future__ import annotations
 
@@ -57,12 +57,14 @@ def predict_memory(mesh: Mesh, units, *, optimizer: str = "adamw",
 
 
 def transient_bytes(plan: Lowering, prefetch: int = 1) -> int:
-    """Peak bytes of gathered (full) unit params held at once; see [Note: transient window]."""
-    sizes = [sum(g.gathered_bytes for g in u.groups) for u in plan.units]
-    if not sizes:
-        return 0
-    root = sizes[0] if plan.units[0].root else 0
-    rest = [b for u, b in zip(plan.units, sizes) if not u.root]
-    w = max(prefetch, 0) + 1
-    window = max((sum(rest[i:i + w]) for i in range(max(len(rest) - w + 1, 1))), default=0)
-    return root + window
+    """Peak bytes of gathered (full) unit params held at once while the plan's forward
+    schedule runs; see [Note: transient window]."""
+    size = [sum(g.gathered_bytes for g in u.groups) for u in plan.units]
+    held: set[int] = set()
+    peak = 0
+    for stage in plan.schedule.forward:
+        held |= {stage.unit, *stage.issue} if size[stage.unit] else set(stage.issue)
+        peak = max(peak, sum(size[i] for i in held))
+        if stage.unit != 0:
+            held.discard(stage.unit)       # released after it ran; the root stays gathered
+    return peak
