@@ -33,9 +33,14 @@ def elem_bytes(dtype: DType) -> int:
     return dtype.bits // 8
 
 
+def code_bytes(m: int, dtype: DType) -> int:
+    """Bytes of the codes of m elements quantized to `dtype` (int4: two per byte)."""
+    return ceil(m * dtype.bits / 8)
+
+
 def shard_payload_bytes(m: int, dtype: DType) -> int:
     """Bytes of one quantized m-element shard: codes then one fp32 scale per BLOCK elements."""
-    return ceil(m * dtype.bits / 8) + ceil(m / BLOCK) * 4
+    return code_bytes(m, dtype) + ceil(m / BLOCK) * 4
 
 
 def payload_bytes(n: int, s: int, dtype: DType) -> int:

@@ -20,7 +20,7 @@ from math import ceil
 import torch
 
 from shardc.dsl.ir import DType
-from shardc.lowering import BLOCK, payload_bytes, shard_payload_bytes  # noqa: F401 (re-exported)
+from shardc.lowering import BLOCK, code_bytes, payload_bytes, shard_payload_bytes  # noqa: F401 (re-exported)
 
 # The payload layout's sizes (BLOCK, `shard_payload_bytes`) and the ledger's byte formula
 # (`payload_bytes`) are owned by the lowering; the codecs below follow them.
@@ -36,9 +36,9 @@ def quantize(x: torch.Tensor, dtype: DType, out: torch.Tensor | None = None) -> 
         raise ValueError(f"{dtype!r} is not a quantized dtype")
     m = x.numel()
     nblocks = ceil(m / BLOCK)
-    code_bytes = ceil(m * dtype.bits / 8)
+    ncode = code_bytes(m, dtype)
     if out is None:
-        out = torch.empty(code_bytes + nblocks * 4, dtype=torch.uint8, device=x.device)
+        out = torch.empty(ncode + nblocks * 4, dtype=torch.uint8, device=x.device)
     xf = torch.zeros(nblocks * BLOCK, dtype=torch.float32, device=x.device)
     xf[:m] = x.reshape(-1)
     blocks = xf.view(nblocks, BLOCK)
@@ -47,22 +47,22 @@ def quantize(x: torch.Tensor, dtype: DType, out: torch.Tensor | None = None) -> 
     q = torch.round(blocks / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
     q = q.clamp_(-qmax, qmax).to(torch.int8).view(-1)[:m]
     if dtype is DType.INT8:
-        out[:code_bytes].copy_(q.view(torch.uint8))
+        out[:ncode].copy_(q.view(torch.uint8))
     else:
         u = (q + 8).to(torch.uint8)
         if m % 2:
             u = torch.cat([u, u.new_zeros(1)])
-        out[:code_bytes].copy_(u[0::2] | (u[1::2] << 4))
-    out[code_bytes:].copy_(scale.view(torch.uint8))
+        out[:ncode].copy_(u[0::2] | (u[1::2] << 4))
+    out[ncode:].copy_(scale.view(torch.uint8))
     return out
 
 
 def dequantize(buf: torch.Tensor, m: int, dtype: DType, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode a payload of an m-element shard into `out` (float32 unless given)."""
     nblocks = ceil(m / BLOCK)
-    code_bytes = ceil(m * dtype.bits / 8)
-    scale = buf[code_bytes:code_bytes + nblocks * 4].clone().view(torch.float32)
-    codes = buf[:code_bytes]
+    ncode = code_bytes(m, dtype)
+    scale = buf[ncode:ncode + nblocks * 4].clone().view(torch.float32)
+    codes = buf[:ncode]
     if dtype is DType.INT8:
         q = codes.view(torch.int8).to(torch.float32)
     else:
