@@ -100,3 +100,21 @@ def test_padding_chunks_and_rows(case):
             assert (pl, gl, ol) == (g.n // s["params"], g.n // s["grads"], g.n // s["optim"])
             assert p0 <= g0 and g0 + gl <= p0 + pl
             assert g0 <= o0 and o0 + ol <= g0 + gl
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=9), st.integers(0, 4))
+def test_schedule_issues_each_gather_once_before_its_unit_runs(gathered, k):
+    from shardc.lowering import schedule
+    sched = schedule(gathered, k)
+    g_fwd = [i for i in range(1, len(gathered)) if gathered[i]]
+    for direction, order, run in (("forward", g_fwd, "run"), ("backward", g_fwd[::-1], "backward")):
+        stages = getattr(sched, direction)
+        issued = [j for s in stages for j in s.issue if j != 0]
+        assert sorted(issued) == sorted(order)                                  # each exactly once
+        seen: list[int] = []
+        for s in stages:
+            seen += s.issue
+            assert s.unit in seen or not gathered[s.unit]                         # issued before it runs
+            ahead = [j for j in seen if j != 0 and order.index(j) > order.index(s.unit)] if s.unit in order else []
+            assert len(ahead) <= k                                                # at most k prefetched
