@@ -117,8 +117,8 @@ def _compiled(args, x, y) -> dict:
     import torch
 
     import shardc
-    from shardc.compiler.costmodel.memory import predict_memory
-    from shardc.compiler.costmodel.report import model_units
+    from shardc.analysis.costmodel.memory import predict_memory
+    from shardc.analysis.costmodel.report import model_units
     strategy = shardc.load_strategy(os.path.join(ROOT, "examples", "strategies", "zero3.shard"),
                                     mesh="gpu(1)")
     model = _model(args.seq)

@@ -23,6 +23,7 @@ from shardc.compiler.plan import Plan, build_plan
 from shardc.compiler.units import find_units
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Strategy
+from shardc.lowering import unit_sizes
 
 __all__ = ["compile_model", "compile_source", "resolve_strategy", "load_emitted", "NO_PROCESS_GROUP"]
 
@@ -56,9 +57,7 @@ def _resolve_collectives(strategy: Strategy, model: nn.Module, units) -> Strateg
     if strategy.collectives is not Collectives.AUTO:
         return strategy
     from shardc.analysis.costmodel.timing import choose_collectives
-    params = dict(model.named_parameters())
-    sizes = [(sum(params[n].numel() for n in u.params if params[n].requires_grad),
-              sum(params[n].numel() for n in u.params if not params[n].requires_grad)) for u in units]
+    sizes = unit_sizes(dict(model.named_parameters()), units)
     return dataclasses.replace(strategy, collectives=choose_collectives(strategy, sizes))
 
 

@@ -13,8 +13,16 @@ runtime calls in place, each collective-bearing line commented with the strategy
 that caused it; `shard_model` passes `hooks=False` and binds that forward. Export
 capture (models with Python control flow, e.g. Hugging Face): the aten graph is not
 readable Python, so the model keeps its own forward, driven by the runtime's module
-hooks (`hooks=True`); the unit table and the schedule found in the exported graph are
-emitted as data (UNITS, SCHEDULE) and comments. The header says which.
+hooks (`hooks=True`). The header says which.
+
+[Note: the emitted plan]
+Both kinds print the lowered plan (`shardc.lowering`): UNITS as literals, every
+collective row of every unit with the strategy line that causes it (comments: what the
+ledger will record), and SCHEDULE, the `Schedule` the runtime follows, passed to
+`shard_module(..., schedule=SCHEDULE)`. On the hooks path the engine issues its forward
+and backward stages; with fx capture the forward's `rt.issue_gather` calls are those
+same forward stages (placed by the `schedule_overlap` pass) and the engine issues the
+backward stages. Editing SCHEDULE (or the fx forward's issue calls) changes the run.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ from shardc.compiler.passes.meta import Op, info
 from shardc.compiler.plan import Plan
 from shardc.dsl.ir import Scopes, Strategy
 from shardc.dsl.unparse import state_clause, state_text
+from shardc.lowering import Phase
 
 __all__ = ["emit", "statement"]
 
@@ -82,17 +91,18 @@ class _Commenter:
             return self.stmt(sc, "params") + pre
         if meta.op in (Op.WAIT_GATHER, Op.RELEASE):
             return self.stmt(sc, "params")
-        return self._backward(sc)
+        return self._backward(meta.unit)
 
-    def _backward(self, sc: Scopes) -> str:
-        mesh = self.plan.strategy.mesh
+    def _backward(self, unit: int) -> str:
+        """The unit's backward and step collectives, named by the plan's rows."""
+        sc = self.plan.units[unit].scopes
+        rows = [r for g in self.plan.lowering.units[unit].groups for r in g.rows]
         parts = []
-        if mesh.factor(sc.params.levels) > 1:
-            parts.append(self.stmt(sc, "params") + " (backward re-gather)")
-        if mesh.factor(sc.grads.levels) > 1:
-            parts.append(self.stmt(sc, "grads") + " (backward reduce-scatter)")
-        if set(sc.optim.levels) - set(sc.grads.levels) or set(mesh.names) - set(sc.optim.levels):
-            parts.append(self.stmt(sc, "optim") + " (step sync)")
+        for phase, state, what in ((Phase.BACKWARD, "params", "backward re-gather"),
+                                   (Phase.BACKWARD, "grads", "backward reduce-scatter"),
+                                   (Phase.SYNC, "optim", "step sync")):
+            if any(r.phase is phase and r.state == state for r in rows):
+                parts.append(f"{self.stmt(sc, state)} ({what})")
         return "; ".join(parts)
 
 
@@ -126,7 +136,7 @@ def _header(plan: Plan, model_class: str) -> list[str]:
                  f"capture {plan.capture}")
     if plan.capture == "export":
         lines += ["", "Export capture: the model keeps its own forward, driven by the runtime's module hooks",
-                  "(hooks=True); UNITS and SCHEDULE below are what the exported graph showed."]
+                  "(hooks=True), which follow SCHEDULE below (units in the exported graph's order)."]
     lines += ["", "units (forward order):", f"  {'#':>3}  {'name':<28} {'params':>6} {'elements':>12}  params | grads | optim"]
     for i, u in enumerate(plan.units):
         lv = " | ".join(",".join(getattr(u.scopes, st).levels) or "-" for st in ("params", "grads", "optim"))
@@ -135,12 +145,37 @@ def _header(plan: Plan, model_class: str) -> list[str]:
     return lines
 
 
+def _stage_line(plan: Plan, stage, c: "_Commenter") -> str:
+    s, unit = plan.strategy, plan.units[stage.unit]
+    why = []
+    if stage.unit in stage.issue:
+        why.append(c.stmt(unit.scopes, "params"))
+    if any(j != stage.unit for j in stage.issue):
+        why.append(statement(s, s.line_of("prefetch"), f"prefetch {s.prefetch}"))
+    return f"{stage!r}," + (f"  # {'; '.join(why)}" if why else "")
+
+
+def _row_lines(plan: Plan, c: "_Commenter") -> list[str]:
+    out = []
+    for i, (u, up) in enumerate(zip(plan.units, plan.lowering.units)):
+        for g in up.groups:
+            kind = "trainable" if g.trainable else "frozen"
+            for r in g.rows:
+                out.append(f"{i:>3} {kind:<9} {r.phase.value:<8} {r.op.value:<14} {','.join(r.levels):<14} "
+                           f"{r.bytes:>12,} B per {r.per.value:<8}  {c.stmt(u.scopes, r.state)}")
+    for r in plan.lowering.clip_rows:
+        out.append(f"  * {'':<9} {r.phase.value:<8} {r.op.value:<14} {','.join(r.levels):<14} "
+                   f"{r.bytes:>12,} B per {r.per.value:<8}  clip_grad_norm_ (optim chunks' squared norm)")
+    return out
+
+
 def emit(plan: Plan, gm, model_class: str) -> str:
     """The emitted module's source text (see the module note)."""
     fx_mode = plan.capture == "fx"
     params, body, imports = (), [], ()
+    c = _Commenter(plan)
     if fx_mode:
-        code = graph_code(gm, _Commenter(plan))
+        code = graph_code(gm, c)
         params, imports = code.params, code.imports
         body = [ln.code + (f"  # {ln.comment}" if ln.comment else "") for ln in code.lines]
     view = dict(
@@ -150,7 +185,9 @@ def emit(plan: Plan, gm, model_class: str) -> str:
         strategy=_pformat(_strategy_for_emission(plan.strategy), len("STRATEGY = ")),
         units=_unit_reprs(plan),
         params=[repr(p) for p in plan.params],
-        schedule=[f"({st.op.value!r}, {st.unit}, {st.line})" for st in plan.steps],
+        forward_stages=[_stage_line(plan, st, c) for st in plan.lowering.schedule.forward],
+        backward_stages=[_stage_line(plan, st, c) for st in plan.lowering.schedule.backward],
+        rows=_row_lines(plan, c),
         forward_params=", ".join(("sm",) + tuple(params)),
         body=body,
     )

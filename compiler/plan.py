@@ -2,9 +2,10 @@
 
 Input: a GraphModule that went through every pass, the Strategy, the model.
 Output: a `Plan`: the strategy, the unit table in forward order with each unit's
-element counts, the forward schedule (one `Step` per runtime call, in program order,
-each naming the strategy line that caused it) and the model's parameter structure.
-Codegen and the cost model read only this.
+element counts, the lowered plan (`shardc.lowering.Lowering`: groups, rows, the
+schedule the runtime follows), the graph's runtime calls (one `Step` per call, in
+program order, each naming the strategy line that caused it) and the model's parameter
+structure. Codegen reads only this.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from shardc.compiler.passes.meta import Op, capture_info, info
 from shardc.dsl.ir import Strategy
+from shardc.lowering import Lowering, lower, unit_sizes
 
 __all__ = ["Step", "Plan", "build_plan"]
 
@@ -34,6 +36,7 @@ class Plan:
     steps: tuple[Step, ...]
     capture: str                              # "fx" | "export"
     params: tuple[tuple[str, tuple[int, ...]], ...]   # model.named_parameters(): (name, shape)
+    lowering: Lowering
     notes: tuple[str, ...] = ()
 
     @property
@@ -41,17 +44,12 @@ class Plan:
         return tuple(t + f for t, f in zip(self.trainable_numels, self.frozen_numels))
 
 
-def _numels(model: nn.Module, units) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    params = dict(model.named_parameters())
-    train = tuple(sum(params[n].numel() for n in u.params if params[n].requires_grad) for u in units)
-    frozen = tuple(sum(params[n].numel() for n in u.params if not params[n].requires_grad) for u in units)
-    return train, frozen
-
-
 def build_plan(gm, strategy: Strategy, model: nn.Module) -> Plan:
     ci = capture_info(gm)
     steps = tuple(Step(info(n).op, info(n).unit, info(n).line) for n in gm.graph.nodes
                   if info(n) is not None and info(n).op is not Op.COMPUTE)
-    train, frozen = _numels(model, ci.units)
+    sizes = unit_sizes(dict(model.named_parameters()), ci.units)
+    lowering = lower(strategy.mesh, sizes, strategy.prefetch)
     structure = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
-    return Plan(strategy, tuple(ci.units), train, frozen, steps, ci.mode, structure, tuple(ci.notes))
+    return Plan(strategy, tuple(ci.units), tuple(u.trainable for u in sizes), tuple(u.frozen for u in sizes),
+                steps, ci.mode, structure, lowering, tuple(ci.notes))

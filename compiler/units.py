@@ -3,7 +3,8 @@
 Input: an `nn.Module` (any device, `meta` included) and a `Strategy`.
 Output: `list[UnitSpec]` — index 0 the root unit "<root>", then one unit per matched
 module (or bucket), in module registration order (capture later reorders them into
-forward execution order), each with its scopes resolved (overrides applied).
+forward execution order), each with its scopes resolved by `shardc.lowering.unit_scopes`
+(overrides applied, dependency rule checked per unit).
 
 [Note: which modules become units]
 `units auto`: every child of an `nn.ModuleList`/`nn.Sequential` whose children are two
@@ -26,6 +27,7 @@ from torch import nn
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Scopes, Strategy, UnitsKind
+from shardc.lowering import unit_scopes, unused_override
 
 __all__ = ["find_units", "unit_spec_class", "param_owners", "ROOT"]
 
@@ -110,30 +112,9 @@ def _assign(model: nn.Module, modules: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def _check_dependency(scopes: Scopes, strategy: Strategy, line: int, unit: str) -> None:
-    p, g, o = (set(scopes.params.levels), set(scopes.grads.levels), set(scopes.optim.levels))
-    if not p <= g:
-        raise ShardcError(f"{_where(strategy, line)}: override for unit {unit} breaks the dependency rule: "
-                          f"params shard over {sorted(p - g)} but grads do not")
-    if not g <= o:
-        raise ShardcError(f"{_where(strategy, line)}: override for unit {unit} breaks the dependency rule: "
-                          f"grads shard over {sorted(g - o)} but optim does not")
-
-
-def _merge_override(base: Scopes, over: Scopes) -> Scopes:
-    """Statements the override block sets (line != 0) replace the strategy's."""
-    return Scopes(params=over.params if over.params.line else base.params,
-                  grads=over.grads if over.grads.line else base.grads,
-                  optim=over.optim if over.optim.line else base.optim)
-
-
 def _scopes_for(unit: str, modules: tuple[str, ...], strategy: Strategy, used: set[int]) -> Scopes:
-    scopes = strategy.scopes
-    for i, ov in enumerate(strategy.overrides):
-        if fnmatch.fnmatchcase(unit, ov.pattern) or any(fnmatch.fnmatchcase(m, ov.pattern) for m in modules):
-            scopes = _merge_override(scopes, ov.scopes)
-            _check_dependency(scopes, strategy, ov.line, unit)
-            used.add(i)
+    scopes, hits = unit_scopes(strategy, unit, modules)
+    used.update(hits)
     return scopes
 
 
@@ -178,10 +159,7 @@ def find_units(model: nn.Module, strategy: Strategy) -> list:
     units = [UnitSpec(ROOT, tuple(params[ROOT]), _scopes_for(ROOT, (), strategy, used), ())]
     for m in modules:
         units.append(UnitSpec(m, tuple(params[m]), _scopes_for(m, (m,), strategy, used), (m,)))
-    for i, ov in enumerate(strategy.overrides):
-        if i not in used:
-            raise ShardcError(f'{_where(strategy, ov.line)}: override pattern "{ov.pattern}" matches no unit '
-                              f"(units: {', '.join(u.name for u in units)})")
+    unused_override(strategy, used, [u.name for u in units])
     if strategy.bucket:
         units = _bucket(units, model, strategy.bucket)
     return units

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from shardc.dsl import ast
 from shardc.dsl.diagnostics import Diagnostic, Note, error, warning
-from shardc.dsl.ir import Collectives, Mesh
+from shardc.dsl.ir import DEPENDENCY, Collectives, Mesh, Scopes
 
 RULE_HINT = ("a rank must hold the gradients and optimizer states of every parameter chunk it owns: "
              "levels(params) ⊆ levels(grads) ⊆ levels(optim)")
@@ -31,11 +31,12 @@ def dependency(bound: dict, diags: list[Diagnostic]) -> None:
     """Check params ⊆ grads ⊆ optim; for an override, only pairs it touches."""
     label = bound.get("_label")
     own = bound.get("_own")
-    for inner, outer in (("params", "grads"), ("grads", "optim")):
+    scopes = Scopes(*(bound[k][0] for k in ("params", "grads", "optim")))
+    for inner, outer in DEPENDENCY:
         (ispec, istmt), (ospec, ostmt) = bound[inner], bound[outer]
         if own is not None and inner not in own and outer not in own:
             continue
-        missing = [lv for lv in ispec.levels if lv not in ospec.levels]
+        missing = scopes.missing(inner, outer)
         if not missing:
             continue
         prefix = f"in {label}: " if label else ""

@@ -25,17 +25,21 @@ from dataclasses import dataclass, field
 from math import prod
 
 
-class Collectives(enum.Enum):
+class CodeEnum(enum.Enum):
+    """An enum whose repr reads back as code (`DType.INT8`)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class Collectives(CodeEnum):
     AUTO = "auto"
     RING = "ring"
     HIERARCHICAL = "hierarchical"
     HO_RING = "ho-ring"
 
-    def __repr__(self) -> str:
-        return f"Collectives.{self.name}"
 
-
-class DType(enum.Enum):
+class DType(CodeEnum):
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
@@ -49,9 +53,6 @@ class DType(enum.Enum):
     @property
     def quantized(self) -> bool:
         return self in (DType.INT8, DType.INT4)
-
-    def __repr__(self) -> str:
-        return f"DType.{self.name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,21 +147,33 @@ class Scopes:
         mine = set(getattr(self, state).levels)
         return tuple(l for l in order if l in mine)
 
+    def missing(self, inner: str, outer: str) -> tuple[str, ...]:
+        """Levels `inner` shards over that `outer` does not (the dependency rule's culprit)."""
+        return tuple(l for l in getattr(self, inner).levels if l not in getattr(self, outer).levels)
+
+
+# [Note: dependency rule] levels(params) ⊆ levels(grads) ⊆ levels(optim), checked pair by
+# pair (`Scopes.missing`): by the DSL per statement block, by the lowering per unit.
+DEPENDENCY = (("params", "grads"), ("grads", "optim"))
+
 
 @dataclass(frozen=True, slots=True)
 class Override:
+    """An override block; it is partial: a state it does not mention is None (not set by it)."""
     pattern: str                      # glob over unit/module names, e.g. "transformer.h.0"
-    scopes: Scopes
+    params: ParamsSpec | None = None
+    grads: GradsSpec | None = None
+    optim: OptimSpec | None = None
     line: int = 0
 
+    def sets(self) -> tuple[str, ...]:
+        return tuple(k for k in ("params", "grads", "optim") if getattr(self, k) is not None)
 
-class UnitsKind(enum.Enum):
+
+class UnitsKind(CodeEnum):
     AUTO = "auto"
     PATTERNS = "patterns"
     TYPE = "type"
-
-    def __repr__(self) -> str:
-        return f"UnitsKind.{self.name}"
 
 
 @dataclass(frozen=True, slots=True)

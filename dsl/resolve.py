@@ -7,8 +7,9 @@ mesh override; output: an `ir.Strategy` (without its rendered warnings, which
 
 [Note: defaults]
 A missing `params`/`grads`/`optim` statement means `replicate`; a missing `mesh` is an
-error unless a mesh override is given. Inside an `override` block, the states it does
-not mention inherit the top-level statements (and their lines).
+error unless a mesh override is given. An `override` block is kept partial in the IR:
+the states it does not mention are None (`shardc.lowering` resolves each unit's scopes).
+For its dependency check, a block is checked merged over the top-level statements.
 """
 from __future__ import annotations
 
@@ -233,7 +234,8 @@ def _override(stmt: ast.Statement, top_bound: dict, ctx: _Ctx) -> tuple[Override
                                "put `params`, `grads` or `optim` lines inside the braces, or remove it"))
     scopes, bound = _scopes(inner, top_bound, ctx)
     bound = dict(bound, _label=f"override {short(stmt.args[0].text, 40)}", _own=set(inner))
-    return Override(pattern, scopes, stmt.span.line), bound
+    own = {k: getattr(scopes, k) for k in ("params", "grads", "optim") if k in inner}
+    return Override(pattern, line=stmt.span.line, **own), bound
 
 
 def _options(top: dict[str, ast.Statement], ctx: _Ctx) -> dict:

@@ -7,7 +7,7 @@ and shard factor.
 """
 from __future__ import annotations
 
-from shardc.dsl.ir import Mesh, Scopes, Strategy
+from shardc.dsl.ir import GradsSpec, Mesh, OptimSpec, Override, ParamsSpec, Scopes, Strategy
 
 
 def scopes_dict(scopes: Scopes, mesh: Mesh) -> dict:
@@ -34,7 +34,13 @@ def strategy_dict(s: Strategy) -> dict:
         "collectives": s.collectives.value,
         "units": {"kind": s.units.kind.value, "names": list(s.units.names)},
         "bucket": s.bucket,
-        "overrides": [dict(pattern=o.pattern, line=o.line, **scopes_dict(o.scopes, s.mesh)) for o in s.overrides],
+        "overrides": [_override_dict(o, s.mesh) for o in s.overrides],
         "warnings": list(s.warnings),
     })
     return out
+
+
+def _override_dict(o: Override, mesh: Mesh) -> dict:
+    """An override block: only the states it sets (the block is partial)."""
+    full = scopes_dict(Scopes(o.params or ParamsSpec(), o.grads or GradsSpec(), o.optim or OptimSpec()), mesh)
+    return dict(pattern=o.pattern, line=o.line, **{k: full[k] for k in o.sets()})

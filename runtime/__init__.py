@@ -5,14 +5,15 @@ sharded optimizer, the communication ledger, memory reports and state dicts.
     opt = sm.optimizer(torch.optim.AdamW, param_groups=None, lr=...)  # a torch.optim instance
     loss = f(sm(x)); loss.backward(); sm.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 
-Modules: layout (padding, chunk offsets), flat (per-unit storage and its collectives),
+Modules: layout (parameter slots in a flat buffer; padding and chunks come from
+shardc.lowering), flat (per-unit storage and its collectives),
 engine (schedule, hooks, accumulation), optimizer, state (memory report, state dicts),
 ledger, comm (ledger-recording adapter over mesh/collectives), device (the model's
 device, the backend per device type, communication streams), module (entry point).
 `sm.module` keeps no registered parameters: read values with `full_state_dict()`.
 """
 from .errors import RuntimeUsageError
-from .ledger import LedgerRecord, payload
+from .ledger import LedgerRecord
 from .module import ShardedModule, shard_module
 from .optimizer import ELEMENTWISE
 from .units import UnitSpec
@@ -20,4 +21,4 @@ from .units import UnitSpec
 from .mesh import ShardMesh
 
 __all__ = ["ShardedModule", "shard_module", "UnitSpec", "LedgerRecord", "ShardMesh",
-           "RuntimeUsageError", "ELEMENTWISE", "payload"]
+           "RuntimeUsageError", "ELEMENTWISE"]

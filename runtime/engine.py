@@ -1,17 +1,22 @@
 """The step engine — stage: runtime. Drives gathers, releases and gradient reduction.
 
 Input: the units (`UnitState`: a spec, its flat groups, where each parameter is
-referenced in the module), the strategy's accumulate/prefetch, a `Comm`.
+referenced in the module), the strategy's accumulate and the plan's `Schedule`
+(`shardc.lowering`: which gathers are issued before each unit runs, both directions).
 Output: the explicit primitives of docs/internals.md (begin_forward, issue_gather,
 wait_gather, run_unit, end_forward), the backward hooks that call the same
 machinery, the accumulation state machine and the `events` schedule record.
 
 [Note: schedule]
-Forward: root (unit 0) gathered in begin_forward and kept until its grads are reduced;
-unit i waits its gather, issues the gathers of units i+1..i+prefetch, runs, and is
-released. Backward: a multi-grad hook on unit i's outputs re-gathers it (primary or
-secondary) and prefetches the units before it in the recorded forward order; the
-post-accumulate-grad hook on its flat leaf reduce-scatters the gradient (async) and
+The engine has no ordering logic of its own: it issues what the plan's `Schedule`
+names. Forward: begin_forward issues the root's stage (the root is kept gathered until
+its grads are reduced); before unit i runs, its stage's gathers are issued — by the
+engine on the hooks path (`hooks=True`), by the emitted forward's `rt.issue_gather`
+calls (generated from the same stages) otherwise — then its gather is waited; after
+its last module ran it is released. Backward: a multi-grad hook on unit i's outputs
+issues unit i's backward stage (its own re-gather, primary or secondary, and the
+prefetches) and waits its gather. A wait for a gather no stage issued issues it then
+(a unit run out of the compiled order). The post-accumulate-grad hook on its flat leaf reduce-scatters the gradient (async) and
 releases the full params; issuing it waits the previous unit's reduce-scatter, so at
 most one full-size gradient is in flight. A final callback (queued on the autograd engine) flushes
 groups that got no gradient, waits the reduce-scatters, releases what is still held
@@ -43,11 +48,13 @@ from __future__ import annotations
 
 import enum
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
+
+from shardc.lowering import Schedule
 
 from .errors import AccumulationWarning, RuntimeUsageError
 from .flat import FlatGroup
@@ -72,7 +79,6 @@ class UnitState:
     groups: list[FlatGroup]
     targets: list[list[list[tuple[torch.nn.Module, str]]]]   # group -> slot -> (module, attr)
     reduced: bool = False
-    modules_done: set = field(default_factory=set)
     running: bool = False
     calls: int = 0
 
@@ -86,10 +92,11 @@ def _grad_tensors(out) -> list[torch.Tensor]:
 
 
 class Engine:
-    def __init__(self, units: list[UnitState], accumulate: int, prefetch: int):
+    def __init__(self, units: list[UnitState], accumulate: int, schedule: Schedule, drive_forward: bool):
         self.units = units
         self.accumulate = max(1, accumulate)
-        self.prefetch = max(0, prefetch)
+        self.schedule = schedule
+        self.drive_forward = drive_forward      # hooks path: the engine issues the forward stages
         self.events: list[tuple[str, int]] = []
         self.phase = Phase.FRESH
         self.micro = 0
@@ -99,7 +106,6 @@ class Engine:
         self._carry: dict[int, torch.Tensor] = {}   # unit -> synced OS grads before a fold
         self._warned = False
         self._queued = False
-        self._fwd_order: list[int] = []
         self._bwd_seen: set[int] = set()
         self._in_flight: FlatGroup | None = None
         self._unit_of = {id(u.trainable): u for u in units if u.trainable is not None}
@@ -111,16 +117,20 @@ class Engine:
                 raise RuntimeUsageError(
                     "forward with gradients after opt.step() without opt.zero_grad(); "
                     "shardc does not accumulate gradients across optimizer steps")
-        self._fwd_order = []
         for u in self.units:
-            u.modules_done.clear()
             u.running = False
             u.calls = 0
         self.issue_gather(0)
         self.wait_gather(0)
         self._set_views(self.units[0])
-        for j in range(1, min(1 + self.prefetch, len(self.units))):
-            self.issue_gather(j)
+        if self.drive_forward:
+            self._issue_stage("forward", 0)
+
+    def _issue_stage(self, direction: str, i: int) -> None:
+        """Issue the gathers the plan's `direction` stage of unit i names."""
+        stage = self.schedule.stage(direction, i)
+        for j in stage.issue if stage is not None else ():
+            self.issue_gather(j, direction)
 
     def issue_gather(self, i: int, phase: str = "forward") -> None:
         issued = [g.issue_gather(phase) for g in self.units[i].groups]
@@ -148,19 +158,13 @@ class Engine:
             u.running = True
             self.events.append(("recompute", i))
             return
+        if self.drive_forward:
+            self._issue_stage("forward", i)
         self.wait_gather(i)
-        for j in range(i + 1, min(i + 1 + self.prefetch, len(self.units))):
-            self.issue_gather(j)
         if i != 0:
             self._set_views(u)
         u.running = True
-        self._fwd_order.append(i)
         self.events.append(("run", i))
-
-    def post_forward(self, i: int, out):
-        self.watch_backward(i, out)
-        self.finish_forward(i)
-        return out
 
     def watch_backward(self, i: int, out) -> None:
         """Re-gather unit i when the first gradient w.r.t. `out` arrives in the backward."""
@@ -178,12 +182,15 @@ class Engine:
             self.release(i)
 
     def run_unit(self, i: int, fn, *args, **kwargs):
-        """Run one module of unit i; a unit of k modules (a bucket) is gathered on its
-        first call and released after its k-th."""
-        u = self.units[i]
-        if not u.running:
+        """Run one module of unit i (the emitted forward's call)."""
+        if not self.units[i].running:
             self.pre_forward(i)
-        out = fn(*args, **kwargs)
+        return self.module_done(i, fn(*args, **kwargs))
+
+    def module_done(self, i: int, out):
+        """One module of unit i ran (emitted call or forward hook): arm its backward; a unit
+        of k modules (a bucket) is gathered on its first call and released after its k-th."""
+        u = self.units[i]
         self.watch_backward(i, out)
         u.calls += 1
         if u.calls >= max(1, len(u.spec.modules)):
@@ -219,12 +226,8 @@ class Engine:
         if i in self._bwd_seen:
             return
         self._bwd_seen.add(i)
+        self._issue_stage("backward", i)
         self.wait_gather(i, "backward")
-        order = [j for j in reversed(self._fwd_order) if j != 0]
-        if i in order:
-            after = order[order.index(i) + 1:]
-            for j in after[:self.prefetch]:
-                self.issue_gather(j, "backward")
         self.events.append(("backward", i))
 
     def post_accumulate(self, i: int, param: torch.Tensor) -> None:

@@ -1,10 +1,13 @@
 """Flat groups — stage: runtime. The sharded storage of one unit's parameters.
 
-Input: a `GroupLayout` (parameter offsets in a padded flat buffer), the unit's
-`ScopePlan`, the full initial values (identical on every rank), a `Comm`.
+Input: a `GroupLayout` (parameter offsets in a padded flat buffer), the group's
+`GroupPlan` and the unit's `RankPlan` (from `shardc.lowering`), the full initial values
+(identical on every rank), a `Comm`.
 Output: the persistent shards (params N/s_P, optional secondary N/s_Q, grads N/s_G),
 the transient full buffer the module's parameters are views of while gathered, and the
-per-step collectives (gather, grad reduce-scatter, sync, update; docs/internals.md).
+per-step collectives. Every collective issued is one row of the `GroupPlan` (its
+levels, digit order, payload bytes and wire dtype), recorded in the ledger as such;
+a group with no row for a phase issues nothing in it.
 
 [Note: full buffer and autograd]
 The trainable full buffer is one leaf `nn.Parameter` of N elements; the module's
@@ -29,11 +32,11 @@ import torch
 from torch import nn
 
 from shardc.dsl.ir import DType
+from shardc.lowering import GroupPlan, Op, Phase, RankPlan, Row
 
 from . import quant
 from .comm import Comm, DoneWork, ThenWork
-from .layout import GroupLayout, ScopePlan
-from .ledger import elem_bytes, payload
+from .layout import GroupLayout
 
 TORCH_DTYPE = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 
@@ -49,9 +52,9 @@ def _alloc(t: torch.Tensor) -> None:
 
 
 class FlatGroup:
-    def __init__(self, layout: GroupLayout, plan: ScopePlan, comm: Comm, init: torch.Tensor,
-                 is_root: bool):
-        self.layout, self.plan, self.comm, self.is_root = layout, plan, comm, is_root
+    def __init__(self, layout: GroupLayout, gplan: GroupPlan, plan: RankPlan, comm: Comm,
+                 init: torch.Tensor, is_root: bool):
+        self.layout, self.gplan, self.plan, self.comm, self.is_root = layout, gplan, plan, comm, is_root
         sc = plan.scopes
         self.n = n = layout.n
         self.trainable = layout.trainable
@@ -104,15 +107,25 @@ class FlatGroup:
         if self.held or self.pending is not None or self.n == 0:
             return False
         _alloc(self.full_data)
-        sc, plan = self.plan.scopes, self.plan
         if phase == "backward" and self.secondary is not None:
             work = self._gather_secondary()
         else:
-            nbytes = payload(self.n, self.s_p, sc.params.comm)
-            work = self.comm.all_gather(phase, self.full_data, self.shard, plan.p,
-                                        plan.order("params"), nbytes, comm=sc.params.comm)
+            row = self._row(Phase(phase), Op.ALL_GATHER) or self._row(Phase.FORWARD, Op.ALL_GATHER)
+            work = self._issue(row, self.comm.all_gather, self.full_data, self.shard, phase=phase)
         self.pending = (work, phase)
         return True
+
+    def _row(self, phase: Phase, op: Op | None = None) -> Row | None:
+        return self.gplan.row(phase, op)
+
+    def _issue(self, row: Row | None, collective, out, inp, phase: str | None = None, **kw):
+        """Run `row` (a plan row) as `collective`; no row: the group's factor is 1, copy locally."""
+        if row is None:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp.reshape(out.shape))
+            return DoneWork()
+        return collective(phase or row.phase.value, out, inp, row.levels, row.order, row.bytes,
+                          comm=row.comm, **kw)
 
     def wait_gather(self) -> None:
         if self.pending is None:
@@ -130,12 +143,11 @@ class FlatGroup:
 
     def _gather_secondary(self):
         """Backward re-gather over Q from the (possibly quantized) secondary shard."""
-        plan, q, s_q = self.plan, self.plan.q, self.plan.s(self.plan.q)
+        row, s_q = self._row(Phase.BACKWARD, Op.ALL_GATHER), self.plan.s(self.plan.q)
         if not self.sec_quant:
-            nbytes = self.n * elem_bytes(plan.scopes.params.dtype)
-            return self.comm.all_gather("backward", self.full_data, self.secondary, q, q, nbytes)
+            return self._issue(row, self.comm.all_gather, self.full_data, self.secondary)
         m, qd = self.q_len, self.sec_quant
-        if s_q == 1:
+        if row is None:
             quant.dequantize(self.secondary, m, qd, out=self.full_data)
             return DoneWork()
         # [Note: byte payloads] the uint8 payload travels as fp32 words (bit-exact copies).
@@ -145,7 +157,7 @@ class FlatGroup:
         send[:p] = self.secondary
         got = torch.empty(s_q * p4, dtype=torch.uint8, device=send.device)
         work = self.comm.all_gather("backward", got.view(torch.float32), send.view(torch.float32),
-                                    q, q, payload(self.n, s_q, qd))
+                                    row.levels, row.order, row.bytes)
 
         def decode():
             for c in range(s_q):
@@ -168,7 +180,6 @@ class FlatGroup:
     # -- gradients -------------------------------------------------------------------
     def reduce_grad(self, grad: torch.Tensor | None) -> None:
         """Reduce-scatter one backward's full local gradient over G (async)."""
-        sc, plan = self.plan.scopes, self.plan
         if grad is None:
             grad = torch.zeros(self.n, dtype=self.gdtype, device=self.grad_shard.device)
         grad = grad.to(self.gdtype)
@@ -176,9 +187,8 @@ class FlatGroup:
             self.grad_shard.add_(grad)
             return
         tmp = torch.empty_like(self.grad_shard)
-        nbytes = payload(self.n, self.s_g, sc.grads.comm)
-        work = self.comm.reduce_scatter("backward", tmp, grad, plan.g, plan.order("grads"),
-                                        nbytes, comm=sc.grads.comm)
+        row = self._row(Phase.BACKWARD, Op.ALL_TO_ALL) or self._row(Phase.BACKWARD, Op.REDUCE_SCATTER)
+        work = self._issue(row, self.comm.reduce_scatter, tmp, grad)
         self.grad_pending.append((work, tmp, grad))
 
     def finish_grads(self) -> None:
@@ -191,20 +201,13 @@ class FlatGroup:
     def os_grad(self) -> torch.Tensor:
         return self.grad_shard[self.os_in_g:self.os_in_g + self.os_len]
 
-    def _levels_minus(self, inner, outer) -> tuple[str, ...]:
-        return tuple(l for l in inner if l not in outer)
-
     def sync_issue(self) -> None:
         """Stage 1 of the per-step sync: reduce-scatter the grad shard over OS∖G."""
         self.finish_grads()
-        plan = self.plan
-        os_g = self._levels_minus(plan.os, plan.g)
-        if plan.s(os_g) > 1:
+        row = self._row(Phase.SYNC, Op.REDUCE_SCATTER)
+        if row is not None:
             tmp = torch.empty(self.os_len, dtype=self.gdtype, device=self.grad_shard.device)
-            nbytes = self.grad_shard.numel() * elem_bytes(plan.scopes.grads.dtype)
-            work = self.comm.reduce_scatter("sync", tmp, self.grad_shard, os_g,
-                                            plan.diff_order("optim", "grads"), nbytes)
-            self.sync_state = ("rs", work, tmp)
+            self.sync_state = ("rs", self._issue(row, self.comm.reduce_scatter, tmp, self.grad_shard), tmp)
         else:
             self.sync_state = ("rs", DoneWork(), None)
 
@@ -216,9 +219,8 @@ class FlatGroup:
         work.wait()
         if tmp is not None:
             self.os_grad.copy_(tmp)
-        plan = self.plan
-        nbytes = self.os_len * elem_bytes(plan.scopes.grads.dtype)
-        ar = self.comm.all_reduce("sync", self.os_grad, plan.outside_os, nbytes)
+        row = self._row(Phase.SYNC, Op.ALL_REDUCE)
+        ar = DoneWork() if row is None else self.comm.all_reduce("sync", self.os_grad, row.levels, row.bytes)
         self.sync_state = ("ar", ar, None)
 
     def sync_wait(self) -> None:
@@ -238,13 +240,8 @@ class FlatGroup:
     # -- update ---------------------------------------------------------------------
     def update_issue(self):
         """After the optimizer step: write the OS chunk back and all-gather over OS∖P."""
-        plan = self.plan
         mine = self.shard[self.os_in_p:self.os_in_p + self.os_len]
         if self.master_separate:
             mine.copy_(self.master)
-        os_p = tuple(l for l in plan.os if l not in plan.p)
-        if not os_p or plan.s(os_p) == 1:
-            return DoneWork()
-        nbytes = self.shard.numel() * elem_bytes(plan.scopes.params.dtype)
-        return self.comm.all_gather("update", self.shard, mine.clone(), os_p,
-                                    plan.diff_order("optim", "params"), nbytes)
+        row = self._row(Phase.UPDATE, Op.ALL_GATHER)
+        return DoneWork() if row is None else self._issue(row, self.comm.all_gather, self.shard, mine.clone())

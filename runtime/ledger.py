@@ -1,7 +1,9 @@
 """Communication ledger — stage: runtime.
 
-Input: one logical record per collective call made by the runtime (flat.py, engine.py).
-Output: `comm_ledger()`, a merged, sorted `list[LedgerRecord]` (docs/internals.md "Ledger").
+Input: one logical record per collective call made by the runtime (flat.py, engine.py),
+each carrying the bytes of the plan row it executes. Output: `comm_ledger()`, a merged,
+sorted `list[LedgerRecord]` (docs/internals.md "Ledger"; merging and order are the
+lowering's, shared with `explain`).
 
 [Note: logical records]
 A record is the collective the strategy asks for (phase, op, levels, full logical
@@ -10,31 +12,13 @@ bytes), before any hierarchical or ho-ring decomposition; `count` merges equal r
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
-from shardc.dsl.ir import DType
 
-from .quant import payload_bytes
+from shardc.lowering import LedgerRecord, Op, Phase, merged
 
-PHASES = ("forward", "backward", "sync", "update")
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
+__all__ = ["Ledger", "LedgerRecord"]
 
-
-@dataclass(frozen=True, slots=True)
-class LedgerRecord:
-    phase: str
-    op: str
-    levels: tuple[str, ...]
-    bytes: int
-    count: int
-
-
-def payload(numel: int, s: int, comm: DType) -> int:
-    """Bytes of one collective over `s` ranks with full logical numel `numel` (internals.md)."""
-    return payload_bytes(numel, s, comm)
-
-
-def elem_bytes(dtype: DType) -> int:
-    return dtype.bits // 8
+_PHASES = {p.value for p in Phase}
+_OPS = {o.value for o in Op}
 
 
 class Ledger:
@@ -44,12 +28,11 @@ class Ledger:
         self._counts: Counter = Counter()
 
     def record(self, phase: str, op: str, levels: tuple[str, ...], nbytes: int) -> None:
-        assert phase in PHASES and op in OPS, (phase, op)
+        assert phase in _PHASES and op in _OPS, (phase, op)
         self._counts[(phase, op, tuple(levels), int(nbytes))] += 1
 
     def reset(self) -> None:
         self._counts.clear()
 
     def records(self) -> list[LedgerRecord]:
-        keys = sorted(self._counts, key=lambda k: (PHASES.index(k[0]), k[1], k[2], k[3]))
-        return [LedgerRecord(*k, self._counts[k]) for k in keys]
+        return merged(self._counts)

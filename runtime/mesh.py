@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Mesh
+from shardc.lowering import coords, mixed_index
 
 from . import device
 
@@ -96,11 +97,7 @@ class ShardMesh:
 
     def coords_of(self, rank: int) -> tuple[int, ...]:
         """Mixed-radix digits of `rank` over the mesh sizes, outermost first."""
-        digits = []
-        for lvl in reversed(self.mesh.levels):
-            rank, d = divmod(rank, lvl.size)
-            digits.append(d)
-        return tuple(reversed(digits))
+        return coords(self.mesh, rank)
 
     def digits(self, levels, order=None) -> tuple[str, ...]:
         """Validated digit order with size-1 levels dropped (they never move a position)."""
@@ -118,11 +115,7 @@ class ShardMesh:
         return self.index_of(self.rank, levels, order)
 
     def index_of(self, rank: int, levels, order=None) -> int:
-        coords = dict(zip(self.mesh.names, self.coords_of(rank)))
-        idx = 0
-        for l in self.digits(levels, order):
-            idx = idx * self.mesh.size(l) + coords[l]
-        return idx
+        return mixed_index(self.mesh, rank, self.digits(levels, order))
 
     def group_ranks(self, levels, order=None) -> list[int]:
         """Global ranks of this rank's group, listed by position."""

@@ -14,6 +14,7 @@ registered parameters left, so `full_state_dict()` is the way to read values bac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from torch import nn
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
+from shardc.lowering import RankPlan, Schedule, lower, unit_sizes
 
 from . import state
 from .comm import Comm
@@ -28,7 +30,7 @@ from .device import model_device
 from .engine import Engine, UnitState
 from .errors import RuntimeUsageError
 from .flat import TORCH_DTYPE, FlatGroup
-from .layout import ScopePlan, build_layout
+from .layout import build_layout
 from .ledger import Ledger, LedgerRecord
 from .optimizer import build_optimizer
 from .units import UnitSpec
@@ -82,22 +84,20 @@ def _check_units(units: list[UnitSpec], params: dict, aliases: dict) -> list[lis
     return per_unit
 
 
-def _make_group(names, params, plan, comm, trainable, is_root):
-    shapes = [(n, tuple(params[n].shape)) for n in names]
-    layout = build_layout(shapes, trainable, plan.pad_multiple(trainable))
-    if layout.n == 0:
-        return None
+def _make_group(names, params, gplan, plan, comm, is_root):
+    """The flat group of `names` with the plan's padded size and rows."""
+    layout = build_layout([(n, tuple(params[n].shape)) for n in names], gplan.trainable, gplan.n)
     dtype = TORCH_DTYPE[plan.scopes.params.dtype]
     dev = next(iter(params.values())).device
     init = torch.zeros(layout.n, dtype=dtype, device=dev)
     for s in layout.slots:
         init[s.offset:s.offset + s.numel].copy_(params[s.fqn].detach().reshape(-1))
-    return FlatGroup(layout, plan, comm, init, is_root)
+    return FlatGroup(layout, gplan, plan, comm, init, is_root)
 
 
 class ShardedModule(nn.Module):
     def __init__(self, model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None,
-                 hooks: bool = True):
+                 hooks: bool = True, schedule: Schedule | None = None):
         super().__init__()
         if not dist.is_initialized():
             raise ShardcError("shard_model/shard_module need one process per rank: launch with torchrun "
@@ -116,22 +116,24 @@ class ShardedModule(nn.Module):
         params, self.aliases, targets, self.param_order = _param_maps(model)
         self.frozen = {n for n, p in params.items() if not p.requires_grad}
         per_unit = _check_units(self.unit_specs, params, self.aliases)
+        canonical = [dataclasses.replace(u, params=tuple(n)) for u, n in zip(self.unit_specs, per_unit)]
+        self.lowering = lower(strategy.mesh, unit_sizes(params, canonical), strategy.prefetch)
         self._warm_groups()
         states = []
-        for i, (spec, names) in enumerate(zip(self.unit_specs, per_unit)):
-            plan = ScopePlan(strategy.mesh, spec.scopes, self.comm.rank)
+        for i, (spec, names, uplan) in enumerate(zip(self.unit_specs, per_unit, self.lowering.units)):
+            plan = RankPlan(strategy.mesh, spec.scopes, self.comm.rank)
             groups, tg = [], []
-            for trainable in (True, False):
-                sel = [n for n in names if (n not in self.frozen) == trainable]
-                g = _make_group(sel, params, plan, self.comm, trainable, i == 0)
-                if g is not None:
-                    groups.append(g)
-                    tg.append([targets[s.fqn] for s in g.layout.slots])
+            for gplan in uplan.groups:
+                sel = [n for n in names if (n not in self.frozen) == gplan.trainable]
+                g = _make_group(sel, params, gplan, plan, self.comm, i == 0)
+                groups.append(g)
+                tg.append([targets[s.fqn] for s in g.layout.slots])
             states.append(UnitState(i, spec, groups, tg))
         for mod_targets in targets.values():
             for mod, attr in mod_targets:
                 del mod._parameters[attr]
-        self.runtime = Engine(states, strategy.accumulate, strategy.prefetch)
+        self.schedule = _checked(schedule, len(states)) if schedule is not None else self.lowering.schedule
+        self.runtime = Engine(states, strategy.accumulate, self.schedule, drive_forward=hooks)
         for u in states:
             self._placeholders(u)
             if u.trainable is not None:
@@ -155,10 +157,8 @@ class ShardedModule(nn.Module):
     def _warm_groups(self) -> None:
         """Create every process group up front, in the same order on every rank."""
         for spec in self.unit_specs:
-            plan = ScopePlan(self.strategy.mesh, spec.scopes, self.comm.rank)
-            for lv in (plan.p, plan.g, plan.os, plan.q, plan.outside_os,
-                       tuple(l for l in plan.os if l not in plan.g),
-                       tuple(l for l in plan.os if l not in plan.p)):
+            plan = RankPlan(self.strategy.mesh, spec.scopes, self.comm.rank)
+            for lv in plan.groups():
                 if lv and plan.s(lv) > 1:
                     self.comm.smesh.group(lv)
 
@@ -173,12 +173,8 @@ class ShardedModule(nn.Module):
                     if not u.running:
                         rt.pre_forward(u.index)
 
-                def post(mod, args, out, u=u, name=name, mods=mods):
-                    rt.watch_backward(u.index, out)
-                    u.modules_done.add(name)
-                    if u.modules_done >= set(mods):
-                        u.modules_done.clear()
-                        rt.finish_forward(u.index)
+                def post(mod, args, out, u=u):
+                    rt.module_done(u.index, out)
 
                 m.register_forward_pre_hook(pre)
                 m.register_forward_hook(post)
@@ -225,6 +221,7 @@ class ShardedModule(nn.Module):
         if norm_type != 2.0:
             raise RuntimeUsageError("clip_grad_norm_ supports only the 2-norm")
         self.runtime.wait_sync("clip_grad_norm_()")
+        clip_rows = {r.levels: r for r in self.lowering.clip_rows}
         by_levels: dict[tuple, list] = {}
         for g in self.runtime.trainable_groups():
             by_levels.setdefault(g.plan.os, []).append(g)
@@ -233,7 +230,9 @@ class ShardedModule(nn.Module):
             sq = torch.zeros(1, dtype=torch.float32, device=self.device)
             for g in groups:
                 sq += g.os_grad.float().pow(2).sum()
-            self.comm.all_reduce("update", sq, levels, 4).wait()
+            row = clip_rows.get(levels)
+            if row is not None:
+                self.comm.all_reduce(row.phase.value, sq, row.levels, row.bytes).wait()
             total += sq[0]
         norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -264,7 +263,20 @@ class ShardedModule(nn.Module):
         state.load_sharded_state_dict(self, sd)
 
 
+def _checked(schedule: Schedule, n: int) -> Schedule:
+    """A schedule given by emitted code must name existing units."""
+    for st in schedule.forward + schedule.backward:
+        bad = [j for j in (st.unit, *st.issue) if not 0 <= j < n]
+        if bad:
+            raise ShardcError(f"the schedule names unit {bad[0]}, but the model has units 0..{n - 1}")
+    return schedule
+
+
 def shard_module(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None,
-                 hooks: bool = True) -> ShardedModule:
-    """Shard `model` per `strategy` over its `units` (root first); see docs/internals.md."""
-    return ShardedModule(model, strategy, units, mesh=mesh, hooks=hooks)
+                 hooks: bool = True, schedule: Schedule | None = None) -> ShardedModule:
+    """Shard `model` per `strategy` over its `units` (root first); see docs/internals.md.
+
+    `schedule` (default: the lowering's) says which gathers are issued before each unit
+    runs, forward and backward; with `hooks=False` the caller's forward issues the forward
+    gathers itself (emitted code), and the engine follows only the backward stages."""
+    return ShardedModule(model, strategy, units, mesh=mesh, hooks=hooks, schedule=schedule)

@@ -1,8 +1,8 @@
 """Blockwise absmax quantization for communication (ZeRO++ qwZ/qgZ, ZeRO-topo).
 
 Input: a 1-D float tensor (one rank's shard, or one chunk of a reduce-scatter input).
-Output: one uint8 payload buffer, and back. Also `payload_bytes`, the ledger's byte
-formula shared by the runtime and the cost model (docs/internals.md, "Ledger").
+Output: one uint8 payload buffer, and back. The payload sizes come from
+`shardc.lowering` (docs/internals.md, "Ledger").
 
 [Note: payload layout]
 A shard of m elements quantized to b bits (b = 8 or 4) is one uint8 buffer of
@@ -20,24 +20,14 @@ from math import ceil
 import torch
 
 from shardc.dsl.ir import DType
+from shardc.lowering import BLOCK, code_bytes, payload_bytes, shard_payload_bytes  # noqa: F401 (re-exported)
 
-BLOCK = 256
+# The payload layout's sizes (BLOCK, `shard_payload_bytes`) and the ledger's byte formula
+# (`payload_bytes`) are owned by the lowering; the codecs below follow them.
 
 
 def _qmax(dtype: DType) -> int:
     return (1 << (dtype.bits - 1)) - 1
-
-
-def shard_payload_bytes(m: int, dtype: DType) -> int:
-    """Bytes of one quantized m-element shard: codes then fp32 block scales."""
-    return ceil(m * dtype.bits / 8) + ceil(m / BLOCK) * 4
-
-
-def payload_bytes(n: int, s: int, dtype: DType) -> int:
-    """Payload of one collective with logical numel n over s ranks in comm dtype `dtype`."""
-    if dtype.quantized:
-        return s * shard_payload_bytes(n // s, dtype)
-    return n * dtype.bits // 8
 
 
 def quantize(x: torch.Tensor, dtype: DType, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,9 +36,9 @@ def quantize(x: torch.Tensor, dtype: DType, out: torch.Tensor | None = None) -> 
         raise ValueError(f"{dtype!r} is not a quantized dtype")
     m = x.numel()
     nblocks = ceil(m / BLOCK)
-    code_bytes = ceil(m * dtype.bits / 8)
+    ncode = code_bytes(m, dtype)
     if out is None:
-        out = torch.empty(code_bytes + nblocks * 4, dtype=torch.uint8, device=x.device)
+        out = torch.empty(ncode + nblocks * 4, dtype=torch.uint8, device=x.device)
     xf = torch.zeros(nblocks * BLOCK, dtype=torch.float32, device=x.device)
     xf[:m] = x.reshape(-1)
     blocks = xf.view(nblocks, BLOCK)
@@ -57,22 +47,22 @@ def quantize(x: torch.Tensor, dtype: DType, out: torch.Tensor | None = None) -> 
     q = torch.round(blocks / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
     q = q.clamp_(-qmax, qmax).to(torch.int8).view(-1)[:m]
     if dtype is DType.INT8:
-        out[:code_bytes].copy_(q.view(torch.uint8))
+        out[:ncode].copy_(q.view(torch.uint8))
     else:
         u = (q + 8).to(torch.uint8)
         if m % 2:
             u = torch.cat([u, u.new_zeros(1)])
-        out[:code_bytes].copy_(u[0::2] | (u[1::2] << 4))
-    out[code_bytes:].copy_(scale.view(torch.uint8))
+        out[:ncode].copy_(u[0::2] | (u[1::2] << 4))
+    out[ncode:].copy_(scale.view(torch.uint8))
     return out
 
 
 def dequantize(buf: torch.Tensor, m: int, dtype: DType, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode a payload of an m-element shard into `out` (float32 unless given)."""
     nblocks = ceil(m / BLOCK)
-    code_bytes = ceil(m * dtype.bits / 8)
-    scale = buf[code_bytes:code_bytes + nblocks * 4].clone().view(torch.float32)
-    codes = buf[:code_bytes]
+    ncode = code_bytes(m, dtype)
+    scale = buf[ncode:ncode + nblocks * 4].clone().view(torch.float32)
+    codes = buf[:ncode]
     if dtype is DType.INT8:
         q = codes.view(torch.int8).to(torch.float32)
     else:

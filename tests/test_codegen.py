@@ -67,7 +67,7 @@ def test_export_capture_emits_hooks_module():
     assert plan.capture == "export"
     assert "hooks=True" in src and "def forward" not in src and "Export capture" in src
     compile(src, "export", "exec")
-    assert "('issue_gather', 2," in src
+    assert "Stage(unit=1, issue=(2,))" in src and "schedule=SCHEDULE" in src
 
 
 class _EchoRuntime:

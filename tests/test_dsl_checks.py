@@ -148,10 +148,10 @@ def test_full_strategy_fills_ir():
                        ("accumulate", 6), ("prefetch", 7), ("collectives", 8), ("units", 9), ("bucket", 10))
     (o1, o2) = s.overrides
     assert (o1.pattern, o1.line, o2.pattern, o2.line) == ("transformer.h.0", 11, "lm_*", 15)
-    # Statements not given inside a block inherit the top-level ones (and their lines).
-    assert o1.scopes.params.levels == () and o1.scopes.grads.levels == () and o1.scopes.params.line == 12
-    assert o1.scopes.optim == s.optim and o1.scopes.optim.line == 5
-    assert o2.scopes.params == s.params and o2.scopes.grads == s.grads and o2.scopes.optim.line == 15
+    # A block stays partial: states it does not mention are None (not set by it).
+    assert o1.params.levels == () and o1.grads.levels == () and o1.params.line == 12
+    assert o1.optim is None and o1.sets() == ("params", "grads")
+    assert o2.params is None and o2.grads is None and o2.optim.line == 15 and o2.sets() == ("optim",)
 
 
 def test_repr_reads_back():

@@ -78,15 +78,14 @@ def test_tied_inside_one_unit_stays_there_and_frozen_included():
 
 
 def test_override_and_dependency_recheck():
-    over = Scopes(params=ParamsSpec((), line=10), grads=GradsSpec(), optim=OptimSpec())
-    units = find_units(GPT(TINY), strat(overrides=(Override("transformer.h.1", over, line=9),)))
+    units = find_units(GPT(TINY), strat(overrides=(Override("transformer.h.1", ParamsSpec((), line=10), line=9),)))
     assert units[2].scopes.params.levels == () and units[2].scopes.grads == ZERO3.grads
     assert units[1].scopes == ZERO3
-    bad = Scopes(params=ParamsSpec(("node", "gpu"), line=10), grads=GradsSpec(("gpu",), line=11))
+    bad = Override("transformer.h.*", ParamsSpec(("node", "gpu"), line=10), GradsSpec(("gpu",), line=11), line=9)
     with pytest.raises(ShardcError, match=r"^t\.shard:9: .*dependency rule"):
-        find_units(GPT(TINY), strat(overrides=(Override("transformer.h.*", bad, line=9),)))
+        find_units(GPT(TINY), strat(overrides=(bad,)))
     with pytest.raises(ShardcError, match=r'^t\.shard:9: override pattern "zzz" matches no unit'):
-        find_units(GPT(TINY), strat(overrides=(Override("zzz", over, line=9),)))
+        find_units(GPT(TINY), strat(overrides=(Override("zzz", ParamsSpec((), line=10), line=9),)))
 
 
 def test_bucket_merges_consecutive_small_units():

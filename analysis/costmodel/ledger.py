@@ -2,82 +2,36 @@
 
 Input: a Strategy, the model's `UnitSize`s (root first), the number of micro-batches
 (forwards and backwards) per optimizer step, and whether `clip_grad_norm_` is called.
-Output: `list[LedgerRecord]` for one optimizer step, merged and sorted exactly as the
-runtime does (docs/internals.md, "Ledger").
-
-[Note: one rule table]
-Every record comes from one row of the internals.md table, applied per flat group
-(trainable, frozen) of every unit, with N the padded group size:
-  forward   all_gather      P        payload(N, params.comm)             per forward, s_P > 1
-  backward  all_gather      P or Q   payload(N, ...)                     per backward, non-root
-  backward  reduce_scatter  G        payload(N, grads.comm)              per backward (all_to_all if quantized)
-  sync      reduce_scatter  OS∖G     N/s_G · b(grads.dtype)              once
-  sync      all_reduce      mesh∖OS  N/s_OS · b(grads.dtype)             once
-  update    all_gather      OS∖P     N/s_P · b(params.dtype)             once
-  update    all_reduce      OS       4                                   per clip call, per distinct OS
-A collective over a group whose factor is 1 is never issued, so it is never recorded.
+Output: `list[LedgerRecord]` for one optimizer step: the rows of the lowered plan
+(`shardc.lowering`, which owns the rule table of docs/internals.md "Ledger") times how
+often each runs, merged and sorted as the runtime merges what it records.
 """
 from __future__ import annotations
 
 from collections import Counter
 
-from shardc.dsl.ir import DType, Mesh, Strategy
+from shardc.dsl.ir import Strategy
+from shardc.lowering import PHASE_ORDER, LedgerRecord, Lowering, Per, lower, merged
 
-from shardc.analysis.costmodel.sizes import Factors, UnitSize, payload_bytes
+PHASES = PHASE_ORDER
 
-PHASES = ("forward", "backward", "sync", "update")
-
-try:  # the runtime's record type: predictions compare equal to measurements
-    from shardc.runtime import LedgerRecord  # type: ignore[attr-defined]
-except ImportError:
-    from shardc.runtime.ledger import LedgerRecord
+__all__ = ["PHASES", "LedgerRecord", "predict_ledger", "ledger_of", "ledger_dicts"]
 
 
-def nbytes(dtype: DType) -> int:
-    """Bytes per element of an unquantized dtype."""
-    return dtype.bits // 8
+def ledger_of(plan: Lowering, *, forwards: int, backwards: int, clips: int = 0) -> list[LedgerRecord]:
+    """Sum of the plan's rows, each counted per forward / backward / step / clip call."""
+    times = {Per.FORWARD: forwards, Per.BACKWARD: backwards, Per.STEP: 1, Per.CLIP: clips}
+    counts: Counter = Counter()
+    rows = [r for u in plan.units for g in u.groups for r in g.rows] + list(plan.clip_rows)
+    for r in rows:
+        if times[r.per]:
+            counts[(r.phase.value, r.op.value, r.levels, r.bytes)] += times[r.per]
+    return merged(counts)
 
 
-def _minus(mesh: Mesh, a, b) -> tuple[str, ...]:
-    return mesh.ordered(set(a) - set(b))
-
-
-def _unit_records(u: UnitSize, mesh: Mesh, fwd: int, bwd: int):
-    """Yield `(phase, op, levels, bytes, count)` for every group of one unit."""
-    sc = u.scopes
-    P, G, OS = sc.params.levels, sc.grads.levels, sc.optim.levels
-    f = Factors.of(sc, mesh)
-    sec = sc.params.secondary
-    for n, trainable in u.groups(mesh):
-        if f.p > 1:
-            if fwd:
-                yield "forward", "all_gather", P, payload_bytes(n, f.p, sc.params.comm), fwd
-            if not u.root and bwd:
-                if sec is None:
-                    yield "backward", "all_gather", P, payload_bytes(n, f.p, sc.params.comm), bwd
-                elif f.q > 1:
-                    dt = sec.quant or sc.params.dtype
-                    yield "backward", "all_gather", mesh.ordered(sec.levels), payload_bytes(n, f.q, dt), bwd
-        if not trainable:
-            continue
-        if f.g > 1 and bwd:
-            op = "all_to_all" if sc.grads.comm.quantized else "reduce_scatter"
-            yield "backward", op, G, payload_bytes(n, f.g, sc.grads.comm), bwd
-        gb = nbytes(sc.grads.dtype)
-        os_g = _minus(mesh, OS, G)
-        if mesh.factor(os_g) > 1:
-            yield "sync", "reduce_scatter", os_g, n // f.g * gb, 1
-        outside = _minus(mesh, mesh.names, OS)
-        if mesh.factor(outside) > 1:
-            yield "sync", "all_reduce", outside, n // f.os * gb, 1
-        os_p = _minus(mesh, OS, P)
-        if mesh.factor(os_p) > 1:
-            yield "update", "all_gather", os_p, n // f.p * nbytes(sc.params.dtype), 1
-
-
-def predict_ledger(strategy: Strategy, units: list[UnitSize], *, micro_batches: int | None = None,
+def predict_ledger(strategy: Strategy, units, *, micro_batches: int | None = None,
                    forwards: int | None = None, clip_grad_norm: bool = False) -> list[LedgerRecord]:
-    """The ledger of one optimizer step of `strategy` on `units`.
+    """The ledger of one optimizer step of `strategy` on `units` (UnitSizes, root first).
 
     `micro_batches` defaults to `strategy.accumulate`; `forwards` (default: one per
     micro-batch) counts extra eval forwards too. `clip_grad_norm` adds the 4-byte
@@ -85,18 +39,7 @@ def predict_ledger(strategy: Strategy, units: list[UnitSize], *, micro_batches: 
     """
     m = strategy.accumulate if micro_batches is None else micro_batches
     fwd = m if forwards is None else forwards
-    mesh = strategy.mesh
-    counts: Counter = Counter()
-    for u in units:
-        for phase, op, levels, b, c in _unit_records(u, mesh, fwd, m):
-            counts[(phase, op, tuple(levels), b)] += c
-    if clip_grad_norm:
-        seen = {u.scopes.optim.levels for u in units if u.trainable}
-        for levels in seen:
-            if mesh.factor(levels) > 1:
-                counts[("update", "all_reduce", tuple(levels), 4)] += 1
-    keys = sorted(counts, key=lambda k: (PHASES.index(k[0]), k[1], k[2], k[3]))
-    return [LedgerRecord(p, o, l, b, counts[(p, o, l, b)]) for p, o, l, b in keys]
+    return ledger_of(lower(strategy.mesh, units, strategy.prefetch), forwards=fwd, backwards=m, clips=int(clip_grad_norm))
 
 
 def ledger_dicts(records) -> list[dict]:

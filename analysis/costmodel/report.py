@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Strategy
+from shardc.lowering import lower
 
-from shardc.analysis.costmodel.ledger import ledger_dicts, predict_ledger
+from shardc.analysis.costmodel.ledger import ledger_dicts, ledger_of
 from shardc.analysis.costmodel.links import inter_intra, link_bytes
-from shardc.analysis.costmodel.memory import predict_memory
+from shardc.analysis.costmodel.memory import memory_of, optimizer_state_bytes
 from shardc.analysis.costmodel.sizes import UnitSize, unit_sizes
 from shardc.analysis.costmodel.timing import AlphaBeta, StepTime, choose_collectives, step_time
 
@@ -48,9 +49,10 @@ def explain(strategy: Strategy, units, *, micro_batches: int | None = None, opti
     if m < 1:
         raise ShardcError(f"--micro-batches must be at least 1, got {m}")
     units = tuple(units)
-    memory = predict_memory(strategy.mesh, list(units), optimizer=optimizer,
-                            optimizer_kwargs=optimizer_kwargs, prefetch=strategy.prefetch)
-    records = predict_ledger(strategy, list(units), micro_batches=m, clip_grad_norm=clip_grad_norm)
+    plan = lower(strategy.mesh, units, strategy.prefetch)          # the one plan, added up twice
+    k_state = optimizer_state_bytes(optimizer, **(optimizer_kwargs or {}))
+    memory = memory_of(plan, k_state=k_state, prefetch=strategy.prefetch)
+    records = ledger_of(plan, forwards=m, backwards=m, clips=int(clip_grad_norm))
     bw = bandwidth or AlphaBeta()
     algo = choose_collectives(strategy, list(units), bandwidth=bw, micro_batches=m)
     links = link_bytes(records, strategy.mesh, algo)

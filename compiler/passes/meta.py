@@ -17,6 +17,7 @@ import enum
 from dataclasses import dataclass
 
 from shardc.dsl.errors import ShardcError
+from shardc.lowering import factors
 
 __all__ = ["Op", "NodeInfo", "MARKERS", "info", "units_of", "capture_mode", "sharded", "PassError"]
 
@@ -91,8 +92,8 @@ def capture_mode(gm) -> str:
 
 
 def sharded(unit, strategy) -> bool:
-    """Does this unit's forward need a parameter all-gather (s_P > 1)?"""
-    return bool(unit.params) and strategy.mesh.factor(unit.scopes.params.levels) > 1
+    """Does this unit's forward need a parameter all-gather (s_P > 1, the lowering's factor)?"""
+    return bool(unit.params) and factors(unit.scopes, strategy.mesh).p > 1
 
 
 def marker_nodes(graph, op: Op) -> list:

@@ -20,6 +20,7 @@ import torch
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import (Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec,  # noqa: F401
                            Scopes, Secondary, Strategy, UnitsKind, UnitsSpec)
+from shardc.lowering import Schedule, Stage
 from shardc.runtime import UnitSpec, shard_module
 
 STRATEGY = Strategy(name='paro_iig',
@@ -112,16 +113,36 @@ PARAMS = (
     ('transformer.ln_f.bias', (32,)),
 )
 
-# The forward schedule: (runtime call, unit, strategy line), in program order.
-SCHEDULE = (
-    ('begin_forward', 0, 5),
-    ('issue_gather', 1, 5),
-    ('issue_gather', 2, 5),
-    ('wait_gather', 1, 5),
-    ('run_unit', 1, 6),
-    ('wait_gather', 2, 5),
-    ('run_unit', 2, 6),
-    ('end_forward', 0, 5),
+# The collectives each unit's flat groups issue (the lowered plan's rows; the ledger records
+# exactly these): unit, group, phase, op, levels, payload bytes per call, how often, cause.
+#   0 trainable forward  all_gather     gpu                  10,496 B per forward   paro_iig.shard:5 params shard over gpu
+#   0 trainable backward reduce_scatter gpu                  10,496 B per backward  paro_iig.shard:6 grads shard over gpu
+#   0 trainable sync     reduce_scatter node                  5,248 B per step      paro_iig.shard:7 optim shard over world
+#   0 trainable update   all_gather     node                  5,248 B per step      paro_iig.shard:7 optim shard over world
+#   1 trainable forward  all_gather     gpu                  50,432 B per forward   paro_iig.shard:5 params shard over gpu
+#   1 trainable backward all_gather     gpu                  50,432 B per backward  paro_iig.shard:5 params shard over gpu
+#   1 trainable backward reduce_scatter gpu                  50,432 B per backward  paro_iig.shard:6 grads shard over gpu
+#   1 trainable sync     reduce_scatter node                 25,216 B per step      paro_iig.shard:7 optim shard over world
+#   1 trainable update   all_gather     node                 25,216 B per step      paro_iig.shard:7 optim shard over world
+#   2 trainable forward  all_gather     gpu                  50,432 B per forward   paro_iig.shard:5 params shard over gpu
+#   2 trainable backward all_gather     gpu                  50,432 B per backward  paro_iig.shard:5 params shard over gpu
+#   2 trainable backward reduce_scatter gpu                  50,432 B per backward  paro_iig.shard:6 grads shard over gpu
+#   2 trainable sync     reduce_scatter node                 25,216 B per step      paro_iig.shard:7 optim shard over world
+#   2 trainable update   all_gather     node                 25,216 B per step      paro_iig.shard:7 optim shard over world
+#   *           update   all_reduce     node,gpu                  4 B per clip      clip_grad_norm_ (optim chunks' squared norm)
+
+# The schedule that runs: before each unit runs (forward) or its backward starts, the
+# runtime issues these gathers (forward: the rt.issue_gather calls in forward() below).
+SCHEDULE = Schedule(
+    forward=(
+        Stage(unit=0, issue=(0, 1)),  # paro_iig.shard:5 params shard over gpu; paro_iig.shard:9 prefetch 1
+        Stage(unit=1, issue=(2,)),  # paro_iig.shard:9 prefetch 1
+        Stage(unit=2, issue=()),
+    ),
+    backward=(
+        Stage(unit=2, issue=(2, 1)),  # paro_iig.shard:5 params shard over gpu; paro_iig.shard:9 prefetch 1
+        Stage(unit=1, issue=()),
+    ),
 )
 
 
@@ -162,6 +183,6 @@ def check_structure(model):
 def shard_model(model):
     """Shard `model` (the compiled structure) over the mesh; needs the default process group."""
     check_structure(model)
-    sm = shard_module(model, STRATEGY, UNITS, hooks=False)
+    sm = shard_module(model, STRATEGY, UNITS, hooks=False, schedule=SCHEDULE)
     sm.forward = types.MethodType(forward, sm)
     return sm

@@ -20,6 +20,7 @@ import torch
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import (Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec,  # noqa: F401
                            Scopes, Secondary, Strategy, UnitsKind, UnitsSpec)
+from shardc.lowering import Schedule, Stage
 from shardc.runtime import UnitSpec, shard_module
 
 STRATEGY = Strategy(name='zero3',
@@ -109,16 +110,30 @@ PARAMS = (
     ('transformer.ln_f.bias', (32,)),
 )
 
-# The forward schedule: (runtime call, unit, strategy line), in program order.
-SCHEDULE = (
-    ('begin_forward', 0, 4),
-    ('issue_gather', 1, 4),
-    ('issue_gather', 2, 4),
-    ('wait_gather', 1, 4),
-    ('run_unit', 1, 5),
-    ('wait_gather', 2, 4),
-    ('run_unit', 2, 5),
-    ('end_forward', 0, 4),
+# The collectives each unit's flat groups issue (the lowered plan's rows; the ledger records
+# exactly these): unit, group, phase, op, levels, payload bytes per call, how often, cause.
+#   0 trainable forward  all_gather     node,gpu             10,496 B per forward   zero3.shard:4 params shard over world
+#   0 trainable backward reduce_scatter node,gpu             10,496 B per backward  zero3.shard:5 grads shard over world
+#   1 trainable forward  all_gather     node,gpu             50,432 B per forward   zero3.shard:4 params shard over world
+#   1 trainable backward all_gather     node,gpu             50,432 B per backward  zero3.shard:4 params shard over world
+#   1 trainable backward reduce_scatter node,gpu             50,432 B per backward  zero3.shard:5 grads shard over world
+#   2 trainable forward  all_gather     node,gpu             50,432 B per forward   zero3.shard:4 params shard over world
+#   2 trainable backward all_gather     node,gpu             50,432 B per backward  zero3.shard:4 params shard over world
+#   2 trainable backward reduce_scatter node,gpu             50,432 B per backward  zero3.shard:5 grads shard over world
+#   *           update   all_reduce     node,gpu                  4 B per clip      clip_grad_norm_ (optim chunks' squared norm)
+
+# The schedule that runs: before each unit runs (forward) or its backward starts, the
+# runtime issues these gathers (forward: the rt.issue_gather calls in forward() below).
+SCHEDULE = Schedule(
+    forward=(
+        Stage(unit=0, issue=(0, 1)),  # zero3.shard:4 params shard over world; prefetch 1 (default)
+        Stage(unit=1, issue=(2,)),  # prefetch 1 (default)
+        Stage(unit=2, issue=()),
+    ),
+    backward=(
+        Stage(unit=2, issue=(2, 1)),  # zero3.shard:4 params shard over world; prefetch 1 (default)
+        Stage(unit=1, issue=()),
+    ),
 )
 
 
@@ -159,6 +174,6 @@ def check_structure(model):
 def shard_model(model):
     """Shard `model` (the compiled structure) over the mesh; needs the default process group."""
     check_structure(model)
-    sm = shard_module(model, STRATEGY, UNITS, hooks=False)
+    sm = shard_module(model, STRATEGY, UNITS, hooks=False, schedule=SCHEDULE)
     sm.forward = types.MethodType(forward, sm)
     return sm

@@ -20,6 +20,7 @@ import torch
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import (Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec,  # noqa: F401
                            Scopes, Secondary, Strategy, UnitsKind, UnitsSpec)
+from shardc.lowering import Schedule, Stage
 from shardc.runtime import UnitSpec, shard_module
 
 STRATEGY = Strategy(name='zero_topo',
@@ -112,16 +113,36 @@ PARAMS = (
     ('transformer.ln_f.bias', (32,)),
 )
 
-# The forward schedule: (runtime call, unit, strategy line), in program order.
-SCHEDULE = (
-    ('begin_forward', 0, 4),
-    ('issue_gather', 1, 4),
-    ('issue_gather', 2, 4),
-    ('wait_gather', 1, 4),
-    ('run_unit', 1, 5),
-    ('wait_gather', 2, 4),
-    ('run_unit', 2, 5),
-    ('end_forward', 0, 4),
+# The collectives each unit's flat groups issue (the lowered plan's rows; the ledger records
+# exactly these): unit, group, phase, op, levels, payload bytes per call, how often, cause.
+#   0 trainable forward  all_gather     gcd                  10,496 B per forward   zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8
+#   0 trainable backward all_to_all     gpu,gcd               1,360 B per backward  zero_topo.shard:5 grads shard over gpu, gcd comm int4
+#   0 trainable sync     reduce_scatter node                  2,624 B per step      zero_topo.shard:6 optim shard over world
+#   0 trainable update   all_gather     node,gpu              5,248 B per step      zero_topo.shard:6 optim shard over world
+#   1 trainable forward  all_gather     gcd                  50,432 B per forward   zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8
+#   1 trainable backward all_gather     gpu,gcd              12,816 B per backward  zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8
+#   1 trainable backward all_to_all     gpu,gcd               6,512 B per backward  zero_topo.shard:5 grads shard over gpu, gcd comm int4
+#   1 trainable sync     reduce_scatter node                 12,608 B per step      zero_topo.shard:6 optim shard over world
+#   1 trainable update   all_gather     node,gpu             25,216 B per step      zero_topo.shard:6 optim shard over world
+#   2 trainable forward  all_gather     gcd                  50,432 B per forward   zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8
+#   2 trainable backward all_gather     gpu,gcd              12,816 B per backward  zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8
+#   2 trainable backward all_to_all     gpu,gcd               6,512 B per backward  zero_topo.shard:5 grads shard over gpu, gcd comm int4
+#   2 trainable sync     reduce_scatter node                 12,608 B per step      zero_topo.shard:6 optim shard over world
+#   2 trainable update   all_gather     node,gpu             25,216 B per step      zero_topo.shard:6 optim shard over world
+#   *           update   all_reduce     node,gpu,gcd              4 B per clip      clip_grad_norm_ (optim chunks' squared norm)
+
+# The schedule that runs: before each unit runs (forward) or its backward starts, the
+# runtime issues these gathers (forward: the rt.issue_gather calls in forward() below).
+SCHEDULE = Schedule(
+    forward=(
+        Stage(unit=0, issue=(0, 1)),  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8; prefetch 1 (default)
+        Stage(unit=1, issue=(2,)),  # prefetch 1 (default)
+        Stage(unit=2, issue=()),
+    ),
+    backward=(
+        Stage(unit=2, issue=(2, 1)),  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8; prefetch 1 (default)
+        Stage(unit=1, issue=()),
+    ),
 )
 
 
@@ -162,6 +183,6 @@ def check_structure(model):
 def shard_model(model):
     """Shard `model` (the compiled structure) over the mesh; needs the default process group."""
     check_structure(model)
-    sm = shard_module(model, STRATEGY, UNITS, hooks=False)
+    sm = shard_module(model, STRATEGY, UNITS, hooks=False, schedule=SCHEDULE)
     sm.forward = types.MethodType(forward, sm)
     return sm

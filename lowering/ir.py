@@ -1,0 +1,141 @@
+"""Lowered-plan IR — stage 3 of the pipeline (Strategy + unit sizes -> **Lowering**).
+
+Input: nothing (these are the types); produced by `shardc.lowering.lower`, read by the
+runtime (flat groups issue their rows, the engine follows the schedule), the cost model
+(ledger and memory are sums over the rows) and codegen (the emitted module prints it).
+
+Every class is a small frozen dataclass whose repr reads back as code; kinds are enums.
+
+[Note: rows]
+A `Row` is one logical collective a flat group issues: its phase, op, the levels of its
+group (mesh order), the digit order of a rank's position in it, the payload bytes the
+ledger records and how often it runs (`Per`). A group issues exactly its rows; the
+ledger of a step is the sum of the rows times their counts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardc.dsl.ir import CodeEnum, DType, Scopes
+
+
+class Phase(CodeEnum):
+    """When a collective runs, in ledger order."""
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    SYNC = "sync"
+    UPDATE = "update"
+
+
+class Op(CodeEnum):
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    BROADCAST = "broadcast"
+    ALL_TO_ALL = "all_to_all"
+
+
+class Per(CodeEnum):
+    """How often a row runs: per forward, per backward, once per step, per clip call."""
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    STEP = "step"
+    CLIP = "clip"
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    phase: Phase
+    op: Op
+    levels: tuple[str, ...]           # the group's levels, mesh order
+    order: tuple[str, ...]            # digit order of a rank's position in the group
+    bytes: int                        # payload the ledger records
+    per: Per
+    comm: DType = DType.FP32          # wire dtype (quantized payloads: INT8/INT4)
+    state: str = "params"             # the strategy statement that causes it
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerRecord:
+    """One merged ledger line: rows (predicted) or calls (measured) with equal keys, counted."""
+    phase: str
+    op: str
+    levels: tuple[str, ...]
+    bytes: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Factors:
+    """Shard factors of one unit's scopes (s_P, s_G, s_OS and the secondary's s_Q)."""
+    p: int
+    g: int
+    os: int
+    q: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    """One flat group (trainable or frozen) of a unit: sizes, storage and rows."""
+    trainable: bool
+    phi: int                          # real elements
+    n: int                            # padded elements (internals.md "Padding")
+    rows: tuple[Row, ...]
+    params_bytes: int                 # persistent bytes per rank of each state
+    secondary_bytes: int
+    grads_bytes: int
+    optim_elems: int                  # N / s_OS: elements of the optimizer chunk
+    master_bytes: int                 # fp32 master copy (params dtype not fp32)
+    gathered_bytes: int               # full params while gathered (0 when s_P = 1)
+
+    def row(self, phase: Phase, op: Op | None = None) -> Row | None:
+        return next((r for r in self.rows if r.phase is phase and (op is None or r.op is op)), None)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitPlan:
+    name: str
+    scopes: Scopes
+    factors: Factors
+    groups: tuple[GroupPlan, ...]
+    root: bool = False
+
+    @property
+    def gathered(self) -> bool:
+        return self.factors.p > 1
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """Before `unit` runs (forward) or its backward starts: issue these gathers."""
+    unit: int
+    issue: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """Forward stages in forward order (root first); backward stages in backward order."""
+    forward: tuple[Stage, ...]
+    backward: tuple[Stage, ...]
+
+    def stage(self, direction: str, unit: int) -> Stage | None:
+        return next((s for s in getattr(self, direction) if s.unit == unit), None)
+
+    def events(self) -> list[tuple[str, int]]:
+        """The gather issues and unit runs this schedule asks for, in order, as the engine
+        records them: forward then backward (the root is gathered for the whole pass, so
+        its stage issues but records no run)."""
+        out: list[tuple[str, int]] = []
+        for direction, run in (("forward", "run"), ("backward", "backward")):
+            for st in getattr(self, direction):
+                out += [("issue_gather", j) for j in st.issue]
+                out += [(run, st.unit)] if st.unit != 0 else []
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Lowering:
+    """The one plan: every unit's groups and rows, the clip rows and the schedule."""
+    units: tuple[UnitPlan, ...]
+    clip_rows: tuple[Row, ...]
+    schedule: Schedule

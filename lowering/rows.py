@@ -1,0 +1,128 @@
+"""Rows and storage — part of stage 3 (lowering): what one flat group sends and holds.
+
+Input: a unit's `Scopes` and `Factors` on a `Mesh`, a group's padded size N, whether it
+is trainable and whether the unit is the root. Output: a `GroupPlan` — the group's
+ledger rows (docs/internals.md "Ledger") and its bytes per rank (internals.md "Memory").
+This module owns the payload formula, bytes per element and the quantized block size.
+
+[Note: the rule table]
+  forward   all_gather      P        payload(N, s_P, params.comm)        per forward, s_P > 1
+  backward  all_gather      P or Q   payload(N, s, ...)                  per backward, non-root
+  backward  reduce_scatter  G        payload(N, s_G, grads.comm)         per backward (all_to_all if quantized)
+  sync      reduce_scatter  OS∖G     N/s_G · b(grads.dtype)              once per step
+  sync      all_reduce      mesh∖OS  N/s_OS · b(grads.dtype)             once per step
+  update    all_gather      OS∖P     N/s_P · b(params.dtype)             once per step
+  update    all_reduce      OS       4                                   per clip call, per distinct OS
+A collective over a group whose factor is 1 is never issued, so it has no row.
+"""
+from __future__ import annotations
+
+from math import ceil
+
+from shardc.dsl.ir import DType, Mesh, Scopes
+
+from .ir import Factors, GroupPlan, LedgerRecord, Op, Per, Phase, Row
+from .layout import minus
+
+BLOCK = 256            # elements per fp32 scale of a quantized payload
+CLIP_BYTES = 4         # the squared-norm scalar of clip_grad_norm_
+
+
+def elem_bytes(dtype: DType) -> int:
+    """Bytes per element of an unquantized dtype."""
+    return dtype.bits // 8
+
+
+def code_bytes(m: int, dtype: DType) -> int:
+    """Bytes of the codes of m elements quantized to `dtype` (int4: two per byte)."""
+    return ceil(m * dtype.bits / 8)
+
+
+def shard_payload_bytes(m: int, dtype: DType) -> int:
+    """Bytes of one quantized m-element shard: codes then one fp32 scale per BLOCK elements."""
+    return code_bytes(m, dtype) + ceil(m / BLOCK) * 4
+
+
+def payload_bytes(n: int, s: int, dtype: DType) -> int:
+    """Payload of one collective with logical numel n over s ranks in comm dtype `dtype`."""
+    if dtype.quantized:
+        return s * shard_payload_bytes(n // s, dtype)
+    return n * elem_bytes(dtype)
+
+
+def _gathers(sc: Scopes, f: Factors, mesh: Mesh, n: int, root: bool):
+    P = mesh.ordered(sc.params.levels)
+    if f.p == 1:
+        return
+    yield Row(Phase.FORWARD, Op.ALL_GATHER, P, sc.chunk_order("params"), payload_bytes(n, f.p, sc.params.comm),
+              Per.FORWARD, sc.params.comm)
+    sec = sc.params.secondary
+    if root:
+        return
+    if sec is None:
+        yield Row(Phase.BACKWARD, Op.ALL_GATHER, P, sc.chunk_order("params"),
+                  payload_bytes(n, f.p, sc.params.comm), Per.BACKWARD, sc.params.comm)
+    elif f.q > 1:
+        Q, dt = mesh.ordered(sec.levels), sec.quant or sc.params.dtype
+        yield Row(Phase.BACKWARD, Op.ALL_GATHER, Q, Q, payload_bytes(n, f.q, dt), Per.BACKWARD, dt)
+
+
+def _gradients(sc: Scopes, f: Factors, mesh: Mesh, n: int):
+    G, OS, P = (mesh.ordered(getattr(sc, k).levels) for k in ("grads", "optim", "params"))
+    gb = elem_bytes(sc.grads.dtype)
+    if f.g > 1:
+        op = Op.ALL_TO_ALL if sc.grads.comm.quantized else Op.REDUCE_SCATTER
+        yield Row(Phase.BACKWARD, op, G, sc.chunk_order("grads"), payload_bytes(n, f.g, sc.grads.comm),
+                  Per.BACKWARD, sc.grads.comm, "grads")
+    os_g = minus(mesh, OS, G)
+    if mesh.factor(os_g) > 1:
+        order = tuple(l for l in sc.chunk_order("optim") if l not in sc.chunk_order("grads"))
+        yield Row(Phase.SYNC, Op.REDUCE_SCATTER, os_g, order, n // f.g * gb, Per.STEP, state="optim")
+    outside = minus(mesh, mesh.names, OS)
+    if mesh.factor(outside) > 1:
+        yield Row(Phase.SYNC, Op.ALL_REDUCE, outside, outside, n // f.os * gb, Per.STEP, state="optim")
+    os_p = minus(mesh, OS, P)
+    if mesh.factor(os_p) > 1:
+        order = tuple(l for l in sc.chunk_order("optim") if l not in sc.chunk_order("params"))
+        yield Row(Phase.UPDATE, Op.ALL_GATHER, os_p, order, n // f.p * elem_bytes(sc.params.dtype),
+                  Per.STEP, state="optim")
+
+
+def _secondary_bytes(sc: Scopes, f: Factors, n: int, root: bool) -> int:
+    sec = sc.params.secondary
+    if sec is None or root:
+        return 0
+    per = n // f.q
+    return shard_payload_bytes(per, sec.quant) if sec.quant else per * elem_bytes(sc.params.dtype)
+
+
+def group_plan(sc: Scopes, f: Factors, mesh: Mesh, phi: int, n: int, trainable: bool, root: bool) -> GroupPlan:
+    rows = tuple(_gathers(sc, f, mesh, n, root)) + (tuple(_gradients(sc, f, mesh, n)) if trainable else ())
+    pb = elem_bytes(sc.params.dtype)
+    return GroupPlan(
+        trainable=trainable, phi=phi, n=n, rows=rows,
+        params_bytes=n // f.p * pb,
+        secondary_bytes=_secondary_bytes(sc, f, n, root),
+        grads_bytes=n // f.g * elem_bytes(sc.grads.dtype) if trainable else 0,
+        optim_elems=n // f.os if trainable else 0,
+        master_bytes=n // f.os * 4 if trainable and sc.params.dtype is not DType.FP32 else 0,
+        gathered_bytes=n * pb if f.p > 1 else 0)
+
+
+def clip_rows(mesh: Mesh, optim_levels) -> tuple[Row, ...]:
+    """The clip_grad_norm_ all-reduce of the squared norm, once per distinct optimizer level set."""
+    out = []
+    for levels in sorted(set(optim_levels)):
+        lv = mesh.ordered(levels)
+        if mesh.factor(lv) > 1:
+            out.append(Row(Phase.UPDATE, Op.ALL_REDUCE, lv, lv, CLIP_BYTES, Per.CLIP, state="optim"))
+    return tuple(out)
+
+
+PHASE_ORDER = tuple(p.value for p in Phase)
+
+
+def merged(counts) -> list[LedgerRecord]:
+    """`{(phase, op, levels, bytes): count}` as ledger records, in ledger order (phase, op, levels, bytes)."""
+    keys = sorted(counts, key=lambda k: (PHASE_ORDER.index(k[0]), k[1], k[2], k[3]))
+    return [LedgerRecord(p, o, tuple(l), b, counts[(p, o, l, b)]) for p, o, l, b in keys]
