@@ -17,16 +17,14 @@ on a replicated state, which has no collective for it to act on (the DSL rejects
 it there, so no loaded Strategy carries one).
 
 [Note: override blocks]
-An override is written with the states the block sets. In the IR a block's scopes
-carry the states it does not mention inherited from the top level (same spec, same
-line); a state is written when it differs from the top-level one or was set on a
-line of its own. A block that would come out empty (built in code, equal to the top
-level) is written with all three states, which reads back the same.
+An override is partial in the IR: a state the block does not mention is None, and the
+block is written with exactly the states it sets (`Override.sets()`), so it reads back
+the same. A block that sets nothing (built in code) cannot be written: the language
+rejects an empty block, so the unparser raises a ShardcError naming its pattern.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import DType, Mesh, Scopes, Strategy, UnitsKind
@@ -82,21 +80,18 @@ def unparse(s: Strategy) -> str:
         lines.append("units type " + ", ".join(s.units.names))
     if s.bucket is not None:
         lines.append(f"bucket {_size(s.bucket)}")
-    for o in s.overrides:
-        own = tuple(k for k in STATES if _own(getattr(o.scopes, k), getattr(s.scopes, k)))
+    for o in s.overrides:                        # partial: only the states the block sets
+        if not o.sets():
+            raise ShardcError(f"override {o.pattern!r} sets no state, so it cannot be written in a .shard file: "
+                              f"give it params, grads or optim, or leave it out")
         lines.append(f"override {_quoted(o.pattern, 'override pattern')} {{")
-        lines += ["    " + ln for ln in _scope_lines(o.scopes, s.mesh, own or STATES)]
+        lines += [f"    {k:<{_WIDTH}} {state_clause(getattr(o, k), s.mesh)}" for k in o.sets()]
         lines.append("}")
     return "\n".join(lines) + "\n"
 
 
 def _scope_lines(scopes: Scopes, mesh: Mesh, states) -> list[str]:
     return [f"{k:<{_WIDTH}} {state_clause(getattr(scopes, k), mesh)}" for k in states]
-
-
-def _own(spec, top) -> bool:
-    """Whether an override's state is its own rather than inherited (see the note)."""
-    return spec.line != top.line or replace(spec, line=0) != replace(top, line=0)
 
 
 def _size(n: int) -> str:

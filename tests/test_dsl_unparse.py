@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardc.dsl import ShardcError, load_strategy, unparse
-from shardc.dsl.ir import (Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec, Scopes,
+from shardc.dsl.ir import (DEPENDENCY, Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec, Scopes,
                            Secondary, Strategy, UnitsKind, UnitsSpec)
 from shardc.dsl.mesh import MAX_DIGITS
 from shardc.dsl.parser import keywords
@@ -31,7 +31,8 @@ def positionless(s: Strategy) -> Strategy:
     def scopes(sc: Scopes) -> Scopes:
         return Scopes(replace(sc.params, line=0), replace(sc.grads, line=0), replace(sc.optim, line=0))
     return replace(s, scopes=scopes(s.scopes), units=replace(s.units, line=0), file="", lines=(), warnings=(),
-                   overrides=tuple(replace(o, scopes=scopes(o.scopes), line=0) for o in s.overrides))
+                   overrides=tuple(replace(o, line=0, **{k: replace(getattr(o, k), line=0) for k in o.sets()})
+                                   for o in s.overrides))
 
 
 def round_trip(s: Strategy) -> Strategy:
@@ -88,12 +89,24 @@ def strategies(draw) -> Strategy:
     patterns = draw(st.lists(PATTERNS, max_size=3, unique=True))
     bucket = st.builds(lambda n, unit: n * unit, st.integers(1, 4096),
                        st.sampled_from(sorted(BUCKET_UNITS.values()))).filter(lambda n: n <= MAX_BUCKET)
+    top = draw(scopes(mesh))
     return Strategy(
-        name=draw(NAMES), mesh=mesh, scopes=draw(scopes(mesh)),
+        name=draw(NAMES), mesh=mesh, scopes=top,
         accumulate=draw(st.integers(1, 1_000_000)), prefetch=draw(st.integers(0, 1024)),
         collectives=draw(st.sampled_from(Collectives)), units=draw(units()),
         bucket=draw(st.none() | bucket | st.integers(1, 10**MAX_DIGITS - 1)),
-        overrides=tuple(Override(pt, draw(scopes(mesh))) for pt in patterns))
+        overrides=tuple(partial_override(draw, pt, mesh, top) for pt in patterns))
+
+
+def partial_override(draw, pattern: str, mesh: Mesh, top: Scopes) -> Override:
+    """An override block setting a random subset of the three states of valid scopes; when
+    that subset stacked on `top` would break the dependency rule, the block sets all three."""
+    sc = draw(scopes(mesh))
+    kept = draw(st.sets(st.sampled_from(("params", "grads", "optim")), min_size=1))
+    stacked = replace(top, **{k: getattr(sc, k) for k in kept})
+    if any(stacked.missing(inner, outer) for inner, outer in DEPENDENCY):
+        kept = {"params", "grads", "optim"}
+    return Override(pattern, **{k: getattr(sc, k) for k in kept})
 
 
 @ROUND_TRIP
@@ -173,7 +186,8 @@ def test_replicated_state_never_carries_comm():
     (dict(name="mesh"), "strategy name 'mesh'"),
     (dict(mesh=Mesh((Level("world", 2),))), "level 'world'"),
     (dict(units=UnitsSpec(UnitsKind.PATTERNS, ('a"b',))), "unit pattern 'a\"b'"),
-    (dict(overrides=(Override("a\nb", Scopes()),)), "override pattern 'a\\nb'"),
+    (dict(overrides=(Override("a\nb", optim=OptimSpec(())),)), "override pattern 'a\\nb'"),
+    (dict(overrides=(Override("blocks.*"),)), "override 'blocks.*' sets no state"),
     (dict(bucket=10**12 + 1), "bucket size 1000000000001"),
 ])
 def test_unwritable_names_are_one_sentence_naming_the_culprit(change, culprit):

@@ -29,9 +29,6 @@ MAY_IMPORT = {
 # Edges against the arrows that exist today, each named; the lowering (issue 9) is to own
 # these facts. A stale entry fails `test_known_exceptions_are_still_needed`: delete it.
 KNOWN = {
-    ("analysis", "shardc.runtime"): "the ledger row type (LedgerRecord)",
-    ("analysis", "shardc.runtime.ledger"): "the ledger row type (LedgerRecord)",
-    ("analysis", "shardc.runtime.quant"): "the quantized payload formula",
     ("analysis", "shardc.compiler.units"): "the unit finder, whose units the cost model sizes",
 }
 
