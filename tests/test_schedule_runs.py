@@ -79,8 +79,8 @@ def test_edited_schedule_changes_the_run(capture):
 
 def _hf(rank, world):
     import shardc
-    from tests.test_hf_gpt2 import make_model
-    model = make_model()
+    from tests.test_hf_models import make_model
+    model = make_model("gpt2")            # default config: cache on, ModelOutput returned
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
     sm = shardc.compile(model, TEXT, example_inputs=(x,))
     return sm.plan.capture, _step(sm, x), sm.schedule, sm.plan.lowering.schedule
