@@ -18,9 +18,11 @@ candidate fits when that is at most the budget.
 
 [Note: objective]
 `time` (the default) ranks the fitting candidates by predicted step time (ties, when
-compute hides every collective, by summed communication time, then memory). `comm`
-ranks by summed communication time before overlap — Lins' objective (§IV-C: minimise
-the communication cost subject to memory) — then step time.
+compute hides every collective, by summed communication time). `comm` ranks by summed
+communication time before overlap — Lins' objective (§IV-C: minimise the
+communication cost subject to memory) — then step time. Remaining ties go to the
+candidate that shards least (p·g·os: sharding a state that fits buys nothing and
+adds collectives to launch), then to the smaller peak memory.
 """
 from __future__ import annotations
 
@@ -70,9 +72,20 @@ class Candidate:
         return self.report.peak["peak"]
 
 
+    @property
+    def sharding(self) -> int:
+        """p·g·os: how much is sharded (ties go to the least: sharding what fits buys nothing)."""
+        sc, mesh = self.scopes, self.report.strategy.mesh
+        return mesh.factor(sc.params.levels) * mesh.factor(sc.grads.levels) * mesh.factor(sc.optim.levels)
+
+
+def _s(x: float) -> float:
+    return round(x, 9)    # seconds to the nanosecond: float noise must not break a tie
+
+
 OBJECTIVES = {   # [Note: objective]
-    "time": lambda c: (c.step_time, c.comm_time, c.memory),
-    "comm": lambda c: (c.comm_time, c.step_time, c.memory),
+    "time": lambda c: (_s(c.step_time), _s(c.comm_time), c.sharding, c.memory),
+    "comm": lambda c: (_s(c.comm_time), _s(c.step_time), c.sharding, c.memory),
 }
 
 
@@ -101,10 +114,15 @@ def why(best: Candidate, runner: Candidate, objective: str = "time") -> str:
     """One line: why `best` ranks above `runner` under `objective`."""
     a, b = best.report.time, runner.report.time
     ms = lambda x: f"{x * 1e3:.1f} ms"
+    ka, kb = OBJECTIVES[objective](best), OBJECTIVES[objective](runner)
+    if ka[:2] == kb[:2]:
+        return (f"#1 and #2 tie on communication ({ms(best.comm_time)}) and step time ({ms(a.total)}); #1 shards "
+                f"less (p·g·os {best.sharding} vs {runner.sharding})" if ka[2] != kb[2] else
+                f"#1 and #2 tie on time and sharding; #1 needs less memory ({best.memory:,} vs {runner.memory:,} bytes)")
     if objective == "comm":
         return (f"#1 beats #2 on summed communication time: {ms(best.comm_time)} vs {ms(runner.comm_time)} "
                 f"(Lins' objective; predicted steps {ms(a.total)} vs {ms(b.total)})")
-    if a.total < b.total * (1 - 1e-9):
+    if _s(a.total) < _s(b.total):
         worst = max(a.comm, key=lambda k: (b.comm[k] - a.comm[k]))
         return (f"#1 beats #2 by {ms(b.total - a.total)} per step: exposed communication {ms(a.exposed)} vs "
                 f"{ms(b.exposed)}, most of it in {worst} ({ms(a.comm[worst])} vs {ms(b.comm[worst])})")
