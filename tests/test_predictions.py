@@ -129,3 +129,11 @@ def test_objective_and_peak_memory_bind(capsys):
     d = _plan(capsys, "--memory", str(budget))      # the last --memory wins
     assert 0 < d["fit"] < 16 and all(r["memory"] == r["peak"]["peak"] <= budget for r in d["ranking"])
     assert all(r["peak"]["activations"] > 0 for r in d["ranking"])
+
+
+def test_link_and_profile_are_exclusive(tmp_path):
+    f = tmp_path / "bw.json"
+    f.write_text('{"entries": []}')
+    with pytest.raises(ShardcError, match="--link and --bandwidth"):
+        run_cmd("explain", ["examples/strategies/zero3.shard", "--model", TINY, "--mesh", "node(2) > gpu(2)",
+                            "--bandwidth", str(f), "--link", "node=1GB/s"])

@@ -54,6 +54,8 @@ def links(args, fallback, mesh):
     """`--link` options over the two-tier fallback, checked against the mesh."""
     if not args.link:
         return fallback
+    if getattr(args, "bandwidth", None):
+        raise ShardcError("--link and --bandwidth both describe the links; give a measured profile or --link, not both")
     from shardc.analysis.costmodel.network import parse_links
     from shardc.analysis.costmodel.timing import parse_rate, parse_seconds
     out = parse_links(args.link, fallback, parse_rate, parse_seconds)
