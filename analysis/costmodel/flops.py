@@ -61,25 +61,21 @@ def sample_input(model, batch: int, seq: int):
                       f"nn.Embedding; give the model an `example_input(batch, seq)` method")
 
 
-class _FlashSDPA:
-    """TorchFunctionMode body: F.scaled_dot_product_attention -> the flash kernel."""
+def _flash_sdpa_mode():
+    """A TorchFunctionMode that runs F.scaled_dot_product_attention as the flash kernel."""
+    import torch
+    from torch.overrides import TorchFunctionMode
 
-    @staticmethod
-    def make():
-        import torch
-        from torch.overrides import TorchFunctionMode
-
-        class Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if func is torch.nn.functional.scaled_dot_product_attention and kwargs.get("attn_mask") is None \
-                        and len(args) == 3:
-                    q, k, v = args
-                    return torch.ops.aten._scaled_dot_product_flash_attention(
-                        q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
-                        scale=kwargs.get("scale"))[0]
-                return func(*args, **kwargs)
-        return Mode()
+    class FlashSDPA(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.nn.functional.scaled_dot_product_attention and len(args) == 3 \
+                    and kwargs.get("attn_mask") is None:
+                return torch.ops.aten._scaled_dot_product_flash_attention(
+                    *args, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+                    scale=kwargs.get("scale"))[0]
+            return func(*args, **kwargs)
+    return FlashSDPA()
 
 
 def trace(model, units, *, batch: int, seq: int, dtype: str = "bf16") -> GraphCost:
@@ -94,14 +90,14 @@ def trace(model, units, *, batch: int, seq: int, dtype: str = "bf16") -> GraphCo
     n = len(units)
     saved, inputs, fwd = [0] * n, [0] * n, [0.0] * n
     seen: set = set()
-    current = [0]
+    current = [0]          # a stack: the unit whose forward is running is current[-1]
     counter = FlopCounterMode(display=False)
 
     def pack(t):
         key = t.untyped_storage()._cdata
         if key not in params and key not in seen:
             seen.add(key)
-            saved[current[0]] += t.untyped_storage().nbytes()
+            saved[current[-1]] += t.untyped_storage().nbytes()
         return t
 
     handles = []
@@ -113,11 +109,11 @@ def trace(model, units, *, batch: int, seq: int, dtype: str = "bf16") -> GraphCo
             handles.append(mods[name].register_forward_hook(_leave(i, current, counter, fwd)))
     x = sample_input(m, batch, seq)
     try:
-        with counter, _FlashSDPA.make(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with counter, _flash_sdpa_mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = m(x)
             forward = counter.get_total_flops()
             loss = (out if torch.is_tensor(out) else out[0]).float().sum()
-        with counter, _FlashSDPA.make():      # entering the counter again starts from zero
+        with counter, _flash_sdpa_mode():      # entering the counter again starts from zero
             loss.backward()
             backward = counter.get_total_flops()
     finally:
@@ -131,7 +127,7 @@ def trace(model, units, *, batch: int, seq: int, dtype: str = "bf16") -> GraphCo
 def _enter(i, current, inputs, counter, fwd):
     def hook(mod, args):
         import torch
-        current[0] = i
+        current.append(i)
         inputs[i] = sum(a.untyped_storage().nbytes() for a in args if torch.is_tensor(a))
         fwd[i] -= counter.get_total_flops()
     return hook
@@ -139,6 +135,6 @@ def _enter(i, current, inputs, counter, fwd):
 
 def _leave(i, current, counter, fwd):
     def hook(mod, args, out):
-        current[0] = 0
+        current.pop()
         fwd[i] += counter.get_total_flops()
     return hook
