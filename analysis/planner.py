@@ -12,8 +12,17 @@ eq. 5–6 (factors divide the mesh) hold by construction because scopes are sets
 whole levels; a partial factor such as s_p = 4 of 8 GPUs is expressed by splitting a
 level in the mesh given to the planner (`gpu(2) > lane(4)`). Lins eq. 7 (prefer
 inner levels) is not a filter: the time model already charges the slow outer links.
-Memory = model states + the transient window of gathered units (activations are not
-modelled); a candidate fits when that is at most the budget.
+Memory = the peak per rank (`costmodel/activations.py`: model states + the transient
+window of gathered units + one micro-batch's activations + framework overhead); a
+candidate fits when that is at most the budget.
+
+[Note: objective]
+`time` (the default) ranks the fitting candidates by predicted step time (ties, when
+compute hides every collective, by summed communication time). `comm` ranks by summed
+communication time before overlap — Lins' objective (§IV-C: minimise the
+communication cost subject to memory) — then step time. Remaining ties go to the
+candidate that shards least (p·g·os: sharding a state that fits buys nothing and
+adds collectives to launch), then to the smaller peak memory.
 """
 from __future__ import annotations
 
@@ -59,28 +68,66 @@ class Candidate:
 
     @property
     def memory(self) -> int:
-        return self.report.memory["total"] + self.report.memory["transient"]
+        """The peak per rank: states + gathered units + activations + overhead (activations.py)."""
+        return self.report.peak["peak"]
+
+
+    @property
+    def sharding(self) -> int:
+        """p·g·os: how much is sharded (ties go to the least: sharding what fits buys nothing)."""
+        sc, mesh = self.scopes, self.report.strategy.mesh
+        return mesh.factor(sc.params.levels) * mesh.factor(sc.grads.levels) * mesh.factor(sc.optim.levels)
+
+
+def _s(x: float) -> float:
+    return round(x, 9)    # seconds to the nanosecond: float noise must not break a tie
+
+
+OBJECTIVES = {   # [Note: objective]
+    "time": lambda c: (_s(c.step_time), _s(c.comm_time), c.sharding, c.memory),
+    "comm": lambda c: (_s(c.comm_time), _s(c.step_time), c.sharding, c.memory),
+}
 
 
 def plan(base: Strategy, units: list[UnitSize], budget: float, *, bandwidth=None, micro_batches=None,
          optimizer: str = "adamw", optimizer_kwargs=None, dtype: DType = DType.FP32,
-         tokens: int = 4096, flops: float = 150e12) -> list[Candidate]:
-    """All candidates: the fitting ones first, by step time, then (when compute hides the
-    communication and step times tie) by total communication time, then memory; then
-    the rest by memory."""
+         tokens: int = 4096, flops: float = 150e12, graph=None, checkpoint: bool = False,
+         peak_flops: float = 312e12, objective: str = "time", overhead: int | None = None) -> list[Candidate]:
+    """All candidates: the fitting ones first, ranked by `objective` ([Note: objective]);
+    then the rest by memory."""
     out = []
     for sc in enumerate_scopes(base.mesh, dtype):
         s = replace(base, scopes=sc, overrides=(), collectives=Collectives.AUTO)
         us = [replace(u, scopes=sc) for u in units]
         rep = explain(s, us, micro_batches=micro_batches, optimizer=optimizer,
-                      optimizer_kwargs=optimizer_kwargs, bandwidth=bandwidth, tokens=tokens, flops=flops)
+                      optimizer_kwargs=optimizer_kwargs, bandwidth=bandwidth, tokens=tokens, flops=flops,
+                      graph=graph, checkpoint=checkpoint, peak_flops=peak_flops, overhead=overhead)
         chosen = replace(s, collectives=rep.algo)
         rep = replace(rep, strategy=chosen)
-        mem = rep.memory["total"] + rep.memory["transient"]
-        out.append(Candidate(sc, rep, mem <= budget))
-    fit = sorted((c for c in out if c.fits), key=lambda c: (c.step_time, c.comm_time, c.memory))
+        out.append(Candidate(sc, rep, rep.peak["peak"] <= budget))
+    fit = sorted((c for c in out if c.fits), key=OBJECTIVES[objective])
     rest = sorted((c for c in out if not c.fits), key=lambda c: c.memory)
     return fit + rest
+
+
+def why(best: Candidate, runner: Candidate, objective: str = "time") -> str:
+    """One line: why `best` ranks above `runner` under `objective`."""
+    a, b = best.report.time, runner.report.time
+    ms = lambda x: f"{x * 1e3:.1f} ms"
+    ka, kb = OBJECTIVES[objective](best), OBJECTIVES[objective](runner)
+    if ka[:2] == kb[:2]:
+        return (f"#1 and #2 tie on communication ({ms(best.comm_time)}) and step time ({ms(a.total)}); #1 shards "
+                f"less (p·g·os {best.sharding} vs {runner.sharding})" if ka[2] != kb[2] else
+                f"#1 and #2 tie on time and sharding; #1 needs less memory ({best.memory:,} vs {runner.memory:,} bytes)")
+    if objective == "comm":
+        return (f"#1 beats #2 on summed communication time: {ms(best.comm_time)} vs {ms(runner.comm_time)} "
+                f"(Lins' objective; predicted steps {ms(a.total)} vs {ms(b.total)})")
+    if _s(a.total) < _s(b.total):
+        worst = max(a.comm, key=lambda k: (b.comm[k] - a.comm[k]))
+        return (f"#1 beats #2 by {ms(b.total - a.total)} per step: exposed communication {ms(a.exposed)} vs "
+                f"{ms(b.exposed)}, most of it in {worst} ({ms(a.comm[worst])} vs {ms(b.comm[worst])})")
+    return (f"#1 and #2 tie on step time ({ms(a.total)}: compute hides their communication); #1 sends less: "
+            f"{ms(best.comm_time)} vs {ms(runner.comm_time)} of communication")
 
 
 def shard_text(c: Candidate, name: str = "planned") -> str:
@@ -88,4 +135,4 @@ def shard_text(c: Candidate, name: str = "planned") -> str:
     s = replace(c.report.strategy, name=name, accumulate=c.report.micro_batches)
     t = c.report.time
     return (f"# written by `shardc plan`: estimated step {t.total * 1e3:.1f} ms, "
-            f"{c.memory / 2**30:.2f} GiB per rank (model states + gathered units)\n" + unparse(s))
+            f"{c.memory / 2**30:.2f} GiB peak per rank\n" + unparse(s))

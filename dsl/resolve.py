@@ -10,6 +10,12 @@ A missing `params`/`grads`/`optim` statement means `replicate`; a missing `mesh`
 error unless a mesh override is given. An `override` block is kept partial in the IR:
 the states it does not mention are None (`shardc.lowering` resolves each unit's scopes).
 For its dependency check, a block is checked merged over the top-level statements.
+
+[Note: comm follows dtype]
+A `params` or `grads` statement without `comm` communicates in its own `dtype`:
+`params shard over world dtype bf16` all-gathers bf16 payloads (2 bytes per element),
+as ZeRO, FSDP and the papers do with bf16 storage. `comm` only needs writing to send a
+different width than is stored (`comm int8`, or `comm fp32` for bf16 storage).
 """
 from __future__ import annotations
 
@@ -169,9 +175,10 @@ def _opts(stmt: ast.Statement, ctx: _Ctx) -> dict[str, ast.Option]:
     return out
 
 
-def _dtype(stmt: ast.Statement, opt: ast.Option | None, ctx: _Ctx) -> DType | None:
+def _dtype(stmt: ast.Statement, opt: ast.Option | None, ctx: _Ctx,
+           default: DType | None = DType.FP32) -> DType | None:
     if opt is None:
-        return DType.FP32
+        return default
     allowed = ALLOWED[(stmt.keyword, opt.key)]
     value = opt.value.text
     if value not in allowed:
@@ -188,7 +195,8 @@ def _dtype(stmt: ast.Statement, opt: ast.Option | None, ctx: _Ctx) -> DType | No
 def _params(stmt: ast.Statement, ctx: _Ctx) -> ParamsSpec | None:
     levels = _levels(stmt.scope.levels, ctx) if not stmt.scope.replicate else ()
     opts = _opts(stmt, ctx)
-    comm, dtype = _dtype(stmt, opts.get("comm"), ctx), _dtype(stmt, opts.get("dtype"), ctx)
+    dtype = _dtype(stmt, opts.get("dtype"), ctx)
+    comm = _dtype(stmt, opts.get("comm"), ctx, default=dtype)   # [Note: comm follows dtype]
     secondary = None
     if "secondary" in opts:
         o = opts["secondary"]
@@ -208,7 +216,8 @@ def _params(stmt: ast.Statement, ctx: _Ctx) -> ParamsSpec | None:
 def _grads(stmt: ast.Statement, ctx: _Ctx) -> GradsSpec | None:
     levels = _levels(stmt.scope.levels, ctx) if not stmt.scope.replicate else ()
     opts = _opts(stmt, ctx)
-    comm, dtype = _dtype(stmt, opts.get("comm"), ctx), _dtype(stmt, opts.get("dtype"), ctx)
+    dtype = _dtype(stmt, opts.get("dtype"), ctx)
+    comm = _dtype(stmt, opts.get("comm"), ctx, default=dtype)   # [Note: comm follows dtype]
     if levels is None or comm is None or dtype is None:
         return None
     return GradsSpec(levels, comm, dtype, stmt.span.line)

@@ -12,7 +12,7 @@ Statements come in a fixed order, one per line: `strategy`, `mesh` (sizes resolv
 `collectives`, then `units` unless it is `auto`, `bucket` when set (in the largest
 unit that divides it exactly), then the overrides. A scope over every level of a
 multi-level mesh is written `shard over world`. Options are written only where they
-differ from the default (`comm`/`dtype` fp32, no `secondary`); `comm` is never written
+differ from the default (`dtype` fp32, `comm` equal to `dtype`, no `secondary`); `comm` is never written
 on a replicated state, which has no collective for it to act on (the DSL rejects
 it there, so no loaded Strategy carries one).
 
@@ -54,7 +54,7 @@ def state_clause(spec, mesh: Mesh) -> str:
     if sec is not None:
         text += f" secondary {', '.join(sec.levels)}" + (f" {sec.quant.value}" if sec.quant else "")
     comm, dtype = getattr(spec, "comm", DType.FP32), getattr(spec, "dtype", DType.FP32)
-    if comm is not DType.FP32 and spec.levels:
+    if comm is not dtype and spec.levels:
         text += f" comm {comm.value}"
     if dtype is not DType.FP32:
         text += f" dtype {dtype.value}"

@@ -69,9 +69,11 @@ def scopes(draw, mesh: Mesh) -> Scopes:
     if p and draw(st.booleans()):
         levels = draw(st.lists(st.sampled_from(mesh.names), min_size=1, unique=True))
         secondary = Secondary(mesh.ordered(levels), draw(st.sampled_from([None, DType.INT8, DType.INT4])))
+    pd, gd = draw(dtypes("params", "dtype")), draw(dtypes("grads", "dtype"))
+    # A replicated state has no collective: its comm is its dtype (DSL: comm follows dtype).
     return Scopes(
-        ParamsSpec(p, secondary, draw(dtypes("params", "comm")) if p else DType.FP32, draw(dtypes("params", "dtype"))),
-        GradsSpec(g, draw(dtypes("grads", "comm")) if g else DType.FP32, draw(dtypes("grads", "dtype"))),
+        ParamsSpec(p, secondary, draw(dtypes("params", "comm")) if p else pd, pd),
+        GradsSpec(g, draw(dtypes("grads", "comm")) if g else gd, gd),
         OptimSpec(o))
 
 
@@ -177,8 +179,8 @@ def test_replicated_state_never_carries_comm():
     sc = Scopes(ParamsSpec((), comm=DType.BF16, dtype=DType.BF16), GradsSpec(("gpu",), DType.BF16, DType.BF16),
                 OptimSpec(("gpu",)))
     text = unparse(Strategy("planned", mesh, sc))
-    assert "params replicate dtype bf16\ngrads  shard over gpu comm bf16 dtype bf16\n" in text
-    load_strategy(text)
+    assert "params replicate dtype bf16\ngrads  shard over gpu dtype bf16\n" in text
+    assert load_strategy(text).scopes.grads.comm is DType.BF16   # comm follows dtype
 
 
 @pytest.mark.parametrize("change, culprit", [

@@ -2,7 +2,8 @@
 
 Stage: Strategy + the model's units (sizes per unit) -> memory per rank, the per-step
 communication ledger (record for record what the runtime measures), bytes per link
-level, and an alpha-beta / profiled time estimate. Consumed by `shardc explain`,
+level, an alpha-beta / per-level / profiled time estimate with FLOPs and activations
+from the model's meta-device trace, and the peak memory per rank. Consumed by `shardc explain`,
 `shardc plan` and the compiler (`choose_collectives`).
 
 Names are imported lazily (PEP 562): importing the package costs nothing; a name loads
@@ -18,6 +19,8 @@ _WHERE = {
     "AlphaBeta": "timing", "Profile": "timing", "StepTime": "timing",
     "choose_collectives": "timing", "step_time": "timing",
     "Explained": "report", "explain": "report",
+    "LevelLinks": "network", "collective_seconds": "network",
+    "GraphCost": "flops", "trace": "flops", "peak_memory": "activations",
 }
 __all__ = sorted(_WHERE)
 

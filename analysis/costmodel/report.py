@@ -4,7 +4,8 @@ the planner and tests).
 Input: a loaded Strategy and either a model (built on the meta device) or unit sizes.
 Output: `Explained`: memory per rank, the predicted ledger, the collective algorithm
 resolved for multi-level groups, per-level link bytes (intra/inter split) and, when a
-bandwidth model is given, a step-time estimate. `to_json` is `explain --json`.
+bandwidth model is given, a step-time estimate with tokens/s and MFU, and the peak
+memory per rank (`activations.py`). `to_json` is `explain --json`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Strategy
 from shardc.lowering import lower
 
+from shardc.analysis.costmodel.activations import peak_memory
 from shardc.analysis.costmodel.ledger import ledger_dicts, ledger_of
 from shardc.analysis.costmodel.links import inter_intra, link_bytes
 from shardc.analysis.costmodel.memory import memory_of, optimizer_state_bytes
@@ -33,6 +35,8 @@ class Explained:
     inter: float
     intra: float
     time: StepTime | None
+    peak: dict | None = None        # activations.peak_memory: the peak per rank and what dominates it
+    rates: dict | None = None       # tokens_per_s (per rank), mfu, model_flops (per micro-batch)
 
 
 def model_units(strategy: Strategy, model) -> list[UnitSize]:
@@ -43,8 +47,10 @@ def model_units(strategy: Strategy, model) -> list[UnitSize]:
 
 def explain(strategy: Strategy, units, *, micro_batches: int | None = None, optimizer: str = "adamw",
             optimizer_kwargs: dict | None = None, clip_grad_norm: bool = False, bandwidth=None,
-            tokens: int = 4096, flops: float = 150e12) -> Explained:
-    """Everything `shardc explain` prints, for one strategy on one model."""
+            tokens: int = 4096, flops: float = 150e12, graph=None, checkpoint: bool = False,
+            peak_flops: float = 312e12, overhead: int | None = None) -> Explained:
+    """Everything `shardc explain` prints, for one strategy on one model. `graph`: the
+    model's `flops.GraphCost` (FLOPs and activations per micro-batch), when traced."""
     m = strategy.accumulate if micro_batches is None else micro_batches
     if m < 1:
         raise ShardcError(f"--micro-batches must be at least 1, got {m}")
@@ -57,8 +63,15 @@ def explain(strategy: Strategy, units, *, micro_batches: int | None = None, opti
     algo = choose_collectives(strategy, list(units), bandwidth=bw, micro_batches=m)
     links = link_bytes(records, strategy.mesh, algo)
     inter, intra = inter_intra(links, strategy.mesh)
-    t = step_time(strategy, list(units), bw, micro_batches=m, tokens=tokens, flops=flops, algo=algo)
-    return Explained(strategy, units, m, memory, tuple(records), algo, links, inter, intra, t)
+    mb_flops = graph.executed_flops(checkpoint) if graph is not None else None
+    tokens = graph.tokens if graph is not None else tokens
+    t = step_time(strategy, list(units), bw, micro_batches=m, tokens=tokens, flops=flops, algo=algo,
+                  mb_flops=mb_flops)
+    model_flops = graph.model_flops if graph is not None else 6 * sum(u.trainable + u.frozen for u in units) * tokens
+    rates = {"tokens_per_s": m * tokens / t.total, "mfu": m * model_flops / (t.total * peak_flops),
+             "model_flops": model_flops}
+    return Explained(strategy, units, m, memory, tuple(records), algo, links, inter, intra, t,
+                     peak_memory(memory, graph, checkpoint, *(() if overhead is None else (overhead,))), rates)
 
 
 def to_json(e: Explained) -> dict:
@@ -79,4 +92,6 @@ def to_json(e: Explained) -> dict:
         "time": None if e.time is None else {
             "compute": e.time.compute, "total": e.time.total,
             "comm": dict(e.time.comm), "exposed": e.time.exposed},
+        "peak": e.peak,
+        "rates": e.rates,
     }

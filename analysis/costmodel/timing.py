@@ -6,16 +6,14 @@ Input: ledger records (from `ledger.py`), a bandwidth model — `AlphaBeta` buil
 estimate, and `choose_collectives`, which resolves `collectives auto`.
 
 [Note: alpha-beta per stage]
-A ring stage over p ranks on one level moving V bytes takes (p−1)(α + V/(p·w)) for an
-all-gather, reduce-scatter or all-to-all, twice that for an all-reduce (Lins §IV-A).
-`ring` over several levels is one ring whose every step waits for its slowest link:
-(p−1)(max α + V/(p·min w)). `hierarchical` runs one stage per level on V_i = V/Π(inner
-sizes), one after another: Σ t_i. `ho-ring` runs the same stages pipelined over
-`chunks` pieces: each stage pays `chunks` latencies, and the time is the slowest stage
-plus the others' share of one chunk: max t_i + (Σ t_i − max t_i)/chunks.
+Seconds per collective come from `network.py` (see [Note: flat ring over several
+levels] and [Note: staged algorithms] there): `AlphaBeta` gives the outermost level
+`inter` links and every other level `intra` links (Lins §IV-A); `LevelLinks` one link
+per level.
 
 [Note: step time]
-compute = 6·Φ·tokens / flops per micro-batch. Forward/backward collectives overlap the
+compute = FLOPs per micro-batch / achievable FLOP/s, the FLOPs counted on the captured
+graph (attention and recomputation included, `flops.py`) or 6·Φ·tokens without one. Forward/backward collectives overlap the
 compute when `prefetch` ≥ 1, so each micro-batch costs max(compute, its comm); the sync
 phase hides behind whatever of the last backward (2/3 of a micro-batch's compute) its
 own backward collectives leave free; the update phase is exposed. With `prefetch 0`
@@ -34,24 +32,9 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Mesh, Strategy
 
 from shardc.analysis.costmodel.ledger import PHASES, predict_ledger
-from shardc.analysis.costmodel.links import FACTOR
+from shardc.analysis.costmodel.network import collective_seconds
+from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
 from shardc.analysis.costmodel.sizes import UnitSize
-
-HO_RING_CHUNKS = 4
-
-
-def _stage_sizes(mesh: Mesh, levels) -> list[tuple[str, int]]:
-    return [(l, mesh.size(l)) for l in mesh.ordered(levels) if mesh.size(l) > 1]
-
-
-def _combine(stages: list[float], algo: Collectives) -> float:
-    if not stages:
-        return 0.0
-    if algo == Collectives.HO_RING:
-        top = max(stages)
-        return top + (sum(stages) - top) / HO_RING_CHUNKS
-    return sum(stages)
-
 
 @dataclass(frozen=True, slots=True)
 class AlphaBeta:
@@ -65,28 +48,13 @@ class AlphaBeta:
         return (f"alpha-beta: intra {self.intra / 1e9:g} GB/s + {self.intra_lat * 1e6:g} us, "
                 f"inter {self.inter / 1e9:g} GB/s + {self.inter_lat * 1e6:g} us per ring step")
 
-    def _link(self, mesh: Mesh, level: str) -> tuple[float, float]:
+    def link(self, mesh: Mesh, level: str) -> tuple[float, float]:
+        """(latency, bytes/s) of `level`'s links: the outermost level is `inter`."""
         outer = level == mesh.names[0] and len(mesh.names) > 1
         return (self.inter_lat, self.inter) if outer else (self.intra_lat, self.intra)
 
-    def _stage(self, op: str, p: int, v: float, alpha: float, w: float, chunks: int = 1) -> float:
-        return FACTOR[op] * (p - 1) * (chunks * alpha + v / (p * w))
-
     def seconds(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
-        sizes = _stage_sizes(mesh, levels)
-        if not sizes:
-            return 0.0
-        if len(sizes) == 1 or algo == Collectives.RING or op == "all_to_all":   # qgZ: always flat
-            links = [self._link(mesh, l) for l, _ in sizes]
-            p = prod(s for _, s in sizes)
-            return self._stage(op, p, nbytes, max(a for a, _ in links), min(w for _, w in links))
-        chunks = HO_RING_CHUNKS if algo == Collectives.HO_RING else 1
-        stages = []
-        for i, (l, s) in enumerate(sizes):
-            inner = prod(x for _, x in sizes[i + 1:])
-            alpha, w = self._link(mesh, l)
-            stages.append(self._stage(op, s, nbytes / inner, alpha, w, chunks))
-        return _combine(stages, algo)
+        return collective_seconds(op, levels, nbytes, mesh, algo, lambda l: self.link(mesh, l))
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,8 +148,10 @@ def phase_seconds(records, mesh: Mesh, bw, algo: Collectives) -> dict[str, float
 
 
 def step_time(strategy: Strategy, units: list[UnitSize], bw, *, micro_batches: int | None = None,
-              tokens: int = 4096, flops: float = 150e12, algo: Collectives | None = None) -> StepTime:
-    """Estimated seconds of one optimizer step; see [Note: step time]."""
+              tokens: int = 4096, flops: float = 150e12, algo: Collectives | None = None,
+              mb_flops: float | None = None) -> StepTime:
+    """Estimated seconds of one optimizer step; see [Note: step time]. `mb_flops`: FLOPs
+    one rank executes per micro-batch (from the graph, `flops.py`); default 6·Φ·tokens."""
     m = strategy.accumulate if micro_batches is None else micro_batches
     algo = strategy.collectives if algo is None else algo
     if algo == Collectives.AUTO:
@@ -189,7 +159,7 @@ def step_time(strategy: Strategy, units: list[UnitSize], bw, *, micro_batches: i
     records = predict_ledger(strategy, units, micro_batches=m)
     comm = phase_seconds(records, strategy.mesh, bw, algo)
     phi = sum(u.trainable + u.frozen for u in units)
-    c_mb = 6 * phi * tokens / flops
+    c_mb = (6 * phi * tokens if mb_flops is None else mb_flops) / flops
     if strategy.prefetch <= 0:
         total = m * c_mb + sum(comm.values())
     else:

@@ -3,13 +3,15 @@
 Input: a `.shard` file, a model factory (`PATH.py:FACTORY`, built on the meta device:
 nothing is allocated), an optional world size / mesh override, micro-batches and
 optimizer. Output: rich tables (memory per state, the per-step ledger, bytes per link
-level with the intra/inter split, a step-time estimate), or `--json`, or `--plot`.
+level with the intra/inter split, step time, tokens/s and MFU, the peak memory per
+rank), or `--json`, or `--plot`.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 
+from shardc.cli import predict_args
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives
 
@@ -56,10 +58,13 @@ def run(args) -> int:
         strategy = dataclasses.replace(strategy, collectives=Collectives(args.collectives))
     units = load_model_units(strategy, args.model)
     kw = {"momentum": args.momentum}
-    bw = bandwidth_from_args(args)
+    bw = predict_args.links(args, bandwidth_from_args(args), strategy.mesh)
+    rate = predict_args.achievable(args, flops_from_args(args))
+    graph = predict_args.graph(args, strategy, args.model, strategy.scopes.params.dtype.value)
     e = explain(strategy, units, micro_batches=args.micro_batches, optimizer=args.optimizer,
-                optimizer_kwargs=kw, clip_grad_norm=args.clip, bandwidth=bw,
-                tokens=args.tokens, flops=flops_from_args(args))
+                optimizer_kwargs=kw, clip_grad_norm=args.clip, bandwidth=bw, tokens=args.tokens,
+                flops=rate, graph=graph, checkpoint=args.checkpoint, peak_flops=predict_args.peak(args),
+                overhead=predict_args.overhead(args))
     if args.plot:
         from shardc.cli.plot import plot_among_named
         plot_among_named(e, args.model, args.plot, optimizer=args.optimizer, optimizer_kwargs=kw)
@@ -67,7 +72,8 @@ def run(args) -> int:
         print(json.dumps(to_json(e), indent=2))
     else:
         render(e)
-        print(f"time model: {bw}; compute {args.tokens} tokens per micro-batch at {args.flops} FLOP/s")
+        counted = "6·params·tokens" if graph is None else "FLOPs counted on the traced graph"
+        print(f"time model: {bw}; compute {args.tokens} tokens per micro-batch at {rate:.4g} FLOP/s ({counted})")
     return 0
 
 
@@ -106,6 +112,11 @@ def render(e) -> None:
     con.print(f"step time estimate: {t.total * 1e3:.1f} ms (compute {t.compute * 1e3:.1f} ms, exposed "
               f"communication {t.exposed * 1e3:.1f} ms; " +
               ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.comm.items()) + ")")
+    r, pk = e.rates, e.peak
+    con.print(f"throughput: {r['tokens_per_s']:,.0f} tokens/s per rank, MFU {100 * r['mfu']:.1f} %")
+    con.print(f"peak memory per rank: {human_bytes(pk['peak'])} = states {human_bytes(pk['states'])} + gathered "
+              f"units {human_bytes(pk['gathered'])} + activations {human_bytes(pk['activations'])} + overhead "
+              f"{human_bytes(pk['overhead'])}; dominated by {pk['dominant']}")
     for w in s.warnings:
         con.print(w, markup=False, highlight=False)
 
@@ -121,6 +132,7 @@ def add_bandwidth_arguments(p) -> None:
     g.add_argument("--bandwidth", metavar="F.json", help="measured profile from `shardc profile` (replaces --intra/--inter)")
     g.add_argument("--tokens", type=int, default=4096, help="tokens per rank per micro-batch (default 4096)")
     g.add_argument("--flops", default="150e12", help="achievable FLOP/s per rank (default 150e12)")
+    predict_args.add_prediction_arguments(g)
 
 
 def bandwidth_from_args(args):

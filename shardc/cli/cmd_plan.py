@@ -13,6 +13,7 @@ import re
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import DType
 
+from shardc.cli import predict_args
 from shardc.cli.cmd_explain import (
     add_bandwidth_arguments, bandwidth_from_args, flops_from_args, human_bytes,
 )
@@ -36,11 +37,13 @@ def add_arguments(p) -> None:
     p.add_argument("--model", required=True, metavar="PATH:FACTORY", help="model factory, e.g. examples/llama.py:llama_7b")
     p.add_argument("--mesh", required=True, help='mesh, e.g. "node(8) > gpu(8)" (`*` needs --world)')
     p.add_argument("--world", type=int, help="world size (resolves `*` in the mesh)")
-    p.add_argument("--memory", required=True, help="memory per rank for model states, e.g. 80GiB")
+    p.add_argument("--memory", required=True, help="memory per rank the peak must fit, e.g. 80GiB")
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default 4)")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "adagrad", "rmsprop"))
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="params/grads dtype and comm (bf16 = mixed precision, fp32 master in the optimizer)")
+    p.add_argument("--objective", default="time", choices=("time", "comm"),
+                   help="rank by predicted step time (default) or by summed communication time (Lins')")
     p.add_argument("--top", type=int, default=10, metavar="K", help="rows to print (default 10)")
     p.add_argument("-o", "--output", metavar="best.shard", help="write the best strategy here")
     p.add_argument("--json", action="store_true", help="print the ranking as JSON")
@@ -62,21 +65,25 @@ def base_strategy(mesh: str, world):
 
 def run(args) -> int:
     from shardc.cli.loader import load_model_units
-    from shardc.analysis.planner import plan, shard_text
+    from shardc.analysis.planner import plan, shard_text, why
 
     budget = parse_memory(args.memory)
     if args.top < 1:
         raise ShardcError(f"--top must be at least 1, got {args.top}")
     base = base_strategy(args.mesh, args.world)
     units = load_model_units(base, args.model)
-    cands = plan(base, units, budget, bandwidth=bandwidth_from_args(args), micro_batches=args.micro_batches,
-                 optimizer=args.optimizer, dtype=DType(args.precision), tokens=args.tokens,
-                 flops=flops_from_args(args))
+    cands = plan(base, units, budget, bandwidth=predict_args.links(args, bandwidth_from_args(args), base.mesh),
+                 micro_batches=args.micro_batches, optimizer=args.optimizer, dtype=DType(args.precision),
+                 tokens=args.tokens, flops=predict_args.achievable(args, flops_from_args(args)),
+                 graph=predict_args.graph(args, base, args.model, args.precision), checkpoint=args.checkpoint,
+                 peak_flops=predict_args.peak(args), objective=args.objective,
+                 overhead=predict_args.overhead(args))
     fit = [c for c in cands if c.fits]
     if args.output and fit:
         write_best(fit[0], args.output)
     if args.json:
         print(json.dumps({"candidates": len(cands), "fit": len(fit), "best": shard_text(fit[0]) if fit else None,
+                          "objective": args.objective, "why": why(fit[0], fit[1], args.objective) if len(fit) > 1 else None,
                           "ranking": [row(c) for c in fit[:args.top]]}, indent=2))
     else:
         render(cands, fit, args, budget)
@@ -112,7 +119,8 @@ def row(c) -> dict:
     return {"params": list(sc.params.levels), "grads": list(sc.grads.levels), "optim": list(sc.optim.levels),
             "collectives": r.algo.value, "memory": c.memory, "model_states": r.memory["total"],
             "inter": round(r.inter), "intra": round(r.intra), "step_seconds": c.step_time,
-            "comm_seconds": c.comm_time}
+            "comm_seconds": c.comm_time, "peak": c.report.peak, "mfu": r.rates["mfu"],
+            "tokens_per_s": r.rates["tokens_per_s"]}
 
 
 def render(cands, fit, args, budget) -> None:
@@ -124,7 +132,8 @@ def render(cands, fit, args, budget) -> None:
     con.print(f"{len(cands)} strategies obey the dependency rule on {mesh}; {len(fit)} fit "
               f"{human_bytes(budget)} per rank ({args.micro_batches} micro-batches, {args.precision})")
     short = lambda levels: ",".join(levels) if levels else "replicate"
-    t = Table(title=f"top {min(args.top, len(fit))} by estimated step time (levels each state is sharded over)")
+    by = "estimated step time" if args.objective == "time" else "summed communication time"
+    t = Table(title=f"top {min(args.top, len(fit))} by {by} (levels each state is sharded over)")
     for col in ("#", "params", "grads", "optim", "collectives", "memory/rank", "inter/rank", "intra/rank", "step"):
         t.add_column(col, justify="right" if col in ("#", "memory/rank", "inter/rank", "intra/rank", "step") else "left",
                      no_wrap=True)
@@ -133,5 +142,8 @@ def render(cands, fit, args, budget) -> None:
         t.add_row(str(i), short(sc.params.levels), short(sc.grads.levels), short(sc.optim.levels), r.algo.value,
                   human_bytes(c.memory), human_bytes(r.inter), human_bytes(r.intra), f"{c.step_time * 1e3:.1f} ms")
     con.print(t)
+    if len(fit) > 1:
+        from shardc.analysis.planner import why
+        con.print(why(fit[0], fit[1], args.objective), markup=False)
     if args.output and fit:
         con.print(f"wrote the best strategy to {args.output}")

@@ -1,0 +1,140 @@
+"""Graph costs — FLOPs and saved activations of one micro-batch, from the model itself.
+
+Input: a model built on the meta device, its units (root first, as `find_units`
+returns them), the micro-batch shape (sequences × sequence length) and the compute
+dtype. Output: `GraphCost` — forward and backward FLOPs (torch's
+`FlopCounterMode`: matmuls, bmm and attention), and per unit the bytes autograd
+saves for the backward (`saved_tensors_hooks`) and the bytes of its input. Nothing is
+allocated: the forward and backward run on meta tensors.
+
+[Note: what the trace counts]
+- Attention runs as the fused flash kernel GPUs use (`aten._scaled_dot_product_flash_
+  attention`, which has a meta kernel): it saves q, k, v, the output and the
+  log-sum-exp, not the s×s score matrix the CPU math fallback would, and FlopCounterMode
+  counts it as 4·b·h·s²·d forward (the causal mask not halved: the literature formula
+  Lins and FlashAttention use).
+- Model FLOPs (for MFU) = 3 × forward FLOPs (Megatron's convention, backward = 2 ×
+  forward). Executed FLOPs = forward + backward as counted, plus one more forward of
+  every checkpointed unit (activation recomputation).
+- Saved bytes exclude parameters (they are model states) and count each tensor once
+  (by storage); a tensor saved inside a non-root unit's forward belongs to that unit,
+  anything else to the root unit.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from shardc.dsl.errors import ShardcError
+
+
+@dataclass(frozen=True, slots=True)
+class GraphCost:
+    forward_flops: float          # one micro-batch, whole model (not per rank: every rank runs it)
+    backward_flops: float
+    unit_forward_flops: tuple     # per unit (root first): forward FLOPs inside it
+    saved: tuple                  # per unit: bytes saved for the backward
+    inputs: tuple                 # per unit: bytes of its forward input (0 for the root)
+    tokens: int
+
+    @property
+    def model_flops(self) -> float:
+        """FLOPs per micro-batch that MFU counts ([Note: what the trace counts])."""
+        return 3 * self.forward_flops
+
+    def executed_flops(self, checkpoint: bool = False) -> float:
+        """FLOPs the hardware runs per micro-batch (recomputation included)."""
+        extra = sum(self.unit_forward_flops[1:]) if checkpoint else 0.0
+        return self.forward_flops + self.backward_flops + extra
+
+
+def sample_input(model, batch: int, seq: int):
+    """A meta input for `model`: token ids when it starts with an embedding; a model can
+    also say `example_input(batch, seq)` itself."""
+    import torch
+    if hasattr(model, "example_input"):
+        return model.example_input(batch, seq)
+    first = next((m for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.Linear))), None)
+    if isinstance(first, torch.nn.Embedding):
+        return torch.zeros((batch, seq), dtype=torch.long, device="meta")
+    raise ShardcError(f"cannot build a sample input for {type(model).__name__}: it does not start with an "
+                      f"nn.Embedding; give the model an `example_input(batch, seq)` method")
+
+
+def _flash_sdpa_mode():
+    """A TorchFunctionMode that runs F.scaled_dot_product_attention as the flash kernel."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class FlashSDPA(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.nn.functional.scaled_dot_product_attention and len(args) == 3 \
+                    and kwargs.get("attn_mask") is None:
+                return torch.ops.aten._scaled_dot_product_flash_attention(
+                    *args, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+                    scale=kwargs.get("scale"))[0]
+            return func(*args, **kwargs)
+    return FlashSDPA()
+
+
+def trace(model, units, *, batch: int, seq: int, dtype: str = "bf16") -> GraphCost:
+    """Run one micro-batch forward and backward on meta tensors; see the module docstring."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    m = copy.deepcopy(model).to(device="meta", dtype=tdt)
+    mods = dict(m.named_modules())
+    params = {p.untyped_storage()._cdata for p in m.parameters()}
+    n = len(units)
+    saved, inputs, fwd = [0] * n, [0] * n, [0.0] * n
+    seen: set = set()
+    current = [0]          # a stack: the unit whose forward is running is current[-1]
+    counter = FlopCounterMode(display=False)
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key not in params and key not in seen:
+            seen.add(key)
+            saved[current[-1]] += t.untyped_storage().nbytes()
+        return t
+
+    handles = []
+    for i, u in enumerate(units):
+        if i == 0:
+            continue
+        for name in u.modules:
+            handles.append(mods[name].register_forward_pre_hook(_enter(i, current, inputs, counter, fwd)))
+            handles.append(mods[name].register_forward_hook(_leave(i, current, counter, fwd)))
+    x = sample_input(m, batch, seq)
+    try:
+        with counter, _flash_sdpa_mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = m(x)
+            forward = counter.get_total_flops()
+            loss = (out if torch.is_tensor(out) else out[0]).float().sum()
+        with counter, _flash_sdpa_mode():      # entering the counter again starts from zero
+            loss.backward()
+            backward = counter.get_total_flops()
+    finally:
+        for h in handles:
+            h.remove()
+    fwd[0] = forward - sum(fwd[1:])
+    return GraphCost(float(forward), float(backward), tuple(fwd),
+                     tuple(saved), tuple(inputs), batch * seq)
+
+
+def _enter(i, current, inputs, counter, fwd):
+    def hook(mod, args):
+        import torch
+        current.append(i)
+        inputs[i] = sum(a.untyped_storage().nbytes() for a in args if torch.is_tensor(a))
+        fwd[i] -= counter.get_total_flops()
+    return hook
+
+
+def _leave(i, current, counter, fwd):
+    def hook(mod, args, out):
+        current.pop()
+        fwd[i] += counter.get_total_flops()
+    return hook

@@ -1,0 +1,83 @@
+"""Prediction options shared by `shardc explain` and `shardc plan`.
+
+Input: parsed arguments. Output: the compute side of the time model (achievable and
+peak FLOP/s), per-level links (`--link LEVEL=BW[@LAT]`, any number of levels; the
+`--intra/--inter` pair stays the two-tier shorthand), and the model's traced
+`GraphCost` (FLOPs and activations of one micro-batch of `--tokens` tokens in
+sequences of `--seq`, with or without `--checkpoint`). torch is imported lazily.
+"""
+from __future__ import annotations
+
+import sys
+
+from shardc.dsl.errors import ShardcError
+
+
+def add_prediction_arguments(g) -> None:
+    g.add_argument("--link", action="append", default=[], metavar="LEVEL=BW[@LAT]",
+                   help="bandwidth (and latency) per rank of one mesh level's links, e.g. --link node=25GB/s "
+                        "--link gpu=200GB/s@5us; repeat per level (levels not named use --intra/--inter)")
+    g.add_argument("--tflops", type=float, help="achievable TFLOP/s per rank (replaces --flops)")
+    g.add_argument("--peak-tflops", type=float, default=312.0,
+                   help="peak TFLOP/s per rank that MFU divides by (default 312: A100/A800 bf16 dense)")
+    g.add_argument("--seq", type=int, help="sequence length (default: --tokens, one sequence per micro-batch)")
+    g.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every non-root unit")
+    g.add_argument("--overhead", metavar="BYTES",
+                   help="framework memory per rank counted in the peak (default 2GiB: CUDA context, buffers)")
+    g.add_argument("--no-graph", action="store_true",
+                   help="skip tracing the model: compute = 6·params·tokens, activations not counted")
+
+
+def achievable(args, fallback: float) -> float:
+    if args.tflops is None:
+        return fallback
+    if args.tflops <= 0:
+        raise ShardcError(f"--tflops must be positive, got {args.tflops:g}")
+    return args.tflops * 1e12
+
+
+def peak(args) -> float:
+    if args.peak_tflops <= 0:
+        raise ShardcError(f"--peak-tflops must be positive, got {args.peak_tflops:g}")
+    return args.peak_tflops * 1e12
+
+
+def overhead(args):
+    """`--overhead` in bytes, or None for the cost model's stated default."""
+    if args.overhead is None:
+        return None
+    from shardc.cli.cmd_plan import parse_memory
+    return 0 if str(args.overhead).strip() in ("0", "0B") else int(parse_memory(args.overhead))
+
+
+def links(args, fallback, mesh):
+    """`--link` options over the two-tier fallback, checked against the mesh."""
+    if not args.link:
+        return fallback
+    if getattr(args, "bandwidth", None):
+        raise ShardcError("--link and --bandwidth both describe the links; give a measured profile or --link, not both")
+    from shardc.analysis.costmodel.network import parse_links
+    from shardc.analysis.costmodel.timing import parse_rate, parse_seconds
+    out = parse_links(args.link, fallback, parse_rate, parse_seconds)
+    out.check(mesh)
+    return out
+
+
+def graph(args, strategy, spec: str, dtype: str):
+    """The traced GraphCost of one micro-batch; None with `--no-graph`, or (with a note on
+    stderr) when the model cannot run on meta tensors."""
+    if args.no_graph:
+        return None
+    seq = args.seq or args.tokens
+    if seq < 1 or args.tokens % seq:
+        raise ShardcError(f"--tokens {args.tokens} must be a whole number of --seq {seq} sequences")
+    from shardc.analysis.costmodel.flops import trace
+    from shardc.cli.loader import build_model
+    from shardc.compiler.units import find_units
+    model = build_model(spec, device="meta")
+    try:
+        return trace(model, find_units(model, strategy), batch=args.tokens // seq, seq=seq, dtype=dtype)
+    except Exception as e:  # noqa: BLE001 — a model the meta trace cannot run: say so, go on without it
+        print(f"note: cannot trace {spec} on the meta device ({type(e).__name__}: {e}); compute is "
+              f"estimated as 6·params·tokens and activations are not counted", file=sys.stderr)
+        return None

@@ -1,0 +1,138 @@
+"""shardc against the papers' reported figures (docs/explain.md, "Validation against the
+papers"). Expected values are the papers' numbers; each check states its tolerance.
+Known misses are `xfail(strict=True)` with the reason, so they are visible, counted,
+and flip to a failure the day the model starts matching them.
+
+Settings the papers leave unstated are the ones docs/explain.md lists: Lins — per-GPU
+links node 12.5 GB/s and NVLink 200 GB/s, achievable 200 TFLOP/s (Lins' 64 % MFU on 8
+GPUs × A800's 312 TFLOP/s peak), 2 GiB framework overhead; PaRO — intra-node 150 GB/s.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from shardc.dsl.ir import Collectives
+
+LINS_MESH = "node(128) > gpu(2) > lane(4)"      # lane(4) expresses Lins' s = 4 of 8 GPUs
+LINS_LINKS = (("node", 12.5e9, None), ("gpu", 200e9, None), ("lane", 200e9, None))
+CHECKPOINT = {"7b": False, "13b": False, "30b": True}   # Lins §V-A: recomputation for 30B only
+# Lins Table III, as (params, grads, optim) levels on LINS_MESH.
+TABLE_III = {"7b": ((), (), ("gpu", "lane")), "13b": (("lane",), ("lane",), ("gpu", "lane")),
+             "30b": (("gpu", "lane"),) * 3}
+LINS_MFU = {"7b": 0.51, "13b": 0.52, "30b": 0.42}     # Lins §V-B, 1024 GPUs
+
+
+def _strategy(mesh: str, p=(), g=(), o=(), extra=""):
+    from shardc import load_strategy
+    sc = lambda lv: f"shard over {', '.join(lv)}" if lv else "replicate"
+    return load_strategy(f"strategy s\nmesh {mesh}\nparams {sc(p)}{extra} dtype bf16\n"
+                         f"grads {sc(g)} dtype bf16\noptim {sc(o)}\naccumulate 1\n")
+
+
+@functools.lru_cache(maxsize=None)
+def _lins_model(size: str):
+    from shardc.analysis.costmodel.flops import trace
+    from shardc.cli.loader import build_model
+    from shardc.compiler.units import find_units
+    base = _strategy(LINS_MESH)
+    model = build_model(f"examples/llama.py:llama_{size}", device="meta")
+    units = find_units(model, base)
+    from shardc.analysis.costmodel.sizes import unit_sizes
+    return unit_sizes(model, units), trace(model, units, batch=1, seq=4096, dtype="bf16")
+
+
+def _links():
+    from shardc.analysis.costmodel.network import LevelLinks
+    from shardc.analysis.costmodel.timing import AlphaBeta
+    return LevelLinks(LINS_LINKS, AlphaBeta())
+
+
+def _lins_explain(size: str, p, g, o, extra=""):
+    from dataclasses import replace
+    from shardc.analysis.costmodel.report import explain
+    s = _strategy(LINS_MESH, p, g, o, extra)
+    units, graph = _lins_model(size)
+    return explain(s, [replace(u, scopes=s.scopes) for u in units], micro_batches=1, bandwidth=_links(),
+                   flops=200e12, graph=graph, checkpoint=CHECKPOINT[size], peak_flops=312e12)
+
+
+def _lins_plan(size: str, objective: str):
+    from shardc.analysis.planner import plan
+    from shardc.dsl.ir import DType
+    units, graph = _lins_model(size)
+    cands = plan(_strategy(LINS_MESH), units, 80 * 2**30, bandwidth=_links(), micro_batches=1,
+                 dtype=DType.BF16, flops=200e12, graph=graph, checkpoint=CHECKPOINT[size], objective=objective)
+    fit = [c for c in cands if c.fits]
+    picks = [(c.scopes.params.levels, c.scopes.grads.levels, c.scopes.optim.levels) for c in fit]
+    return picks.index(TABLE_III[size]) + 1
+
+
+def test_paro_ho_ring_gain():
+    # PaRO §4.2: all-gather over 2 DGX nodes; HO-Ring 309 ms vs ring 459 ms (−32.6 %). 8 GPUs
+    # crossing at once share 56 GB/s (§3.3): 7 GB/s per GPU. Tolerance: 20 % of the gain.
+    from shardc import load_strategy
+    from shardc.analysis.costmodel.network import LevelLinks
+    from shardc.analysis.costmodel.timing import AlphaBeta
+    mesh = load_strategy("strategy a\nmesh node(2) > gpu(8)\n").mesh
+    bw = LevelLinks((("node", 7e9, None), ("gpu", 150e9, None)), AlphaBeta())
+    ring, ho = (bw.seconds("all_gather", ("node", "gpu"), 100e9, mesh, a)
+                for a in (Collectives.RING, Collectives.HO_RING))
+    assert 1 - ho / ring == pytest.approx(1 - 309 / 459, rel=0.20)
+
+
+def test_zero_topo_max_model_sizes():
+    # ZeRO-topo §I: 16 GCDs (2 Frontier nodes), 64 GiB each, mixed precision + Adam, model
+    # states only: ZeRO-3 ≈ 68B, ZeRO++ ≈ 55B; §VII: ZeRO-topo ≈ 36B. Tolerance 5 % / 15 %.
+    from shardc.analysis.costmodel.memory import predict_memory
+    from shardc.cli.loader import load_model_units
+    mesh = "node(2) > gpu(4) > gcd(2)"
+    cases = {"zero3": (("node", "gpu", "gcd"),) * 3,
+             "zeropp": (("node", "gpu", "gcd"), ("node", "gpu", "gcd"), ("node", "gpu", "gcd"))}
+    s = _strategy(mesh, *cases["zero3"])
+    units = load_model_units(s, "examples/llama.py:llama_7b")   # small root: hpZ keeps no root secondary
+    phi = sum(u.trainable for u in units)
+
+    def max_params(strategy):
+        from dataclasses import replace
+        per = predict_memory(strategy.mesh, [replace(u, scopes=strategy.scopes) for u in units])["total"] / phi
+        return 64 * 2**30 / per
+
+    assert max_params(s) == pytest.approx(68e9, rel=0.05)
+    assert max_params(_strategy(mesh, *cases["zeropp"], extra=" secondary gpu, gcd")) == pytest.approx(55e9, rel=0.05)
+    topo = _strategy(mesh, ("gcd",), ("gpu", "gcd"), ("node", "gpu", "gcd"), extra=" secondary gpu, gcd int8")
+    assert max_params(topo) == pytest.approx(36e9, rel=0.15)
+
+
+@pytest.mark.parametrize("size", ["7b", "13b", "30b"])
+def test_lins_mfu_of_its_strategy(size):
+    e = _lins_explain(size, *TABLE_III[size])
+    assert e.rates["mfu"] == pytest.approx(LINS_MFU[size], rel=0.20)
+    assert e.peak["peak"] <= 80 * 2**30
+
+
+@pytest.mark.xfail(strict=True, reason="known miss: shardc's overlap model hides MiCS' per-micro-batch "
+                   "gathers and its sync behind compute; Lins measured 35 %")
+def test_lins_mfu_mics_7b():
+    assert _lins_explain("7b", *(("gpu", "lane"),) * 3).rates["mfu"] == pytest.approx(0.35, rel=0.20)
+
+
+@pytest.mark.xfail(strict=True, reason="known miss: DeepSpeed ZeRO-3 at 1024 GPUs reached ~4 % MFU "
+                   "(latency of per-module collectives over 1024 ranks); shardc predicts compute-bound")
+def test_lins_mfu_zero3_7b():
+    assert _lins_explain("7b", *(("node", "gpu", "lane"),) * 3).rates["mfu"] == pytest.approx(0.04, rel=0.20)
+
+
+def test_lins_table_iii_7b_is_first_by_lins_objective():
+    assert _lins_plan("7b", "comm") == 1
+
+
+def test_lins_table_iii_30b_is_first_by_step_time():
+    assert _lins_plan("30b", "time") == 1
+
+
+@pytest.mark.xfail(strict=True, reason="known miss: with NCCL's multi-channel rings spread over all NICs, "
+                   "sharding the optimizer over the world is cheaper than Lins' in-node choice")
+def test_lins_table_iii_13b_is_first_by_lins_objective():
+    assert _lins_plan("13b", "comm") == 1

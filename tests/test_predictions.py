@@ -1,0 +1,139 @@
+"""Predictions at scale: per-level links and the collective models, FLOPs and activations
+from the traced meta graph, the peak memory the planner binds on, MFU and tokens/s, and
+the planner's explicit objective. Expected figures come from the formulas in
+analysis/costmodel/{network,flops,activations}.py's notes, computed by hand here.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+
+import pytest
+
+from shardc.dsl.errors import ShardcError
+from shardc.dsl.ir import Collectives
+
+TINY = "examples/llama.py:llama_tiny"
+
+
+def run_cmd(name: str, argv: list[str]) -> int:
+    mod = importlib.import_module(f"shardc.cli.cmd_{name}")
+    p = argparse.ArgumentParser(prog=f"shardc {name}")
+    mod.add_arguments(p)
+    return mod.run(p.parse_args(argv))
+
+
+def _links(*spec):
+    from shardc.analysis.costmodel.network import parse_links
+    from shardc.analysis.costmodel.timing import AlphaBeta, parse_rate, parse_seconds
+    return parse_links(spec, AlphaBeta(), parse_rate, parse_seconds)
+
+
+def test_three_level_links_and_algorithms():
+    from shardc import load_strategy
+    mesh = load_strategy("strategy a\nmesh node(2) > gpu(2) > gcd(2)\n").mesh
+    bw = _links("node=25GB/s@20us", "gpu=200GB/s@5us", "gcd=50GB/s@1us")
+    v, lv = 8e9, ("node", "gpu", "gcd")
+    # flat ring over 8: 7 steps at the slowest latency; per rank, node links carry 2/8·7/8·V,
+    # gpu links 2/8·7/8·V, gcd links 4/8·7/8·V (links.flat_ring's edge counts), all at once.
+    wire = max(2 / 8 * 7 / 8 * v / 25e9, 2 / 8 * 7 / 8 * v / 200e9, 4 / 8 * 7 / 8 * v / 50e9)
+    assert bw.seconds("all_gather", lv, v, mesh, Collectives.RING) == pytest.approx(7 * 20e-6 + wire)
+    # hierarchical: one stage per level on V / (inner sizes), one after the other.
+    gcd, gpu, node = (1e-6 + v / 2 / 50e9), (5e-6 + v / 2 / 2 / 200e9), (20e-6 + v / 4 / 2 / 25e9)
+    assert bw.seconds("all_gather", lv, v, mesh, Collectives.HIERARCHICAL) == pytest.approx(gcd + gpu + node)
+    with pytest.raises(ShardcError, match="LEVEL=BANDWIDTH"):
+        _links("node:25GB/s")
+    with pytest.raises(ShardcError, match="not on the mesh"):
+        _links("rack=25GB/s").check(mesh)
+
+
+def test_ho_ring_against_flat_ring_on_paro_setting():
+    # PaRO §4.2: 2 nodes of 8, 8 GPUs crossing at once share 56 GB/s (7 GB/s each).
+    from shardc import load_strategy
+    mesh = load_strategy("strategy a\nmesh node(2) > gpu(8)\n").mesh
+    bw = _links("node=7GB/s@20us", "gpu=150GB/s@5us")
+    v, lv = 100e9, ("node", "gpu")
+    ring = 15 * 20e-6 + max(2 / 16 * 15 / 16 * v / 7e9, 14 / 16 * 15 / 16 * v / 150e9)
+    inter, intra = 1 * (4 * 20e-6 + v / 8 / 2 / 7e9), 7 * (4 * 5e-6 + v / 8 / 150e9)
+    assert bw.seconds("all_gather", lv, v, mesh, Collectives.RING) == pytest.approx(ring)
+    assert bw.seconds("all_gather", lv, v, mesh, Collectives.HO_RING) == pytest.approx(max(inter, intra) + min(inter, intra) / 4)
+
+
+@pytest.fixture(scope="module")
+def tiny_graph():
+    from shardc import load_strategy
+    from shardc.analysis.costmodel.flops import trace
+    from shardc.cli.loader import build_model
+    from shardc.compiler.units import find_units
+    s = load_strategy("strategy a\nmesh gpu(2)\n")
+    m = build_model(TINY, device="meta")
+    return trace(m, find_units(m, s), batch=2, seq=8, dtype="bf16"), trace(m, find_units(m, s), batch=1, seq=8)
+
+
+def test_flops_from_the_graph_include_attention(tiny_graph):
+    g, _ = tiny_graph
+    # llama_tiny: dim 18, 3 heads, ffn 37, vocab 101, 2 blocks; 2 sequences of 8 tokens.
+    linear = 2 * (4 * 18 * 18 + 3 * 18 * 37) + 18 * 101          # matmul weights (embedding: a lookup)
+    attention = 2 * 4 * 2 * 8 * 8 * 18                             # 4·b·s²·(h·d) per block, not halved
+    assert g.forward_flops == 2 * 16 * linear + attention
+    assert g.model_flops == 3 * g.forward_flops
+    # backward: matmuls twice the forward; flash attention's backward 2.5× its forward
+    assert g.backward_flops == 2 * 2 * 16 * linear + 2.5 * attention
+    assert g.executed_flops(checkpoint=True) == g.executed_flops() + sum(g.unit_forward_flops[1:])
+    assert g.tokens == 16
+
+
+def test_activations_per_unit_and_checkpointing(tiny_graph):
+    from shardc.analysis.costmodel.activations import activation_bytes, peak_memory
+    g, g1 = tiny_graph
+    assert g.inputs[1:] == (2 * 8 * 18 * 2,) * 2                     # a block's input: b·s·dim bf16
+    full, ckpt = activation_bytes(g), activation_bytes(g, checkpoint=True)
+    assert full == sum(g.saved) and ckpt == g.saved[0] + sum(g.inputs[1:]) + max(g.saved[1:])
+    assert ckpt < full
+    assert activation_bytes(g1) < full                                # one sequence saves less
+    p = peak_memory({"total": 1000, "transient": 10}, g, overhead=5)
+    assert p["peak"] == 1000 + 10 + full + 5 and p["dominant"] == "activations"
+
+
+def test_explain_prints_step_time_tokens_and_mfu(capsys):
+    assert run_cmd("explain", ["examples/strategies/zero3.shard", "--model", TINY, "--mesh", "node(2) > gpu(2)",
+                               "--tokens", "16", "--seq", "8", "--tflops", "1e-6", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    t, r = d["time"], d["rates"]
+    m = d["micro_batches"]
+    assert r["tokens_per_s"] == pytest.approx(m * 16 / t["total"])
+    assert r["mfu"] == pytest.approx(m * r["model_flops"] / (t["total"] * 312e12))
+    assert d["peak"]["peak"] == sum(d["peak"][k] for k in ("states", "gathered", "activations", "overhead"))
+    assert run_cmd("explain", ["examples/strategies/zero3.shard", "--model", TINY, "--mesh", "node(2) > gpu(2)",
+                               "--link", "node=1GB/s", "--link", "gpu=10GB/s"]) == 0
+    out = capsys.readouterr().out
+    assert "MFU" in out and "tokens/s" in out and "peak memory per rank" in out and "dominated by" in out
+
+
+def _plan(capsys, *extra):
+    assert run_cmd("plan", ["--model", TINY, "--mesh", "node(2) > gpu(2)", "--memory", "3GiB", "--top", "16",
+                            "--tokens", "16", "--seq", "8", "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_objective_and_peak_memory_bind(capsys):
+    by_time, by_comm = _plan(capsys), _plan(capsys, "--objective", "comm")
+    steps = [round(r["step_seconds"], 9) for r in by_time["ranking"]]
+    comms = [round(r["comm_seconds"], 9) for r in by_comm["ranking"]]
+    assert steps == sorted(steps) and comms == sorted(comms)
+    assert by_time["why"].startswith("#1") and by_comm["objective"] == "comm"
+    # The budget binds on the peak (states + gathered + activations + overhead), not on states.
+    peaks = sorted(r["peak"]["peak"] for r in by_time["ranking"])
+    budget = peaks[len(peaks) // 2]
+    d = _plan(capsys, "--memory", str(budget))      # the last --memory wins
+    assert 0 < d["fit"] < 16 and all(r["memory"] == r["peak"]["peak"] <= budget for r in d["ranking"])
+    assert all(r["peak"]["activations"] > 0 for r in d["ranking"])
+
+
+def test_link_and_profile_are_exclusive(tmp_path):
+    f = tmp_path / "bw.json"
+    f.write_text('{"entries": []}')
+    with pytest.raises(ShardcError, match="--link and --bandwidth"):
+        run_cmd("explain", ["examples/strategies/zero3.shard", "--model", TINY, "--mesh", "node(2) > gpu(2)",
+                            "--bandwidth", str(f), "--link", "node=1GB/s"])
