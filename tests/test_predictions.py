@@ -126,7 +126,7 @@ def test_objective_and_peak_memory_bind(capsys):
     # The budget binds on the peak (states + gathered + activations + overhead), not on states.
     peaks = sorted(r["peak"]["peak"] for r in by_time["ranking"])
     budget = peaks[len(peaks) // 2]
-    d = _plan(capsys, "--memory", str(budget))      # the last --memory wins
+    d = _plan(capsys, "--memory", f"{budget}B")      # the last --memory wins
     assert 0 < d["fit"] < 16 and all(r["memory"] == r["peak"]["peak"] <= budget for r in d["ranking"])
     assert all(r["peak"]["activations"] > 0 for r in d["ranking"])
 
