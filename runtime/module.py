@@ -22,7 +22,7 @@ from torch import nn
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
 
-from . import state
+from . import checkpoint, faults, state
 from .comm import Comm
 from .engine import Engine, UnitState
 from .errors import RuntimeUsageError
@@ -96,8 +96,10 @@ def _make_group(names, params, plan, comm, trainable, is_root):
 
 class ShardedModule(nn.Module):
     def __init__(self, model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None,
-                 hooks: bool = True):
+                 hooks: bool = True, timeout: float | None = None):
         super().__init__()
+        self.timeout = faults.timeout_s(timeout)
+        self._fault_prefix, self._entries = faults.new_prefix(), {}
         if not dist.is_initialized():
             raise ShardcError("shard_module needs torch.distributed initialised (init_process_group)")
         if dist.get_world_size() != strategy.mesh.world:
@@ -241,20 +243,56 @@ class ShardedModule(nn.Module):
     def memory_report(self) -> dict[str, int]:
         return state.memory_report(self.runtime, self._optimizers[-1] if self._optimizers else None)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return state.full_state_dict(self)
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter (original names and shapes, tied aliases included) and buffer.
+
+        Collective: every rank must call it (a lone caller gets an error naming it after
+        the shardc timeout). With `rank0_only`, ranks other than 0 return {}."""
+        return state.full_state_dict(self, rank0_only)
+
+    def full_optim_state_dict(self, optimizer, rank0_only: bool = False) -> dict:
+        """`optimizer`'s state as torch's layout keyed by parameter names, each state tensor
+        of its parameter's full shape (what a single-process run's optimizer would hold).
+
+        Collective, like `full_state_dict`."""
+        return state.full_optim_state_dict(self, optimizer, rank0_only)
 
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load full (unsharded) tensors, e.g. from `full_state_dict()`. Collective."""
         state.load_full_state_dict(self, sd)
 
-    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        return state.sharded_state_dict(self)
+    def state_dict(self, *args, **kwargs) -> dict:
+        """One entry per original parameter (global, unpadded shape; this rank's piece of
+        it, see runtime/checkpoint.py), buffers and a manifest: what `dcp.save` writes and
+        `get_state_dict(sm, opt)` returns. Local (no communication)."""
+        return checkpoint.model_state_dict(self)
 
-    def load_state_dict(self, sd, strict: bool = True, assign: bool = False):
-        state.load_sharded_state_dict(self, sd)
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load `state_dict()`-shaped (or full-tensor) entries; checks every name and shape
+        before changing anything. Collective (re-gathers the params shards)."""
+        faults.enter_collective(self, "load_state_dict()")
+        checkpoint.load_model_state_dict(self, state_dict, strict)
+        return nn.modules.module._IncompatibleKeys([], [])
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's optimizer pieces under their original parameter names (empty until
+        `optimizer()` is built): what torch's state-dict helpers map optimizer state by.
+        Padding pieces are named `<padding>:<unit>` and have requires_grad=False."""
+        seen = set()
+        for opt in self._optimizers:
+            for piece, p in zip(opt.shardc_pieces, opt.shardc_params):
+                if remove_duplicate and id(p) in seen:
+                    continue
+                seen.add(id(p))
+                yield prefix + piece.name, p
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """torch.distributed.checkpoint.state_dict: names resolve through `.module`."""
+        return {name: "module" for name, _ in [("", None), *self.module.named_children()]}
 
 
 def shard_module(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None,
-                 hooks: bool = True) -> ShardedModule:
-    """Shard `model` per `strategy` over its `units` (root first); see docs/internals.md."""
-    return ShardedModule(model, strategy, units, mesh=mesh, hooks=hooks)
+                 hooks: bool = True, timeout: float | None = None) -> ShardedModule:
+    """Shard `model` per `strategy` over its `units` (root first); see docs/internals.md.
+    `timeout` (seconds; default $SHARDC_TIMEOUT or 600) bounds every wait on a peer."""
+    return ShardedModule(model, strategy, units, mesh=mesh, hooks=hooks, timeout=timeout)
