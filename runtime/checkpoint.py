@@ -64,6 +64,12 @@ def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple, tuple, 
 class _Flat(torch.Tensor):
     """A rank's elements [lo, hi) of a parameter-shaped tensor, flattened (DCP hooks)."""
 
+    def __deepcopy__(self, memo):
+        new = self.as_subclass(torch.Tensor).clone().as_subclass(_Flat)
+        new._shardc_boxes, new._shardc_shape = list(self._shardc_boxes), self._shardc_shape
+        memo[id(self)] = new
+        return new
+
     def _chunks(self):
         for off, size, a, b in self._shardc_boxes:
             yield ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)), a, b
@@ -120,7 +126,8 @@ def local_piece(value, shape: tuple[int, ...], lo: int, hi: int, what: str) -> t
 
 def manifest(sm) -> str:
     names = {n: list(s) for n, s in param_shapes(sm).items()}
-    return json.dumps({"params": names, "buffers": [n for n, _ in sm.module.named_buffers()]})
+    return json.dumps({"params": names, "buffers": [n for n, _ in sm.module.named_buffers()],
+                       "optimizers": [type(o).__name__ for o in sm._optimizers]})
 
 
 def param_shapes(sm) -> dict[str, tuple[int, ...]]:
@@ -167,6 +174,11 @@ def _check_manifest(sm, sd: dict, strict: bool) -> None:
         if extra and strict:
             raise RuntimeUsageError(f"the checkpoint holds {extra[0]!r}, which this model does "
                                     f"not have (a checkpoint of another model?)")
+        opts = [type(o).__name__ for o in sm._optimizers]
+        if strict and opts and theirs.get("optimizers") and theirs["optimizers"] != opts:
+            raise RuntimeUsageError(f"the checkpoint holds {', '.join(theirs['optimizers'])} "
+                                    f"optimizer state, but this model's optimizer is "
+                                    f"{', '.join(opts)}; build the same optimizer class to resume")
         for n, shape in theirs["params"].items():
             if n in ours and tuple(shape) != tuple(ours[n]):
                 raise RuntimeUsageError(f"{n!r} has shape {tuple(shape)} in the checkpoint, but "

@@ -136,3 +136,94 @@ def test_padding_differs_world4_to_world2(tmp_path):
                          "adamw")
     want, _ = reference(Tiny(), _data(1), "adamw")
     assert max_rel_err(resumed[0], want) < 1e-5
+
+
+# -- whole-model export ----------------------------------------------------------------------
+def _export(rank, world):
+    sm, opt = _build("paro_iig", "node(2) > gpu(2)", 0, "adamw")
+    _train(sm, opt, _data(world)[:K], rank, world)
+    full, osd = sm.full_state_dict(), sm.full_optim_state_dict(opt)
+    only0 = sm.full_state_dict(rank0_only=True), sm.full_optim_state_dict(opt, rank0_only=True)
+    sm.timeout = 3.0
+    alone = None
+    if rank == 0:                                   # the torch.save pattern, done wrong
+        try:
+            sm.full_state_dict()
+        except Exception as e:                      # noqa: BLE001 — the message is the result
+            alone = f"{type(e).__name__}: {e}"
+    torch.distributed.barrier()                     # the others wait elsewhere meanwhile
+    again = sm.full_state_dict()                    # every rank together still works after it
+    return full, osd, only0, alone, max_rel_err(again, full)
+
+
+def test_full_export_rank0_only_and_lone_caller():
+    model = Tiny()
+    ref = copy.deepcopy(model)
+    opt = make_opt("adamw", [p for p in ref.parameters()])
+    for x, y in _data(1)[:K]:
+        loss_fn(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    names = {id(p): n for n, p in ref.named_parameters()}
+    want = {names[id(p)]: st for p, st in opt.state.items()}
+    res = dist_run(4, _export)
+    for rank, (full, osd, (full0, osd0), alone, again) in enumerate(res):
+        assert set(osd["state"]) == set(want) and osd["param_groups"][-1]["lr"] == 0.01
+        for n, st in want.items():
+            assert float(osd["state"][n]["step"]) == float(st["step"]) == K
+            for key in ("exp_avg", "exp_avg_sq"):
+                got = osd["state"][n][key]
+                assert got.shape == st[key].shape
+                assert float((got - st[key]).abs().max()) <= 1e-5 * float(st[key].abs().max()) + 1e-9
+        if rank == 0:
+            _same(full0, full)
+            _same(osd0, osd)
+            assert "full_state_dict() is a collective" in alone and "1 of 4" in alone, alone
+        else:
+            assert full0 == {} and osd0 == {} and alone is None
+        assert again == 0.0
+
+
+# -- bad input ------------------------------------------------------------------------------------
+def _bad(rank, world, path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import torch.distributed.checkpoint as dcp
+    from shardc.runtime import shard_module
+    sm, opt = _build("zero3", "node(2) > gpu(2)", 0, "adamw")
+    _train(sm, opt, _data(world)[:1], rank, world)
+    msd, osd = get_state_dict(sm, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    out = {}
+
+    def attempt(label, sm2, opt2):
+        before = sm2.full_state_dict()
+        msd2, osd2 = get_state_dict(sm2, opt2)
+        try:
+            state = {"model": msd2, "optim": osd2}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(sm2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            out[label] = None
+        except BaseException as e:                  # noqa: BLE001 — DCP's CheckpointException too
+            out[label] = str(e)
+        out[label + "_untouched"] = max_rel_err(sm2.full_state_dict(), before)
+
+    s = strategy("zero3", "node(2) > gpu(2)", accumulate=1)
+    fewer = Tiny(n_blocks=2, seed=3)                # the checkpoint has blocks.2.*, this lacks it
+    sm2 = shard_module(fewer, s, units_for(fewer, s.scopes))
+    attempt("extra", sm2, make_opt("adamw", sm2))
+    wider = Tiny(d=8, seed=3)                       # other shapes
+    sm3 = shard_module(wider, s, units_for(wider, s.scopes))
+    attempt("shape", sm3, make_opt("adamw", sm3))
+    same = Tiny(seed=3)                             # same model, another optimizer class
+    sm4 = shard_module(same, s, units_for(same, s.scopes))
+    attempt("adam", sm4, sm4.optimizer(torch.optim.Adam, lr=0.01))
+    return out
+
+
+def test_bad_checkpoints_name_the_culprit_and_load_nothing(tmp_path):
+    for out in dist_run(4, _bad, str(tmp_path / "ckpt")):
+        assert "'blocks.2." in out["extra"] and "does not have" in out["extra"], out["extra"]
+        assert "emb.weight" in out["shape"] and "mismatch" in out["shape"].lower(), out["shape"]
+        assert "AdamW" in out["adam"] and "Adam" in out["adam"].replace("AdamW", ""), out["adam"]
+        for label in ("extra", "shape", "adam"):
+            assert out[label + "_untouched"] == 0.0, label
