@@ -132,13 +132,19 @@ def _attach(opt, engine, pieces, params, views) -> None:
                     cast[id(g)] = g.os_grad.float()
                 p.grad = cast[id(g)][lo:hi]
 
+    fresh = [False]
+
     def pre(optimizer, args, kwargs):
         engine.wait_sync("opt.step()")
-        if engine.phase is not Phase.FRESH:      # a backward ran since zero_grad()
+        fresh[0] = engine.phase is Phase.FRESH
+        if not fresh[0]:                         # a backward ran since zero_grad()
             attach_grads()
 
     def post(optimizer, args, kwargs):
-        engine.after_step()
+        if any(p.grad is not None for p in params):
+            engine.after_step()
+        if fresh[0]:                             # no gradients were consumed: still fresh
+            engine.phase = Phase.FRESH
 
     def zero_grad(self, set_to_none: bool = True):
         engine.zero_grad()
