@@ -35,6 +35,15 @@ class Collectives(enum.Enum):
         return f"Collectives.{self.name}"
 
 
+class BufferSync(enum.Enum):
+    """`buffers broadcast` (DDP's rule: rank 0's buffers everywhere) or `buffers local`."""
+    BROADCAST = "broadcast"
+    LOCAL = "local"
+
+    def __repr__(self) -> str:
+        return f"BufferSync.{self.name}"
+
+
 class DType(enum.Enum):
     FP32 = "fp32"
     BF16 = "bf16"
@@ -184,6 +193,7 @@ class Strategy:
     file: str = "<string>"            # for `file.shard:LINE` comments in emitted code
     lines: tuple[tuple[str, int], ...] = field(default=())   # statement -> line, e.g. ("mesh", 2)
     warnings: tuple[str, ...] = ()    # rendered warning diagnostics
+    buffers: BufferSync = BufferSync.BROADCAST
 
     # Convenience accessors used everywhere.
     @property

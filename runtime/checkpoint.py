@@ -145,9 +145,12 @@ def _chunk_of(g):
 
 # -- model ------------------------------------------------------------------------------
 def model_state_dict(sm) -> dict:
-    """Canonical parameter name -> piece (see Note), buffers, and the manifest. Local: no
-    communication."""
+    """Canonical parameter name -> piece (see Note), buffers, and the manifest. Local,
+    except that under `buffers broadcast` rank 0's buffers are broadcast first if a
+    training forward changed them (runtime/buffers.py)."""
+    from . import buffers
     from .optimizer import slot_ranges
+    buffers.settle(sm)
     mesh = sm.comm.smesh.device_mesh
     pieces = {}
     for u in sm.runtime.units:

@@ -22,7 +22,7 @@ from torch import nn
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
 
-from . import checkpoint, faults, state
+from . import buffers, checkpoint, faults, state
 from .comm import Comm
 from .engine import Engine, UnitState
 from .errors import RuntimeUsageError
@@ -36,8 +36,9 @@ from .units import UnitSpec
 def _broadcast_from_rank0(model: nn.Module) -> None:
     """All ranks start from rank 0's values (not recorded in the ledger)."""
     with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
+        for t in model.parameters():
             dist.broadcast(t.data, src=0)
+    buffers.broadcast(model)
 
 
 def _param_maps(model: nn.Module):
@@ -139,6 +140,7 @@ class ShardedModule(nn.Module):
         self.hooks = hooks
         if hooks:
             self._install_hooks()
+        buffers.install(self)
         self._optimizers: list = []
 
     def _placeholders(self, u: UnitState) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import faults
+from . import buffers, faults
 from .checkpoint import OPTIM_CLASS
 from .errors import RuntimeUsageError
 
@@ -53,6 +53,7 @@ def _gather(sm, g, local: torch.Tensor, levels, order) -> torch.Tensor:
 
 def full_state_dict(sm, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     faults.enter_collective(sm, "full_state_dict()")
+    buffers.settle(sm)
     keep = not rank0_only or dist.get_rank() == 0
     values: dict[str, torch.Tensor] = {}
     for u in sm.runtime.units:
