@@ -117,13 +117,16 @@ class ShardedModule(nn.Module):
         self.frozen = {n for n, p in params.items() if not p.requires_grad}
         per_unit = _check_units(self.unit_specs, params, self.aliases)
         self._warm_groups()
+        faults.apply_timeout(self)
+        faults.register(self)
         states = []
         for i, (spec, names) in enumerate(zip(self.unit_specs, per_unit)):
             plan = ScopePlan(strategy.mesh, spec.scopes, self.comm.rank)
             groups, tg = [], []
+            comm = faults.UnitComm(self.comm, spec.name, self._fault_prefix)
             for trainable in (True, False):
                 sel = [n for n in names if (n not in self.frozen) == trainable]
-                g = _make_group(sel, params, plan, self.comm, trainable, i == 0)
+                g = _make_group(sel, params, plan, comm, trainable, i == 0)
                 if g is not None:
                     groups.append(g)
                     tg.append([targets[s.fqn] for s in g.layout.slots])
