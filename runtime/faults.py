@@ -88,6 +88,12 @@ def apply_timeout(sm) -> None:
         c10d._set_pg_timeout(timedelta(seconds=sm.timeout), g)
 
 
+def set_timeout(sm, seconds: float) -> None:
+    """Change the shardc timeout of `sm` (and of its process groups)."""
+    sm.timeout = timeout_s(seconds)
+    apply_timeout(sm)
+
+
 def register(sm) -> None:
     """Publish this rank's host and pid, so survivors can tell which peer died."""
     import socket
