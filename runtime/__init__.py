@@ -6,8 +6,10 @@ sharded optimizer, the communication ledger, memory reports and state dicts.
     loss = f(sm(x)); loss.backward(); sm.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 
 Modules: layout (padding, chunk offsets), flat (per-unit storage and its collectives),
-engine (schedule, hooks, accumulation), optimizer, state (memory report, state dicts),
-ledger, comm (ledger-recording adapter over mesh/collectives), module (entry point).
+engine (schedule, hooks, accumulation), optimizer, state (memory report, full state dicts),
+checkpoint (strategy-independent DCP state dicts), buffers (`buffers broadcast|local`),
+faults (timeouts, failed peers), ledger, comm (ledger-recording adapter over
+mesh/collectives), module (entry point).
 `sm.module` keeps no registered parameters: read values with `full_state_dict()`.
 """
 from .errors import RuntimeUsageError
