@@ -39,10 +39,14 @@ def broadcast(module: nn.Module) -> None:
                 off += b.numel()
 
 
-def settle(sm) -> None:
+def settle(sm, caller: str | None = None) -> None:
     """Under `buffers broadcast`: rank 0's buffers everywhere if a training forward ran
-    since the last broadcast. Collective (every rank must call it)."""
+    since the last broadcast. Collective then (every rank must call it); `caller` names
+    the API for the bounded entry rendezvous (runtime/faults.py)."""
     if sm._buffers_dirty:
+        if caller is not None:
+            from . import faults
+            faults.enter_collective(sm, caller)
         broadcast(sm.module)
         sm._buffers_dirty = False
 

@@ -150,7 +150,7 @@ def model_state_dict(sm) -> dict:
     training forward changed them (runtime/buffers.py)."""
     from . import buffers
     from .optimizer import slot_ranges
-    buffers.settle(sm)
+    buffers.settle(sm, "state_dict()")
     mesh = sm.comm.smesh.device_mesh
     pieces = {}
     for u in sm.runtime.units:

@@ -269,7 +269,9 @@ class ShardedModule(nn.Module):
     def state_dict(self, *args, **kwargs) -> dict:
         """One entry per original parameter (global, unpadded shape; this rank's piece of
         it, see runtime/checkpoint.py), buffers and a manifest: what `dcp.save` writes and
-        `get_state_dict(sm, opt)` returns. Local (no communication)."""
+        `get_state_dict(sm, opt)` returns. Local, except under `buffers broadcast` after a
+        training forward: then a collective (rank 0's buffers are broadcast first), so call
+        it on every rank."""
         return checkpoint.model_state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

@@ -227,3 +227,44 @@ def test_bad_checkpoints_name_the_culprit_and_load_nothing(tmp_path):
         assert "AdamW" in out["adam"] and "Adam" in out["adam"].replace("AdamW", ""), out["adam"]
         for label in ("extra", "shape", "adam"):
             assert out[label + "_untouched"] == 0.0, label
+
+
+# -- every element-wise optimizer ------------------------------------------------------------------
+def _every_optimizer(rank, world, root):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import torch.distributed.checkpoint as dcp
+    from shardc.runtime import ELEMENTWISE, shard_module
+    s = strategy("zero3", "gpu(2)", accumulate=1)
+    data = _data(world)
+    out = {}
+    for cls in ELEMENTWISE:
+        sms = []
+        for seed in (0, 5):
+            model = Tiny(seed=seed)
+            sm = shard_module(model, s, units_for(model, s.scopes))
+            kw = {"momentum": 0.9} if cls is torch.optim.SGD else {}
+            sms.append((sm, sm.optimizer(cls, lr=0.01, **kw)))
+        (a, oa), (b, ob) = sms
+        _train(a, oa, data[:K], rank, world)
+        path = f"{root}/{cls.__name__}"
+        msd, osd = get_state_dict(a, oa)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        msd, osd = get_state_dict(b, ob)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(b, ob, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        loaded = (_full(b, ob), _full(a, oa))
+        _train(a, oa, data[K:], rank, world)
+        _train(b, ob, data[K:], rank, world)
+        out[cls.__name__] = (loaded, (_full(b, ob), _full(a, oa)))
+    return out
+
+
+def test_every_elementwise_optimizer_resumes_bit_for_bit(tmp_path):
+    res = dist_run(2, _every_optimizer, str(tmp_path))
+    for out in res:
+        assert len(out) == 11
+        for name, ((got, want), (got_after, want_after)) in out.items():
+            assert want[1]["state"], name                    # the optimizer had state to save
+            _same(got, want, f"{name} loaded")
+            _same(got_after, want_after, f"{name} continued")
