@@ -230,7 +230,8 @@ class ShardedModule(nn.Module):
             sq = torch.zeros(1, dtype=torch.float32)
             for g in groups:
                 sq += g.os_grad.float().pow(2).sum()
-            self.comm.all_reduce("update", sq, levels, 4).wait()
+            guarded = faults.UnitComm(self.comm, "<all units>", self._fault_prefix)
+            guarded.all_reduce("update", sq, levels, 4).wait()
             total += sq[0]
         norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
