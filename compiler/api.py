@@ -84,14 +84,19 @@ def load_emitted(source: str, name: str) -> dict:
     return namespace
 
 
-def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str = "auto", mesh=None):
-    """`shardc.compile`: the same pipeline as `shardc compile`, run in memory."""
+def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str = "auto", mesh=None,
+                  timeout: float | None = None):
+    """`shardc.compile`: the same pipeline as `shardc compile`, run in memory. `timeout`
+    (seconds) overrides $SHARDC_TIMEOUT for every wait on a peer (runtime/faults.py)."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         raise ShardcError(NO_PROCESS_GROUP)
     source, plan = compile_source(model, strategy, example_inputs, capture, mesh)
     namespace = load_emitted(source, plan.strategy.name)
     sm = namespace["shard_model"](model)
+    if timeout is not None:
+        from shardc.runtime.faults import set_timeout
+        set_timeout(sm, timeout)
     sm.plan = plan
     sm.source = source
     return sm

@@ -39,6 +39,13 @@ class Collectives(CodeEnum):
     HO_RING = "ho-ring"
 
 
+
+class BufferSync(CodeEnum):
+    """`buffers broadcast` (DDP's rule: rank 0's buffers everywhere) or `buffers local`."""
+    BROADCAST = "broadcast"
+    LOCAL = "local"
+
+
 class DType(CodeEnum):
     FP32 = "fp32"
     BF16 = "bf16"
@@ -197,6 +204,7 @@ class Strategy:
     file: str = "<string>"            # for `file.shard:LINE` comments in emitted code
     lines: tuple[tuple[str, int], ...] = field(default=())   # statement -> line, e.g. ("mesh", 2)
     warnings: tuple[str, ...] = ()    # rendered warning diagnostics
+    buffers: BufferSync = BufferSync.BROADCAST
 
     # Convenience accessors used everywhere.
     @property

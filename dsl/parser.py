@@ -240,6 +240,12 @@ class _ToAst(Transformer):
     def collectives_stmt(self, meta, children):
         return self._words("collectives", meta, children)
 
+    def buffers_stmt(self, meta, children):
+        return self._words("buffers", meta, children)
+
+    def buffers_mode(self, meta, children):
+        return self._w(children[0])
+
     def bucket_stmt(self, meta, children):
         return self._words("bucket", meta, children)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from shardc.dsl import ast, checks
 from shardc.dsl.diagnostics import Diagnostic, Note, did_you_mean, error, short
-from shardc.dsl.ir import (Collectives, DType, GradsSpec, Mesh, OptimSpec, Override, ParamsSpec,
+from shardc.dsl.ir import (BufferSync, Collectives, DType, GradsSpec, Mesh, OptimSpec, Override, ParamsSpec,
                            Scopes, Secondary, Span, Strategy, UnitsKind, UnitsSpec)
 from shardc.dsl.mesh import check_ir_mesh, parse_int, resolve_mesh
 
@@ -260,6 +260,8 @@ def _options(top: dict[str, ast.Statement], ctx: _Ctx) -> dict:
                                     hint="prefetch counts units gathered ahead of use (0 = no overlap)")
     if "collectives" in top:
         out["collectives"] = Collectives(top["collectives"].args[0].text)
+    if "buffers" in top:
+        out["buffers"] = BufferSync(top["buffers"].args[0].text)
     if "units" in top:
         out["units"] = _units(top["units"], ctx)
     if "bucket" in top:

@@ -2,7 +2,7 @@
 
 Input: an `ir.Strategy`; output: plain dicts/lists/ints/strings (the `--json` form of docs/language.md):
 `{"name", "mesh", "params", "grads", "optim", "accumulate", "prefetch", "collectives",
-"units", "bucket", "overrides", "warnings"}`, each scope with its levels (mesh order)
+"buffers", "units", "bucket", "overrides", "warnings"}`, each scope with its levels (mesh order)
 and shard factor.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ def strategy_dict(s: Strategy) -> dict:
         "accumulate": s.accumulate,
         "prefetch": s.prefetch,
         "collectives": s.collectives.value,
+        "buffers": s.buffers.value,
         "units": {"kind": s.units.kind.value, "names": list(s.units.names)},
         "bucket": s.bucket,
         "overrides": [_override_dict(o, s.mesh) for o in s.overrides],

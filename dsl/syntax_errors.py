@@ -20,7 +20,7 @@ from shardc.dsl.diagnostics import Diagnostic, did_you_mean, error, short
 from shardc.dsl.ir import Span
 
 STATEMENTS = ("strategy", "mesh", "params", "grads", "optim", "accumulate", "prefetch",
-              "collectives", "units", "bucket", "override")
+              "collectives", "units", "bucket", "buffers", "override")
 _NAMES = {"NAME": "a name", "INT": "a number", "STRING": "a quoted string",
           "_NL": "end of line", "$END": "end of file", "STAR": "`*`", "LOCAL": "`local`",
           "WORLD": "`world`", "HO_RING": "`ho-ring`"}
@@ -118,6 +118,11 @@ def _bad_token(e: UnexpectedToken, lines, file, literals) -> Diagnostic:
     if "RING" in expected:
         return error(span, f"unknown collectives algorithm {_found(tok)}",
                      hint or "choose auto, ring, hierarchical or ho-ring")
+    if "BROADCAST" in expected:
+        what = f"unknown buffers mode {_found(tok)}" if tok.type == "NAME" else \
+            f"expected `broadcast` or `local` after `buffers`, found {_found(tok)}"
+        return error(span, what,
+                     hint or "write `buffers broadcast` (rank 0's buffers on every rank) or `buffers local`")
     if "STAR" in expected:
         return error(span, f"expected a level size, found {_found(tok)}",
                      "a size is a whole number, `*` (inferred from the world size) or `local`")

@@ -10,6 +10,14 @@ memory per rank (`memory_report()`) and the communication per mesh level
 (`comm_ledger()`, bytes of the logical collectives summed by the levels they span).
 Runs on CPU with gloo (or CUDA with nccl when available). `SHARDC_EXAMPLE_STEPS` overrides
 the default number of steps (CI uses it to shorten the run).
+
+With `--checkpoint-dir DIR` it saves a DCP checkpoint (parameters, optimizer states, the
+step) every `--checkpoint-every` steps to DIR/step_NNNNNN and, when started, resumes
+from the latest complete one (the one with DCP's `.metadata`), so under
+`torchrun --max-restarts 1` a job whose rank died continues where it was saved and
+ends with the same parameters as a run that never stopped. `TRAIN_GPT_KILL_AT=RANK:STEP`
+SIGKILLs that rank in the middle of that step on the first attempt (a fault-injection
+hook for tests/test_restart.py).
 """
 from __future__ import annotations
 
@@ -44,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the model trains (default: cuda when available, else cpu)")
+    p.add_argument("--checkpoint-dir", default=None, help="save here and resume from the latest checkpoint")
+    p.add_argument("--checkpoint-every", type=int, default=1, help="steps between checkpoints")
+    p.add_argument("--save-final", default=None, help="torch.save the final full state dict here (rank 0)")
     return p.parse_args(argv)
 
 
@@ -84,7 +95,8 @@ def report(sm, strategy, tokens, seconds, world, losses):
     if dist.get_rank() != 0:
         return
     print(f"\nstrategy {strategy.name} on {strategy.mesh} (world {world}), collectives {strategy.collectives.value}")
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+    if losses:
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
     print(f"throughput {tokens / seconds:,.0f} tokens/s ({tokens:,} tokens in {seconds:.1f} s)")
     print("model-state memory per rank: " + ", ".join(
         f"rank {i}: {human(m['total'])} (params {human(m['params'])}, grads {human(m['grads'])}, "
@@ -119,6 +131,48 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+def latest_checkpoint(root: str | None) -> tuple[str | None, int]:
+    """The newest complete checkpoint under `root` and its step (None, 0 if none)."""
+    if not root or not os.path.isdir(root):
+        return None, 0
+    done = sorted(d for d in os.listdir(root)
+                  if d.startswith("step_") and os.path.exists(os.path.join(root, d, ".metadata")))
+    return (os.path.join(root, done[-1]), int(done[-1][5:])) if done else (None, 0)
+
+
+def save_checkpoint(root: str, sm, opt, step: int) -> None:
+    """Parameters, optimizer states and the step: torch's recipe on the sharded model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(sm, opt)
+    dcp.save({"model": msd, "optim": osd, "step": step},
+             checkpoint_id=os.path.join(root, f"step_{step:06d}"))
+
+
+def resume(root: str | None, sm, opt) -> int:
+    """Load the latest checkpoint under `root` (if any); returns the step to start from."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    path, _ = latest_checkpoint(root)
+    if path is None:
+        return 0
+    msd, osd = get_state_dict(sm, opt)
+    state = {"model": msd, "optim": osd, "step": 0}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(sm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if dist.get_rank() == 0:
+        print(f"resumed from {path} (step {state['step']})", flush=True)
+    return state["step"]
+
+
+def maybe_die(step: int, rank: int) -> None:
+    """TRAIN_GPT_KILL_AT=RANK:STEP: SIGKILL that rank mid-step, on the first attempt only."""
+    spec = os.environ.get("TRAIN_GPT_KILL_AT")
+    if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        r, s = (int(v) for v in spec.split(":"))
+        if (r, s) == (rank, step):
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv=None) -> int:
@@ -163,13 +217,15 @@ def train(args) -> dict:
               f"capture {sm.plan.capture}", flush=True)
     opt = sm.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
     M = strategy.accumulate
-    bar, losses = Progress(args.steps, rank == 0 and not args.quiet), []
+    first = resume(args.checkpoint_dir, sm, opt)
+    bar, losses = Progress(args.steps - first, rank == 0 and not args.quiet), []
     t0 = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         total = torch.zeros((), device=dev)
         for micro in range(M):
             x, y = (t.to(dev) for t in get_batch(data, cfg, args.batch, step, micro, rank, world))
             loss = F.cross_entropy(sm(x).flatten(0, 1), y.flatten()) / M
+            maybe_die(step, rank)
             loss.backward()
             total += loss.detach()
         sm.clip_grad_norm_(1.0)
@@ -178,9 +234,15 @@ def train(args) -> dict:
         dist.all_reduce(total)                      # for display only (not in the ledger)
         losses.append(total.item() / world)
         bar.update(losses[-1])
+        if args.checkpoint_dir and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            save_checkpoint(args.checkpoint_dir, sm, opt, step + 1)
     seconds = time.perf_counter() - t0
     bar.close()
-    tokens = args.steps * M * args.batch * cfg.block_size * world
+    if args.save_final:
+        final = sm.full_state_dict(rank0_only=True)
+        if rank == 0:
+            torch.save(final, args.save_final)
+    tokens = max(len(losses), 1) * M * args.batch * cfg.block_size * world
     report(sm, strategy, tokens, seconds, world, losses)
     return dict(losses=losses, tokens_per_s=tokens / seconds, memory=sm.memory_report(),
                 comm=comm_by_level(sm.comm_ledger()))

@@ -7,9 +7,11 @@ sharded optimizer, the communication ledger, memory reports and state dicts.
 
 Modules: layout (parameter slots in a flat buffer; padding and chunks come from
 shardc.lowering), flat (per-unit storage and its collectives),
-engine (schedule, hooks, accumulation), optimizer, state (memory report, state dicts),
-ledger, comm (ledger-recording adapter over mesh/collectives), device (the model's
-device, the backend per device type, communication streams), module (entry point).
+engine (schedule, hooks, accumulation), optimizer, state (memory report, full state dicts),
+checkpoint (strategy-independent DCP state dicts), buffers (`buffers broadcast|local`),
+faults (timeouts, failed peers), ledger, comm (ledger-recording adapter over
+mesh/collectives), device (the model's device, the backend per device type,
+communication streams), module (entry point).
 `sm.module` keeps no registered parameters: read values with `full_state_dict()`.
 """
 from .errors import RuntimeUsageError

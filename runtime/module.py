@@ -24,7 +24,7 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
 from shardc.lowering import RankPlan, Schedule, lower, unit_sizes
 
-from . import state
+from . import buffers, checkpoint, faults, state
 from .comm import Comm
 from .device import model_device
 from .engine import Engine, UnitState
@@ -39,8 +39,9 @@ from .units import UnitSpec
 def _broadcast_from_rank0(model: nn.Module) -> None:
     """All ranks start from rank 0's values (not recorded in the ledger)."""
     with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
+        for t in model.parameters():
             dist.broadcast(t.data, src=0)
+    buffers.broadcast(model)
 
 
 def _param_maps(model: nn.Module):
@@ -97,8 +98,10 @@ def _make_group(names, params, gplan, plan, comm, is_root):
 
 class ShardedModule(nn.Module):
     def __init__(self, model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None,
-                 hooks: bool = True, schedule: Schedule | None = None):
+                 hooks: bool = True, schedule: Schedule | None = None, timeout: float | None = None):
         super().__init__()
+        self.timeout = faults.timeout_s(timeout)
+        self._fault_prefix, self._entries = faults.new_prefix(), {}
         if not dist.is_initialized():
             raise ShardcError("shard_model/shard_module need one process per rank: launch with torchrun "
                               "(e.g. `torchrun --nproc-per-node 4 train.py`) and call "
@@ -119,13 +122,16 @@ class ShardedModule(nn.Module):
         canonical = [dataclasses.replace(u, params=tuple(n)) for u, n in zip(self.unit_specs, per_unit)]
         self.lowering = lower(strategy.mesh, unit_sizes(params, canonical), strategy.prefetch)
         self._warm_groups()
+        faults.apply_timeout(self)
+        faults.register(self)
         states = []
         for i, (spec, names, uplan) in enumerate(zip(self.unit_specs, per_unit, self.lowering.units)):
             plan = RankPlan(strategy.mesh, spec.scopes, self.comm.rank)
             groups, tg = [], []
+            comm = faults.UnitComm(self.comm, spec.name, self._fault_prefix)
             for gplan in uplan.groups:
                 sel = [n for n in names if (n not in self.frozen) == gplan.trainable]
-                g = _make_group(sel, params, gplan, plan, self.comm, i == 0)
+                g = _make_group(sel, params, gplan, plan, comm, i == 0)
                 groups.append(g)
                 tg.append([targets[s.fqn] for s in g.layout.slots])
             states.append(UnitState(i, spec, groups, tg))
@@ -142,6 +148,7 @@ class ShardedModule(nn.Module):
         self.hooks = hooks
         if hooks:
             self._install_hooks()
+        buffers.install(self)
         self._optimizers: list = []
 
     def _placeholders(self, u: UnitState) -> None:
@@ -232,7 +239,8 @@ class ShardedModule(nn.Module):
                 sq += g.os_grad.float().pow(2).sum()
             row = clip_rows.get(levels)
             if row is not None:
-                self.comm.all_reduce(row.phase.value, sq, row.levels, row.bytes).wait()
+                guarded = faults.UnitComm(self.comm, "<all units>", self._fault_prefix)
+                guarded.all_reduce(row.phase.value, sq, row.levels, row.bytes).wait()
             total += sq[0]
         norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -250,17 +258,54 @@ class ShardedModule(nn.Module):
     def memory_report(self) -> dict[str, int]:
         return state.memory_report(self.runtime, self._optimizers[-1] if self._optimizers else None)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return state.full_state_dict(self)
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter (original names and shapes, tied aliases included) and buffer.
+
+        Collective: every rank must call it (a lone caller gets an error naming it after
+        the shardc timeout). With `rank0_only`, ranks other than 0 return {}."""
+        return state.full_state_dict(self, rank0_only)
+
+    def full_optim_state_dict(self, optimizer, rank0_only: bool = False) -> dict:
+        """`optimizer`'s state as torch's layout keyed by parameter names, each state tensor
+        of its parameter's full shape (what a single-process run's optimizer would hold).
+
+        Collective, like `full_state_dict`."""
+        return state.full_optim_state_dict(self, optimizer, rank0_only)
 
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load full (unsharded) tensors, e.g. from `full_state_dict()`. Collective."""
         state.load_full_state_dict(self, sd)
 
-    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        return state.sharded_state_dict(self)
+    def state_dict(self, *args, **kwargs) -> dict:
+        """One entry per original parameter (global, unpadded shape; this rank's piece of
+        it, see runtime/checkpoint.py), buffers and a manifest: what `dcp.save` writes and
+        `get_state_dict(sm, opt)` returns. Local, except under `buffers broadcast` after a
+        training forward: then a collective (rank 0's buffers are broadcast first), so call
+        it on every rank."""
+        return checkpoint.model_state_dict(self)
 
-    def load_state_dict(self, sd, strict: bool = True, assign: bool = False):
-        state.load_sharded_state_dict(self, sd)
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load `state_dict()`-shaped (or full-tensor) entries; checks every name and shape
+        before changing anything. Collective (re-gathers the params shards)."""
+        faults.enter_collective(self, "load_state_dict()")
+        checkpoint.load_model_state_dict(self, state_dict, strict)
+        return nn.modules.module._IncompatibleKeys([], [])
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's optimizer pieces under their original parameter names (empty until
+        `optimizer()` is built): what torch's state-dict helpers map optimizer state by.
+        Padding pieces are named `<padding>:<unit>` and have requires_grad=False."""
+        seen = set()
+        for opt in self._optimizers:
+            for piece, p in zip(opt.shardc_pieces, opt.shardc_params):
+                if remove_duplicate and id(p) in seen:
+                    continue
+                seen.add(id(p))
+                yield prefix + piece.name, p
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """torch.distributed.checkpoint.state_dict: names resolve through `.module`."""
+        return {name: "module" for name, _ in [("", None), *self.module.named_children()]}
 
 
 def _checked(schedule: Schedule, n: int) -> Schedule:
@@ -273,10 +318,13 @@ def _checked(schedule: Schedule, n: int) -> Schedule:
 
 
 def shard_module(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None,
-                 hooks: bool = True, schedule: Schedule | None = None) -> ShardedModule:
+                 hooks: bool = True, schedule: Schedule | None = None,
+                 timeout: float | None = None) -> ShardedModule:
     """Shard `model` per `strategy` over its `units` (root first); see docs/internals.md.
 
     `schedule` (default: the lowering's) says which gathers are issued before each unit
     runs, forward and backward; with `hooks=False` the caller's forward issues the forward
-    gathers itself (emitted code), and the engine follows only the backward stages."""
-    return ShardedModule(model, strategy, units, mesh=mesh, hooks=hooks, schedule=schedule)
+    gathers itself (emitted code), and the engine follows only the backward stages.
+    `timeout` (seconds; default $SHARDC_TIMEOUT or 600) bounds every wait on a peer."""
+    return ShardedModule(model, strategy, units, mesh=mesh, hooks=hooks, schedule=schedule,
+                         timeout=timeout)

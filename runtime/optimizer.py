@@ -2,10 +2,22 @@
 
 Input: the engine's trainable flat groups, a torch.optim class, per-name param groups.
 Output: a plain `torch.optim.Optimizer` instance over this rank's optimizer shard:
-one parameter per (original parameter ∩ this rank's OS chunk) plus one padding piece,
-each an `nn.Parameter` view of the fp32 master whose `.grad` is a view of the grad
-shard. Step hooks wait for the gradient sync before the update and run the update
-re-gather after it; `zero_grad` zeroes the grad shards in place (the views stay).
+one parameter per (original trainable parameter ∩ this rank's OS chunk), empty where
+they do not meet, plus one padding piece, each an `nn.Parameter` view of the fp32 master
+whose `.grad` is a view of the grad shard. Step hooks wait for the gradient sync before
+the update and run the update re-gather after it; `zero_grad` zeroes the grad shards in
+place and (set_to_none, the default) detaches the grad views, which the next step
+re-attaches only if a backward ran since (so a step without one moves nothing, as in
+PyTorch). Checkpoint hooks (runtime/checkpoint.py) turn `state_dict()` into
+per-parameter, padding-free entries.
+
+[Note: one piece per parameter on every rank]
+Every rank's optimizer has a piece for every trainable parameter (zero elements where
+its OS chunk misses the parameter), in the same order, so `param_groups[i]["params"]`
+names the same parameters on every rank and in every strategy — what torch's
+`get_state_dict`/`set_state_dict` need when rank 0 writes the param groups once.
+Padding pieces have `requires_grad=False`: torch's state-dict helpers skip their state,
+and they never reach a checkpoint.
 
 [Note: element-wise only]
 Sharding optimizer state is exact only for updates that act element by element (each
@@ -36,14 +48,22 @@ class Piece:
     stop: int
 
 
-def _pieces(unit: int, group) -> list[tuple[Piece, int, int]]:
-    """(piece, lo, hi) with lo/hi relative to the OS chunk."""
-    a, b = group.os_start, group.os_start + group.os_len
+def slot_ranges(layout, start: int, length: int) -> list[tuple[object, int, int]]:
+    """(slot, lo, hi) for every slot of `layout`: the part of the parameter inside the chunk
+    [start, start+length) of the flat buffer, lo/hi relative to the chunk (lo == hi when
+    they do not meet). The one place a per-parameter range inside a rank's chunk is computed."""
     out = []
-    for s in group.layout.slots:
-        lo, hi = max(a, s.offset), min(b, s.offset + s.numel)
-        if lo < hi:
-            out.append((Piece(s.fqn, unit, lo, hi), lo - a, hi - a))
+    for s in layout.slots:
+        lo, hi = max(start, s.offset), min(start + length, s.offset + s.numel)
+        out.append((s, lo - start, hi - start) if lo < hi else (s, 0, 0))
+    return out
+
+
+def _pieces(unit: int, group) -> list[tuple[Piece, int, int]]:
+    """(piece, lo, hi) with lo/hi relative to the OS chunk; every slot, then the padding."""
+    a, b = group.os_start, group.os_start + group.os_len
+    out = [(Piece(s.fqn, unit, a + lo, a + hi), lo, hi)
+           for s, lo, hi in slot_ranges(group.layout, a, group.os_len)]
     lo, hi = max(a, group.layout.phi), b
     if lo < hi:
         out.append((Piece(f"<padding>:{unit}", unit, lo, hi), lo - a, hi - a))
@@ -83,54 +103,59 @@ def build_optimizer(engine, aliases: dict[str, str], frozen: set[str], cls,
     default = {"params": []}
     pieces: list[Piece] = []
     ordered: list[nn.Parameter] = []
+    views: list[tuple] = []             # (group, lo, hi) per piece: where its grad lives
     for ui, g in [(u.index, u.trainable) for u in engine.units if u.trainable is not None]:
         for piece, lo, hi in _pieces(ui, g):
-            p = nn.Parameter(g.master[lo:hi])
-            p.grad = g.os_grad[lo:hi] if g.gdtype == torch.float32 else None
+            padding = piece.name.startswith("<padding>")
+            p = nn.Parameter(g.master[lo:hi], requires_grad=not padding)
             target = groups[wanted[piece.name]] if piece.name in wanted else default
             target["params"].append(p)
             pieces.append(piece)
             ordered.append(p)
+            views.append((g, lo, hi))
     opt = cls(groups + [default], **kw)
-    _attach(opt, engine, pieces, ordered)
+    _attach(opt, engine, pieces, ordered, views)
     return opt
 
 
-def _attach(opt, engine, pieces, params) -> None:
-    grad_views = {id(p): p.grad for p in params}
-    fp32_grads = any(g.gdtype != torch.float32 for g in engine.trainable_groups())
+def _attach(opt, engine, pieces, params, views) -> None:
+    from . import checkpoint
+    from .engine import Phase
+
+    def attach_grads() -> None:
+        cast = {}
+        for p, (g, lo, hi) in zip(params, views):
+            if g.gdtype == torch.float32:
+                p.grad = g.os_grad[lo:hi]
+            else:                      # low-precision grad shard: an fp32 copy of the slice
+                if id(g) not in cast:
+                    cast[id(g)] = g.os_grad.float()
+                p.grad = cast[id(g)][lo:hi]
+
+    fresh = [False]
 
     def pre(optimizer, args, kwargs):
         engine.wait_sync("opt.step()")
-        if fp32_grads:
-            _cast_grads(params, engine)
-        for p in params:               # zero_grad(set_to_none) may have dropped the views
-            if p.grad is None and grad_views[id(p)] is not None:
-                p.grad = grad_views[id(p)]
+        fresh[0] = engine.phase is Phase.FRESH
+        if not fresh[0]:                         # a backward ran since zero_grad()
+            attach_grads()
 
     def post(optimizer, args, kwargs):
-        engine.after_step()
+        if any(p.grad is not None for p in params):
+            engine.after_step()
+        if fresh[0]:                             # no gradients were consumed: still fresh
+            engine.phase = Phase.FRESH
 
     def zero_grad(self, set_to_none: bool = True):
         engine.zero_grad()
-        for p in params:               # drop transient fp32 copies (low-precision grads)
-            if grad_views[id(p)] is None:
-                p.grad = None
+        for p in params:
+            p.grad = None
+        if not set_to_none:
+            attach_grads()
 
     opt.register_step_pre_hook(pre)
     opt.register_step_post_hook(post)
     opt.zero_grad = types.MethodType(zero_grad, opt)
     opt.shardc_pieces = pieces
     opt.shardc_params = params
-
-
-def _cast_grads(params, engine) -> None:
-    """Low-precision grad shards: give the optimizer fp32 copies of its OS slices."""
-    it = iter(params)
-    for u in engine.units:
-        g = u.trainable
-        if g is None:
-            continue
-        os32 = g.os_grad.float()
-        for _ in _pieces(u.index, g):
-            next(it).grad = os32[_[1]:_[2]]
+    checkpoint.attach_optimizer_hooks(opt, engine)

@@ -19,7 +19,7 @@ import torch
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import (Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec,  # noqa: F401
-                           Scopes, Secondary, Strategy, UnitsKind, UnitsSpec)
+                           BufferSync, Scopes, Secondary, Strategy, UnitsKind, UnitsSpec)
 from shardc.lowering import Schedule, Stage
 from shardc.runtime import UnitSpec, shard_module
 
@@ -46,7 +46,8 @@ STRATEGY = Strategy(name='paro_iig',
                            ('optim', 7),
                            ('accumulate', 8),
                            ('prefetch', 9)),
-                    warnings=())
+                    warnings=(),
+                    buffers=BufferSync.BROADCAST)
 
 UNITS = [
     UnitSpec('<root>', modules=(), scopes=STRATEGY.scopes, params=(

@@ -1,0 +1,65 @@
+"""Buffers — stage: runtime. DDP's rule for the model's (unsharded) buffers.
+
+Input: a `ShardedModule` and its strategy's `buffers` mode (`BufferSync`).
+Output: `broadcast(module)` (rank 0's buffers to every rank, one broadcast per dtype,
+not recorded in the ledger), `install(sm)`, which under `buffers broadcast` runs it
+before every forward in training mode (a forward pre-hook on the ShardedModule, so
+emitted forwards get it too), and `settle(sm)`, which the state-dict and export paths
+call so that what they return is rank 0's. `buffers local` keeps only the broadcast
+made when sharding.
+
+[Note: before the forward, and before reading]
+Buffers change inside a training forward (BatchNorm's running statistics) and autograd
+may hold them for the backward, so they are synchronised before the next forward, as
+DDP does, never after one. Between a training forward and the next, each rank holds
+its own update; `settle` broadcasts then (only if a training forward ran since the last
+broadcast), so every rank's state dict and every checkpoint hold rank 0's values.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardc.dsl.ir import BufferSync
+
+
+def broadcast(module: nn.Module) -> None:
+    """Every rank takes rank 0's buffers (a collective over the default group)."""
+    by_dtype: dict[tuple, list[torch.Tensor]] = {}
+    for b in module.buffers():
+        by_dtype.setdefault((b.dtype, b.device), []).append(b)
+    with torch.no_grad():
+        for bufs in by_dtype.values():
+            flat = torch.cat([b.reshape(-1) for b in bufs])
+            dist.broadcast(flat, src=0)
+            off = 0
+            for b in bufs:
+                b.copy_(flat[off:off + b.numel()].view_as(b))
+                off += b.numel()
+
+
+def settle(sm, caller: str | None = None) -> None:
+    """Under `buffers broadcast`: rank 0's buffers everywhere if a training forward ran
+    since the last broadcast. Collective then (every rank must call it); `caller` names
+    the API for the bounded entry rendezvous (runtime/faults.py)."""
+    if sm._buffers_dirty:
+        if caller is not None:
+            from . import faults
+            faults.enter_collective(sm, caller)
+        broadcast(sm.module)
+        sm._buffers_dirty = False
+
+
+def install(sm) -> None:
+    """Under `buffers broadcast`, sync the buffers before each training forward."""
+    sm._buffers_dirty = False
+    if sm.strategy.buffers is not BufferSync.BROADCAST or not any(True for _ in sm.module.buffers()):
+        return
+
+    def before_forward(module, args):
+        if module.training:
+            settle(module)
+            module._buffers_dirty = True
+
+    sm.register_forward_pre_hook(before_forward)

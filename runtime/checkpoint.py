@@ -1,0 +1,339 @@
+"""Checkpoints — stage: runtime. Strategy-independent state dicts for DCP.
+
+Input: a `ShardedModule` (its flat groups and buffers) and its optimizers.
+Output: `model_state_dict(sm)` / `load_model_state_dict(sm, sd)` behind
+`sm.state_dict()` / `sm.load_state_dict()`, and the optimizer hooks that make
+`opt.state_dict()` / `opt.load_state_dict()` speak the same language, so torch's own
+`get_state_dict(sm, opt)`, `dcp.save`, `dcp.load`, `set_state_dict(...)` work unchanged.
+
+[Note: what a checkpoint holds]
+One entry per original (canonical) parameter, keyed by its name, with its global,
+unpadded shape; optimizer states the same way under `state.<name>.<key>` (torch's
+layout); buffers and scalar states (`step`) as plain tensors. Padding, unit boundaries,
+mesh and world size appear nowhere, so any strategy loads any other's checkpoint.
+Trainable parameters are saved from the fp32 master (this rank's OS chunk), frozen ones
+from the params shard (its P chunk).
+
+[Note: uneven pieces as DCP chunks]
+A rank's chunk of a unit's flat buffer covers an arbitrary element range [lo, hi) of a
+parameter, not whole rows. `boxes` splits that range of a row-major tensor into at most
+2·ndim−1 rectangular boxes, each a contiguous run of the range. A piece is a `DTensor`
+(global shape = the parameter's) whose local tensor is a `_Flat` holding the range; DTensor
+forwards DCP's `__create_write_items__` / `__create_chunk_list__` / `__get_tensor_shard__`
+to its local tensor (the hook Megatron-FSDP's uneven DTensors use), and `_Flat` answers
+with one chunk per box. Replicas write the same boxes and DCP's planner dedups them.
+The pieces are clones: `dcp.load` fills them, and nothing live changes until
+`set_state_dict` (or `load_state_dict`) has checked every name and shape.
+"""
+from __future__ import annotations
+
+import json
+from math import prod
+
+import torch
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from .errors import RuntimeUsageError
+
+MANIFEST = "_shardc_manifest"       # model entry: names and shapes the checkpoint holds
+OPTIM_CLASS = "shardc_optimizer"    # param-group entry: the optimizer class
+
+
+def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple, tuple, int, int]]:
+    """(offsets, sizes, flat_lo, flat_hi) boxes covering elements [lo, hi) of `shape`."""
+    if lo >= hi:
+        return []
+    if not shape:
+        return [((), (), lo, hi)]
+    inner = prod(shape[1:])
+    r0, r1 = lo // inner, (hi - 1) // inner
+    if lo % inner == 0 and hi % inner == 0:
+        return [((r0,) + (0,) * (len(shape) - 1), (r1 - r0 + 1,) + tuple(shape[1:]), lo, hi)]
+    if r0 == r1:
+        base = r0 * inner
+        return [((r0,) + o, (1,) + s, a + base, b + base)
+                for o, s, a, b in boxes(tuple(shape[1:]), lo - base, hi - base)]
+    head, tail = -(-lo // inner) * inner, (hi // inner) * inner
+    return boxes(shape, lo, head) + boxes(shape, head, tail) + boxes(shape, tail, hi)
+
+
+class _Flat(torch.Tensor):
+    """A rank's elements [lo, hi) of a parameter-shaped tensor, flattened (DCP hooks)."""
+
+    def __deepcopy__(self, memo):
+        new = self.as_subclass(torch.Tensor).clone().as_subclass(_Flat)
+        new._shardc_boxes, new._shardc_shape = list(self._shardc_boxes), self._shardc_shape
+        memo[id(self)] = new
+        return new
+
+    def _chunks(self):
+        for off, size, a, b in self._shardc_boxes:
+            yield ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)), a, b
+
+    def __create_chunk_list__(self):
+        return [c for c, _, _ in self._chunks()]
+
+    def __create_write_items__(self, fqn, obj):
+        props = TensorProperties.create_from_tensor(self.as_subclass(torch.Tensor))
+        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=c, properties=props,
+                                                      size=self._shardc_shape))
+                for c, _, _ in self._chunks()]
+
+    def __get_tensor_shard__(self, index):
+        plain = self.as_subclass(torch.Tensor)
+        for c, a, b in self._chunks():
+            if c.offsets == torch.Size(index.offset):
+                return plain[a:b].view(c.sizes)
+        raise ValueError(f"no local chunk of {index.fqn!r} at offset {tuple(index.offset)}")
+
+
+def wrap(local: torch.Tensor, shape: tuple[int, ...], lo: int, device_mesh) -> DTensor:
+    """A DTensor of global `shape` whose local data are its flat elements [lo, lo+len)."""
+    flat = local.detach().reshape(-1).as_subclass(_Flat)
+    flat._shardc_boxes = [(o, s, a - lo, b - lo) for o, s, a, b in boxes(shape, lo, lo + flat.numel())]
+    flat._shardc_shape = torch.Size(shape)
+    stride = torch.empty(shape, device="meta").stride()
+    spec = DTensorSpec(device_mesh, (Replicate(),) * device_mesh.ndim,
+                       tensor_meta=TensorMeta(torch.Size(shape), stride, local.dtype))
+    return DTensor(flat, spec, requires_grad=False)
+
+
+def local_piece(value, shape: tuple[int, ...], lo: int, hi: int, what: str) -> torch.Tensor:
+    """This rank's flat elements [lo, hi) of `what` from a loaded value: a piece made by
+    `wrap` for the same range, or a full tensor of the parameter's shape."""
+    if isinstance(value, DTensor) and isinstance(value._local_tensor, _Flat):
+        local = value._local_tensor.as_subclass(torch.Tensor)
+        if tuple(value.shape) != tuple(shape):
+            raise RuntimeUsageError(f"{what} has shape {tuple(value.shape)} in the checkpoint, "
+                                    f"but this model's is {tuple(shape)}")
+        if local.numel() != hi - lo:
+            raise RuntimeUsageError(f"{what}: the loaded piece has {local.numel()} elements, this "
+                                    f"rank holds {hi - lo}; load through get_state_dict/dcp.load")
+        return local
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise RuntimeUsageError(f"{what} is {got} in the checkpoint, but this model's shape "
+                                f"is {tuple(shape)}")
+    return value.detach().reshape(-1)[lo:hi]
+
+
+def manifest(sm) -> str:
+    names = {n: list(s) for n, s in param_shapes(sm).items()}
+    return json.dumps({"params": names, "buffers": [n for n, _ in sm.module.named_buffers()],
+                       "optimizers": [type(o).__name__ for o in sm._optimizers]})
+
+
+def param_shapes(sm) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for u in sm.runtime.units:
+        for g in u.groups:
+            shapes.update((s.fqn, s.shape) for s in g.layout.slots)
+    return {n: shapes[n] for n in sm.param_order if n in shapes}
+
+
+def _chunk_of(g):
+    """(source tensor, its start in the flat buffer): fp32 master or frozen params shard."""
+    return (g.master, g.os_start) if g.trainable else (g.shard, g.p_start)
+
+
+# -- model ------------------------------------------------------------------------------
+def model_state_dict(sm) -> dict:
+    """Canonical parameter name -> piece (see Note), buffers, and the manifest. Local,
+    except that under `buffers broadcast` rank 0's buffers are broadcast first if a
+    training forward changed them (runtime/buffers.py)."""
+    from . import buffers
+    from .optimizer import slot_ranges
+    buffers.settle(sm, "state_dict()")
+    mesh = sm.comm.smesh.device_mesh
+    pieces = {}
+    for u in sm.runtime.units:
+        for g in u.groups:
+            src, start = _chunk_of(g)
+            for s, lo, hi in slot_ranges(g.layout, start, src.numel()):
+                first = start + lo - s.offset if hi > lo else 0
+                pieces[s.fqn] = wrap(src[lo:hi].clone(), s.shape, first, mesh)
+    out = {n: pieces[n] for n in sm.param_order if n in pieces}
+    for name, buf in sm.module.named_buffers():
+        out[name] = buf.detach().clone()
+    out[MANIFEST] = manifest(sm)
+    return out
+
+
+def _check_manifest(sm, sd: dict, strict: bool) -> None:
+    """Name the first parameter or buffer the checkpoint and this model disagree on."""
+    ours = param_shapes(sm)
+    saved = sd.get(MANIFEST)
+    if isinstance(saved, str):
+        theirs = json.loads(saved)
+        extra = [n for n in theirs["params"] if n not in ours]
+        extra += [n for n in theirs["buffers"] if n not in dict(sm.module.named_buffers())]
+        if extra and strict:
+            raise RuntimeUsageError(f"the checkpoint holds {extra[0]!r}, which this model does "
+                                    f"not have (a checkpoint of another model?)")
+        opts = [type(o).__name__ for o in sm._optimizers]
+        if strict and opts and theirs.get("optimizers") and theirs["optimizers"] != opts:
+            raise RuntimeUsageError(f"the checkpoint holds {', '.join(theirs['optimizers'])} "
+                                    f"optimizer state, but this model's optimizer is "
+                                    f"{', '.join(opts)}; build the same optimizer class to resume")
+        for n, shape in theirs["params"].items():
+            if n in ours and tuple(shape) != tuple(ours[n]):
+                raise RuntimeUsageError(f"{n!r} has shape {tuple(shape)} in the checkpoint, but "
+                                        f"this model's is {tuple(ours[n])}")
+    if strict:
+        names = list(ours) + [n for n, _ in sm.module.named_buffers()]
+        missing = [n for n in names if n not in sd]
+        if missing:
+            raise RuntimeUsageError(f"the checkpoint has no entry for {missing[0]!r} (a "
+                                    f"checkpoint of another model?)")
+
+
+def load_model_state_dict(sm, sd: dict, strict: bool = True) -> None:
+    """Check every name and shape, then write masters, shards and buffers. Collective over
+    the OS∖P levels (the params shards are re-gathered from the loaded masters)."""
+    from .optimizer import slot_ranges
+    _check_manifest(sm, sd, strict)
+    staged = []
+    for u in sm.runtime.units:
+        for g in u.groups:
+            src, start = _chunk_of(g)
+            new = src.detach().clone()
+            for s, lo, hi in slot_ranges(g.layout, start, src.numel()):
+                if s.fqn in sd and hi > lo:
+                    first = start + lo - s.offset
+                    new[lo:hi].copy_(local_piece(sd[s.fqn], s.shape, first, first + hi - lo,
+                                                 repr(s.fqn)))
+            staged.append((u.index, g, new))
+    bufs = {}
+    for name, buf in sm.module.named_buffers():
+        if name in sd:
+            if tuple(sd[name].shape) != tuple(buf.shape):
+                raise RuntimeUsageError(f"buffer {name!r} has shape {tuple(sd[name].shape)} in "
+                                        f"the checkpoint, but this model's is {tuple(buf.shape)}")
+            bufs[name] = sd[name]
+    with torch.no_grad():
+        for i, g, new in staged:
+            sm.runtime.release(i)
+            _commit(sm, g, new)
+        for name, buf in sm.module.named_buffers():
+            if name in bufs:
+                buf.copy_(bufs[name])
+
+
+def _commit(sm, g, new: torch.Tensor) -> None:
+    """Write a group's loaded chunk; trainable: master, then the params shard as after a
+    step (OS chunk cast into the shard, all-gathered over OS∖P; not recorded in the ledger)."""
+    src, _ = _chunk_of(g)
+    src.copy_(new)
+    if not g.trainable:
+        return
+    mine = g.shard[g.os_in_p:g.os_in_p + g.os_len]
+    if g.master_separate:
+        mine.copy_(g.master)
+    plan = g.plan
+    os_p = tuple(l for l in plan.os if l not in plan.p)
+    if os_p and plan.s(os_p) > 1:
+        comm = sm.comm
+        comm.C.all_gather(g.shard, mine.clone(), comm.smesh, os_p,
+                          plan.diff_order("optim", "params"), algo=comm.algo).wait()
+
+
+# -- optimizer ----------------------------------------------------------------------------
+def _piece_info(opt, engine) -> list[tuple[str, tuple, int, int]]:
+    """(name, parameter shape, lo, hi) per optimizer piece, lo/hi within the parameter."""
+    out = []
+    for piece in opt.shardc_pieces:
+        g = engine.units[piece.unit].trainable
+        slot = next((s for s in g.layout.slots if s.fqn == piece.name), None)
+        if slot is None or piece.start == piece.stop:
+            out.append((piece.name, slot.shape if slot else (), 0, 0))
+        else:
+            out.append((piece.name, slot.shape, piece.start - slot.offset, piece.stop - slot.offset))
+    return out
+
+
+def attach_optimizer_hooks(opt, engine) -> None:
+    """`opt.state_dict()` keeps only real parameters (padding dropped), each state tensor a
+    parameter-shaped piece; `opt.load_state_dict()` takes that, torch's FQN-keyed form from
+    `set_state_dict`, or full parameter-shaped tensors."""
+    info = _piece_info(opt, engine)
+    groups = engine.trainable_groups()
+    mesh = groups[0].comm.smesh.device_mesh if groups else None
+    cls = type(opt).__name__
+
+    def order():
+        where = {id(p): i for i, p in enumerate(opt.shardc_params)}
+        return [info[where[id(p)]] for g in opt.param_groups for p in g["params"]]
+
+    def save_hook(optimizer, sd):
+        live = order()
+        keep = {pid for pid, (name, _, _, _) in enumerate(live) if not name.startswith("<padding>")}
+        state = {}
+        for pid, st in sd["state"].items():
+            if pid in keep:
+                _, shape, lo, hi = live[pid]
+                state[pid] = {k: _saved(v, shape, lo, mesh) for k, v in st.items()}
+        pgs = [dict(g, params=[p for p in g["params"] if p in keep], **{OPTIM_CLASS: cls})
+               for g in sd["param_groups"]]
+        return {"state": state, "param_groups": pgs}
+
+    def load_hook(optimizer, sd):
+        return _to_torch_layout(optimizer, sd, order(), cls)
+
+    opt.register_state_dict_post_hook(save_hook)
+    opt.register_load_state_dict_pre_hook(load_hook)
+
+
+def _saved(v, shape, lo, mesh):
+    """A state value as saved: tensors are copies (pieces for element-wise states)."""
+    if isinstance(v, torch.Tensor) and v.dim() > 0:
+        return wrap(v.clone(), shape, lo, mesh)
+    return _copy(v)
+
+
+def _copy(v):
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
+def _to_torch_layout(opt, sd, live, cls) -> dict:
+    """Validate everything, then give torch's load_state_dict its own pid-keyed layout."""
+    pgs = sd.get("param_groups", [])
+    if len(pgs) != len(opt.param_groups):
+        raise RuntimeUsageError(f"the checkpoint has {len(pgs)} optimizer param groups, this "
+                                f"optimizer {len(opt.param_groups)}")
+    for g in pgs:
+        saved = g.get(OPTIM_CLASS, cls)
+        if saved != cls:
+            raise RuntimeUsageError(f"the checkpoint holds {saved} optimizer state, but this "
+                                    f"optimizer is {cls}; build the same optimizer class to resume")
+    by_name = {}
+    for key, st in sd.get("state", {}).items():
+        name = live[key][0] if isinstance(key, int) else key
+        by_name[name] = st
+    live_params = [p for g in opt.param_groups for p in g["params"]]
+    state = {}
+    for pid, ((name, shape, lo, hi), p) in enumerate(zip(live, live_params)):
+        if name.startswith("<padding>"):
+            if p in opt.state:
+                state[pid] = {k: _copy(v) for k, v in opt.state[p].items()}
+            continue
+        st = by_name.get(name)
+        if st is None:
+            if by_name:
+                raise RuntimeUsageError(f"the checkpoint has no optimizer state for {name!r}")
+            continue
+        state[pid] = {k: local_piece(v, shape, lo, hi, f"optimizer state {k!r} of {name!r}").clone()
+                      if isinstance(v, torch.Tensor) and v.dim() > 0 else _copy(v) for k, v in st.items()}
+    out_groups, pid = [], 0
+    for g, live_g in zip(pgs, opt.param_groups):
+        n = len(live_g["params"])
+        hyper = {k: v for k, v in g.items() if k not in ("params", OPTIM_CLASS)}
+        out_groups.append(dict(hyper, params=list(range(pid, pid + n))))
+        pid += n
+    return {"state": state, "param_groups": out_groups}

@@ -1,0 +1,179 @@
+"""Faults and timeouts — stage: runtime.
+
+Input: the shardc timeout (`shardc.compile(..., timeout=...)`, `shard_module(..., timeout=...)`
+or the `SHARDC_TIMEOUT` environment variable, in seconds; default `DEFAULT_TIMEOUT_S`),
+the default process group's store.
+Output: `enter_collective(sm, name)`, a bounded rendezvous before the collective APIs users
+call outside the training step (`full_state_dict()`, `load_state_dict()`, ...): a rank
+calling one alone gets an error naming it instead of a silent hang; `timeout_s()`.
+
+[Note: entry rendezvous]
+Each ShardedModule gets a key prefix from a per-process counter (every rank shards the
+same models in the same order, so the prefixes agree). Entering API `name` for the k-th
+time adds 1 to the store counter `<prefix>/<name>/<k>` and polls it until it reaches the
+world size or the timeout passes; on a timeout the rank takes its 1 back and raises, so a
+later, correct call by all ranks still meets.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import torch.distributed as dist
+
+from .errors import RuntimeUsageError
+
+DEFAULT_TIMEOUT_S = 600.0
+ENV = "SHARDC_TIMEOUT"
+_ids = itertools.count()
+
+
+def timeout_s(explicit: float | None = None) -> float:
+    """The shardc timeout in seconds: `explicit`, else $SHARDC_TIMEOUT, else the default."""
+    if explicit is not None:
+        value, where = explicit, "timeout"
+    else:
+        value, where = os.environ.get(ENV, DEFAULT_TIMEOUT_S), f"${ENV}"
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise RuntimeUsageError(f"{where} must be a number of seconds, got {value!r}") from None
+    if value <= 0:
+        raise RuntimeUsageError(f"{where} must be positive, got {value}")
+    return value
+
+
+def new_prefix() -> str:
+    return f"shardc/{next(_ids)}"
+
+
+def enter_collective(sm, name: str) -> None:
+    """Wait (bounded by the shardc timeout) until every rank has entered `name`."""
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    seq = sm._entries.get(name, 0)
+    key = f"{sm._fault_prefix}/{name}/{seq}"
+    limit = sm.timeout
+    deadline = time.monotonic() + limit
+    count, pause = store.add(key, 1), 0.001
+    while count < world:
+        if time.monotonic() > deadline:
+            store.add(key, -1)
+            raise RuntimeUsageError(
+                f"{name} is a collective: every rank must call it, but only {count} of {world} "
+                f"ranks did within {limit:g}s (rank {dist.get_rank()} waited; set the shardc "
+                f"timeout or ${ENV} to wait longer)")
+        time.sleep(pause)
+        pause = min(0.05, pause * 2)
+        count = store.add(key, 0)
+    sm._entries[name] = seq + 1
+
+
+# -- process-group timeout and failed peers ---------------------------------------------------
+class PeerFailure(RuntimeUsageError):
+    """A collective of the training step failed or timed out (a peer died or stopped)."""
+
+
+def apply_timeout(sm) -> None:
+    """Set the shardc timeout on the default process group and on every group shardc made."""
+    from datetime import timedelta
+    c10d = dist.distributed_c10d
+    groups = [None, *[g for g in sm.comm.smesh._groups.values() if g is not None]]
+    dm = sm.comm.smesh.device_mesh
+    groups += [dm.get_group(name) for name in dm.mesh_dim_names or ()]
+    for g in groups:
+        c10d._set_pg_timeout(timedelta(seconds=sm.timeout), g)
+
+
+def set_timeout(sm, seconds: float) -> None:
+    """Change the shardc timeout of `sm` (and of its process groups)."""
+    sm.timeout = timeout_s(seconds)
+    apply_timeout(sm)
+
+
+def register(sm) -> None:
+    """Publish this rank's host and pid, so survivors can tell which peer died."""
+    import socket
+    if dist.get_world_size() > 1:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{sm._fault_prefix}/pid/{dist.get_rank()}", f"{socket.gethostname()}:{os.getpid()}")
+
+
+def _dead_peers(prefix: str) -> list[str]:
+    """Peers on this host whose process is gone (only what can be known from here)."""
+    import socket
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        out = []
+        for r in range(dist.get_world_size()):
+            key = f"{prefix}/pid/{r}"
+            if not store.check([key]):
+                continue
+            host, pid = store.get(key).decode().rsplit(":", 1)
+            if host == socket.gethostname():
+                if not _alive(int(pid)):
+                    out.append(f"rank {r} (pid {pid}) has exited")
+        return out
+    except Exception:                               # noqa: BLE001 — the store itself may be gone
+        return []
+
+
+def _alive(pid: int) -> bool:
+    """False once `pid` is gone or a zombie (exited, not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError, PermissionError, IndexError):
+        return False
+    except OSError:
+        return True
+
+
+class GuardedWork:
+    """A work handle whose failure (a peer died, or the timeout passed) becomes a
+    `PeerFailure` naming the collective, the unit and, where known, the peer."""
+
+    __slots__ = ("work", "what", "prefix", "start")
+
+    def __init__(self, work, what: str, prefix: str):
+        self.work, self.what, self.prefix, self.start = work, what, prefix, time.monotonic()
+
+    def wait(self) -> bool:
+        try:
+            return self.work.wait()
+        except RuntimeError as e:
+            dead = _dead_peers(self.prefix)
+            peer = "; ".join(dead) if dead else "the peer is unknown (it may have raised, hung or died on another host)"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PeerFailure(
+                f"{self.what} failed on rank {dist.get_rank()} after "
+                f"{time.monotonic() - self.start:.1f}s: {peer} [{first}]") from None
+
+
+class UnitComm:
+    """A unit's view of `Comm`: the same calls, their work handles guarded (see GuardedWork)."""
+
+    def __init__(self, comm, unit: str, prefix: str):
+        self._comm, self._unit, self._prefix = comm, unit, prefix
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def _guard(self, op: str, phase: str, levels, work):
+        what = f"{op} over {', '.join(self._comm.mesh.ordered(levels)) or '-'} ({phase}) of unit {self._unit!r}"
+        return GuardedWork(work, what, self._prefix)
+
+    def all_gather(self, phase, out, inp, levels, order, nbytes, **kw):
+        return self._guard("all_gather", phase, levels,
+                           self._comm.all_gather(phase, out, inp, levels, order, nbytes, **kw))
+
+    def reduce_scatter(self, phase, out, inp, levels, order, nbytes, **kw):
+        return self._guard("reduce_scatter", phase, levels,
+                           self._comm.reduce_scatter(phase, out, inp, levels, order, nbytes, **kw))
+
+    def all_reduce(self, phase, t, levels, nbytes):
+        return self._guard("all_reduce", phase, levels, self._comm.all_reduce(phase, t, levels, nbytes))
