@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from shardc.lowering import Op, Phase
+
 from .errors import RuntimeUsageError
 
 MANIFEST = "_shardc_manifest"       # model entry: names and shapes the checkpoint holds
@@ -236,12 +238,11 @@ def _commit(sm, g, new: torch.Tensor) -> None:
     mine = g.shard[g.os_in_p:g.os_in_p + g.os_len]
     if g.master_separate:
         mine.copy_(g.master)
-    plan = g.plan
-    os_p = tuple(l for l in plan.os if l not in plan.p)
-    if os_p and plan.s(os_p) > 1:
+    row = g.gplan.row(Phase.UPDATE, Op.ALL_GATHER)       # the plan's update row (levels, order)
+    if row is not None:
         comm = sm.comm
-        comm.C.all_gather(g.shard, mine.clone(), comm.smesh, os_p,
-                          plan.diff_order("optim", "params"), algo=comm.algo).wait()
+        comm.C.all_gather(g.shard, mine.clone(), comm.smesh, row.levels, row.order,
+                          algo=comm.algo, comm=row.comm).wait()
 
 
 # -- optimizer ----------------------------------------------------------------------------

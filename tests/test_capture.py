@@ -100,15 +100,8 @@ def test_export_failure_is_located_and_auto_reports_it():
         capture(m, find_units(m, S), None, mode="auto")
 
 
-class GatedUnit(nn.Module):
+class GatedUnit(Branchy):
     """Gate's data-dependent branch inside a unit (`units type Gate`)."""
-    def __init__(self):
-        super().__init__()
-        self.pre = nn.Linear(2, 2)
-        self.gate = Gate()
-
-    def forward(self, x):
-        return self.gate(self.pre(x))
 
 
 def test_export_hint_fits_code_already_in_a_unit():

@@ -215,13 +215,18 @@ def choose_collectives(strategy: Strategy, unit_numels, *, bandwidth=None,
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
+def _number(m) -> float:
+    """The number a `parse_*` regex matched first, or -1 when there is none."""
+    try:
+        return float(m.group(1)) if m else -1.0
+    except ValueError:
+        return -1.0
+
+
 def parse_rate(text: str) -> float:
     """'100GB/s', '25Gbit/s', '12.5e9' -> bytes per second."""
     m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]i?)?(B|bit|b)?(/s)?\s*", str(text))
-    try:
-        value = float(m.group(1)) if m else -1.0
-    except ValueError:
-        value = -1.0
+    value = _number(m)
     if value <= 0:
         raise ShardcError(f"cannot read bandwidth {text!r}; write e.g. 100GB/s or 25Gbit/s")
     scale = _UNITS[(m.group(2) or "").lower()]
@@ -232,10 +237,7 @@ def parse_rate(text: str) -> float:
 def parse_seconds(text: str) -> float:
     """'5us', '0.1ms', '2e-5' -> seconds."""
     m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(s|ms|us|ns)?\s*", str(text))
-    try:
-        value = float(m.group(1)) if m else -1.0
-    except ValueError:
-        value = -1.0
+    value = _number(m)
     if value < 0:
         raise ShardcError(f"cannot read latency {text!r}; write e.g. 5us or 0.1ms")
     return value * {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, None: 1}[m.group(2)]
