@@ -175,6 +175,24 @@ def maybe_die(step: int, rank: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def init_process_group(backend: str) -> None:
+    """`dist.init_process_group`, with fresh rendezvous keys after a torchrun restart.
+
+    [Note: restarts and the agent's store]
+    torchrun (c10d rendezvous) keeps one TCPStore across restart rounds and its workers
+    use it unprefixed, so a restarted rank can read a dead peer's address that the
+    previous attempt left there and hang or fail connecting (seen under load). After a
+    restart the workers' keys go under a per-attempt prefix instead."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"/shardc/attempt_{attempt}", store),
+                            rank=rank, world_size=world)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -185,7 +203,7 @@ def main(argv=None) -> int:
     on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     if on_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if on_cuda else "gloo")
+    init_process_group("nccl" if on_cuda else "gloo")
     try:
         train(args)
     except shardc.ShardcError as e:
