@@ -132,7 +132,7 @@ class ShardedModule(nn.Module):
         for mod_targets in targets.values():
             for mod, attr in mod_targets:
                 del mod._parameters[attr]
-        self.schedule = _checked(schedule, len(states)) if schedule is not None else self.lowering.schedule
+        self.schedule = _checked(schedule, self.lowering.schedule, len(states), hooks)
         self.runtime = Engine(states, strategy.accumulate, self.schedule, drive_forward=hooks)
         for u in states:
             self._placeholders(u)
@@ -263,8 +263,15 @@ class ShardedModule(nn.Module):
         state.load_sharded_state_dict(self, sd)
 
 
-def _checked(schedule: Schedule, n: int) -> Schedule:
-    """A schedule given by emitted code must name existing units."""
+def _checked(schedule: Schedule | None, lowered: Schedule, n: int, hooks: bool) -> Schedule:
+    """The schedule the engine reads (default: the lowering's): it names existing units;
+    without hooks the caller's forward issues the forward gathers, so the engine keeps only
+    the backward stages (a given one with forward stages is an error: they would not run)."""
+    if schedule is None:
+        schedule = lowered if hooks else dataclasses.replace(lowered, forward=())
+    elif not hooks and schedule.forward:
+        raise ShardcError("shard_module(hooks=False) runs the caller's forward, which issues the forward "
+                          "gathers itself: pass a schedule without forward stages")
     for st in schedule.forward + schedule.backward:
         bad = [j for j in (st.unit, *st.issue) if not 0 <= j < n]
         if bad:
@@ -278,5 +285,6 @@ def shard_module(model: nn.Module, strategy: Strategy, units: list[UnitSpec], me
 
     `schedule` (default: the lowering's) says which gathers are issued before each unit
     runs, forward and backward; with `hooks=False` the caller's forward issues the forward
-    gathers itself (emitted code), and the engine follows only the backward stages."""
+    gathers itself (emitted code), so the schedule must have no forward stages (the engine
+    follows only the backward stages)."""
     return ShardedModule(model, strategy, units, mesh=mesh, hooks=hooks, schedule=schedule)

@@ -131,14 +131,10 @@ PARAMS = (
 #   2 trainable update   all_gather     node                 25,216 B per step      paro_iig.shard:7 optim shard over world
 #   *           update   all_reduce     node,gpu                  4 B per clip      clip_grad_norm_ (optim chunks' squared norm)
 
-# The schedule that runs: before each unit runs (forward) or its backward starts, the
-# runtime issues these gathers (forward: the rt.issue_gather calls in forward() below).
+# The schedule that runs. Forward: the rt.issue_gather calls in forward() below (the plan's
+# forward stages). Backward: before each unit's backward starts, the runtime issues these gathers.
 SCHEDULE = Schedule(
-    forward=(
-        Stage(unit=0, issue=(0, 1)),  # paro_iig.shard:5 params shard over gpu; paro_iig.shard:9 prefetch 1
-        Stage(unit=1, issue=(2,)),  # paro_iig.shard:9 prefetch 1
-        Stage(unit=2, issue=()),
-    ),
+    forward=(),
     backward=(
         Stage(unit=2, issue=(2, 1)),  # paro_iig.shard:5 params shard over gpu; paro_iig.shard:9 prefetch 1
         Stage(unit=1, issue=()),

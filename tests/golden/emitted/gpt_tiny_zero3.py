@@ -122,14 +122,10 @@ PARAMS = (
 #   2 trainable backward reduce_scatter node,gpu             50,432 B per backward  zero3.shard:5 grads shard over world
 #   *           update   all_reduce     node,gpu                  4 B per clip      clip_grad_norm_ (optim chunks' squared norm)
 
-# The schedule that runs: before each unit runs (forward) or its backward starts, the
-# runtime issues these gathers (forward: the rt.issue_gather calls in forward() below).
+# The schedule that runs. Forward: the rt.issue_gather calls in forward() below (the plan's
+# forward stages). Backward: before each unit's backward starts, the runtime issues these gathers.
 SCHEDULE = Schedule(
-    forward=(
-        Stage(unit=0, issue=(0, 1)),  # zero3.shard:4 params shard over world; prefetch 1 (default)
-        Stage(unit=1, issue=(2,)),  # prefetch 1 (default)
-        Stage(unit=2, issue=()),
-    ),
+    forward=(),
     backward=(
         Stage(unit=2, issue=(2, 1)),  # zero3.shard:4 params shard over world; prefetch 1 (default)
         Stage(unit=1, issue=()),

@@ -131,14 +131,10 @@ PARAMS = (
 #   2 trainable update   all_gather     node,gpu             25,216 B per step      zero_topo.shard:6 optim shard over world
 #   *           update   all_reduce     node,gpu,gcd              4 B per clip      clip_grad_norm_ (optim chunks' squared norm)
 
-# The schedule that runs: before each unit runs (forward) or its backward starts, the
-# runtime issues these gathers (forward: the rt.issue_gather calls in forward() below).
+# The schedule that runs. Forward: the rt.issue_gather calls in forward() below (the plan's
+# forward stages). Backward: before each unit's backward starts, the runtime issues these gathers.
 SCHEDULE = Schedule(
-    forward=(
-        Stage(unit=0, issue=(0, 1)),  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8; prefetch 1 (default)
-        Stage(unit=1, issue=(2,)),  # prefetch 1 (default)
-        Stage(unit=2, issue=()),
-    ),
+    forward=(),
     backward=(
         Stage(unit=2, issue=(2, 1)),  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8; prefetch 1 (default)
         Stage(unit=1, issue=()),
