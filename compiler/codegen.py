@@ -136,6 +136,7 @@ def _header(plan: Plan, model_class: str) -> list[str]:
         lines.append(f"{state:<11} {state_clause(spec, s.mesh)}  (s={s.factor(spec.levels)}, {where})")
     lines.append(f"accumulate {s.accumulate}, prefetch {s.prefetch}, collectives {s.collectives.value}, "
                  f"capture {plan.capture}")
+    lines.append(f"plan passes {', '.join(plan.passes) or 'none'} (shardc.lowering.passes)")
     if plan.capture == "export":
         lines += ["", "Export capture: the model keeps its own forward, driven by the runtime's module hooks",
                   "(hooks=True), which follow SCHEDULE below (units in the exported graph's order)."]
@@ -190,6 +191,7 @@ def emit(plan: Plan, gm, model_class: str) -> str:
         forward_stages=[] if fx_mode else [_stage_line(plan, st, c) for st in plan.lowering.schedule.forward],
         backward_stages=[_stage_line(plan, st, c) for st in plan.lowering.schedule.backward],
         rows=_row_lines(plan, c),
+        sync_early=repr(plan.lowering.schedule.sync_early) if plan.lowering.schedule.sync_early else "",
         forward_params=", ".join(("sm",) + tuple(params)),
         body=body,
     )

@@ -18,7 +18,9 @@ issues unit i's backward stage (its own re-gather, primary or secondary, and the
 prefetches) and waits its gather. A wait for a gather no stage issued issues it then
 (a unit run out of the compiled order). The post-accumulate-grad hook on its flat leaf reduce-scatters the gradient (async) and
 releases the full params; issuing it waits the previous unit's reduce-scatter, so at
-most one full-size gradient is in flight. A final callback (queued on the autograd engine) flushes
+most one full-size gradient is in flight; on the backward that ends the step, that
+previous unit's sync is issued right then when the schedule lists it in `sync_early`
+(the `early_sync` plan pass). A final callback (queued on the autograd engine) flushes
 groups that got no gradient, waits the reduce-scatters, releases what is still held
 and, on the last micro-batch, issues the per-step sync, waited in opt.step() or
 clip_grad_norm_.
@@ -108,6 +110,8 @@ class Engine:
         self._queued = False
         self._bwd_seen: set[int] = set()
         self._in_flight: FlatGroup | None = None
+        self._early = False                # this backward ends the step: sync_early applies
+        self._synced: set[int] = set()     # units whose sync this step is already issued
         self._unit_of = {id(u.trainable): u for u in units if u.trainable is not None}
 
     # -- forward primitives ----------------------------------------------------------
@@ -219,6 +223,7 @@ class Engine:
             self._fold()
         self._queued = True
         self._bwd_seen = set()
+        self._early = self._sync_due(self.micro + 1)
         torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
 
     def _pre_backward(self, i: int) -> None:
@@ -245,9 +250,14 @@ class Engine:
         """Keep one reduce-scatter in flight: the previous unit's is waited when the next
         is issued, so its full-size gradient is freed (FSDP2's rule)."""
         prev, self._in_flight = self._in_flight, newest
-        if prev is not None and prev is not newest and prev.grad_pending:
+        if prev is None or prev is newest:
+            return
+        i = self._unit_of[id(prev)].index
+        if prev.grad_pending:
             prev.finish_grads()
-            self.events.append(("wait_reduce", self._unit_of[id(prev)].index))
+            self.events.append(("wait_reduce", i))
+        if self._early and i in self.schedule.sync_early:
+            self._sync_unit(self.units[i])
 
     def _final_callback(self) -> None:
         self._queued = False
@@ -263,20 +273,33 @@ class Engine:
             self.release(u.index)
         self.micro += 1
         self.phase = Phase.ACCUMULATING
+        self._early = False
         if self.no_sync_depth > 0 or self.requires_sync is False:
             self._loop_decides = True
-        elif self.requires_sync or self._loop_decides or self.micro == self.accumulate:
+        elif self._sync_due(self.micro):
             self._issue_sync()
+
+    def _sync_due(self, micro: int) -> bool:
+        """Does the backward that makes `micro` micro-batches issue the step's sync?"""
+        if self.no_sync_depth > 0 or self.requires_sync is False:
+            return False
+        return bool(self.requires_sync or self._loop_decides or micro == self.accumulate)
 
     # -- step boundary -------------------------------------------------------------
     def trainable_groups(self) -> list[FlatGroup]:
         return [u.trainable for u in self.units if u.trainable is not None]
 
+    def _sync_unit(self, u: UnitState) -> None:
+        if u.index not in self._synced:
+            self._synced.add(u.index)
+            u.trainable.sync_issue()
+            self.events.append(("issue_sync", u.index))
+
     def _issue_sync(self) -> None:
         for u in self.units:
             if u.trainable is not None:
-                u.trainable.sync_issue()
-                self.events.append(("issue_sync", u.index))
+                self._sync_unit(u)
+        self._synced.clear()
         self.phase = Phase.SYNCING
 
     def _complete_sync(self) -> None:

@@ -22,7 +22,7 @@ from torch import nn
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
-from shardc.lowering import RankPlan, Schedule, lower, unit_sizes
+from shardc.lowering import RankPlan, Schedule, Stage, lower, unit_sizes
 
 from . import state
 from .comm import Comm
@@ -272,7 +272,7 @@ def _checked(schedule: Schedule | None, lowered: Schedule, n: int, hooks: bool) 
     elif not hooks and schedule.forward:
         raise ShardcError("shard_module(hooks=False) runs the caller's forward, which issues the forward "
                           "gathers itself: pass a schedule without forward stages")
-    for st in schedule.forward + schedule.backward:
+    for st in schedule.forward + schedule.backward + (Stage(0, schedule.sync_early),):
         bad = [j for j in (st.unit, *st.issue) if not 0 <= j < n]
         if bad:
             raise ShardcError(f"the schedule names unit {bad[0]}, but the model has units 0..{n - 1}")

@@ -15,7 +15,9 @@ def load_strategy(path_or_text, world_size=None, mesh=None):
     return _load(path_or_text, world_size=world_size, mesh=mesh)
 
 
-def compile(model, strategy, example_inputs=None, capture="auto", mesh=None):  # noqa: A001
-    """Compile `model` under `strategy` into a ShardedModule (run under torchrun)."""
+def compile(model, strategy, example_inputs=None, capture="auto", mesh=None, passes=None):  # noqa: A001
+    """Compile `model` under `strategy` into a ShardedModule (run under torchrun); `passes`
+    names the plan passes to run (None: all, `()`: none; see `shardc.lowering.passes`)."""
     from shardc.compiler.api import compile_model
-    return compile_model(model, strategy, example_inputs=example_inputs, capture=capture, mesh=mesh)
+    return compile_model(model, strategy, example_inputs=example_inputs, capture=capture, mesh=mesh,
+                         passes=passes)

@@ -6,6 +6,7 @@ params      shard over gpu  (s=2, paro_iig.shard:5)
 grads       shard over gpu  (s=2, paro_iig.shard:6)
 optim       shard over world  (s=4, paro_iig.shard:7)
 accumulate 4, prefetch 1, collectives ring, capture fx
+plan passes early_sync (shardc.lowering.passes)
 
 units (forward order):
     #  name                         params     elements  params | grads | optim
@@ -139,6 +140,9 @@ SCHEDULE = Schedule(
         Stage(unit=2, issue=(2, 1)),  # paro_iig.shard:5 params shard over gpu; paro_iig.shard:9 prefetch 1
         Stage(unit=1, issue=()),
     ),
+    # plan pass early_sync: each unit's step sync is issued as soon as its backward
+    # reduce-scatter is in (on the step's last backward), not all at the end of it.
+    sync_early=(2, 1, 0),
 )
 
 

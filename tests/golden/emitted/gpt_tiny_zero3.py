@@ -6,6 +6,7 @@ params      shard over world  (s=4, zero3.shard:4)
 grads       shard over world  (s=4, zero3.shard:5)
 optim       shard over world  (s=4, zero3.shard:6)
 accumulate 1, prefetch 1, collectives hierarchical, capture fx
+plan passes early_sync (shardc.lowering.passes)
 
 units (forward order):
     #  name                         params     elements  params | grads | optim
@@ -130,6 +131,9 @@ SCHEDULE = Schedule(
         Stage(unit=2, issue=(2, 1)),  # zero3.shard:4 params shard over world; prefetch 1 (default)
         Stage(unit=1, issue=()),
     ),
+    # plan pass early_sync: each unit's step sync is issued as soon as its backward
+    # reduce-scatter is in (on the step's last backward), not all at the end of it.
+    sync_early=(2, 1, 0),
 )
 
 

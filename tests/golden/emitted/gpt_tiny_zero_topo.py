@@ -6,6 +6,7 @@ params      shard over gcd secondary gpu, gcd int8  (s=2, zero_topo.shard:4)
 grads       shard over gpu, gcd comm int4  (s=4, zero_topo.shard:5)
 optim       shard over world  (s=8, zero_topo.shard:6)
 accumulate 4, prefetch 1, collectives hierarchical, capture fx
+plan passes early_sync (shardc.lowering.passes)
 
 units (forward order):
     #  name                         params     elements  params | grads | optim
@@ -139,6 +140,9 @@ SCHEDULE = Schedule(
         Stage(unit=2, issue=(2, 1)),  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8; prefetch 1 (default)
         Stage(unit=1, issue=()),
     ),
+    # plan pass early_sync: each unit's step sync is issued as soon as its backward
+    # reduce-scatter is in (on the step's last backward), not all at the end of it.
+    sync_early=(2, 1, 0),
 )
 
 
