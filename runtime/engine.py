@@ -16,8 +16,8 @@ calls (generated from the same stages) otherwise — then its gather is waited; 
 its last module ran it is released. Backward: a multi-grad hook on unit i's outputs
 issues unit i's backward stage (its own re-gather, primary or secondary, and the
 prefetches) and waits its gather. A wait for a gather no stage issued issues it then
-(a unit run out of the compiled order). The post-accumulate-grad hook on its flat leaf reduce-scatters the gradient (async) and
-releases the full params; issuing it waits the previous unit's reduce-scatter, so at
+(a unit run out of the compiled order). When its parameter gradients are all in (the
+backward of its views, flat.py) it reduce-scatters them (async) and releases the full params; issuing it waits the previous unit's reduce-scatter, so at
 most one full-size gradient is in flight; on the backward that ends the step, that
 previous unit's sync is issued right then when the schedule lists it in `sync_early`
 (the `early_sync` plan pass). A final callback (queued on the autograd engine) flushes
@@ -44,7 +44,7 @@ across optimizer steps).
 [Note: recomputation]
 Activation checkpointing re-runs a unit's forward inside the backward (after its
 pre-backward re-gather). Such a call only re-sets the views; the unit is released by
-its post-accumulate-grad hook as usual, not after the recomputed forward.
+its gradients arriving as usual, not after the recomputed forward.
 """
 from __future__ import annotations
 
@@ -235,11 +235,11 @@ class Engine:
         self.wait_gather(i, "backward")
         self.events.append(("backward", i))
 
-    def post_accumulate(self, i: int, param: torch.Tensor) -> None:
+    def unit_grads(self, i: int, grads) -> None:
+        """Unit i's parameter gradients of this backward are all in (its views' backward)."""
         self._arm()
         u = self.units[i]
-        grad, param.grad = param.grad, None
-        u.trainable.reduce_grad(grad)
+        u.trainable.reduce_slot_grads(grads)
         u.reduced = True
         self.events.append(("issue_reduce", i))
         if u.trainable.release():

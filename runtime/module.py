@@ -137,8 +137,7 @@ class ShardedModule(nn.Module):
         for u in states:
             self._placeholders(u)
             if u.trainable is not None:
-                u.trainable.full.register_post_accumulate_grad_hook(
-                    lambda p, i=u.index: self.runtime.post_accumulate(i, p))
+                u.trainable.on_grads = lambda grads, i=u.index: self.runtime.unit_grads(i, grads)
         self.hooks = hooks
         if hooks:
             self._install_hooks()
