@@ -192,6 +192,7 @@ def emit(plan: Plan, gm, model_class: str) -> str:
         backward_stages=[_stage_line(plan, st, c) for st in plan.lowering.schedule.backward],
         rows=_row_lines(plan, c),
         sync_early=repr(plan.lowering.schedule.sync_early) if plan.lowering.schedule.sync_early else "",
+        update_deferred=repr(plan.lowering.schedule.update_deferred) if plan.lowering.schedule.update_deferred else "",
         forward_params=", ".join(("sm",) + tuple(params)),
         body=body,
     )

@@ -17,10 +17,14 @@ its last module ran it is released. Backward: a multi-grad hook on unit i's outp
 issues unit i's backward stage (its own re-gather, primary or secondary, and the
 prefetches) and waits its gather. A wait for a gather no stage issued issues it then
 (a unit run out of the compiled order). When its parameter gradients are all in (the
-backward of its views, flat.py) it reduce-scatters them (async) and releases the full params; issuing it waits the previous unit's reduce-scatter, so at
-most one full-size gradient is in flight; on the backward that ends the step, that
+backward of its views, flat.py) it reduce-scatters them (async) and releases the full
+params; issuing it waits the previous unit's reduce-scatter, so at most one full-size
+gradient is in flight; on the backward that ends the step, that
 previous unit's sync is issued right then when the schedule lists it in `sync_early`
-(the `early_sync` plan pass). A final callback (queued on the autograd engine) flushes
+(the `early_sync` plan pass). opt.step() issues the update all-gathers; those the
+schedule lists in `update_deferred` (the `defer_update` pass) are waited right before
+their unit is next needed (its gather issued or it runs), or by anything that reads the
+parameters outside a forward (`complete_updates`). A final callback (queued on the autograd engine) flushes
 groups that got no gradient, waits the reduce-scatters, releases what is still held
 and, on the last micro-batch, issues the per-step sync, waited in opt.step() or
 clip_grad_norm_.
@@ -112,6 +116,7 @@ class Engine:
         self._in_flight: FlatGroup | None = None
         self._early = False                # this backward ends the step: sync_early applies
         self._synced: set[int] = set()     # units whose sync this step is already issued
+        self._updates: dict = {}           # unit -> its deferred update all-gather (in flight)
         self._unit_of = {id(u.trainable): u for u in units if u.trainable is not None}
 
     # -- forward primitives ----------------------------------------------------------
@@ -137,6 +142,7 @@ class Engine:
             self.issue_gather(j, direction)
 
     def issue_gather(self, i: int, phase: str = "forward") -> None:
+        self.complete_update(i)
         issued = [g.issue_gather(phase) for g in self.units[i].groups]
         if any(issued):
             self.events.append(("issue_gather", i))
@@ -162,6 +168,7 @@ class Engine:
             u.running = True
             self.events.append(("recompute", i))
             return
+        self.complete_update(i)
         if self.drive_forward:
             self._issue_stage("forward", i)
         self.wait_gather(i)
@@ -333,6 +340,7 @@ class Engine:
                           AccumulationWarning, stacklevel=4)
 
     def wait_sync(self, what: str) -> None:
+        self.complete_updates()
         if self.phase is Phase.ACCUMULATING:
             if not self._carry:
                 why = (f"after {self.micro} micro-batch(es) while the strategy plans accumulate "
@@ -347,10 +355,27 @@ class Engine:
                     u.trainable.os_grad.add_(self._carry.pop(u.index))
 
     def after_step(self) -> None:
-        works = [g.update_issue() for g in self.trainable_groups()]
-        for w in works:
-            w.wait()
+        """Issue every unit's update all-gather; wait those the schedule does not defer."""
+        self.complete_updates()
+        works = [(u.index, u.trainable.update_issue()) for u in self.units if u.trainable is not None]
+        deferred = set(self.schedule.update_deferred)
+        for i, w in works:
+            if i in deferred:
+                self._updates[i] = w
+            else:
+                w.wait()
         self.phase = Phase.STEPPED
+
+    def complete_update(self, i: int) -> None:
+        """Unit i's parameters are needed: wait its deferred update all-gather, if any."""
+        work = self._updates.pop(i, None)
+        if work is not None:
+            work.wait()
+            self.events.append(("wait_update", i))
+
+    def complete_updates(self) -> None:
+        for i in list(self._updates):
+            self.complete_update(i)
 
     def zero_grad(self) -> None:
         for g in self.trainable_groups():

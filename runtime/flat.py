@@ -253,7 +253,8 @@ class FlatGroup:
             return
         self.sync_advance()
         self.sync_state[1].wait()
-        self.os_grad.div_(self.plan.mesh.world)
+        if self.plan.mesh.world != 1:
+            self.os_grad.div_(self.plan.mesh.world)
         self.sync_state = None
 
     def zero_grads(self) -> None:

@@ -250,15 +250,19 @@ class ShardedModule(nn.Module):
         return state.memory_report(self.runtime, self._optimizers[-1] if self._optimizers else None)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        self.runtime.complete_updates()          # deferred update all-gathers (plan pass)
         return state.full_state_dict(self)
 
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.runtime.complete_updates()          # deferred update all-gathers (plan pass)
         state.load_full_state_dict(self, sd)
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        self.runtime.complete_updates()          # deferred update all-gathers (plan pass)
         return state.sharded_state_dict(self)
 
     def load_state_dict(self, sd, strict: bool = True, assign: bool = False):
+        self.runtime.complete_updates()          # deferred update all-gathers (plan pass)
         state.load_sharded_state_dict(self, sd)
 
 
@@ -271,7 +275,7 @@ def _checked(schedule: Schedule | None, lowered: Schedule, n: int, hooks: bool) 
     elif not hooks and schedule.forward:
         raise ShardcError("shard_module(hooks=False) runs the caller's forward, which issues the forward "
                           "gathers itself: pass a schedule without forward stages")
-    for st in schedule.forward + schedule.backward + (Stage(0, schedule.sync_early),):
+    for st in schedule.forward + schedule.backward + (Stage(0, schedule.sync_early + schedule.update_deferred),):
         bad = [j for j in (st.unit, *st.issue) if not 0 <= j < n]
         if bad:
             raise ShardcError(f"the schedule names unit {bad[0]}, but the model has units 0..{n - 1}")

@@ -7,6 +7,12 @@ the same record for record (the pass moves issue points, never rows); with the p
 the first units' syncs are issued inside the last backward (before the root's
 reduce-scatter), with it off all of them after that backward's last reduce-scatter,
 and no backward but the step's last issues any.
+
+`defer_update`: with it on opt.step() returns with the update all-gathers in flight and
+each unit's is waited in the next forward right before the unit is needed (its gather
+issued or it runs); full_state_dict() right after the last opt.step() (before any
+forward) already sees the updated parameters (the parity check reads it there), and so
+does the eval forward after it; with it off no update is deferred.
 """
 from __future__ import annotations
 
@@ -28,9 +34,10 @@ ON, OFF = None, ()
 
 
 def test_pass_list_and_names():
-    assert tuple(PASSES) == ("early_sync",)
-    assert pass_names(None) == ("early_sync",) and pass_names(()) == ()
-    with pytest.raises(ShardcError, match="unknown plan pass 'early_synk'; the passes are: early_sync"):
+    assert tuple(PASSES) == ("early_sync", "defer_update")
+    assert pass_names(None) == ("early_sync", "defer_update") and pass_names(()) == ()
+    assert pass_names(["defer_update", "early_sync"]) == ("early_sync", "defer_update")   # PASSES order
+    with pytest.raises(ShardcError, match="unknown plan pass 'early_synk'; the passes are: early_sync, defer_update"):
         pass_names(["early_synk"])
 
 
@@ -40,8 +47,12 @@ def test_emitted_schedule_shows_the_pass():
     off, plan_off = compile_source(make_model(), strategy, capture="fx", passes=OFF)
     n = TINY.n_layer
     assert plan_on.lowering.schedule.sync_early == (*range(n, 0, -1), 0)   # backward order, root last
-    assert f"sync_early={plan_on.lowering.schedule.sync_early!r}," in on and "plan passes early_sync" in on
-    assert "sync_early" not in off and "plan passes none" in off
+    assert f"sync_early={plan_on.lowering.schedule.sync_early!r}," in on
+    # paro_iig: optim over world, params over gpu -> every trainable unit has an update all-gather
+    assert plan_on.lowering.schedule.update_deferred == tuple(range(n + 1))
+    assert f"update_deferred={plan_on.lowering.schedule.update_deferred!r}," in on
+    assert "plan passes early_sync, defer_update" in on
+    assert "sync_early" not in off and "update_deferred" not in off and "plan passes none" in off
     assert plan_on.lowering.units == plan_off.lowering.units            # rows untouched
 
 
@@ -55,18 +66,20 @@ def _job(rank, world, passes, opt_kind):
     sm.runtime.events.clear()
     losses = train(sm, opt, batches(world, strategy.accumulate), rank, world, strategy.accumulate)
     ledger = [(r.phase, r.op, tuple(r.levels), r.bytes, r.count) for r in sm.comm_ledger()]
+    pending = sorted(sm.runtime._updates)                  # in flight after the last opt.step()
     events = list(sm.runtime.events)
+    sd = {k: v.clone() for k, v in sm.full_state_dict().items()}   # before any forward: must be updated
     with torch.no_grad():
         losses.append(eval_loss(sm, rank, world))
-    return losses, {k: v.clone() for k, v in sm.full_state_dict().items()}, events, ledger
+    return losses, sd, events, ledger, pending
 
 
 def _backwards(events):
     """The events of each micro-batch: from its forward's root gather (paro_iig gathers the
-    root: params shard over gpu) to the next one."""
+    root: params shard over gpu), or the deferred update wait before it, to the next one."""
     out = []
     for e in events:
-        if e == ("issue_gather", 0):
+        if e == ("wait_update", 0) or e == ("issue_gather", 0) and not (out and out[-1] == [("wait_update", 0)]):
             out.append([])
         out[-1].append(e)
     return out
@@ -94,3 +107,11 @@ def test_early_sync_on_and_off_match_reference(opt_kind):
             root_reduce = ev_on.index(("issue_reduce", 0))
             assert ev_on.index(("issue_sync", TINY.n_layer)) < root_reduce   # on: inside the backward
             assert len(syncs_on) == len(syncs_off) == TINY.n_layer + 1
+        assert r_on[4] == list(range(TINY.n_layer + 1)) and r_off[4] == []
+        assert not any(e[0] == "wait_update" for e in r_off[2])
+        for k, ev in enumerate(micro_on):                  # each forward after a step waits each unit's
+            waits = [e[1] for e in ev if e[0] == "wait_update"]
+            assert waits == (list(range(TINY.n_layer + 1)) if k and k % strategy.accumulate == 0 else []), (k, ev)
+            for i in waits:                               # ... right before it is needed
+                need = next(j for j, e in enumerate(ev) if e in (("issue_gather", i), ("run", i)))
+                assert ev.index(("wait_update", i)) == need - 1, (i, ev)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from shardc.dsl.errors import ShardcError
 
+from .defer_update import defer_update
 from .early_sync import early_sync
 
-__all__ = ["PASSES", "run_plan_passes", "early_sync", "pass_names"]
+__all__ = ["PASSES", "run_plan_passes", "defer_update", "early_sync", "pass_names"]
 
-PASSES = {"early_sync": early_sync}
+PASSES = {"early_sync": early_sync, "defer_update": defer_update}
 
 
 def pass_names(names) -> tuple[str, ...]:

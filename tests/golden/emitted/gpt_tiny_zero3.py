@@ -6,7 +6,7 @@ params      shard over world  (s=4, zero3.shard:4)
 grads       shard over world  (s=4, zero3.shard:5)
 optim       shard over world  (s=4, zero3.shard:6)
 accumulate 1, prefetch 1, collectives hierarchical, capture fx
-plan passes early_sync (shardc.lowering.passes)
+plan passes early_sync, defer_update (shardc.lowering.passes)
 
 units (forward order):
     #  name                         params     elements  params | grads | optim

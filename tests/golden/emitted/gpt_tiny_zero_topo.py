@@ -6,7 +6,7 @@ params      shard over gcd secondary gpu, gcd int8  (s=2, zero_topo.shard:4)
 grads       shard over gpu, gcd comm int4  (s=4, zero_topo.shard:5)
 optim       shard over world  (s=8, zero_topo.shard:6)
 accumulate 4, prefetch 1, collectives hierarchical, capture fx
-plan passes early_sync (shardc.lowering.passes)
+plan passes early_sync, defer_update (shardc.lowering.passes)
 
 units (forward order):
     #  name                         params     elements  params | grads | optim
@@ -143,6 +143,9 @@ SCHEDULE = Schedule(
     # plan pass early_sync: each unit's step sync is issued as soon as its backward
     # reduce-scatter is in (on the step's last backward), not all at the end of it.
     sync_early=(2, 1, 0),
+    # plan pass defer_update: opt.step() issues these units' update all-gathers and returns;
+    # each is waited right before its unit is next needed (next forward, state dicts, step).
+    update_deferred=(0, 1, 2),
 )
 
 
