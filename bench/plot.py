@@ -3,11 +3,15 @@
     python bench/plot.py systems RESULTS.json docs/bench_systems.png
     python bench/plot.py collectives COLL.json docs/bench_collectives.png
     python bench/plot.py table RESULTS.json        # markdown results table on stdout
+    python bench/plot.py pareto OUT.png RESULTS.json [RESULTS.json ...]   # one panel per file
 
 `systems`: median step time per system (bars, seconds) and model-state bytes per rank
 (after the step, and the peak during accumulation). `collectives`: time of one
 all-gather / reduce-scatter over the whole emulated cluster against message size,
-one line per algorithm.
+one line per algorithm. `pareto`: "at my memory budget, what is fastest?" — per results
+file (e.g. one at 250 Mbit/s, one at 1 Gbit/s) every system's median step time against
+its peak model-state MiB per rank, shardc and the PyTorch peers (FSDP2, DDP) in two
+colours, each side's Pareto frontier drawn as a staircase.
 """
 from __future__ import annotations
 
@@ -88,7 +92,54 @@ def table(doc: dict) -> str:
     return "\n".join(rows)
 
 
+def frontier(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """The Pareto-optimal (memory, time, name) points: none other is at most as large in
+    both and smaller in one. Sorted by memory (time then falls)."""
+    out: list[tuple[float, float, str]] = []
+    for m, t, n in sorted(points):
+        if not out or t < out[-1][1]:
+            if out and out[-1][0] == m:
+                out.pop()
+            out.append((m, t, n))
+    return out
+
+
+def _is_peer(name: str) -> bool:
+    return name.startswith(("fsdp2", "ddp"))
+
+
+def plot_pareto(docs: list[dict], out: str) -> None:
+    fig, axes = plt.subplots(1, len(docs), figsize=(6.5 * len(docs), 4.8), squeeze=False)
+    for ax, doc in zip(axes[0], docs):
+        ok = {k: v for k, v in doc["systems"].items() if "error" not in v}
+        for peer, color, label in ((True, "tab:orange", "PyTorch (FSDP2, DDP)"), (False, "tab:blue", "shardc")):
+            pts = [(v["peak_model_state_bytes"] / 2**20, v["step_time_s"], k) for k, v in ok.items()
+                   if _is_peer(k) == peer]
+            if not pts:
+                continue
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=color, label=label, zorder=3)
+            for m, t, n in pts:
+                ax.annotate(n.split(":", 1)[-1], (m, t), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            front = frontier(pts)
+            ax.step([p[0] for p in front], [p[1] for p in front], where="post", color=color, alpha=0.7,
+                    label=f"{label} frontier")
+        c = doc["config"]
+        ax.set_title(f"{c['nodes']}x{c['per_node']} ranks, {c['inter_rate']} inter-node, accumulate {c['accumulate']}")
+        ax.set_xlabel("peak model-state MiB per rank")
+        ax.set_ylabel("median step time (s)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) >= 3 and argv[0] == "pareto":
+        docs = []
+        for path in argv[2:]:
+            with open(path) as f:
+                docs.append(json.load(f))
+        plot_pareto(docs, argv[1])
+        return 0
     if len(argv) == 2 and argv[0] == "table":
         with open(argv[1]) as f:
             print(table(json.load(f)))

@@ -62,8 +62,9 @@ def _resolve_collectives(strategy: Strategy, model: nn.Module, units) -> Strateg
 
 
 def compile_source(model: nn.Module, strategy, example_inputs=None, capture: str = "auto",
-                   mesh=None, world_size: int | None = None) -> tuple[str, Plan]:
-    """The emitted module's source text and the Plan it came from."""
+                   mesh=None, world_size: int | None = None, passes=None) -> tuple[str, Plan]:
+    """The emitted module's source text and the Plan it came from; `passes` names the
+    plan passes to run (None: all of `shardc.lowering.passes.PASSES`)."""
     if not isinstance(model, nn.Module):
         raise ShardcError(f"shardc.compile needs an nn.Module, got {type(model).__name__}")
     strategy = resolve_strategy(strategy, mesh, world_size)
@@ -71,7 +72,7 @@ def compile_source(model: nn.Module, strategy, example_inputs=None, capture: str
     strategy = _resolve_collectives(strategy, model, units)
     gm = capture_graph(model, units, example_inputs, capture)
     gm = run_passes(gm, strategy)
-    plan = build_plan(gm, strategy, model)
+    plan = build_plan(gm, strategy, model, passes)
     return emit(plan, gm, type(model).__name__), plan
 
 
@@ -85,13 +86,14 @@ def load_emitted(source: str, name: str) -> dict:
 
 
 def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str = "auto", mesh=None,
-                  timeout: float | None = None):
+                  timeout: float | None = None, passes=None):
     """`shardc.compile`: the same pipeline as `shardc compile`, run in memory. `timeout`
-    (seconds) overrides $SHARDC_TIMEOUT for every wait on a peer (runtime/faults.py)."""
+    (seconds) overrides $SHARDC_TIMEOUT for every wait on a peer (runtime/faults.py);
+    `passes` names the plan passes to run (None: all, `()`: none)."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         raise ShardcError(NO_PROCESS_GROUP)
-    source, plan = compile_source(model, strategy, example_inputs, capture, mesh)
+    source, plan = compile_source(model, strategy, example_inputs, capture, mesh, passes=passes)
     namespace = load_emitted(source, plan.strategy.name)
     sm = namespace["shard_model"](model)
     if timeout is not None:

@@ -19,10 +19,12 @@ hooks (`hooks=True`). The header says which.
 Both kinds print the lowered plan (`shardc.lowering`): UNITS as literals, every
 collective row of every unit with the strategy line that causes it (comments: what the
 ledger will record), and SCHEDULE, the `Schedule` the runtime follows, passed to
-`shard_module(..., schedule=SCHEDULE)`. On the hooks path the engine issues its forward
-and backward stages; with fx capture the forward's `rt.issue_gather` calls are those
-same forward stages (placed by the `schedule_overlap` pass) and the engine issues the
-backward stages. Editing SCHEDULE (or the fx forward's issue calls) changes the run.
+`shard_module(..., schedule=SCHEDULE)`. SCHEDULE holds exactly what the engine reads.
+On the hooks path that is the forward and the backward stages. With fx capture the
+forward stages are the emitted forward's `rt.issue_gather` calls (placed by the
+`schedule_overlap` pass from the same plan), so SCHEDULE has `forward=()` and holds the
+backward stages only; nothing printed is dead. Editing SCHEDULE (or the fx forward's
+issue calls) changes the run.
 """
 from __future__ import annotations
 
@@ -134,6 +136,7 @@ def _header(plan: Plan, model_class: str) -> list[str]:
         lines.append(f"{state:<11} {state_clause(spec, s.mesh)}  (s={s.factor(spec.levels)}, {where})")
     lines.append(f"accumulate {s.accumulate}, prefetch {s.prefetch}, collectives {s.collectives.value}, "
                  f"capture {plan.capture}")
+    lines.append(f"plan passes {', '.join(plan.passes) or 'none'} (shardc.lowering.passes)")
     if plan.capture == "export":
         lines += ["", "Export capture: the model keeps its own forward, driven by the runtime's module hooks",
                   "(hooks=True), which follow SCHEDULE below (units in the exported graph's order)."]
@@ -185,9 +188,11 @@ def emit(plan: Plan, gm, model_class: str) -> str:
         strategy=_pformat(_strategy_for_emission(plan.strategy), len("STRATEGY = ")),
         units=_unit_reprs(plan),
         params=[repr(p) for p in plan.params],
-        forward_stages=[_stage_line(plan, st, c) for st in plan.lowering.schedule.forward],
+        forward_stages=[] if fx_mode else [_stage_line(plan, st, c) for st in plan.lowering.schedule.forward],
         backward_stages=[_stage_line(plan, st, c) for st in plan.lowering.schedule.backward],
         rows=_row_lines(plan, c),
+        sync_early=repr(plan.lowering.schedule.sync_early) if plan.lowering.schedule.sync_early else "",
+        update_deferred=repr(plan.lowering.schedule.update_deferred) if plan.lowering.schedule.update_deferred else "",
         forward_params=", ".join(("sm",) + tuple(params)),
         body=body,
     )

@@ -16,6 +16,7 @@ from torch import nn
 from shardc.compiler.passes.meta import Op, capture_info, info
 from shardc.dsl.ir import Strategy
 from shardc.lowering import Lowering, lower, unit_sizes
+from shardc.lowering.passes import pass_names
 
 __all__ = ["Step", "Plan", "build_plan"]
 
@@ -38,18 +39,19 @@ class Plan:
     params: tuple[tuple[str, tuple[int, ...]], ...]   # model.named_parameters(): (name, shape)
     lowering: Lowering
     notes: tuple[str, ...] = ()
+    passes: tuple[str, ...] = ()              # the plan passes that rewrote `lowering`
 
     @property
     def unit_numels(self) -> tuple[int, ...]:
         return tuple(t + f for t, f in zip(self.trainable_numels, self.frozen_numels))
 
 
-def build_plan(gm, strategy: Strategy, model: nn.Module) -> Plan:
+def build_plan(gm, strategy: Strategy, model: nn.Module, passes=None) -> Plan:
     ci = capture_info(gm)
     steps = tuple(Step(info(n).op, info(n).unit, info(n).line) for n in gm.graph.nodes
                   if info(n) is not None and info(n).op is not Op.COMPUTE)
     sizes = unit_sizes(dict(model.named_parameters()), ci.units)
-    lowering = lower(strategy.mesh, sizes, strategy.prefetch)
+    lowering = lower(strategy.mesh, sizes, strategy.prefetch, passes)
     structure = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
     return Plan(strategy, tuple(ci.units), tuple(u.trainable for u in sizes), tuple(u.frozen for u in sizes),
-                steps, ci.mode, structure, lowering, tuple(ci.notes))
+                steps, ci.mode, structure, lowering, tuple(ci.notes), pass_names(passes))

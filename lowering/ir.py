@@ -114,9 +114,16 @@ class Stage:
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
-    """Forward stages in forward order (root first); backward stages in backward order."""
+    """Forward stages in forward order (root first); backward stages in backward order.
+    `sync_early`: units whose step sync (the SYNC rows) is issued as soon as their own
+    backward reduce-scatter is in, on the backward that ends the step, instead of with
+    every other unit's at the end of that backward (the `early_sync` pass).
+    `update_deferred`: units whose update all-gather, issued at opt.step(), is waited only
+    right before the unit is next needed (the `defer_update` pass)."""
     forward: tuple[Stage, ...]
     backward: tuple[Stage, ...]
+    sync_early: tuple[int, ...] = ()
+    update_deferred: tuple[int, ...] = ()
 
     def stage(self, direction: str, unit: int) -> Stage | None:
         return next((s for s in getattr(self, direction) if s.unit == unit), None)

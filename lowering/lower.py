@@ -3,7 +3,7 @@
 Input: the strategy's mesh and `prefetch`, and its units in forward order (root first), each a
 `UnitSize` (name, element counts, resolved scopes). Output: the `Lowering` every later
 stage reads — per unit its factors and padded flat groups with their rows and bytes,
-the clip rows and the forward/backward schedule.
+the clip rows and the forward/backward schedule, then the plan passes (`passes/`).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from shardc.dsl.ir import Mesh, Scopes
 
 from .ir import Lowering, UnitPlan
 from .layout import factors, pad_multiple, padded
+from .passes import run_plan_passes
 from .rows import clip_rows, group_plan
 from .schedule import schedule
 
@@ -49,10 +50,11 @@ def lower_unit(mesh: Mesh, u: UnitSize) -> UnitPlan:
     return UnitPlan(u.name, sc, f, tuple(groups), u.root)
 
 
-def lower(mesh: Mesh, units, prefetch: int = 1) -> Lowering:
-    """The plan over `units` (UnitSizes, forward order, root first) on `mesh` with `prefetch`."""
+def lower(mesh: Mesh, units, prefetch: int = 1, passes=None) -> Lowering:
+    """The plan over `units` (UnitSizes, forward order, root first) on `mesh` with `prefetch`,
+    rewritten by the plan passes named in `passes` (None: all of `passes.PASSES`)."""
     plans = tuple(lower_unit(mesh, u) for u in units)
     clip = clip_rows(mesh, [p.scopes.optim.levels for p in plans
                                      if any(g.trainable for g in p.groups)])
     sched = schedule([p.gathered and bool(p.groups) for p in plans], prefetch)
-    return Lowering(plans, clip, sched)
+    return run_plan_passes(Lowering(plans, clip, sched), passes)

@@ -16,9 +16,15 @@ calls (generated from the same stages) otherwise — then its gather is waited; 
 its last module ran it is released. Backward: a multi-grad hook on unit i's outputs
 issues unit i's backward stage (its own re-gather, primary or secondary, and the
 prefetches) and waits its gather. A wait for a gather no stage issued issues it then
-(a unit run out of the compiled order). The post-accumulate-grad hook on its flat leaf reduce-scatters the gradient (async) and
-releases the full params; issuing it waits the previous unit's reduce-scatter, so at
-most one full-size gradient is in flight. A final callback (queued on the autograd engine) flushes
+(a unit run out of the compiled order). When its parameter gradients are all in (the
+backward of its views, flat.py) it reduce-scatters them (async) and releases the full
+params; issuing it waits the previous unit's reduce-scatter, so at most one full-size
+gradient is in flight; on the backward that ends the step, that
+previous unit's sync is issued right then when the schedule lists it in `sync_early`
+(the `early_sync` plan pass). opt.step() issues the update all-gathers; those the
+schedule lists in `update_deferred` (the `defer_update` pass) are waited right before
+their unit is next needed (its gather issued or it runs), or by anything that reads the
+parameters outside a forward (`complete_updates`). A final callback (queued on the autograd engine) flushes
 groups that got no gradient, waits the reduce-scatters, releases what is still held
 and, on the last micro-batch, issues the per-step sync, waited in opt.step() or
 clip_grad_norm_.
@@ -42,7 +48,7 @@ across optimizer steps).
 [Note: recomputation]
 Activation checkpointing re-runs a unit's forward inside the backward (after its
 pre-backward re-gather). Such a call only re-sets the views; the unit is released by
-its post-accumulate-grad hook as usual, not after the recomputed forward.
+its gradients arriving as usual, not after the recomputed forward.
 """
 from __future__ import annotations
 
@@ -108,6 +114,9 @@ class Engine:
         self._queued = False
         self._bwd_seen: set[int] = set()
         self._in_flight: FlatGroup | None = None
+        self._early = False                # this backward ends the step: sync_early applies
+        self._synced: set[int] = set()     # units whose sync this step is already issued
+        self._updates: dict = {}           # unit -> its deferred update all-gather (in flight)
         self._unit_of = {id(u.trainable): u for u in units if u.trainable is not None}
 
     # -- forward primitives ----------------------------------------------------------
@@ -133,6 +142,7 @@ class Engine:
             self.issue_gather(j, direction)
 
     def issue_gather(self, i: int, phase: str = "forward") -> None:
+        self.complete_update(i)
         issued = [g.issue_gather(phase) for g in self.units[i].groups]
         if any(issued):
             self.events.append(("issue_gather", i))
@@ -158,6 +168,7 @@ class Engine:
             u.running = True
             self.events.append(("recompute", i))
             return
+        self.complete_update(i)
         if self.drive_forward:
             self._issue_stage("forward", i)
         self.wait_gather(i)
@@ -219,6 +230,7 @@ class Engine:
             self._fold()
         self._queued = True
         self._bwd_seen = set()
+        self._early = self._sync_due(self.micro + 1)
         torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
 
     def _pre_backward(self, i: int) -> None:
@@ -230,11 +242,11 @@ class Engine:
         self.wait_gather(i, "backward")
         self.events.append(("backward", i))
 
-    def post_accumulate(self, i: int, param: torch.Tensor) -> None:
+    def unit_grads(self, i: int, grads) -> None:
+        """Unit i's parameter gradients of this backward are all in (its views' backward)."""
         self._arm()
         u = self.units[i]
-        grad, param.grad = param.grad, None
-        u.trainable.reduce_grad(grad)
+        u.trainable.reduce_slot_grads(grads)
         u.reduced = True
         self.events.append(("issue_reduce", i))
         if u.trainable.release():
@@ -245,9 +257,14 @@ class Engine:
         """Keep one reduce-scatter in flight: the previous unit's is waited when the next
         is issued, so its full-size gradient is freed (FSDP2's rule)."""
         prev, self._in_flight = self._in_flight, newest
-        if prev is not None and prev is not newest and prev.grad_pending:
+        if prev is None or prev is newest:
+            return
+        i = self._unit_of[id(prev)].index
+        if prev.grad_pending:
             prev.finish_grads()
-            self.events.append(("wait_reduce", self._unit_of[id(prev)].index))
+            self.events.append(("wait_reduce", i))
+        if self._early and i in self.schedule.sync_early:
+            self._sync_unit(self.units[i])
 
     def _final_callback(self) -> None:
         self._queued = False
@@ -263,20 +280,33 @@ class Engine:
             self.release(u.index)
         self.micro += 1
         self.phase = Phase.ACCUMULATING
+        self._early = False
         if self.no_sync_depth > 0 or self.requires_sync is False:
             self._loop_decides = True
-        elif self.requires_sync or self._loop_decides or self.micro == self.accumulate:
+        elif self._sync_due(self.micro):
             self._issue_sync()
+
+    def _sync_due(self, micro: int) -> bool:
+        """Does the backward that makes `micro` micro-batches issue the step's sync?"""
+        if self.no_sync_depth > 0 or self.requires_sync is False:
+            return False
+        return bool(self.requires_sync or self._loop_decides or micro == self.accumulate)
 
     # -- step boundary -------------------------------------------------------------
     def trainable_groups(self) -> list[FlatGroup]:
         return [u.trainable for u in self.units if u.trainable is not None]
 
+    def _sync_unit(self, u: UnitState) -> None:
+        if u.index not in self._synced:
+            self._synced.add(u.index)
+            u.trainable.sync_issue()
+            self.events.append(("issue_sync", u.index))
+
     def _issue_sync(self) -> None:
         for u in self.units:
             if u.trainable is not None:
-                u.trainable.sync_issue()
-                self.events.append(("issue_sync", u.index))
+                self._sync_unit(u)
+        self._synced.clear()
         self.phase = Phase.SYNCING
 
     def _complete_sync(self) -> None:
@@ -310,6 +340,7 @@ class Engine:
                           AccumulationWarning, stacklevel=4)
 
     def wait_sync(self, what: str) -> None:
+        self.complete_updates()
         if self.phase is Phase.ACCUMULATING:
             if not self._carry:
                 why = (f"after {self.micro} micro-batch(es) while the strategy plans accumulate "
@@ -324,10 +355,27 @@ class Engine:
                     u.trainable.os_grad.add_(self._carry.pop(u.index))
 
     def after_step(self) -> None:
-        works = [g.update_issue() for g in self.trainable_groups()]
-        for w in works:
-            w.wait()
+        """Issue every unit's update all-gather; wait those the schedule does not defer."""
+        self.complete_updates()
+        works = [(u.index, u.trainable.update_issue()) for u in self.units if u.trainable is not None]
+        deferred = set(self.schedule.update_deferred)
+        for i, w in works:
+            if i in deferred:
+                self._updates[i] = w
+            else:
+                w.wait()
         self.phase = Phase.STEPPED
+
+    def complete_update(self, i: int) -> None:
+        """Unit i's parameters are needed: wait its deferred update all-gather, if any."""
+        work = self._updates.pop(i, None)
+        if work is not None:
+            work.wait()
+            self.events.append(("wait_update", i))
+
+    def complete_updates(self) -> None:
+        for i in list(self._updates):
+            self.complete_update(i)
 
     def zero_grad(self) -> None:
         for g in self.trainable_groups():

@@ -11,9 +11,12 @@ a group with no row for a phase issues nothing in it.
 
 [Note: full buffer and autograd]
 The trainable full buffer is one leaf `nn.Parameter` of N elements; the module's
-parameters are `full.split(sizes)[k].view(shape)`, so the unit's gradient arrives as
-one flat N-element `.grad` (SplitBackward concatenates) and a post-accumulate-grad hook
-on the leaf says "this unit's grads are all in". Between uses the storage is resized
+parameters are views of it made by one autograd function (`_Views`, one node per unit
+and forward), whose backward runs once the unit's parameter gradients are all in and
+hands them to `on_grads` (the engine): no N-element concatenation, no `.grad` on the
+leaf. With s_G = 1 each gradient is added straight into its slice of the grad shard;
+otherwise they are copied into one fresh N-element buffer that is reduce-scattered.
+Between uses the storage is resized
 to 0 (FSDP2's trick), so tensors autograd saved in the forward stay valid when the
 backward re-gather refills the same storage. Collectives write through `full_data`
 (`full.data`, which has its own version counter), so refilling never trips autograd's
@@ -83,6 +86,7 @@ class FlatGroup:
             else:
                 self.secondary = torch.zeros(self.q_len, dtype=self.pdtype, device=init.device)
         self.grad_pending: list = []
+        self.on_grads = self.reduce_slot_grads     # the engine's handler replaces it
         if self.trainable:
             self._init_grads(init)
 
@@ -174,10 +178,30 @@ class FlatGroup:
 
     def views(self) -> list[torch.Tensor]:
         """The parameters as views of the full buffer (autograd-tracked when trainable)."""
-        pieces = self.full.split(self.layout.split_sizes) if self.n else []
+        if self.trainable and self.n:
+            return list(_Views.apply(self.full, self))
+        return self._plain_views(self.full)       # frozen: `full` is a plain tensor (see Note)
+
+    def _plain_views(self, base: torch.Tensor) -> list[torch.Tensor]:
+        pieces = base.split(self.layout.split_sizes) if self.n else []
         return [pieces[k].view(s.shape) for k, s in enumerate(self.layout.slots)]
 
     # -- gradients -------------------------------------------------------------------
+    def reduce_slot_grads(self, grads) -> None:
+        """One backward's parameter gradients (slot order, None: no gradient) into the shard."""
+        slots = self.layout.slots
+        if self.s_g == 1:
+            for s, g in zip(slots, grads):
+                if g is not None:
+                    self.grad_shard[s.offset:s.offset + s.numel].view(s.shape).add_(g)
+            return
+        flat = torch.empty(self.n, dtype=self.gdtype, device=self.grad_shard.device)
+        for s, g in zip(slots, grads):
+            piece = flat[s.offset:s.offset + s.numel].view(s.shape)
+            piece.zero_() if g is None else piece.copy_(g)
+        flat[self.layout.phi:].zero_()
+        self.reduce_grad(flat)
+
     def reduce_grad(self, grad: torch.Tensor | None) -> None:
         """Reduce-scatter one backward's full local gradient over G (async)."""
         if grad is None:
@@ -229,7 +253,8 @@ class FlatGroup:
             return
         self.sync_advance()
         self.sync_state[1].wait()
-        self.os_grad.div_(self.plan.mesh.world)
+        if self.plan.mesh.world != 1:
+            self.os_grad.div_(self.plan.mesh.world)
         self.sync_state = None
 
     def zero_grads(self) -> None:
@@ -245,3 +270,18 @@ class FlatGroup:
             mine.copy_(self.master)
         row = self._row(Phase.UPDATE, Op.ALL_GATHER)
         return DoneWork() if row is None else self._issue(row, self.comm.all_gather, self.shard, mine.clone())
+
+
+class _Views(torch.autograd.Function):
+    """The parameters of a trainable group as views of its full buffer (see Note)."""
+
+    @staticmethod
+    def forward(ctx, full, group):
+        ctx.group = group
+        # views of the leaf's version counter, which refills through `full_data` never bump
+        return tuple(group._plain_views(full.detach()))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.group.on_grads(grads)
+        return None, None

@@ -22,7 +22,7 @@ from torch import nn
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
-from shardc.lowering import RankPlan, Schedule, lower, unit_sizes
+from shardc.lowering import RankPlan, Schedule, Stage, lower, unit_sizes
 
 from . import buffers, checkpoint, faults, state
 from .comm import Comm
@@ -138,13 +138,12 @@ class ShardedModule(nn.Module):
         for mod_targets in targets.values():
             for mod, attr in mod_targets:
                 del mod._parameters[attr]
-        self.schedule = _checked(schedule, len(states)) if schedule is not None else self.lowering.schedule
+        self.schedule = _checked(schedule, self.lowering.schedule, len(states), hooks)
         self.runtime = Engine(states, strategy.accumulate, self.schedule, drive_forward=hooks)
         for u in states:
             self._placeholders(u)
             if u.trainable is not None:
-                u.trainable.full.register_post_accumulate_grad_hook(
-                    lambda p, i=u.index: self.runtime.post_accumulate(i, p))
+                u.trainable.on_grads = lambda grads, i=u.index: self.runtime.unit_grads(i, grads)
         self.hooks = hooks
         if hooks:
             self._install_hooks()
@@ -263,6 +262,7 @@ class ShardedModule(nn.Module):
 
         Collective: every rank must call it (a lone caller gets an error naming it after
         the shardc timeout). With `rank0_only`, ranks other than 0 return {}."""
+        self.runtime.complete_updates()          # deferred update all-gathers (plan pass)
         return state.full_state_dict(self, rank0_only)
 
     def full_optim_state_dict(self, optimizer, rank0_only: bool = False) -> dict:
@@ -270,10 +270,12 @@ class ShardedModule(nn.Module):
         of its parameter's full shape (what a single-process run's optimizer would hold).
 
         Collective, like `full_state_dict`."""
+        self.runtime.complete_updates()
         return state.full_optim_state_dict(self, optimizer, rank0_only)
 
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load full (unsharded) tensors, e.g. from `full_state_dict()`. Collective."""
+        self.runtime.complete_updates()
         state.load_full_state_dict(self, sd)
 
     def state_dict(self, *args, **kwargs) -> dict:
@@ -282,11 +284,13 @@ class ShardedModule(nn.Module):
         `get_state_dict(sm, opt)` returns. Local, except under `buffers broadcast` after a
         training forward: then a collective (rank 0's buffers are broadcast first), so call
         it on every rank."""
+        self.runtime.complete_updates()
         return checkpoint.model_state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load `state_dict()`-shaped (or full-tensor) entries; checks every name and shape
         before changing anything. Collective (re-gathers the params shards)."""
+        self.runtime.complete_updates()
         faults.enter_collective(self, "load_state_dict()")
         checkpoint.load_model_state_dict(self, state_dict, strict)
         return nn.modules.module._IncompatibleKeys([], [])
@@ -308,9 +312,16 @@ class ShardedModule(nn.Module):
         return {name: "module" for name, _ in [("", None), *self.module.named_children()]}
 
 
-def _checked(schedule: Schedule, n: int) -> Schedule:
-    """A schedule given by emitted code must name existing units."""
-    for st in schedule.forward + schedule.backward:
+def _checked(schedule: Schedule | None, lowered: Schedule, n: int, hooks: bool) -> Schedule:
+    """The schedule the engine reads (default: the lowering's): it names existing units;
+    without hooks the caller's forward issues the forward gathers, so the engine keeps only
+    the backward stages (a given one with forward stages is an error: they would not run)."""
+    if schedule is None:
+        schedule = lowered if hooks else dataclasses.replace(lowered, forward=())
+    elif not hooks and schedule.forward:
+        raise ShardcError("shard_module(hooks=False) runs the caller's forward, which issues the forward "
+                          "gathers itself: pass a schedule without forward stages")
+    for st in schedule.forward + schedule.backward + (Stage(0, schedule.sync_early + schedule.update_deferred),):
         bad = [j for j in (st.unit, *st.issue) if not 0 <= j < n]
         if bad:
             raise ShardcError(f"the schedule names unit {bad[0]}, but the model has units 0..{n - 1}")
@@ -324,7 +335,8 @@ def shard_module(model: nn.Module, strategy: Strategy, units: list[UnitSpec], me
 
     `schedule` (default: the lowering's) says which gathers are issued before each unit
     runs, forward and backward; with `hooks=False` the caller's forward issues the forward
-    gathers itself (emitted code), and the engine follows only the backward stages.
-    `timeout` (seconds; default $SHARDC_TIMEOUT or 600) bounds every wait on a peer."""
+    gathers itself (emitted code), so the schedule must have no forward stages (the engine
+    follows only the backward stages). `timeout` (seconds; default $SHARDC_TIMEOUT or 600)
+    bounds every wait on a peer."""
     return ShardedModule(model, strategy, units, mesh=mesh, hooks=hooks, schedule=schedule,
                          timeout=timeout)

@@ -15,9 +15,13 @@ def load_strategy(path_or_text, world_size=None, mesh=None):
     return _load(path_or_text, world_size=world_size, mesh=mesh)
 
 
-def compile(model, strategy, example_inputs=None, capture="auto", mesh=None, timeout=None):  # noqa: A001
-    """Compile `model` under `strategy` into a ShardedModule. `timeout` (seconds; default
-    $SHARDC_TIMEOUT or 600) bounds every wait on a peer; see docs/checkpoints.md."""
+def compile(model, strategy, example_inputs=None, capture="auto", mesh=None, timeout=None,  # noqa: A001
+            passes=None):
+    """Compile `model` under `strategy` into a ShardedModule (run under torchrun).
+
+    `timeout` (seconds; default $SHARDC_TIMEOUT or 600) bounds every wait on a peer (see
+    docs/checkpoints.md); `passes` names the plan passes to run (None: all, `()`: none;
+    see `shardc.lowering.passes`)."""
     from shardc.compiler.api import compile_model
     return compile_model(model, strategy, example_inputs=example_inputs, capture=capture, mesh=mesh,
-                         timeout=timeout)
+                         timeout=timeout, passes=passes)

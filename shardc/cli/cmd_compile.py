@@ -30,6 +30,8 @@ def add_arguments(p) -> None:
     p.add_argument("--world", type=int, default=None, help="world size (resolves `*` and checks the mesh)")
     p.add_argument("--example-input", action="append", default=None, metavar="SPEC",
                    help="dtype[shape] of one positional input, e.g. int64[2,16] (repeat per input)")
+    p.add_argument("--passes", default=None, metavar="NAMES",
+                   help='plan passes to run, comma-separated ("" for none; default: all of shardc.lowering.passes)')
     p.add_argument("-o", "--output", required=True, metavar="OUT.py")
 
 
@@ -70,7 +72,9 @@ def run(args) -> int:
         raise ShardcError(f"strategy file {args.file!r} not found")
     model = build_model(args.model)
     inputs = _example_inputs(args, model) if args.capture != "fx" else None
-    source, plan = compile_source(model, args.file, inputs, args.capture, args.mesh, args.world)
+    passes = None if args.passes is None else [n for n in args.passes.split(",") if n.strip()]
+    source, plan = compile_source(model, args.file, inputs, args.capture, args.mesh, args.world,
+                                  passes=[n.strip() for n in passes] if passes is not None else None)
     for warning in plan.strategy.warnings:
         print(warning, file=sys.stderr)
     out_dir = os.path.dirname(os.path.abspath(args.output))

@@ -6,6 +6,7 @@ params      shard over world  (s=4, zero3.shard:4)
 grads       shard over world  (s=4, zero3.shard:5)
 optim       shard over world  (s=4, zero3.shard:6)
 accumulate 1, prefetch 1, collectives hierarchical, capture fx
+plan passes early_sync, defer_update (shardc.lowering.passes)
 
 units (forward order):
     #  name                         params     elements  params | grads | optim
@@ -123,18 +124,17 @@ PARAMS = (
 #   2 trainable backward reduce_scatter node,gpu             50,432 B per backward  zero3.shard:5 grads shard over world
 #   *           update   all_reduce     node,gpu                  4 B per clip      clip_grad_norm_ (optim chunks' squared norm)
 
-# The schedule that runs: before each unit runs (forward) or its backward starts, the
-# runtime issues these gathers (forward: the rt.issue_gather calls in forward() below).
+# The schedule that runs. Forward: the rt.issue_gather calls in forward() below (the plan's
+# forward stages). Backward: before each unit's backward starts, the runtime issues these gathers.
 SCHEDULE = Schedule(
-    forward=(
-        Stage(unit=0, issue=(0, 1)),  # zero3.shard:4 params shard over world; prefetch 1 (default)
-        Stage(unit=1, issue=(2,)),  # prefetch 1 (default)
-        Stage(unit=2, issue=()),
-    ),
+    forward=(),
     backward=(
         Stage(unit=2, issue=(2, 1)),  # zero3.shard:4 params shard over world; prefetch 1 (default)
         Stage(unit=1, issue=()),
     ),
+    # plan pass early_sync: each unit's step sync is issued as soon as its backward
+    # reduce-scatter is in (on the step's last backward), not all at the end of it.
+    sync_early=(2, 1, 0),
 )
 
 

@@ -6,6 +6,7 @@ params      shard over gcd secondary gpu, gcd int8  (s=2, zero_topo.shard:4)
 grads       shard over gpu, gcd comm int4  (s=4, zero_topo.shard:5)
 optim       shard over world  (s=8, zero_topo.shard:6)
 accumulate 4, prefetch 1, collectives hierarchical, capture fx
+plan passes early_sync, defer_update (shardc.lowering.passes)
 
 units (forward order):
     #  name                         params     elements  params | grads | optim
@@ -132,18 +133,20 @@ PARAMS = (
 #   2 trainable update   all_gather     node,gpu             25,216 B per step      zero_topo.shard:6 optim shard over world
 #   *           update   all_reduce     node,gpu,gcd              4 B per clip      clip_grad_norm_ (optim chunks' squared norm)
 
-# The schedule that runs: before each unit runs (forward) or its backward starts, the
-# runtime issues these gathers (forward: the rt.issue_gather calls in forward() below).
+# The schedule that runs. Forward: the rt.issue_gather calls in forward() below (the plan's
+# forward stages). Backward: before each unit's backward starts, the runtime issues these gathers.
 SCHEDULE = Schedule(
-    forward=(
-        Stage(unit=0, issue=(0, 1)),  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8; prefetch 1 (default)
-        Stage(unit=1, issue=(2,)),  # prefetch 1 (default)
-        Stage(unit=2, issue=()),
-    ),
+    forward=(),
     backward=(
         Stage(unit=2, issue=(2, 1)),  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8; prefetch 1 (default)
         Stage(unit=1, issue=()),
     ),
+    # plan pass early_sync: each unit's step sync is issued as soon as its backward
+    # reduce-scatter is in (on the step's last backward), not all at the end of it.
+    sync_early=(2, 1, 0),
+    # plan pass defer_update: opt.step() issues these units' update all-gathers and returns;
+    # each is waited right before its unit is next needed (next forward, state dicts, step).
+    update_deferred=(0, 1, 2),
 )
 
 

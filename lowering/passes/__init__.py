@@ -1,0 +1,36 @@
+"""Plan passes — part of stage 3 (lowering): `Lowering -> Lowering` rewrites of the schedule.
+
+Input: the `Lowering` that `lower` built from the strategy. Output: the same plan with
+its `Schedule` optimised; rows, sizes and bytes are never changed by a pass, so the
+ledger and memory that `explain` adds up stay the same with any pass on or off.
+
+`PASSES` is the one place the passes and their order are listed; `lower(..., passes=)`,
+`shardc.compile(..., passes=)` and `shardc compile --passes` pick a subset by name.
+"""
+from __future__ import annotations
+
+from shardc.dsl.errors import ShardcError
+
+from .defer_update import defer_update
+from .early_sync import early_sync
+
+__all__ = ["PASSES", "run_plan_passes", "defer_update", "early_sync", "pass_names"]
+
+PASSES = {"early_sync": early_sync, "defer_update": defer_update}
+
+
+def pass_names(names) -> tuple[str, ...]:
+    """The passes `names` selects (None: all of them), checked, in `PASSES` order."""
+    if names is None:
+        return tuple(PASSES)
+    names = tuple(names)
+    unknown = [n for n in names if n not in PASSES]
+    if unknown:
+        raise ShardcError(f"unknown plan pass {unknown[0]!r}; the passes are: {', '.join(PASSES)}")
+    return tuple(n for n in PASSES if n in names)
+
+
+def run_plan_passes(lowering, names=None):
+    for name in pass_names(names):
+        lowering = PASSES[name](lowering)
+    return lowering
