@@ -22,20 +22,11 @@ ranks in mesh order), hence `Collectives.RING` in link_bytes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from shardc.lowering import LedgerRecord as Rec      # shardc's own record type
 
 from models import block_modules, n_params
 
 WORLD = ("node", "gpu")
-
-
-@dataclass(frozen=True, slots=True)
-class Rec:
-    phase: str
-    op: str
-    levels: tuple[str, ...]
-    bytes: int
-    count: int
 
 
 def unit_sizes(model) -> list[int]:

@@ -21,7 +21,7 @@ lcm(s_P, s_Q) for the frozen one (internals.md "Padding"). The padding sits at t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import lcm, prod
+from math import lcm
 
 from shardc.dsl.ir import Mesh, Scopes
 
@@ -94,7 +94,7 @@ class RankPlan:
         return self.scopes.chunk_order(state)
 
     def s(self, levels: tuple[str, ...]) -> int:
-        return prod(self.mesh.size(l) for l in levels)
+        return self.mesh.factor(levels)
 
     def groups(self) -> tuple[tuple[str, ...], ...]:
         """Every level set this unit communicates over (process groups to create)."""

@@ -37,8 +37,6 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from shardc.lowering import Op, Phase
-
 from .errors import RuntimeUsageError
 
 MANIFEST = "_shardc_manifest"       # model entry: names and shapes the checkpoint holds
@@ -233,16 +231,8 @@ def _commit(sm, g, new: torch.Tensor) -> None:
     step (OS chunk cast into the shard, all-gathered over OS∖P; not recorded in the ledger)."""
     src, _ = _chunk_of(g)
     src.copy_(new)
-    if not g.trainable:
-        return
-    mine = g.shard[g.os_in_p:g.os_in_p + g.os_len]
-    if g.master_separate:
-        mine.copy_(g.master)
-    row = g.gplan.row(Phase.UPDATE, Op.ALL_GATHER)       # the plan's update row (levels, order)
-    if row is not None:
-        comm = sm.comm
-        comm.C.all_gather(g.shard, mine.clone(), comm.smesh, row.levels, row.order,
-                          algo=comm.algo, comm=row.comm).wait()
+    if g.trainable:
+        g.update_issue(record=False).wait()
 
 
 # -- optimizer ----------------------------------------------------------------------------

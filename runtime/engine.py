@@ -102,6 +102,7 @@ class Engine:
         self.units = units
         self.accumulate = max(1, accumulate)
         self.schedule = schedule
+        self._issues = {d: {st.unit: st.issue for st in getattr(schedule, d)} for d in ("forward", "backward")}
         self.drive_forward = drive_forward      # hooks path: the engine issues the forward stages
         self.events: list[tuple[str, int]] = []
         self.phase = Phase.FRESH
@@ -137,8 +138,7 @@ class Engine:
 
     def _issue_stage(self, direction: str, i: int) -> None:
         """Issue the gathers the plan's `direction` stage of unit i names."""
-        stage = self.schedule.stage(direction, i)
-        for j in stage.issue if stage is not None else ():
+        for j in self._issues[direction].get(i, ()):      # one lookup per unit (built once)
             self.issue_gather(j, direction)
 
     def issue_gather(self, i: int, phase: str = "forward") -> None:

@@ -263,13 +263,20 @@ class FlatGroup:
         self.sync_state = None
 
     # -- update ---------------------------------------------------------------------
-    def update_issue(self):
-        """After the optimizer step: write the OS chunk back and all-gather over OS∖P."""
+    def update_issue(self, record: bool = True):
+        """After the optimizer step: write the OS chunk back and all-gather over OS∖P.
+        `record=False` (a checkpoint load): the same gather, left out of the ledger."""
         mine = self.shard[self.os_in_p:self.os_in_p + self.os_len]
         if self.master_separate:
             mine.copy_(self.master)
         row = self._row(Phase.UPDATE, Op.ALL_GATHER)
-        return DoneWork() if row is None else self._issue(row, self.comm.all_gather, self.shard, mine.clone())
+        if row is None:
+            return DoneWork()
+        if not record:
+            c = self.comm
+            return c.C.all_gather(self.shard, mine.clone(), c.smesh, row.levels, row.order, algo=c.algo,
+                                  comm=row.comm)
+        return self._issue(row, self.comm.all_gather, self.shard, mine.clone())
 
 
 class _Views(torch.autograd.Function):

@@ -274,9 +274,9 @@ class ShardedModule(nn.Module):
         return state.full_optim_state_dict(self, optimizer, rank0_only)
 
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load full (unsharded) tensors, e.g. from `full_state_dict()`. Collective."""
-        self.runtime.complete_updates()
-        state.load_full_state_dict(self, sd)
+        """Load full (unsharded) tensors, e.g. from `full_state_dict()`: `load_state_dict`
+        takes them as they are (every name and shape checked first). Collective."""
+        self.load_state_dict(sd)
 
     def state_dict(self, *args, **kwargs) -> dict:
         """One entry per original parameter (global, unpadded shape; this rank's piece of

@@ -4,7 +4,7 @@ Input: a `ShardedModule` (its engine's flat groups, its optimizer).
 Output: `memory_report()` measured from the tensors actually held (docs/internals.md
 "Memory"), `full_state_dict()` (original names and shapes, tied aliases included,
 buffers), `full_optim_state_dict()` (torch's optimizer layout keyed by names, full
-shapes) and `load_full_state_dict()`. Sharded, strategy-independent state dicts for DCP
+shapes); `load_full_state_dict()` is `load_state_dict()` on full tensors. Sharded, strategy-independent state dicts for DCP
 live in runtime/checkpoint.py. The gathers made here are not training collectives and
 are not recorded in the ledger (like the initial broadcast).
 """
@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from . import buffers, faults
 from .checkpoint import OPTIM_CLASS
-from .errors import RuntimeUsageError
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -123,10 +122,3 @@ def _agree_scalars(state: dict) -> dict:
                 state.setdefault(n, {}).setdefault(k, v)
     return state
 
-
-def load_full_state_dict(sm, sd: dict[str, torch.Tensor]) -> None:
-    missing = [n for n in sm.param_order if n not in sd and sm.aliases[n] == n]
-    missing += [n for n, _ in sm.module.named_buffers() if n not in sd]
-    if missing:
-        raise RuntimeUsageError(f"load_full_state_dict: missing key {missing[0]!r}")
-    sm.load_state_dict({n: v for n, v in sd.items()})

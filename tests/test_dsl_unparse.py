@@ -15,13 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardc.dsl import ShardcError, load_strategy, unparse
-from shardc.dsl.ir import (DEPENDENCY, Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec, Scopes,
+from shardc.dsl.ir import (DEPENDENCY, BufferSync, Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec, Scopes,
                            Secondary, Strategy, UnitsKind, UnitsSpec)
 from shardc.dsl.mesh import MAX_DIGITS
 from shardc.dsl.parser import keywords
 from shardc.dsl.resolve import ALLOWED, BUCKET_UNITS, MAX_BUCKET
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples" / "strategies").glob("*.shard"))
+assert len(EXAMPLES) == 12, EXAMPLES     # the twelve named strategies; an empty glob must not skip
 ROUND_TRIP = settings(max_examples=200, deadline=None, derandomize=True, database=None,
                       suppress_health_check=[HealthCheck.too_slow])
 
@@ -95,7 +96,7 @@ def strategies(draw) -> Strategy:
     return Strategy(
         name=draw(NAMES), mesh=mesh, scopes=top,
         accumulate=draw(st.integers(1, 1_000_000)), prefetch=draw(st.integers(0, 1024)),
-        collectives=draw(st.sampled_from(Collectives)), units=draw(units()),
+        collectives=draw(st.sampled_from(Collectives)), units=draw(units()), buffers=draw(st.sampled_from(BufferSync)),
         bucket=draw(st.none() | bucket | st.integers(1, 10**MAX_DIGITS - 1)),
         overrides=tuple(partial_override(draw, pt, mesh, top) for pt in patterns))
 

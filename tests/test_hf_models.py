@@ -9,10 +9,8 @@ Dropout is off in GPT-2's config (ranks draw different masks); nothing else is c
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-
-import shardc  # noqa: E402
-from tests.harness import dist_run  # noqa: E402
+import shardc
+from tests.harness import dist_run
 
 pytestmark = pytest.mark.distributed
 STRATEGY = """strategy hf_paro
@@ -103,7 +101,7 @@ def test_hf_causal_lms_with_default_configs_match_reference():
                 if opt_kind == "adamw" and name.endswith("attn.c_attn.bias"):
                     # [Note: the key bias] its gradient is exactly zero in exact arithmetic
                     # (softmax is shift invariant), so AdamW turns rounding noise into steps of
-                    # up to lr: both sides stay within lr*steps of 0 there; compare the rest.
+                    # up to lr: both sides stay within 2*lr*steps of 0 there (a 2x margin); compare the rest.
                     E = want.numel() // 3
                     assert got[E:2 * E].abs().max() <= 2e-3 * STEPS and want[E:2 * E].abs().max() <= 2e-3 * STEPS
                     got, want = torch.cat([got[:E], got[2 * E:]]), torch.cat([want[:E], want[2 * E:]])

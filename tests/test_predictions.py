@@ -5,23 +5,15 @@ analysis/costmodel/{network,flops,activations}.py's notes, computed by hand here
 """
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 
 import pytest
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives
+from tests.test_plan import run_cmd
 
 TINY = "examples/llama.py:llama_tiny"
-
-
-def run_cmd(name: str, argv: list[str]) -> int:
-    mod = importlib.import_module(f"shardc.cli.cmd_{name}")
-    p = argparse.ArgumentParser(prog=f"shardc {name}")
-    mod.add_arguments(p)
-    return mod.run(p.parse_args(argv))
 
 
 def _links(*spec):

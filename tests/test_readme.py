@@ -47,6 +47,7 @@ def test_no_reference_outside_the_repo():
 
 def _loop(rank, world, build):
     code = next(b for b in blocks("python") if "shard_model(" in b)
+    assert 'sys.path[:0] = ["examples", "build"]' in code and "range(100)" in code   # the edits below apply
     code = code.replace('sys.path[:0] = ["examples", "build"]', f"sys.path[:0] = [{os.path.join(ROOT, 'examples')!r}, {build!r}]")
     code = code.replace("range(100)", "range(1)")
     code = re.sub(r"^dist\.(init|destroy)_process_group\(.*$", "", code, flags=re.M)   # the harness's group

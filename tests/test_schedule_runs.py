@@ -110,7 +110,6 @@ def _hf(rank, world):
 
 
 def test_hf_gpt2_export_capture_runs_the_plan_schedule():
-    pytest.importorskip("transformers")
     for capture, ev, ran, planned in dist_run(4, _hf):
         assert capture == "export"
         assert ran == planned

@@ -12,8 +12,8 @@ its submodule (and through `ledger`, torch and the runtime) on first use.
 from importlib import import_module
 
 _WHERE = {
-    "UnitSize": "sizes", "unit_sizes": "sizes", "padded": "sizes",
-    "PHASES": "ledger", "LedgerRecord": "ledger", "predict_ledger": "ledger",
+    "UnitSize": "sizes", "unit_sizes": "sizes",
+    "LedgerRecord": "ledger", "predict_ledger": "ledger",
     "optimizer_state_bytes": "memory", "predict_memory": "memory",
     "inter_intra": "links", "link_bytes": "links",
     "AlphaBeta": "timing", "Profile": "timing", "StepTime": "timing",

@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections import Counter
 
 from shardc.dsl.ir import Strategy
-from shardc.lowering import PHASE_ORDER, LedgerRecord, Lowering, Per, lower, merged
+from shardc.lowering import LedgerRecord, Lowering, Per, lower, merged
 
-PHASES = PHASE_ORDER
 
-__all__ = ["PHASES", "LedgerRecord", "predict_ledger", "ledger_of", "ledger_dicts"]
+__all__ = ["LedgerRecord", "predict_ledger", "ledger_of", "ledger_dicts"]
 
 
 def ledger_of(plan: Lowering, *, forwards: int, backwards: int, clips: int = 0) -> list[LedgerRecord]:

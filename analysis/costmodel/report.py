@@ -19,7 +19,7 @@ from shardc.analysis.costmodel.activations import peak_memory
 from shardc.analysis.costmodel.ledger import ledger_dicts, ledger_of
 from shardc.analysis.costmodel.links import inter_intra, link_bytes
 from shardc.analysis.costmodel.memory import memory_of, optimizer_state_bytes
-from shardc.analysis.costmodel.sizes import UnitSize, unit_sizes
+from shardc.analysis.costmodel.sizes import UnitSize, dense_flops, unit_sizes
 from shardc.analysis.costmodel.timing import AlphaBeta, StepTime, choose_collectives, step_time
 
 
@@ -67,7 +67,7 @@ def explain(strategy: Strategy, units, *, micro_batches: int | None = None, opti
     tokens = graph.tokens if graph is not None else tokens
     t = step_time(strategy, list(units), bw, micro_batches=m, tokens=tokens, flops=flops, algo=algo,
                   mb_flops=mb_flops)
-    model_flops = graph.model_flops if graph is not None else 6 * sum(u.trainable + u.frozen for u in units) * tokens
+    model_flops = graph.model_flops if graph is not None else dense_flops(units, tokens)
     rates = {"tokens_per_s": m * tokens / t.total, "mfu": m * model_flops / (t.total * peak_flops),
              "model_flops": model_flops}
     return Explained(strategy, units, m, memory, tuple(records), algo, links, inter, intra, t,

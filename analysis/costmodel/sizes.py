@@ -8,10 +8,16 @@ or touches parameter data.
 """
 from __future__ import annotations
 
-from shardc.lowering import UnitSize, padded
+from shardc.lowering import UnitSize
 from shardc.lowering import unit_sizes as count_units
 
-__all__ = ["UnitSize", "padded", "unit_sizes"]
+__all__ = ["UnitSize", "unit_sizes", "dense_flops"]
+
+
+def dense_flops(units, tokens: int) -> int:
+    """The 6·Φ·tokens rule (forward + backward of every parameter once per token): the
+    FLOPs of one micro-batch when the model's graph was not traced (`flops.py` otherwise)."""
+    return 6 * sum(u.trainable + u.frozen for u in units) * tokens
 
 
 def unit_sizes(model, units) -> list[UnitSize]:

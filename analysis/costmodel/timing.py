@@ -31,10 +31,11 @@ from math import prod
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Mesh, Strategy
 
-from shardc.analysis.costmodel.ledger import PHASES, predict_ledger
+from shardc.analysis.costmodel.ledger import predict_ledger
+from shardc.lowering import PHASE_ORDER
 from shardc.analysis.costmodel.network import collective_seconds
 from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
-from shardc.analysis.costmodel.sizes import UnitSize
+from shardc.analysis.costmodel.sizes import UnitSize, dense_flops
 
 @dataclass(frozen=True, slots=True)
 class AlphaBeta:
@@ -141,7 +142,7 @@ class StepTime:
 
 
 def phase_seconds(records, mesh: Mesh, bw, algo: Collectives) -> dict[str, float]:
-    out = {p: 0.0 for p in PHASES}
+    out = {p: 0.0 for p in PHASE_ORDER}
     for r in records:
         out[r.phase] += r.count * bw.seconds(r.op, r.levels, r.bytes, mesh, algo)
     return out
@@ -158,8 +159,7 @@ def step_time(strategy: Strategy, units: list[UnitSize], bw, *, micro_batches: i
         algo = choose_collectives(strategy, units, bandwidth=bw, micro_batches=m)
     records = predict_ledger(strategy, units, micro_batches=m)
     comm = phase_seconds(records, strategy.mesh, bw, algo)
-    phi = sum(u.trainable + u.frozen for u in units)
-    c_mb = (6 * phi * tokens if mb_flops is None else mb_flops) / flops
+    c_mb = (dense_flops(units, tokens) if mb_flops is None else mb_flops) / flops
     if strategy.prefetch <= 0:
         total = m * c_mb + sum(comm.values())
     else:
