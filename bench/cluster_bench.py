@@ -53,6 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--collectives", action="store_true",
                    help="time all-gather/reduce-scatter, flat vs hierarchical, instead")
     p.add_argument("--sizes", default="64KB,1MB,8MB,32MB", help="--collectives message sizes")
+    p.add_argument("--bandwidth-profile", metavar="OUT.json", default=None,
+                   help="run `shardc profile` on the cluster instead (collectives and, for --model bench, "
+                        "the compute rate; --steps/--warmup runs per entry) -> OUT.json for explain --bandwidth")
+    p.add_argument("--profile-sizes", default="128KiB,1MiB,4MiB,16MiB", help="--bandwidth-profile message sizes")
+    p.add_argument("--profile-comm", default="fp32,int8,int4", help="--bandwidth-profile wire dtypes")
     p.add_argument("--logdir", default=None, help="worker logs (default: a fresh temp dir)")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler on rank 0 over the timed steps -> LOGDIR/<system>.profile.txt")
@@ -182,6 +187,9 @@ def main(argv=None) -> int:
             if a.collectives:
                 from collectives_run import run_collectives
                 doc["collectives"] = run_collectives(cluster, a, logdir, console)
+            elif a.bandwidth_profile:
+                from profile_run import run_profile
+                doc["profile"] = run_profile(cluster, a, logdir, console)
             else:
                 doc["systems"] = run_systems(cluster, a, logdir)
     except ClusterError as e:

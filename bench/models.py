@@ -50,6 +50,11 @@ def build_model(name: str) -> nn.Module:
     raise ValueError(f"unknown model {name!r}: use one of {sorted(PRESETS)} or PATH.py:FACTORY")
 
 
+def bench() -> nn.Module:
+    """The `bench` preset as a factory, for `shardc explain/profile --model bench/models.py:bench`."""
+    return build_model("bench")
+
+
 def model_dims(model: nn.Module) -> tuple[int, int]:
     """(vocab_size, context length) of a GPT-like model."""
     cfg = model.cfg

@@ -93,6 +93,30 @@ def test_one_step_two_nodes_two_ranks(tmp_path):
 
 
 @needs_root
+def test_bandwidth_profile_on_the_cluster(tmp_path):
+    prof = tmp_path / "profile.json"
+    p = _bench(["--nodes", "2", "--per-node", "2", "--inter-rate", "1gbit", "--model", "bench",
+                "--micro-batch", "1", "--steps", "1", "--warmup", "0", "--bandwidth-profile", str(prof),
+                "--profile-sizes", "64KiB", "--profile-comm", "fp32,int8", "--json", str(tmp_path / "run.json"),
+                "--logdir", str(tmp_path)])
+    log, _ = p.communicate(timeout=HANG_S)
+    assert p.returncode == 0, log
+    assert leftover_namespaces(f"shardc-{p.pid}-") == []
+    doc = json.loads(prof.read_text())
+    assert doc["mesh"] == [{"name": "node", "size": 2}, {"name": "gpu", "size": 2}]
+    # fp32: 3 ops on node, 3 on gpu, 3 ops × 3 algorithms on node+gpu (15); int8: all_gather
+    # (1 + 1 + 3) and the all_to_all (ring only, 1 + 1 + 1) (8) — one size each.
+    assert len(doc["entries"]) == 15 + 8
+    assert all(e["seconds"] > 0 and e["cpu_seconds"] > 0 for e in doc["entries"])
+    q = [e for e in doc["entries"] if e["comm"] == "int8" and e["op"] == "all_gather" and e["levels"] == ["gpu"]]
+    # the ledger's payload: 2 shards of 8192 elements as int8 codes + one fp32 scale per 256
+    assert q[0]["bytes"] == 2 * (8192 + 8192 // 256 * 4)
+    c = doc["compute"]
+    assert (c["model"], c["tokens"], c["seq"]) == ("bench/models.py:bench", 64, 64)
+    assert c["flops_per_s"] == pytest.approx(c["flops"] / c["seconds"]) and c["cpu_seconds"] > 0
+
+
+@needs_root
 def test_teardown_on_error():
     spec = ClusterSpec(nodes=2, per_node=1, rate="100mbit")
     with pytest.raises(RuntimeError, match="boom"):

@@ -248,3 +248,19 @@ def test_profile_interpolation(tmp_path):
     rs = {"op": "reduce_scatter", "levels": ["gpu"], "algo": "ring", "bytes": 1e6, "seconds": 2e-3, "busbw": 0}
     f.write_text(json.dumps({"mesh": [], "entries": [rs]}))
     assert Profile.load(str(f)).seconds("all_to_all", ("gpu",), 1e6, M2, Collectives.HO_RING) == pytest.approx(2e-3)
+
+
+def test_profile_cpu_share_and_quantized_entries(tmp_path):
+    """[Note: CPU share of a collective]: k = min(T, u·r) with r = compute wall / CPU; a
+    quantized collective uses its own entries, else the fp32 ones at its payload size."""
+    f = tmp_path / "bw.json"
+    ag = {"op": "all_gather", "levels": ["gpu"], "algo": "ring", "busbw": 0}
+    f.write_text(json.dumps({"mesh": [], "entries": [
+        {**ag, "comm": "fp32", "bytes": 1e6, "seconds": 1e-2, "cpu_seconds": 1e-3},
+        {**ag, "comm": "int8", "bytes": 1e6, "seconds": 4e-2, "cpu_seconds": 2e-2}],
+        "compute": {"flops": 1e9, "seconds": 0.5, "cpu_seconds": 0.125, "flops_per_s": 2e9}}))
+    prof = Profile.load(str(f))
+    assert prof.flops == 2e9 and prof.cpu_share == 4.0
+    assert prof.cost("all_gather", ("gpu",), 1e6, M2, Collectives.RING) == pytest.approx((1e-2, 4e-3))
+    assert prof.cost("all_gather", ("gpu",), 1e6, M2, Collectives.RING, "int8") == pytest.approx((4e-2, 4e-2))
+    assert prof.cost("all_gather", ("gpu",), 1e6, M2, Collectives.RING, "int4") == pytest.approx((1e-2, 4e-3))

@@ -14,17 +14,22 @@ from shardc.dsl.ir import Strategy
 from shardc.lowering import LedgerRecord, Lowering, Per, lower, merged
 
 
-__all__ = ["LedgerRecord", "predict_ledger", "ledger_of", "ledger_dicts"]
+__all__ = ["LedgerRecord", "predict_ledger", "ledger_of", "ledger_dicts", "counted_rows"]
+
+
+def counted_rows(plan: Lowering, *, forwards: int, backwards: int, clips: int = 0) -> list[tuple]:
+    """`(row, how often it runs per step)` for every row of the plan that runs (the time
+    model reads each row's wire dtype, which the merged ledger does not keep)."""
+    times = {Per.FORWARD: forwards, Per.BACKWARD: backwards, Per.STEP: 1, Per.CLIP: clips}
+    rows = [r for u in plan.units for g in u.groups for r in g.rows] + list(plan.clip_rows)
+    return [(r, times[r.per]) for r in rows if times[r.per]]
 
 
 def ledger_of(plan: Lowering, *, forwards: int, backwards: int, clips: int = 0) -> list[LedgerRecord]:
     """Sum of the plan's rows, each counted per forward / backward / step / clip call."""
-    times = {Per.FORWARD: forwards, Per.BACKWARD: backwards, Per.STEP: 1, Per.CLIP: clips}
     counts: Counter = Counter()
-    rows = [r for u in plan.units for g in u.groups for r in g.rows] + list(plan.clip_rows)
-    for r in rows:
-        if times[r.per]:
-            counts[(r.phase.value, r.op.value, r.levels, r.bytes)] += times[r.per]
+    for r, n in counted_rows(plan, forwards=forwards, backwards=backwards, clips=clips):
+        counts[(r.phase.value, r.op.value, r.levels, r.bytes)] += n
     return merged(counts)
 
 

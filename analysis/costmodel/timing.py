@@ -13,11 +13,26 @@ per level.
 
 [Note: step time]
 compute = FLOPs per micro-batch / achievable FLOP/s, the FLOPs counted on the captured
-graph (attention and recomputation included, `flops.py`) or 6·Φ·tokens without one. Forward/backward collectives overlap the
-compute when `prefetch` ≥ 1, so each micro-batch costs max(compute, its comm); the sync
-phase hides behind whatever of the last backward (2/3 of a micro-batch's compute) its
-own backward collectives leave free; the update phase is exposed. With `prefetch 0`
-nothing overlaps.
+graph (attention and recomputation included, `flops.py`) or 6·Φ·tokens without one; the
+achievable rate is `--tflops`, else a profile's measured rate ([Note: measured compute
+rate] in shardc/cli/profile_compute.py), else `--flops`. Each collective's seconds split
+into the part that occupies the cores (k, [Note: CPU share of a collective]; 0 without
+a CPU profile) and waiting for links (w = seconds − k). Forward/backward collectives
+overlap the compute when `prefetch` ≥ 1, so each micro-batch costs k_mb + max(compute,
+w_mb); the sync phase's waits hide behind whatever of the last backward (2/3 of a
+micro-batch's compute) its own backward waits leave free; the update phase is exposed.
+With `prefetch 0` nothing overlaps. With k = 0 (GPUs, `--link`, a GPU profile) this is
+max(compute, comm) per micro-batch, as before.
+
+[Note: CPU share of a collective]
+On CPU ranks (gloo) a collective is partly work on the same cores that compute: the
+loopback copies between ranks of a node, the reductions, gloo's threads; the rest is
+waiting for a shaped link, which other ranks' compute fills. `shardc profile` records
+each collective's process CPU seconds u next to its wall seconds T, and the compute
+run's wall/CPU ratio r (how many ranks share a core while all compute). Under the same
+contention u CPU seconds cost u·r wall seconds of the shared cores, so the occupied part
+is k = min(T, u·r); only T − k can overlap compute. A profile without CPU seconds (CUDA)
+has k = 0.
 """
 from __future__ import annotations
 
@@ -31,8 +46,8 @@ from math import prod
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Mesh, Strategy
 
-from shardc.analysis.costmodel.ledger import predict_ledger
-from shardc.lowering import PHASE_ORDER
+from shardc.analysis.costmodel.ledger import counted_rows, predict_ledger
+from shardc.lowering import PHASE_ORDER, lower
 from shardc.analysis.costmodel.network import collective_seconds
 from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
 from shardc.analysis.costmodel.sizes import UnitSize, dense_flops
@@ -60,74 +75,108 @@ class AlphaBeta:
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    """Measured bandwidths: `{(op, levels, algo): ((bytes, seconds), ...)}` sorted by bytes."""
+    """Measured collectives: `{(op, levels, algo): ((bytes, seconds, cpu seconds), ...)}`
+    sorted by bytes, and the measured compute record (`compute`, or None)."""
     entries: dict
+    compute: dict | None = None
 
     def __str__(self) -> str:
-        return f"bandwidth profile ({len(self.entries)} measured groups)"
+        rate = "" if self.flops is None else f", compute {self.flops / 1e9:.3g} GFLOP/s per rank"
+        return f"bandwidth profile ({len(self.entries)} measured groups{rate})"
 
     @classmethod
     def load(cls, path: str) -> "Profile":
         try:
             with open(path) as f:
                 data = json.load(f)
-            raw = data["entries"]
             table: dict = {}
-            for e in raw:
-                key = (e["op"], tuple(e["levels"]), e.get("algo", "ring"))
-                table.setdefault(key, []).append((float(e["bytes"]), float(e["seconds"])))
+            for e in data["entries"]:
+                key = (e["op"], tuple(e["levels"]), e.get("algo", "ring"), e.get("comm", "fp32"))
+                cpu = e.get("cpu_seconds")
+                table.setdefault(key, []).append((float(e["bytes"]), float(e["seconds"]),
+                                                  0.0 if cpu is None else float(cpu)))
+            compute = data.get("compute")
+            if compute is not None and float(compute["flops_per_s"]) <= 0:
+                raise ValueError("compute.flops_per_s must be positive")
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ShardcError(f"cannot read bandwidth profile {path}: {e}") from None
-        return cls({k: tuple(sorted(v)) for k, v in table.items()})
+        return cls({k: tuple(sorted(v)) for k, v in table.items()}, compute)
 
-    def _lookup(self, op: str, levels: tuple[str, ...], algo: str, nbytes: float) -> float | None:
-        pts = self.entries.get((op, levels, algo))
-        if pts is None and len(levels) == 1:   # one level: every algorithm is the same ring
-            pts = next((v for (o, l, _), v in self.entries.items() if o == op and l == levels), None)
+    @property
+    def flops(self) -> float | None:
+        """Measured achievable FLOP/s per rank ([Note: measured compute rate]), or None."""
+        return None if self.compute is None else float(self.compute["flops_per_s"])
+
+    @property
+    def cpu_share(self) -> float:
+        """Wall seconds per CPU second while every rank computes (0: no CPU measurement)."""
+        c = self.compute or {}
+        return c["seconds"] / c["cpu_seconds"] if c.get("cpu_seconds") else 0.0
+
+    def _lookup(self, op: str, levels: tuple[str, ...], algo: str, nbytes: float, comm: str = "fp32"):
+        """(seconds, occupied seconds) of one measured group at `nbytes` (payload bytes), or
+        None. A quantized collective uses its own entries when profiled (codec work
+        included), else the fp32 ones at its payload size."""
+        pts = None
+        for c in dict.fromkeys((comm, "fp32")):
+            pts = self.entries.get((op, levels, algo, c))
+            if pts is None and len(levels) == 1:   # one level: every algorithm is the same ring
+                pts = next((v for (o, l, _, c2), v in self.entries.items() if o == op and l == levels
+                            and c2 == c), None)
+            if pts is not None:
+                break
         if pts is None:
             return None
         if nbytes <= 0:
-            return 0.0
-        return nbytes / _interp_bw(pts, nbytes)
+            return 0.0, 0.0
+        t = nbytes / _interp([(b, b / s) for b, s, _ in pts], nbytes)
+        return t, t * _interp([(b, min(1.0, u * self.cpu_share / s)) for b, s, u in pts], nbytes)
 
     def seconds(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
+        return self.cost(op, levels, nbytes, mesh, algo)[0]
+
+    def cost(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives,
+             comm: str = "fp32") -> tuple[float, float]:
+        """(seconds, seconds that occupy the cores) of one collective whose payload is
+        `nbytes` in wire dtype `comm` ([Note: CPU share of a collective])."""
         sizes = _stage_sizes(mesh, levels)
         if not sizes:
-            return 0.0
+            return 0.0, 0.0
         names = tuple(l for l, _ in sizes)
         if op == "all_to_all":   # qgZ: one flat all-to-all; `shardc profile` does not time it, and a
             algo = Collectives.RING          # ring reduce-scatter sends the same (p−1)/p·V per rank
-            t = self._lookup(op, names, "ring", nbytes)
+            t = self._lookup(op, names, "ring", nbytes, comm)
             op = "reduce_scatter" if t is None else op
-        t = self._lookup(op, names, algo.value, nbytes)
+        t = self._lookup(op, names, algo.value, nbytes, comm)
         if t is not None:
             return t
         if len(sizes) > 1 and algo != Collectives.RING:   # compose the stages from one-level entries
             stages = []
             for i, (l, _) in enumerate(sizes):
                 inner = prod(x for _, x in sizes[i + 1:])
-                st = self._lookup(op, (l,), "ring", nbytes / inner)
+                st = self._lookup(op, (l,), "ring", nbytes / inner, comm)
                 if st is None:
                     break
                 stages.append(st)
             else:
-                return _combine(stages, algo)
+                return _combine([a for a, _ in stages], algo), sum(b for _, b in stages)
         raise ShardcError(f"the bandwidth profile has no {op} entry over {', '.join(names)} "
                           f"({algo.value}); profile that group or pass --intra/--inter")
 
 
-def _interp_bw(pts, nbytes: float) -> float:
-    """Bandwidth (bytes/s) at `nbytes`, linear in log(bytes) between measured sizes, clamped."""
+def _interp(pts, nbytes: float) -> float:
+    """A measured quantity (bandwidth, occupied share) at `nbytes`: linear in log(bytes)
+    between the measured sizes `pts = ((bytes, value), ...)`, clamped outside them."""
     sizes = [b for b, _ in pts]
-    bws = [b / s for b, s in pts]
+    vals = [v for _, v in pts]
     i = bisect_left(sizes, nbytes)
     if i == 0:
-        return bws[0]
+        return vals[0]
     if i == len(sizes):
-        return bws[-1]
+        return vals[-1]
     x0, x1 = math.log(sizes[i - 1]), math.log(sizes[i])
     t = (math.log(nbytes) - x0) / (x1 - x0) if x1 > x0 else 0.0
-    return bws[i - 1] + t * (bws[i] - bws[i - 1])
+    return vals[i - 1] + t * (vals[i] - vals[i - 1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +184,7 @@ class StepTime:
     compute: float
     comm: dict           # phase -> seconds of communication (not overlapped yet)
     total: float
+    occupied: dict | None = None   # phase -> seconds of it that occupy the cores (CPU profile)
 
     @property
     def exposed(self) -> float:
@@ -142,10 +192,25 @@ class StepTime:
 
 
 def phase_seconds(records, mesh: Mesh, bw, algo: Collectives) -> dict[str, float]:
+    """Seconds of communication per phase of ledger records (fp32-keyed profile lookups)."""
     out = {p: 0.0 for p in PHASE_ORDER}
     for r in records:
         out[r.phase] += r.count * bw.seconds(r.op, r.levels, r.bytes, mesh, algo)
     return out
+
+
+def phase_costs(rows, mesh: Mesh, bw, algo: Collectives) -> tuple[dict, dict]:
+    """Per phase: (seconds, seconds that occupy the cores) of `counted_rows`; the second is 0
+    unless `bw` is a profile with CPU seconds ([Note: CPU share of a collective])."""
+    out, busy = {p: 0.0 for p in PHASE_ORDER}, {p: 0.0 for p in PHASE_ORDER}
+    cost = getattr(bw, "cost", None)
+    for r, n in rows:
+        op, phase = r.op.value, r.phase.value
+        t, k = cost(op, r.levels, r.bytes, mesh, algo, r.comm.value) if cost else \
+            (bw.seconds(op, r.levels, r.bytes, mesh, algo), 0.0)
+        out[phase] += n * t
+        busy[phase] += n * k
+    return out, busy
 
 
 def step_time(strategy: Strategy, units: list[UnitSize], bw, *, micro_batches: int | None = None,
@@ -157,16 +222,18 @@ def step_time(strategy: Strategy, units: list[UnitSize], bw, *, micro_batches: i
     algo = strategy.collectives if algo is None else algo
     if algo == Collectives.AUTO:
         algo = choose_collectives(strategy, units, bandwidth=bw, micro_batches=m)
-    records = predict_ledger(strategy, units, micro_batches=m)
-    comm = phase_seconds(records, strategy.mesh, bw, algo)
+    rows = counted_rows(lower(strategy.mesh, units, strategy.prefetch), forwards=m, backwards=m)
+    comm, k = phase_costs(rows, strategy.mesh, bw, algo)
+    w = {p: comm[p] - k[p] for p in comm}           # waiting for links: what can overlap
     c_mb = (dense_flops(units, tokens) if mb_flops is None else mb_flops) / flops
     if strategy.prefetch <= 0:
         total = m * c_mb + sum(comm.values())
     else:
-        f_mb = (comm["forward"] + comm["backward"]) / max(m, 1)
-        slack = max(0.0, 2 / 3 * c_mb - comm["backward"] / max(m, 1))
-        total = m * max(c_mb, f_mb) + max(0.0, comm["sync"] - slack) + comm["update"]
-    return StepTime(compute=m * c_mb, comm=comm, total=total)
+        n = max(m, 1)
+        slack = max(0.0, 2 / 3 * c_mb - w["backward"] / n)
+        total = (m * c_mb + k["forward"] + k["backward"] + max(0.0, w["forward"] + w["backward"] - m * c_mb)
+                 + k["sync"] + max(0.0, w["sync"] - slack) + comm["update"])
+    return StepTime(compute=m * c_mb, comm=comm, total=total, occupied=k)
 
 
 def _as_units(strategy: Strategy, unit_numels) -> list[UnitSize]:

@@ -59,7 +59,7 @@ def run(args) -> int:
     units = load_model_units(strategy, args.model)
     kw = {"momentum": args.momentum}
     bw = predict_args.links(args, bandwidth_from_args(args), strategy.mesh)
-    rate = predict_args.achievable(args, flops_from_args(args))
+    rate = predict_args.achievable(args, flops_from_args(args, bw))
     graph = predict_args.graph(args, strategy, args.model, strategy.scopes.params.dtype.value)
     e = explain(strategy, units, micro_batches=args.micro_batches, optimizer=args.optimizer,
                 optimizer_kwargs=kw, clip_grad_norm=args.clip, bandwidth=bw, tokens=args.tokens,
@@ -131,7 +131,8 @@ def add_bandwidth_arguments(p) -> None:
     g.add_argument("--inter-latency", default="20us", help="latency per ring step on outer links (default 20us)")
     g.add_argument("--bandwidth", metavar="F.json", help="measured profile from `shardc profile` (replaces --intra/--inter)")
     g.add_argument("--tokens", type=int, default=4096, help="tokens per rank per micro-batch (default 4096)")
-    g.add_argument("--flops", default="150e12", help="achievable FLOP/s per rank (default 150e12)")
+    g.add_argument("--flops", default=None,
+                   help="achievable FLOP/s per rank (default: the --bandwidth profile's measured rate, else 150e12)")
     predict_args.add_prediction_arguments(g)
 
 
@@ -143,9 +144,13 @@ def bandwidth_from_args(args):
                      intra_lat=parse_seconds(args.intra_latency), inter_lat=parse_seconds(args.inter_latency))
 
 
-def flops_from_args(args) -> float:
+def flops_from_args(args, bw=None) -> float:
+    """`--flops`, else the measured rate of a profile `bw` ([Note: measured compute rate]), else 150e12."""
+    measured = getattr(bw, "flops", None)
+    if args.flops is None and measured is not None:
+        return measured
     try:
-        f = float(args.flops)
+        f = float("150e12" if args.flops is None else args.flops)
     except ValueError:
         f = -1.0
     if f <= 0:

@@ -72,9 +72,10 @@ def run(args) -> int:
         raise ShardcError(f"--top must be at least 1, got {args.top}")
     base = base_strategy(args.mesh, args.world)
     units = load_model_units(base, args.model)
-    cands = plan(base, units, budget, bandwidth=predict_args.links(args, bandwidth_from_args(args), base.mesh),
+    bw = predict_args.links(args, bandwidth_from_args(args), base.mesh)
+    cands = plan(base, units, budget, bandwidth=bw,
                  micro_batches=args.micro_batches, optimizer=args.optimizer, dtype=DType(args.precision),
-                 tokens=args.tokens, flops=predict_args.achievable(args, flops_from_args(args)),
+                 tokens=args.tokens, flops=predict_args.achievable(args, flops_from_args(args, bw)),
                  graph=predict_args.graph(args, base, args.model, args.precision), checkpoint=args.checkpoint,
                  peak_flops=predict_args.peak(args), objective=args.objective,
                  overhead=predict_args.overhead(args))

@@ -5,16 +5,20 @@ group) and a mesh. Output (rank 0): a JSON bandwidth profile read by the cost mo
 (`analysis/costmodel/timing.py`, `--bandwidth F.json`):
 
     {"mesh": [{"name", "size"}], "device": "cpu", "entries":
-       [{"op", "levels", "algo", "bytes", "seconds", "busbw"}]}
+       [{"op", "levels", "algo", "bytes", "seconds", "cpu_seconds", "busbw"}],
+     "compute": {...}}          # only with --model (profile_compute.py)
 
 For every set of mesh levels whose factor is > 1 (levels in mesh order), every op
 (all_gather, reduce_scatter, all_reduce), every algorithm (ring only for one level) and
 every size, the runtime's own collectives (`shardc.runtime.collectives`) are timed.
 `bytes` is the logical full size of the collective, as in the ledger (fp32 payload);
 `seconds` is the slowest rank's mean over `--iters` runs after `--warmup` runs (every
-group of the level set runs at the same time, as in training); `busbw` is nccl-tests'
-bus bandwidth: bytes/seconds times (s-1)/s for gathers and scatters, 2(s-1)/s for
-all-reduce.
+group of the level set runs at the same time, as in training); `cpu_seconds` (CPU
+only, else null) the process CPU time per run, mean over ranks: the part of the
+collective that occupies a core ([Note: CPU share of a collective] in timing.py);
+`busbw` is nccl-tests' bus bandwidth: bytes/seconds times (s-1)/s for gathers and
+scatters, 2(s-1)/s for all-reduce. With `--model`, the achievable compute rate is
+measured too (`profile_compute.py`).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import re
 import sys
 import time
 
+from shardc.cli import profile_compute
 from shardc.cli.argtypes import positive_int
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -41,10 +46,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algos", nargs="+", default=["ring", "hierarchical", "ho-ring"],
                    choices=["ring", "hierarchical", "ho-ring"], help="algorithms to time (default: all)")
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS), help="collectives to time (default: all)")
+    p.add_argument("--comm", nargs="+", default=["fp32"], choices=["fp32", "int8", "int4"],
+                   help="wire dtypes to time (default fp32); int8/int4 time the runtime's quantized all_gather "
+                        "(qwZ) and reduce-scatter (qgZ, one all_to_all), codec work included")
     p.add_argument("--iters", type=positive_int, default=5, help="timed runs per entry (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per entry (default 1)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="tensor device (default: cuda when available, else cpu)")
+    profile_compute.add_arguments(p)
 
 
 def _size(text: str) -> int:
@@ -91,16 +100,17 @@ def _bus_factor(op: str, s: int) -> float:
     return (s - 1) / s * (2 if op == "all_reduce" else 1)
 
 
-def _launch(op, sm, levels, algo, bufs, C):
+def _launch(op, sm, levels, algo, bufs, C, comm):
     full, shard = bufs
     if op == "all_gather":
-        return C.all_gather(full, shard, sm, levels, algo=algo)
+        return C.all_gather(full, shard, sm, levels, algo=algo, comm=comm)
     if op == "reduce_scatter":
-        return C.reduce_scatter(shard, full, sm, levels, algo=algo)
+        return C.reduce_scatter(shard, full, sm, levels, algo=algo, comm=comm)
     return C.all_reduce(full, sm, levels, algo=algo)
 
 
-def _time_one(op, sm, levels, algo, n, args, device) -> float:
+def _time_one(op, sm, levels, algo, n, args, device, comm) -> tuple[float, float | None]:
+    """(slowest rank's seconds per run, mean CPU seconds per run or None off CPU)."""
     import torch
     import torch.distributed as dist
 
@@ -109,16 +119,18 @@ def _time_one(op, sm, levels, algo, n, args, device) -> float:
     s = sm.mesh.factor(levels)
     bufs = (torch.ones(n, device=device), torch.ones(n // s, device=device))
     for _ in range(args.warmup):
-        _launch(op, sm, levels, algo, bufs, C).wait()
+        _launch(op, sm, levels, algo, bufs, C, comm).wait()
     _sync(device)
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(args.iters):
-        _launch(op, sm, levels, algo, bufs, C).wait()
+        _launch(op, sm, levels, algo, bufs, C, comm).wait()
     _sync(device)
-    mine = torch.tensor([(time.perf_counter() - t0) / args.iters], dtype=torch.float64, device=device)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return float(mine.item())
+    wall = torch.tensor([(time.perf_counter() - t0) / args.iters], dtype=torch.float64, device=device)
+    cpu = torch.tensor([(time.process_time() - c0) / args.iters], dtype=torch.float64, device=device)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu)
+    return float(wall.item()), (float(cpu.item()) / dist.get_world_size() if device == "cpu" else None)
 
 
 def _sync(device: str) -> None:
@@ -127,12 +139,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _plan(mesh, args) -> list[tuple[str, tuple[str, ...], str, int]]:
+def _plan(mesh, args) -> list[tuple[str, tuple[str, ...], str, int, str]]:
+    """(op, levels, algo, logical bytes, comm) to time; quantized: all_gather and the
+    reduce-scatter (one flat all_to_all, so ring only), no all_reduce."""
     jobs = []
     for levels in level_sets(mesh):
         algos = ["ring"] if len(levels) == 1 else args.algos
-        for op, algo, size in itertools.product(args.ops, algos, args.sizes):
-            jobs.append((op, levels, algo, size))
+        for comm, op, algo, size in itertools.product(args.comm, args.ops, algos, args.sizes):
+            quantized = comm != "fp32"
+            if quantized and (op == "all_reduce" or (op == "reduce_scatter" and algo != "ring")):
+                continue
+            jobs.append((op, levels, algo, size, comm))
     return jobs
 
 
@@ -168,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
 def _profile(mesh, args, device: str) -> None:
     import torch.distributed as dist
 
-    from shardc.dsl.ir import Collectives
+    from shardc.dsl.ir import Collectives, DType
+    from shardc.lowering import payload_bytes
     from shardc.runtime.mesh import ShardMesh
 
     sm = ShardMesh(mesh, device)
@@ -177,17 +195,23 @@ def _profile(mesh, args, device: str) -> None:
     entries = []
     with _progress(rank0) as bar:
         task = bar.add_task("", total=len(jobs))
-        for op, levels, algo, size in jobs:
-            bar.update(task, description=f"{op} over {'+'.join(levels)} ({algo}, {size} B)")
+        for op, levels, algo, size, comm in jobs:
+            bar.update(task, description=f"{op} over {'+'.join(levels)} ({algo}, {comm}, {size} B)")
             s = mesh.factor(levels)
             n = max(s, size // 4 // s * s)
-            sec = _time_one(op, sm, levels, Collectives(algo), n, args, device)
-            entries.append({"op": op, "levels": list(levels), "algo": algo, "bytes": n * 4,
-                            "seconds": sec, "busbw": n * 4 / sec * _bus_factor(op, s)})
+            dt = DType(comm)
+            sec, cpu = _time_one(op, sm, levels, Collectives(algo), n, args, device, dt)
+            wire = payload_bytes(n, s, dt)        # what the ledger records for this collective
+            name = "all_to_all" if dt.quantized and op == "reduce_scatter" else op
+            entries.append({"op": name, "levels": list(levels), "algo": algo, "comm": comm, "bytes": wire,
+                            "seconds": sec, "cpu_seconds": cpu, "busbw": wire / sec * _bus_factor(op, s)})
             bar.advance(task)
+    compute = profile_compute.measure(args, device) if args.model else None
     if rank0:
         out = {"mesh": [{"name": l.name, "size": l.size} for l in mesh.levels], "device": device,
                "entries": entries}
+        if compute:
+            out["compute"] = compute
         with open(args.output, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {args.output}: {len(entries)} entries over mesh {mesh}", file=sys.stderr)

@@ -1,0 +1,127 @@
+"""Predicted vs measured step time (bench stage: profile JSON + systems JSON -> one table).
+
+    python bench/predict.py PROFILE.json SYSTEMS.json [--md OUT.md] [--json OUT.json]
+
+Input: a `shardc profile` JSON measured on the cluster (`cluster_bench.py
+--bandwidth-profile`) and a `cluster_bench.py` systems JSON from the same cluster.
+Output: per shardc system (`shardc:NAME[@ALGO]`) the step time `shardc explain`
+predicts for `examples/strategies/NAME.shard` on the cluster's mesh
+`node(NODES) > gpu(PER_NODE)`, with the run's accumulation, micro-batch shape, AdamW,
+the collective algorithm the run used (the system's `collectives`) and the profile
+(`--bandwidth`: its collectives, its measured compute rate) — beside the measured
+step time: ratio predicted/measured, whether it is within `--tolerance`, and the rank
+of each among the systems by predicted and by measured time. The peers (FSDP2, DDP)
+are not shardc strategies and are left out. Exit code 0 even when a row misses: the
+table is the result.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from models import PRESETS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def explain_argv(system: str, run: dict, config: dict, profile: str) -> list[str]:
+    """The `shardc explain` command line that predicts `system` as it ran."""
+    name = system.split(":", 1)[1].split("@")[0]
+    seq = PRESETS[config["model"]]["block_size"]
+    return ["explain", os.path.join(ROOT, "examples", "strategies", f"{name}.shard"),
+            "--model", os.path.join(ROOT, "bench", "models.py") + ":bench",
+            "--mesh", f"node({config['nodes']}) > gpu({config['per_node']})",
+            "--micro-batches", str(config["accumulate"]), "--collectives", run["collectives"],
+            "--tokens", str(config["micro_batch"] * seq), "--seq", str(seq),
+            "--bandwidth", profile, "--json"]
+
+
+def predict(system: str, run: dict, config: dict, profile: str) -> dict:
+    from shardc.cli import main as shardc_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = shardc_main(explain_argv(system, run, config, profile))
+    if code != 0:
+        raise SystemExit(f"error: shardc explain failed for {system} (exit {code})")
+    return json.loads(out.getvalue())["time"]
+
+
+def ranks(values: dict) -> dict:
+    """1 = fastest."""
+    return {k: i + 1 for i, k in enumerate(sorted(values, key=values.get))}
+
+
+def table(profile: str, systems_doc: dict, tolerance: float = 0.15) -> list[dict]:
+    cfg = systems_doc["config"]
+    if cfg["model"] != "bench":
+        raise SystemExit(f"error: predict.py knows the `bench` model only, the run used {cfg['model']!r}")
+    runs = {k: v for k, v in systems_doc["systems"].items() if k.startswith("shardc:") and "error" not in v}
+    rows = {k: {"system": k, "collectives": v["collectives"], "measured_s": v["step_time_s"],
+                "time": predict(k, v, cfg, profile)} for k, v in runs.items()}
+    for r in rows.values():
+        r["predicted_s"] = r["time"]["total"]
+        r["ratio"] = r["predicted_s"] / r["measured_s"]
+        r["within"] = abs(r["ratio"] - 1) <= tolerance
+    pr = ranks({k: r["predicted_s"] for k, r in rows.items()})
+    mr = ranks({k: r["measured_s"] for k, r in rows.items()})
+    for k, r in rows.items():
+        r["predicted_rank"], r["measured_rank"] = pr[k], mr[k]
+    return sorted(rows.values(), key=lambda r: r["measured_rank"])
+
+
+def top_order_matches(rows: list[dict], n: int = 3) -> bool:
+    """The n fastest by prediction, in order, are the n fastest measured, in order."""
+    by_pred = [r["system"] for r in sorted(rows, key=lambda r: r["predicted_rank"])][:n]
+    by_meas = [r["system"] for r in sorted(rows, key=lambda r: r["measured_rank"])][:n]
+    return by_pred == by_meas
+
+
+def markdown(rows: list[dict], tolerance: float) -> str:
+    lines = ["| strategy | collectives | predicted (s) | compute (s) | measured (s) | predicted / measured "
+             f"| within {tolerance:.0%} | rank predicted | rank measured |", "|---|---|---:|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['system'].split(':', 1)[1]} | {r['collectives']} | {r['predicted_s']:.2f} "
+                     f"| {r['time']['compute']:.2f} | {r['measured_s']:.2f} | {r['ratio']:.2f} "
+                     f"| {'yes' if r['within'] else 'no'} | {r['predicted_rank']} | {r['measured_rank']} |")
+    n_in = sum(r["within"] for r in rows)
+    lines.append("")
+    lines.append(f"{n_in} of {len(rows)} within {tolerance:.0%}; order of the top three "
+                 f"{'equal' if top_order_matches(rows) else 'NOT equal'} (predicted vs measured).")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("profile", help="shardc profile JSON (cluster_bench.py --bandwidth-profile)")
+    p.add_argument("systems", help="cluster_bench.py systems JSON")
+    p.add_argument("--tolerance", type=float, default=0.15, help="relative error counted as a match (0.15)")
+    p.add_argument("--md", help="also write the markdown table here")
+    p.add_argument("--json", dest="json_out", help="also write the rows as JSON here")
+    a = p.parse_args(argv)
+    try:
+        with open(a.systems) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        print(f"error: cannot read {a.systems}: {e}", file=sys.stderr)
+        return 1
+    rows = table(a.profile, doc, a.tolerance)
+    md = markdown(rows, a.tolerance)
+    print(md)
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write(md + "\n")
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

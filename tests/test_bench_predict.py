@@ -1,0 +1,88 @@
+"""bench/predict.py: predicted vs measured step time from a profile and a systems JSON.
+
+The fixture (tests/golden/predict/) is hand-written: constant bandwidths per level set
+(gpu 200 MB/s with every second on the cores, node 10 MB/s with 10 % on the cores,
+node+gpu hierarchical 20 MB/s with 25 %; compute wall/CPU = 0.8/0.2 = 4, 1.25e10 FLOP/s
+per rank), the bench model on node(2) > gpu(4), 4 micro-batches. The expected step
+times are derived here from the ledger rules (docs/internals.md) and [Note: step time]
+/ [Note: CPU share of a collective] (analysis/costmodel/timing.py), with the bench
+model's parameter count and traced FLOPs as inputs.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIX = os.path.join(ROOT, "tests", "golden", "predict")
+
+
+def _bench(name):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _inputs():
+    """Φ (parameters) and executed FLOPs of one micro-batch (2 sequences of 64) of the bench model."""
+    from shardc.analysis.costmodel.flops import trace
+    from shardc.cli.loader import build_model
+    from shardc.compiler.units import find_units
+    from shardc.dsl import load_strategy
+
+    models = _bench("models")
+    phi = models.n_params(models.build_model("bench"))
+    meta = build_model(os.path.join(ROOT, "bench", "models.py") + ":bench", device="meta")
+    units = find_units(meta, load_strategy("mesh gpu(1)\nparams replicate\n"))
+    return phi, trace(meta, units, batch=2, seq=64, dtype="fp32").executed_flops()
+
+
+def _expected(phi, flops):
+    m, c = 4, flops / 1.25e10                        # micro-batches, compute per micro-batch
+    slack = 2 / 3 * c                                 # neither strategy waits in its backward
+    # hsdp_zero2: backward reduce-scatter of 4Φ over gpu per micro-batch (all on the cores),
+    # sync all-reduce of the gpu shard Φ over node (10 % on the cores), update all-gather of 4Φ over gpu.
+    rs_b, ar_s, ag_u = 4 * phi / 200e6, phi / 10e6, 4 * phi / 200e6
+    hsdp = m * c + m * rs_b + 0.1 * ar_s + max(0.0, 0.9 * ar_s - slack) + ag_u
+    # zero1 (hierarchical): sync reduce-scatter of 4Φ over the world, update all-gather of 4Φ over it.
+    rs_s, ag_u = 4 * phi / 20e6, 4 * phi / 20e6
+    zero1 = m * c + 0.25 * rs_s + max(0.0, 0.75 * rs_s - slack) + ag_u
+    return {"shardc:hsdp_zero2": hsdp, "shardc:zero1": zero1}
+
+
+def test_predicted_vs_measured_table(tmp_path):
+    predict = _bench("predict")
+    phi, flops = _inputs()
+    want = _expected(phi, flops)
+    with open(os.path.join(FIX, "systems.json")) as f:
+        doc = json.load(f)
+    rows = predict.table(os.path.join(FIX, "profile.json"), doc)
+    # the peers and the failed system are not predicted; rows in measured order
+    assert [r["system"] for r in rows] == ["shardc:hsdp_zero2", "shardc:zero1"]
+    measured = {"shardc:hsdp_zero2": 6.0, "shardc:zero1": 9.0}
+    for r in rows:
+        assert r["predicted_s"] == pytest.approx(want[r["system"]], rel=1e-6)
+        assert r["time"]["compute"] == pytest.approx(4 * flops / 1.25e10, rel=1e-9)
+        assert r["ratio"] == pytest.approx(want[r["system"]] / measured[r["system"]], rel=1e-6)
+        assert r["within"] == (abs(want[r["system"]] / measured[r["system"]] - 1) <= 0.15)
+    order = sorted(want, key=want.get)
+    assert [r["predicted_rank"] for r in rows] == [order.index(r["system"]) + 1 for r in rows]
+    assert [r["measured_rank"] for r in rows] == [1, 2]
+    assert predict.top_order_matches(rows) == (order == ["shardc:hsdp_zero2", "shardc:zero1"])
+
+
+def test_cli_writes_the_markdown_table(tmp_path, capsys):
+    predict = _bench("predict")
+    md = tmp_path / "t.md"
+    assert predict.main([os.path.join(FIX, "profile.json"), os.path.join(FIX, "systems.json"),
+                         "--md", str(md)]) == 0
+    text = md.read_text()
+    assert text.splitlines()[0].startswith("| strategy | collectives | predicted (s)")
+    assert "| hsdp_zero2 | ring |" in text and "| zero1 | hierarchical |" in text
+    assert "of 2 within 15%" in text and text in capsys.readouterr().out + "\n"
