@@ -22,21 +22,25 @@ CHECKPOINT = {"7b": False, "13b": False, "30b": True}   # Lins §V-A: recomputat
 TABLE_III = {"7b": ((), (), ("gpu", "lane")), "13b": (("lane",), ("lane",), ("gpu", "lane")),
              "30b": (("gpu", "lane"),) * 3}
 LINS_MFU = {"7b": 0.51, "13b": 0.52, "30b": 0.42}     # Lins §V-B, 1024 GPUs
+WORLD, NODE = ("node", "gpu", "lane"), ("gpu", "lane")
+# The DeepSpeed baselines as DeepSpeed runs them: one all-gather / reduce-scatter per
+# submodule with parameters, over NCCL's flat ring (no hierarchical collectives).
+DEEPSPEED = "units type Linear, RMSNorm, Embedding\ncollectives ring\n"
 
 
-def _strategy(mesh: str, p=(), g=(), o=(), extra=""):
+def _strategy(mesh: str, p=(), g=(), o=(), extra="", tail=""):
     from shardc import load_strategy
     sc = lambda lv: f"shard over {', '.join(lv)}" if lv else "replicate"
     return load_strategy(f"strategy s\nmesh {mesh}\nparams {sc(p)}{extra} dtype bf16\n"
-                         f"grads {sc(g)} dtype bf16\noptim {sc(o)}\naccumulate 1\n")
+                         f"grads {sc(g)} dtype bf16\noptim {sc(o)}\naccumulate 1\n{tail}")
 
 
 @functools.lru_cache(maxsize=None)
-def _lins_model(size: str):
+def _lins_model(size: str, tail: str = ""):
     from shardc.analysis.costmodel.flops import trace
     from shardc.cli.loader import build_model
     from shardc.compiler.units import find_units
-    base = _strategy(LINS_MESH)
+    base = _strategy(LINS_MESH, tail=tail)
     model = build_model(f"examples/llama.py:llama_{size}", device="meta")
     units = find_units(model, base)
     from shardc.analysis.costmodel.sizes import unit_sizes
@@ -49,11 +53,11 @@ def _links():
     return LevelLinks(LINS_LINKS, AlphaBeta())
 
 
-def _lins_explain(size: str, p, g, o, extra=""):
+def _lins_explain(size: str, p, g, o, extra="", tail=""):
     from dataclasses import replace
     from shardc.analysis.costmodel.report import explain
-    s = _strategy(LINS_MESH, p, g, o, extra)
-    units, graph = _lins_model(size)
+    s = _strategy(LINS_MESH, p, g, o, extra, tail)
+    units, graph = _lins_model(size, tail)
     return explain(s, [replace(u, scopes=s.scopes) for u in units], micro_batches=1, bandwidth=_links(),
                    flops=200e12, graph=graph, checkpoint=CHECKPOINT[size], peak_flops=312e12)
 
@@ -112,16 +116,40 @@ def test_lins_mfu_of_its_strategy(size):
     assert e.peak["peak"] <= 80 * 2**30
 
 
-@pytest.mark.xfail(strict=True, reason="known miss: shardc's overlap model hides MiCS' per-micro-batch "
-                   "gathers and its sync behind compute; Lins measured 35 %")
-def test_lins_mfu_mics_7b():
-    assert _lins_explain("7b", *(("gpu", "lane"),) * 3).rates["mfu"] == pytest.approx(0.35, rel=0.20)
+MISS_MICS = ("known miss: DeepSpeed-MiCS all-reduces its gradient partition across nodes after the "
+             "backward where shardc's runtime hides each unit's all-reduce behind it (exposed, shardc "
+             "gives 43 % for 7B), and the rest is Lins Fig. 3's bandwidth loss at 128 nodes, unquantified")
+MISS_SCALE = ("known miss: latency-bound over 1024 ranks, shardc is 20-25 % optimistic; the effective-"
+              "bandwidth loss and synchronization skew at that scale (Lins Fig. 3) are not modeled")
+MISS_30B = ("known miss: ZeRO++ on 30B measured 2.4x slower than its collectives' latency explains; "
+            "Lins gives no breakdown (memory pressure near its OOM point is a candidate)")
+# (strategy, size, Lins' MFU, extra params text): Lins §V-B and §I at 1024 GPUs.
+BASELINES = [
+    pytest.param("mics", "7b", 0.35, marks=pytest.mark.xfail(strict=True, reason=MISS_MICS)),
+    pytest.param("mics", "13b", 0.33, marks=pytest.mark.xfail(strict=True, reason=MISS_MICS)),
+    pytest.param("mics", "30b", 0.29, marks=pytest.mark.xfail(strict=True, reason=MISS_MICS)),
+    pytest.param("zero3", "7b", 0.04),
+    pytest.param("zero3", "13b", 0.04, marks=pytest.mark.xfail(strict=True, reason=MISS_SCALE)),
+    pytest.param("zeropp", "7b", 0.04, marks=pytest.mark.xfail(strict=True, reason=MISS_SCALE)),
+    pytest.param("zeropp", "13b", 0.06, marks=pytest.mark.xfail(strict=True, reason=MISS_SCALE)),
+    pytest.param("zeropp", "30b", 0.05, marks=pytest.mark.xfail(strict=True, reason=MISS_30B)),
+]
 
 
-@pytest.mark.xfail(strict=True, reason="known miss: DeepSpeed ZeRO-3 at 1024 GPUs reached ~4 % MFU "
-                   "(latency of per-module collectives over 1024 ranks); shardc predicts compute-bound")
-def test_lins_mfu_zero3_7b():
-    assert _lins_explain("7b", *(("node", "gpu", "lane"),) * 3).rates["mfu"] == pytest.approx(0.04, rel=0.20)
+def _baseline(name: str, size: str):
+    """MiCS keeps shardc's per-block units: its in-node gathers cost a few microseconds
+    either way, and per-block units come closer to DeepSpeed-MiCS' one flat cross-node
+    all-reduce than per-submodule ones would."""
+    if name == "mics":
+        return _lins_explain(size, NODE, NODE, NODE, tail="collectives ring\n")
+    extra = " secondary gpu, lane" if name == "zeropp" else ""   # Lins: ZeRO++ s_p^0 = 8, no quantization
+    return _lins_explain(size, WORLD, WORLD, WORLD, extra, DEEPSPEED)
+
+
+@pytest.mark.parametrize("name, size, mfu", BASELINES)
+def test_lins_mfu_of_deepspeed_baselines(name, size, mfu):
+    # Tolerance 20 % of Lins' MFU, as for its own strategy.
+    assert _baseline(name, size).rates["mfu"] == pytest.approx(mfu, rel=0.20)
 
 
 def test_lins_table_iii_7b_is_first_by_lins_objective():
