@@ -164,3 +164,47 @@ def test_lins_table_iii_30b_is_first_by_step_time():
                    "sharding the optimizer over the world is cheaper than Lins' in-node choice")
 def test_lins_table_iii_13b_is_first_by_lins_objective():
     assert _lins_plan("13b", "comm") == 1
+
+
+# ZeRO-topo §VI on Frontier: GPT-NeoX-20B on 384 GCDs; per-GCD links node 12.5 GB/s
+# (100 GB/s per node / 8), gpu 50 GB/s, gcd 200 GB/s; 2048 tokens per micro-batch, 16
+# micro-batches, 80 of 191.5 TFLOP/s achievable. All three run on DeepSpeed over RCCL:
+# per-submodule collectives over flat rings (DEEPSPEED).
+TOPO_MESH = "node(48) > gpu(4) > gcd(2)"
+TOPO_LINKS = (("node", 12.5e9, None), ("gpu", 50e9, None), ("gcd", 200e9, None))
+TOPO = {"zero3": ("shard over world", "", "shard over world"),
+        "zeropp": ("shard over world", " secondary gpu, gcd int8 comm int8", "shard over world comm int4"),
+        "zero_topo": ("shard over gcd", " secondary gpu, gcd int8 comm int8", "shard over gpu, gcd comm int4")}
+MISS_RCCL = ("known miss: shardc is 25 % pessimistic about ZeRO-3 and ZeRO++ here; their ring latency "
+             "over 384 GCDs is the 20 us-per-step default, and the paper gives no RCCL measurement")
+
+
+@functools.lru_cache(maxsize=None)
+def _topo_seconds(name: str) -> float:
+    from dataclasses import replace
+    from shardc import load_strategy
+    from shardc.analysis.costmodel.flops import trace
+    from shardc.analysis.costmodel.network import LevelLinks
+    from shardc.analysis.costmodel.report import explain
+    from shardc.analysis.costmodel.timing import AlphaBeta
+    from shardc.cli.loader import build_model
+    from shardc.compiler.units import find_units
+    from shardc.analysis.costmodel.sizes import unit_sizes
+    p, opts, g = TOPO[name]
+    s = load_strategy(f"strategy {name}\nmesh {TOPO_MESH}\nparams {p}{opts} dtype bf16\n"
+                      f"grads {g} dtype bf16\noptim shard over world\naccumulate 16\n{DEEPSPEED}")
+    model = build_model("examples/gpt_neox.py:neox_20b", device="meta")
+    units = find_units(model, s)
+    e = explain(s, unit_sizes(model, units), bandwidth=LevelLinks(TOPO_LINKS, AlphaBeta()), flops=80e12,
+                graph=trace(model, units, batch=1, seq=2048, dtype="bf16"), peak_flops=191.5e12)
+    return e.time.total
+
+
+@pytest.mark.parametrize("fast, slow, paper", [
+    pytest.param("zero_topo", "zero3", 2.40, marks=pytest.mark.xfail(strict=True, reason=MISS_RCCL)),
+    pytest.param("zero_topo", "zeropp", 1.71, marks=pytest.mark.xfail(strict=True, reason=MISS_RCCL)),
+    ("zeropp", "zero3", 1.41)])
+def test_zero_topo_throughput_ratios(fast, slow, paper):
+    # ZeRO-topo §VI: +139.8 % and +70.7 % TFLOPS per GPU over ZeRO-3 and ZeRO++, ZeRO++ +40.5 %
+    # over ZeRO-3, 384 GCDs, 20B. Tolerance 20 % of the ratio.
+    assert _topo_seconds(slow) / _topo_seconds(fast) == pytest.approx(paper, rel=0.20)
