@@ -5,7 +5,9 @@ and flip to a failure the day the model starts matching them.
 
 Settings the papers leave unstated are the ones docs/explain.md lists: Lins — per-GPU
 links node 12.5 GB/s and NVLink 200 GB/s, achievable 200 TFLOP/s (Lins' 64 % MFU on 8
-GPUs × A800's 312 TFLOP/s peak), 2 GiB framework overhead; PaRO — intra-node 150 GB/s.
+GPUs × A800's 312 TFLOP/s peak), 2 GiB framework overhead; PaRO — intra-node 150 GB/s;
+ZeRO-topo — per-GCD links node 12.5, gpu 50, gcd 200 GB/s. The papers' DeepSpeed runs
+are written as DeepSpeed issues its collectives: per submodule, over flat rings.
 """
 from __future__ import annotations
 
