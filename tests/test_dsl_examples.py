@@ -102,6 +102,7 @@ def test_zeropp_options():
 def test_zero_topo_options_and_own_mesh():
     s = shardc.load_strategy(EXAMPLES / "zero_topo.shard", world_size=8, mesh=TOPO_MESH)
     assert s.params.secondary.levels == ("gpu", "gcd") and s.params.secondary.quant is DType.INT8
+    assert s.params.comm is DType.INT8       # the forward all-gather over the 2 GCDs is quantized (§V-D)
     assert s.grads.comm is DType.INT4 and s.accumulate == 4
     # Without the override the file's own mesh node(*) > gpu(4) > gcd(2) needs world 8k.
     own = shardc.load_strategy(EXAMPLES / "zero_topo.shard", world_size=16)

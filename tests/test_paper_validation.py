@@ -5,7 +5,9 @@ and flip to a failure the day the model starts matching them.
 
 Settings the papers leave unstated are the ones docs/explain.md lists: Lins — per-GPU
 links node 12.5 GB/s and NVLink 200 GB/s, achievable 200 TFLOP/s (Lins' 64 % MFU on 8
-GPUs × A800's 312 TFLOP/s peak), 2 GiB framework overhead; PaRO — intra-node 150 GB/s.
+GPUs × A800's 312 TFLOP/s peak), 2 GiB framework overhead; PaRO — intra-node 150 GB/s;
+ZeRO-topo — per-GCD links node 12.5, gpu 50, gcd 200 GB/s. The papers' DeepSpeed runs
+are written as DeepSpeed issues its collectives: per submodule, over flat rings.
 """
 from __future__ import annotations
 
@@ -22,21 +24,25 @@ CHECKPOINT = {"7b": False, "13b": False, "30b": True}   # Lins §V-A: recomputat
 TABLE_III = {"7b": ((), (), ("gpu", "lane")), "13b": (("lane",), ("lane",), ("gpu", "lane")),
              "30b": (("gpu", "lane"),) * 3}
 LINS_MFU = {"7b": 0.51, "13b": 0.52, "30b": 0.42}     # Lins §V-B, 1024 GPUs
+WORLD, NODE = ("node", "gpu", "lane"), ("gpu", "lane")
+# The DeepSpeed baselines as DeepSpeed runs them: one all-gather / reduce-scatter per
+# submodule with parameters, over NCCL's flat ring (no hierarchical collectives).
+DEEPSPEED = "units type Linear, RMSNorm, Embedding\ncollectives ring\n"
 
 
-def _strategy(mesh: str, p=(), g=(), o=(), extra=""):
+def _strategy(mesh: str, p=(), g=(), o=(), extra="", tail=""):
     from shardc import load_strategy
     sc = lambda lv: f"shard over {', '.join(lv)}" if lv else "replicate"
     return load_strategy(f"strategy s\nmesh {mesh}\nparams {sc(p)}{extra} dtype bf16\n"
-                         f"grads {sc(g)} dtype bf16\noptim {sc(o)}\naccumulate 1\n")
+                         f"grads {sc(g)} dtype bf16\noptim {sc(o)}\naccumulate 1\n{tail}")
 
 
 @functools.lru_cache(maxsize=None)
-def _lins_model(size: str):
+def _lins_model(size: str, tail: str = ""):
     from shardc.analysis.costmodel.flops import trace
     from shardc.cli.loader import build_model
     from shardc.compiler.units import find_units
-    base = _strategy(LINS_MESH)
+    base = _strategy(LINS_MESH, tail=tail)
     model = build_model(f"examples/llama.py:llama_{size}", device="meta")
     units = find_units(model, base)
     from shardc.analysis.costmodel.sizes import unit_sizes
@@ -49,11 +55,11 @@ def _links():
     return LevelLinks(LINS_LINKS, AlphaBeta())
 
 
-def _lins_explain(size: str, p, g, o, extra=""):
+def _lins_explain(size: str, p, g, o, extra="", tail=""):
     from dataclasses import replace
     from shardc.analysis.costmodel.report import explain
-    s = _strategy(LINS_MESH, p, g, o, extra)
-    units, graph = _lins_model(size)
+    s = _strategy(LINS_MESH, p, g, o, extra, tail)
+    units, graph = _lins_model(size, tail)
     return explain(s, [replace(u, scopes=s.scopes) for u in units], micro_batches=1, bandwidth=_links(),
                    flops=200e12, graph=graph, checkpoint=CHECKPOINT[size], peak_flops=312e12)
 
@@ -112,16 +118,40 @@ def test_lins_mfu_of_its_strategy(size):
     assert e.peak["peak"] <= 80 * 2**30
 
 
-@pytest.mark.xfail(strict=True, reason="known miss: shardc's overlap model hides MiCS' per-micro-batch "
-                   "gathers and its sync behind compute; Lins measured 35 %")
-def test_lins_mfu_mics_7b():
-    assert _lins_explain("7b", *(("gpu", "lane"),) * 3).rates["mfu"] == pytest.approx(0.35, rel=0.20)
+MISS_MICS = ("known miss: DeepSpeed-MiCS all-reduces its gradient partition across nodes after the "
+             "backward where shardc's runtime hides each unit's all-reduce behind it (exposed, shardc "
+             "gives 43 % for 7B), and the rest is Lins Fig. 3's bandwidth loss at 128 nodes, unquantified")
+MISS_SCALE = ("known miss: latency-bound over 1024 ranks, shardc is 20-25 % optimistic; the effective-"
+              "bandwidth loss and synchronization skew at that scale (Lins Fig. 3) are not modeled")
+MISS_30B = ("known miss: ZeRO++ on 30B measured 2.4x slower than its collectives' latency explains; "
+            "Lins gives no breakdown (memory pressure near its OOM point is a candidate)")
+# (strategy, size, Lins' MFU, extra params text): Lins §V-B and §I at 1024 GPUs.
+BASELINES = [
+    pytest.param("mics", "7b", 0.35, marks=pytest.mark.xfail(strict=True, reason=MISS_MICS)),
+    pytest.param("mics", "13b", 0.33, marks=pytest.mark.xfail(strict=True, reason=MISS_MICS)),
+    pytest.param("mics", "30b", 0.29, marks=pytest.mark.xfail(strict=True, reason=MISS_MICS)),
+    pytest.param("zero3", "7b", 0.04),
+    pytest.param("zero3", "13b", 0.04, marks=pytest.mark.xfail(strict=True, reason=MISS_SCALE)),
+    pytest.param("zeropp", "7b", 0.04, marks=pytest.mark.xfail(strict=True, reason=MISS_SCALE)),
+    pytest.param("zeropp", "13b", 0.06, marks=pytest.mark.xfail(strict=True, reason=MISS_SCALE)),
+    pytest.param("zeropp", "30b", 0.05, marks=pytest.mark.xfail(strict=True, reason=MISS_30B)),
+]
 
 
-@pytest.mark.xfail(strict=True, reason="known miss: DeepSpeed ZeRO-3 at 1024 GPUs reached ~4 % MFU "
-                   "(latency of per-module collectives over 1024 ranks); shardc predicts compute-bound")
-def test_lins_mfu_zero3_7b():
-    assert _lins_explain("7b", *(("node", "gpu", "lane"),) * 3).rates["mfu"] == pytest.approx(0.04, rel=0.20)
+def _baseline(name: str, size: str):
+    """MiCS keeps shardc's per-block units: its in-node gathers cost a few microseconds
+    either way, and per-block units come closer to DeepSpeed-MiCS' one flat cross-node
+    all-reduce than per-submodule ones would."""
+    if name == "mics":
+        return _lins_explain(size, NODE, NODE, NODE, tail="collectives ring\n")
+    extra = " secondary gpu, lane" if name == "zeropp" else ""   # Lins: ZeRO++ s_p^0 = 8, no quantization
+    return _lins_explain(size, WORLD, WORLD, WORLD, extra, DEEPSPEED)
+
+
+@pytest.mark.parametrize("name, size, mfu", BASELINES)
+def test_lins_mfu_of_deepspeed_baselines(name, size, mfu):
+    # Tolerance 20 % of Lins' MFU, as for its own strategy.
+    assert _baseline(name, size).rates["mfu"] == pytest.approx(mfu, rel=0.20)
 
 
 def test_lins_table_iii_7b_is_first_by_lins_objective():
@@ -136,3 +166,47 @@ def test_lins_table_iii_30b_is_first_by_step_time():
                    "sharding the optimizer over the world is cheaper than Lins' in-node choice")
 def test_lins_table_iii_13b_is_first_by_lins_objective():
     assert _lins_plan("13b", "comm") == 1
+
+
+# ZeRO-topo §VI on Frontier: GPT-NeoX-20B on 384 GCDs; per-GCD links node 12.5 GB/s
+# (100 GB/s per node / 8), gpu 50 GB/s, gcd 200 GB/s; 2048 tokens per micro-batch, 16
+# micro-batches, 80 of 191.5 TFLOP/s achievable. All three run on DeepSpeed over RCCL:
+# per-submodule collectives over flat rings (DEEPSPEED).
+TOPO_MESH = "node(48) > gpu(4) > gcd(2)"
+TOPO_LINKS = (("node", 12.5e9, None), ("gpu", 50e9, None), ("gcd", 200e9, None))
+TOPO = {"zero3": ("shard over world", "", "shard over world"),
+        "zeropp": ("shard over world", " secondary gpu, gcd int8 comm int8", "shard over world comm int4"),
+        "zero_topo": ("shard over gcd", " secondary gpu, gcd int8 comm int8", "shard over gpu, gcd comm int4")}
+MISS_RCCL = ("known miss: shardc is 25 % pessimistic about ZeRO-3 and ZeRO++ here; their ring latency "
+             "over 384 GCDs is the 20 us-per-step default, and the paper gives no RCCL measurement")
+
+
+@functools.lru_cache(maxsize=None)
+def _topo_seconds(name: str) -> float:
+    from dataclasses import replace
+    from shardc import load_strategy
+    from shardc.analysis.costmodel.flops import trace
+    from shardc.analysis.costmodel.network import LevelLinks
+    from shardc.analysis.costmodel.report import explain
+    from shardc.analysis.costmodel.timing import AlphaBeta
+    from shardc.cli.loader import build_model
+    from shardc.compiler.units import find_units
+    from shardc.analysis.costmodel.sizes import unit_sizes
+    p, opts, g = TOPO[name]
+    s = load_strategy(f"strategy {name}\nmesh {TOPO_MESH}\nparams {p}{opts} dtype bf16\n"
+                      f"grads {g} dtype bf16\noptim shard over world\naccumulate 16\n{DEEPSPEED}")
+    model = build_model("examples/gpt_neox.py:neox_20b", device="meta")
+    units = find_units(model, s)
+    e = explain(s, unit_sizes(model, units), bandwidth=LevelLinks(TOPO_LINKS, AlphaBeta()), flops=80e12,
+                graph=trace(model, units, batch=1, seq=2048, dtype="bf16"), peak_flops=191.5e12)
+    return e.time.total
+
+
+@pytest.mark.parametrize("fast, slow, paper", [
+    pytest.param("zero_topo", "zero3", 2.40, marks=pytest.mark.xfail(strict=True, reason=MISS_RCCL)),
+    pytest.param("zero_topo", "zeropp", 1.71, marks=pytest.mark.xfail(strict=True, reason=MISS_RCCL)),
+    ("zeropp", "zero3", 1.41)])
+def test_zero_topo_throughput_ratios(fast, slow, paper):
+    # ZeRO-topo §VI: +139.8 % and +70.7 % TFLOPS per GPU over ZeRO-3 and ZeRO++, ZeRO++ +40.5 %
+    # over ZeRO-3, 384 GCDs, 20B. Tolerance 20 % of the ratio.
+    assert _topo_seconds(slow) / _topo_seconds(fast) == pytest.approx(paper, rel=0.20)

@@ -83,8 +83,8 @@ def test_zero_topo_quantized_trains():
     _check_training(res)
     # L = lcm(2, 4, 8, 4) = 8: N = 80, 112; secondary int8 over gpu,gcd (s_Q = 4)
     want = sorted([
-        ("forward", "all_gather", ("gcd",), 80 * 4, 3),
-        ("forward", "all_gather", ("gcd",), 112 * 4, 9),
+        ("forward", "all_gather", ("gcd",), q(80, 2, 8), 3),      # params gathered in int8 over s = 2
+        ("forward", "all_gather", ("gcd",), q(112, 2, 8), 9),
         ("backward", "all_gather", ("gpu", "gcd"), q(112, 4, 8), 6),
         ("backward", "all_to_all", ("gpu", "gcd"), q(80, 4, 4), 2),
         ("backward", "all_to_all", ("gpu", "gcd"), q(112, 4, 4), 6),

@@ -2,7 +2,7 @@
 GPT sharded under strategy `zero_topo` (zero_topo.shard), emitted by shardc.
 
 mesh        node(2) > gpu(2) > gcd(2)   (world 8)
-params      shard over gcd secondary gpu, gcd int8  (s=2, zero_topo.shard:4)
+params      shard over gcd secondary gpu, gcd int8 comm int8  (s=2, zero_topo.shard:4)
 grads       shard over gpu, gcd comm int4  (s=4, zero_topo.shard:5)
 optim       shard over world  (s=8, zero_topo.shard:6)
 accumulate 4, prefetch 1, collectives hierarchical, capture fx
@@ -31,7 +31,7 @@ STRATEGY = Strategy(name='zero_topo',
                     scopes=Scopes(params=ParamsSpec(levels=('gcd',),
                                                     secondary=Secondary(levels=('gpu', 'gcd'),
                                                                         quant=DType.INT8),
-                                                    comm=DType.FP32,
+                                                    comm=DType.INT8,
                                                     dtype=DType.FP32,
                                                     line=4),
                                   grads=GradsSpec(levels=('gpu', 'gcd'),
@@ -117,17 +117,17 @@ PARAMS = (
 
 # The collectives each unit's flat groups issue (the lowered plan's rows; the ledger records
 # exactly these): unit, group, phase, op, levels, payload bytes per call, how often, cause.
-#   0 trainable forward  all_gather     gcd                  10,496 B per forward   zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8
+#   0 trainable forward  all_gather     gcd                   2,672 B per forward   zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 comm int8
 #   0 trainable backward all_to_all     gpu,gcd               1,360 B per backward  zero_topo.shard:5 grads shard over gpu, gcd comm int4
 #   0 trainable sync     reduce_scatter node                  2,624 B per step      zero_topo.shard:6 optim shard over world
 #   0 trainable update   all_gather     node,gpu              5,248 B per step      zero_topo.shard:6 optim shard over world
-#   1 trainable forward  all_gather     gcd                  50,432 B per forward   zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8
-#   1 trainable backward all_gather     gpu,gcd              12,816 B per backward  zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8
+#   1 trainable forward  all_gather     gcd                  12,808 B per forward   zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 comm int8
+#   1 trainable backward all_gather     gpu,gcd              12,816 B per backward  zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 comm int8
 #   1 trainable backward all_to_all     gpu,gcd               6,512 B per backward  zero_topo.shard:5 grads shard over gpu, gcd comm int4
 #   1 trainable sync     reduce_scatter node                 12,608 B per step      zero_topo.shard:6 optim shard over world
 #   1 trainable update   all_gather     node,gpu             25,216 B per step      zero_topo.shard:6 optim shard over world
-#   2 trainable forward  all_gather     gcd                  50,432 B per forward   zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8
-#   2 trainable backward all_gather     gpu,gcd              12,816 B per backward  zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8
+#   2 trainable forward  all_gather     gcd                  12,808 B per forward   zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 comm int8
+#   2 trainable backward all_gather     gpu,gcd              12,816 B per backward  zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 comm int8
 #   2 trainable backward all_to_all     gpu,gcd               6,512 B per backward  zero_topo.shard:5 grads shard over gpu, gcd comm int4
 #   2 trainable sync     reduce_scatter node                 12,608 B per step      zero_topo.shard:6 optim shard over world
 #   2 trainable update   all_gather     node,gpu             25,216 B per step      zero_topo.shard:6 optim shard over world
@@ -138,7 +138,7 @@ PARAMS = (
 SCHEDULE = Schedule(
     forward=(),
     backward=(
-        Stage(unit=2, issue=(2, 1)),  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8; prefetch 1 (default)
+        Stage(unit=2, issue=(2, 1)),  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 comm int8; prefetch 1 (default)
         Stage(unit=1, issue=()),
     ),
     # plan pass early_sync: each unit's step sync is issued as soon as its backward
@@ -152,22 +152,22 @@ SCHEDULE = Schedule(
 
 def forward(sm, idx):
     self, rt = sm.module, sm.runtime
-    rt.begin_forward()  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 (root unit)
-    rt.issue_gather(1)  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8; prefetch 1 (default)
+    rt.begin_forward()  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 comm int8 (root unit)
+    rt.issue_gather(1)  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 comm int8; prefetch 1 (default)
     size = idx.size(1)
     getattr_1 = idx.device
     arange = torch.arange(size, device=getattr_1)
     transformer_wte = self.transformer.wte(idx)
     transformer_wpe = self.transformer.wpe(arange)
     add = transformer_wte + transformer_wpe
-    rt.issue_gather(2)  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8; prefetch 1 (default)
-    rt.wait_gather(1)  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8
-    transformer_h_0 = rt.run_unit(1, getattr(self.transformer.h, "0"), add)  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 (backward re-gather); zero_topo.shard:5 grads shard over gpu, gcd comm int4 (backward reduce-scatter); zero_topo.shard:6 optim shard over world (step sync)
-    rt.wait_gather(2)  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8
-    transformer_h_1 = rt.run_unit(2, getattr(self.transformer.h, "1"), transformer_h_0)  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 (backward re-gather); zero_topo.shard:5 grads shard over gpu, gcd comm int4 (backward reduce-scatter); zero_topo.shard:6 optim shard over world (step sync)
+    rt.issue_gather(2)  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 comm int8; prefetch 1 (default)
+    rt.wait_gather(1)  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 comm int8
+    transformer_h_0 = rt.run_unit(1, getattr(self.transformer.h, "0"), add)  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 comm int8 (backward re-gather); zero_topo.shard:5 grads shard over gpu, gcd comm int4 (backward reduce-scatter); zero_topo.shard:6 optim shard over world (step sync)
+    rt.wait_gather(2)  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 comm int8
+    transformer_h_1 = rt.run_unit(2, getattr(self.transformer.h, "1"), transformer_h_0)  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 comm int8 (backward re-gather); zero_topo.shard:5 grads shard over gpu, gcd comm int4 (backward reduce-scatter); zero_topo.shard:6 optim shard over world (step sync)
     transformer_ln_f = self.transformer.ln_f(transformer_h_1)
     lm_head = self.lm_head(transformer_ln_f)
-    end_forward = rt.end_forward(lm_head)  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 (root unit)
+    end_forward = rt.end_forward(lm_head)  # zero_topo.shard:4 params shard over gcd secondary gpu, gcd int8 comm int8 (root unit)
     return end_forward
 
 
