@@ -20,9 +20,19 @@ into the part that occupies the cores (k, [Note: CPU share of a collective]; 0 w
 a CPU profile) and waiting for links (w = seconds − k). Forward/backward collectives
 overlap the compute when `prefetch` ≥ 1, so each micro-batch costs k_mb + max(compute,
 w_mb); the sync phase's waits hide behind whatever of the last backward (2/3 of a
-micro-batch's compute) its own backward waits leave free; the update phase is exposed.
+micro-batch's compute) its own backward waits leave free; the update phase's waits hide
+behind the next forward when the schedule defers them ([Note: deferred update overlap]).
 With `prefetch 0` nothing overlaps. With k = 0 (GPUs, `--link`, a GPU profile) this is
 max(compute, comm) per micro-batch, as before.
+
+[Note: deferred update overlap]
+With the `defer_update` plan pass (lowering/passes/defer_update.py) opt.step() only
+issues the update all-gathers; unit i's is waited right before unit i is next needed in
+the next forward. Their link waits therefore hide behind the next step's first forward
+(1/3 of a micro-batch's compute, less that forward's own waits), except the first
+deferred unit's share (w/d for d deferred units, issued in forward order), which the
+forward needs before it can start. The cores they occupy (k) are never hidden. Without
+the pass (or with `prefetch 0`) the update phase is exposed whole.
 
 [Note: CPU share of a collective]
 On CPU ranks (gloo) a collective is partly work on the same cores that compute: the
@@ -222,7 +232,8 @@ def step_time(strategy: Strategy, units: list[UnitSize], bw, *, micro_batches: i
     algo = strategy.collectives if algo is None else algo
     if algo == Collectives.AUTO:
         algo = choose_collectives(strategy, units, bandwidth=bw, micro_batches=m)
-    rows = counted_rows(lower(strategy.mesh, units, strategy.prefetch), forwards=m, backwards=m)
+    plan = lower(strategy.mesh, units, strategy.prefetch)
+    rows = counted_rows(plan, forwards=m, backwards=m)
     comm, k = phase_costs(rows, strategy.mesh, bw, algo)
     w = {p: comm[p] - k[p] for p in comm}           # waiting for links: what can overlap
     c_mb = (dense_flops(units, tokens) if mb_flops is None else mb_flops) / flops
@@ -232,8 +243,18 @@ def step_time(strategy: Strategy, units: list[UnitSize], bw, *, micro_batches: i
         n = max(m, 1)
         slack = max(0.0, 2 / 3 * c_mb - w["backward"] / n)
         total = (m * c_mb + k["forward"] + k["backward"] + max(0.0, w["forward"] + w["backward"] - m * c_mb)
-                 + k["sync"] + max(0.0, w["sync"] - slack) + comm["update"])
+                 + k["sync"] + max(0.0, w["sync"] - slack) + k["update"]
+                 + _update_wait(w["update"], len(plan.schedule.update_deferred), c_mb / 3 - w["forward"] / n))
     return StepTime(compute=m * c_mb, comm=comm, total=total, occupied=k)
+
+
+def _update_wait(w: float, deferred: int, free: float) -> float:
+    """Exposed seconds of the update phase's link waits `w`; see [Note: deferred update
+    overlap]. `deferred`: units whose update all-gather the schedule defers; `free`: the
+    first forward's compute its own waits leave free."""
+    if not deferred:
+        return w
+    return max(w / deferred, w - max(0.0, free))
 
 
 def _as_units(strategy: Strategy, unit_numels) -> list[UnitSize]:
