@@ -121,6 +121,17 @@ def _dead_peers(prefix: str) -> list[str]:
         return []
 
 
+def _settled_dead_peers(prefix: str, grace: float = 2.0) -> list[str]:
+    """`_dead_peers`, polled for up to `grace` seconds while none is found: a killed peer's
+    sockets close (the reset a survivor sees) before the kernel marks it exited."""
+    end = time.monotonic() + grace
+    dead = _dead_peers(prefix)
+    while not dead and time.monotonic() < end:
+        time.sleep(0.1)
+        dead = _dead_peers(prefix)
+    return dead
+
+
 def _alive(pid: int) -> bool:
     """False once `pid` is gone or a zombie (exited, not yet reaped)."""
     try:
@@ -146,7 +157,7 @@ class GuardedWork:
         try:
             return self.work.wait()
         except RuntimeError as e:
-            dead = _dead_peers(self.prefix)
+            dead = _settled_dead_peers(self.prefix)
             peer = "; ".join(dead) if dead else "the peer is unknown (it may have raised, hung or died on another host)"
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise PeerFailure(

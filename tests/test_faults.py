@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 WORLD = 3
 
 
-def _rank(rank, port, mode, out):
+def _rank(rank, port, mode, out, done):
     os.environ.update(OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
@@ -46,7 +46,8 @@ def _rank(rank, port, mode, out):
         out.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - start))
     out.close()
     out.join_thread()                               # flush the message before leaving
-    os._exit(0)                                     # no clean shutdown with a dead peer
+    done.wait(400)                                  # stay up (rank 0 holds the store) until all reported:
+    os._exit(0)                                     # a survivor that left would be a dead peer too
 
 
 def _launch(mode):
@@ -55,8 +56,8 @@ def _launch(mode):
         port = s.getsockname()[1]
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "shardc.runtime"])
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, mode, out), daemon=True) for r in range(WORLD)]
+    out, done = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_rank, args=(r, port, mode, out, done), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
     got = {}
@@ -67,6 +68,7 @@ def _launch(mode):
             got[rank] = (msg, secs)
         except Exception:                           # noqa: BLE001 — queue.Empty: keep waiting
             pass
+    done.set()
     for p in procs:
         p.kill()
     return got
