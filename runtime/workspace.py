@@ -38,7 +38,7 @@ class Workspace:
             if t.numel() >= n:
                 return free.pop(k)[:n]
         if free:                        # every free one is too small: drop the smallest
-            free.remove(min(free, key=torch.Tensor.numel))
+            free.pop(min(range(len(free)), key=lambda k: free[k].numel()))
         self.allocations += 1
         return torch.empty(n, dtype=dtype, device=device)
 
