@@ -228,7 +228,7 @@ class FlatGroup:
             grad = self.workspace.take(self.n, self.gdtype, dev).zero_()
         tmp = self.workspace.take(self.grad_shard.numel(), self.gdtype, dev)
         row = self._row(Phase.BACKWARD, Op.ALL_TO_ALL) or self._row(Phase.BACKWARD, Op.REDUCE_SCATTER)
-        work = self._issue(row, self.comm.reduce_scatter, tmp, grad)
+        work = self._issue(row, self.comm.reduce_scatter, tmp, grad, scratch=self.workspace)
         self.grad_pending.append((work, tmp, grad))
 
     def finish_grads(self) -> None:

@@ -1,9 +1,10 @@
 """The reduce workspace (runtime/workspace.py): backward scratch buffers are reused across
 units and micro-batches, bounded, and empty outside a step's accumulation window.
 
-Bounds from [Note: reduce workspace]: at most two reduce-scatters in flight, so the pool
-holds at most two buffers of the largest unit's N and two of its N/s_G chunk (fp32:
-4 bytes each); every tensor is made during the first micro-batch of a step.
+Bounds from [Note: reduce workspace]: at most two reduce-scatters in flight, each with an
+N-element input, an N-element all-to-all receive buffer (gloo) and an N/s_G chunk, so the
+pool holds at most 2·(2N + N/s_G) elements of the largest unit (fp32: 4 bytes each);
+every tensor is made during the first micro-batch of a step.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def _window(rank, world):
     opt = sm.optimizer(torch.optim.AdamW, lr=1e-3)
     ws = sm.runtime.workspace
     groups = sm.runtime.trainable_groups()
-    bound = 2 * max(g.n for g in groups) * 4 + 2 * max(g.grad_shard.numel() for g in groups) * 4
+    bound = 2 * (2 * max(g.n for g in groups) + max(g.grad_shard.numel() for g in groups)) * 4
     out = {"allocs": [], "held": [], "bound": bound}
     for x, y in batches(2, world, 3):
         xs, ys = x.chunk(world)[rank].chunk(3), y.chunk(world)[rank].chunk(3)
