@@ -29,6 +29,11 @@ in-place checks.
 [Note: grad accumulation]
 Each backward reduce-scatters the full local gradient over G into a scratch chunk,
 added into the persistent grad shard when the work is waited (end of that backward).
+With s_G = 1 the gradients are added into the shard's slot views (made once) by one
+`torch._foreach_add_`. zero_grad() does not write the shard: it marks it `stale`
+(logically zero), and the first backward's gradients are copied in (instead of added
+to zeros); whatever reads the shard before a backward wrote it (`os_grad`, the sync, a
+backward that gave the group no gradient) zeroes it first.
 The once-per-step sync reduce-scatters the grad shard over OS∖G into this rank's OS
 slice of the grad shard, all-reduces that slice over the levels outside OS, and
 divides by the world size — the only division (DDP semantics).
@@ -104,6 +109,8 @@ class FlatGroup:
         g_start, g_len = plan.chunk("grads", n)
         self.os_start, self.os_len = plan.chunk("optim", n)
         self.grad_shard = torch.zeros(g_len, dtype=self.gdtype, device=init.device)
+        self.stale = False                 # zero_grad() ran and no backward wrote the shard yet
+        self._gviews = self._plain_views(self.grad_shard) if self.s_g == 1 else None
         self.os_in_g = self.os_start - g_start
         self.os_in_p = self.os_start - self.p_start
         self.sync_state = None
@@ -201,16 +208,30 @@ class FlatGroup:
     # -- gradients -------------------------------------------------------------------
     def reduce_slot_grads(self, grads) -> None:
         """One backward's parameter gradients (slot order, None: no gradient) into the shard."""
-        slots = self.layout.slots
         if self.s_g == 1:
-            for s, g in zip(slots, grads):
-                if g is not None:
-                    self.grad_shard[s.offset:s.offset + s.numel].view(s.shape).add_(g)
+            dst = [v for v, g in zip(self._gviews, grads) if g is not None]
+            src = [g for g in grads if g is not None]
+            if self.stale:                     # see [Note: grad accumulation]
+                for v, g in zip(self._gviews, grads):
+                    if g is None:
+                        v.zero_()
+                self.grad_shard[self.layout.phi:].zero_()
+                if dst:
+                    torch._foreach_copy_(dst, src)
+                self.stale = False
+            elif dst:
+                torch._foreach_add_(dst, src)
             return
         flat = self.workspace.take(self.n, self.gdtype, self.grad_shard.device)
-        for s, g in zip(slots, grads):
-            piece = flat[s.offset:s.offset + s.numel].view(s.shape)
-            piece.zero_() if g is None else piece.copy_(g)
+        dst, src = [], []
+        for piece, g in zip(self._plain_views(flat), grads):
+            if g is None:
+                piece.zero_()
+            else:
+                dst.append(piece)
+                src.append(g)
+        if dst:
+            torch._foreach_copy_(dst, src)
         flat[self.layout.phi:].zero_()
         self.reduce_grad(flat)
 
@@ -219,6 +240,7 @@ class FlatGroup:
         workspace tensor of the grad dtype, handed back by `finish_grads`; None: this
         backward gave the group no gradient (zeros, so every rank issues the same rows)."""
         if self.s_g == 1:
+            self.materialize()
             if grad is not None:
                 self.grad_shard.add_(grad)
                 self.workspace.give(grad)
@@ -235,18 +257,30 @@ class FlatGroup:
         """Wait this group's backward reduce-scatters, add them in, hand the scratch back."""
         for work, tmp, grad in self.grad_pending:
             work.wait()
-            self.grad_shard.add_(tmp)
+            if self.stale:
+                self.grad_shard.copy_(tmp)
+                self.stale = False
+            else:
+                self.grad_shard.add_(tmp)
             self.workspace.give(tmp)
             self.workspace.give(grad)
         self.grad_pending.clear()
 
+    def materialize(self) -> None:
+        """A stale grad shard (zero_grad() ran, no backward wrote it) becomes zeros."""
+        if self.stale:
+            self.grad_shard.zero_()
+            self.stale = False
+
     @property
     def os_grad(self) -> torch.Tensor:
+        self.materialize()
         return self.grad_shard[self.os_in_g:self.os_in_g + self.os_len]
 
     def sync_issue(self) -> None:
         """Stage 1 of the per-step sync: reduce-scatter the grad shard over OS∖G."""
         self.finish_grads()
+        self.materialize()
         row = self._row(Phase.SYNC, Op.REDUCE_SCATTER)
         if row is not None:
             tmp = torch.empty(self.os_len, dtype=self.gdtype, device=self.grad_shard.device)
@@ -278,7 +312,7 @@ class FlatGroup:
 
     def zero_grads(self) -> None:
         self.finish_grads()
-        self.grad_shard.zero_()
+        self.stale = True                      # zeroed lazily, see [Note: grad accumulation]
         self.sync_state = None
 
     # -- update ---------------------------------------------------------------------

@@ -126,6 +126,8 @@ def _attach(opt, engine, pieces, params, views) -> None:
     fixed = [g.os_grad[lo:hi] if g.gdtype == torch.float32 else None for g, lo, hi in views]
 
     def attach_grads() -> None:
+        for g in {id(g): g for g, _, _ in views}.values():
+            g.materialize()                    # a zero_grad() not followed by a backward
         cast = {}
         for p, grad, (g, lo, hi) in zip(params, fixed, views):
             if grad is not None:
