@@ -1,11 +1,12 @@
 """`bucket` chosen by the cost model when the strategy has no `bucket` line.
 
 The rule (analysis/costmodel/bucketing.py "[Note: when bucketing pays]"): the size is the
-message size V* = A/B at which a unit's collective is half latency on the α–β model,
-capped so that at least prefetch + 2 non-root buckets remain; 0 when no unit is below
-V* or there are too few units. `bucket 0` turns it off. Checked from the formulas, then
-with real .shard text through every stage: the emitted module shows the size and the
-merged units, and the bucketed model trains at parity with one process.
+largest one up to V* = A/B (the message size at which a unit's collective is half
+latency on the α–β model) that leaves at least prefetch + 2 non-root buckets, reported
+as its largest bucket's bytes; 0 when that merges no two units. `bucket 0` turns it
+off. Checked from the formulas, then with real .shard text through every stage: the
+emitted module shows the size and the merged units, and the bucketed model trains at
+parity with one process.
 """
 from __future__ import annotations
 
@@ -55,7 +56,10 @@ def test_rule():
     assert bucket_bytes(s, [mb] + [mb] * 3) == 0                    # too few units to fuse
     assert bucket_bytes(s, [mb] + [9 * mb] * 6) == 0                # no unit below V*
     s0 = dataclasses.replace(s, prefetch=0)
-    assert bucket_bytes(s0, [mb] + [mb] * 3) == 3 * mb // 2
+    assert bucket_bytes(s0, [mb] + [mb] * 3) == 2 * mb                   # [2, 1]: 2 buckets remain
+    # 4 units of 3 MB, keep 3: a size that merges two merges all four pairwise ([6, 6]): none
+    assert bucket_bytes(s, [mb] + [3 * mb] * 4) == 0
+
 
 
 def _model():

@@ -13,9 +13,11 @@ per collective and moves the same bytes. Below the crossover V* = A/B a unit's
 collective is mostly latency, so the bucket size is V* (the largest over the unit's
 rows). What fusing costs is the pipeline: with `prefetch k` the plan keeps k gathers in
 flight while one unit computes, and a coarser unit list exposes more of the first
-gather and holds bigger buffers. So the size is capped so that at least k + 2 non-root
-buckets remain (one computing, k in flight, one being released). No unit below V*, or
-fewer than k + 3 non-root units: 0 (no bucketing). The answer depends on the model's
+gather and holds bigger buffers. So the size is the largest S <= V* at which the
+compiler's merge still leaves at least k + 2 non-root buckets (one computing, k in
+flight, one being released), written as the bytes of the largest bucket it makes (the
+same merge). When that merges no two units (none below V*, or at most k + 2 units): 0,
+no bucketing. The answer depends on the model's
 sizes and the bandwidth model only; `bucket 0` in the strategy turns the rule off and
 `bucket SIZE` fixes the size.
 """
@@ -50,12 +52,33 @@ def crossover_bytes(strategy: Strategy, bandwidth=None) -> int:
     return int(best)
 
 
+def _buckets(sizes: list[int], size: int) -> list[int]:
+    """The bucket totals the compiler's greedy merge makes of `sizes` (compiler/units.py:
+    consecutive units below `size` while the total stays <= `size`; larger ones alone)."""
+    out, run = [], 0
+    for b in sizes:
+        if run and run + b > size:
+            out.append(run)
+            run = 0
+        if b < size:
+            run += b
+        else:
+            out.append(b)
+    return out + ([run] if run else [])
+
+
 def bucket_bytes(strategy: Strategy, unit_bytes: list[int], bandwidth=None) -> int:
-    """The bucket size for `strategy` over units of `unit_bytes` (root first); 0: none."""
+    """The bucket size for `strategy` over units of `unit_bytes` (root first); 0: none.
+    The largest size <= V* that leaves at least prefetch + 2 buckets, reported as its
+    largest bucket's bytes (the same merge, a tight figure); 0 when that merges nothing."""
     rest = [b for b in unit_bytes[1:] if b > 0]
     keep = max(0, strategy.prefetch) + 2
     v = crossover_bytes(replace(strategy, bucket=None), bandwidth)
-    if len(rest) <= keep or not any(b < v for b in rest):
+    if len(rest) <= keep or v <= 0:
         return 0
-    size = min(v, sum(rest) // keep)
-    return size if any(b < size for b in rest) else 0
+    lo, hi = 0, v                      # the bucket count falls as the size grows
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if len(_buckets(rest, mid)) >= keep else (lo, mid - 1)
+    buckets = _buckets(rest, lo) if lo else rest
+    return max(buckets) if len(buckets) < len(rest) else 0
