@@ -53,6 +53,7 @@ its gradients arriving as usual, not after the recomputed forward.
 from __future__ import annotations
 
 import enum
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -93,24 +94,15 @@ class UnitState:
         return next((g for g in self.groups if g.trainable), None)
 
 
-def _setters(u: UnitState) -> list[list[list[tuple[dict, str]]]]:
-    """Where each view of unit u goes: (the module's __dict__, attr) when the module keeps
-    nn.Module's own __setattr__ (a parameter removed from `_parameters` is then a plain
-    attribute, so writing the dict is what setattr would do), else (a setattr proxy, attr)."""
-    def where(mod):
-        return mod.__dict__ if type(mod).__setattr__ is torch.nn.Module.__setattr__ else _SetAttr(mod)
-    return [[[(where(m), a) for m, a in slot] for slot in group] for group in u.targets]
-
-
-class _SetAttr:
-    """`proxy[attr] = value` is `setattr(module, attr, value)` (modules with their own __setattr__)."""
-    __slots__ = ("mod",)
-
-    def __init__(self, mod):
-        self.mod = mod
-
-    def __setitem__(self, attr, value):
-        setattr(self.mod, attr, value)
+def _setters(u: UnitState) -> list[list[list[tuple]]]:
+    """Where each view of unit u goes, as (set, attr) with set(attr, view): the module's
+    __dict__ when it keeps nn.Module's own __setattr__ (a parameter removed from
+    `_parameters` is then a plain attribute, so that is what setattr does), else setattr."""
+    def setter(mod):
+        if type(mod).__setattr__ is torch.nn.Module.__setattr__:
+            return mod.__dict__.__setitem__
+        return functools.partial(setattr, mod)
+    return [[[(setter(m), a) for m, a in slot] for slot in group] for group in u.targets]
 
 
 def _grad_tensors(out) -> list[torch.Tensor]:
@@ -241,8 +233,8 @@ class Engine:
     def _set_views(self, u: UnitState) -> None:
         for g, setters in zip(u.groups, self._setters[u.index]):
             for view, slot_setters in zip(g.views(), setters):
-                for where, attr in slot_setters:
-                    where[attr] = view
+                for set_, attr in slot_setters:
+                    set_(attr, view)
 
     # -- backward ------------------------------------------------------------------
     def _arm(self) -> None:
