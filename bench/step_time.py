@@ -1,16 +1,19 @@
 """Step time per named strategy on CPU gloo ranks (information only, no asserts).
 
     python bench/step_time.py [--mesh "node(2) > gpu(2)"] [--steps 5] [--width 128] [--only zero3 ...]
+                              [--profile]
 
 Spawns one process per rank (torch.multiprocessing, gloo on loopback), shards a small
 GPT-like stack with each strategy in examples/strategies/ (as written, quantization
 included; zero_topo only when the mesh has three levels) and prints the median time of
 an optimizer step (accumulate micro-batches + clip + AdamW) and the per-rank model-state
-memory from memory_report().
+memory from memory_report(). `--profile`: rank 0 runs its timed steps under
+torch.profiler and prints the top CPU ops by self time per strategy.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -78,7 +81,10 @@ def run_one(name, mesh, args, rank, world):
     opt = sm.optimizer(torch.optim.AdamW, lr=1e-3)
     g = torch.Generator().manual_seed(rank)
     times = []
+    prof = _profiler(args.profile and rank == 0)
     for step in range(args.steps + 1):
+        if step == 1:
+            prof.__enter__()
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(args.accumulate):
@@ -91,7 +97,18 @@ def run_one(name, mesh, args, rank, world):
         dist.barrier()
         if step:                       # the first step warms up
             times.append(time.perf_counter() - t0)
+    prof.__exit__(None, None, None)
+    if args.profile and rank == 0:
+        print(f"--- {name}: top CPU ops by self time, {args.steps} steps (rank 0) ---")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
     return statistics.median(times), sm.memory_report()["total"]
+
+
+def _profiler(on: bool):
+    if not on:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CPU])
 
 
 def worker(rank, world, port, args):
@@ -118,6 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--only", nargs="*", help="strategy names (default: all that fit the mesh)")
+    ap.add_argument("--profile", action="store_true", help="rank 0: torch.profiler's top ops per strategy")
     args = ap.parse_args(argv)
     world = 1
     for part in args.mesh.split(">"):

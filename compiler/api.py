@@ -5,7 +5,7 @@ inputs, a capture mode and a mesh override. Output: `compile_source` gives the e
 module's text and its Plan; `compile_model` runs the same pipeline in memory, executes
 the text and returns `shard_model(model)` (a `ShardedModule`).
 
-Pipeline: strategy -> units -> collectives resolved (cost model) -> capture -> passes
+Pipeline: strategy -> bucket size resolved (cost model) -> units -> collectives resolved (cost model) -> capture -> passes
 -> Plan -> codegen. `shardc compile` writes exactly the text `compile_model` executes.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from shardc.compiler.capture import capture as capture_graph
 from shardc.compiler.codegen import emit
 from shardc.compiler.passes import run_passes
 from shardc.compiler.plan import Plan, build_plan
-from shardc.compiler.units import find_units
+from shardc.compiler.units import find_units, resolve_bucket
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Strategy
 from shardc.lowering import unit_sizes
@@ -67,7 +67,7 @@ def compile_source(model: nn.Module, strategy, example_inputs=None, capture: str
     plan passes to run (None: all of `shardc.lowering.passes.PASSES`)."""
     if not isinstance(model, nn.Module):
         raise ShardcError(f"shardc.compile needs an nn.Module, got {type(model).__name__}")
-    strategy = resolve_strategy(strategy, mesh, world_size)
+    strategy = resolve_bucket(model, resolve_strategy(strategy, mesh, world_size))
     units = find_units(model, strategy)
     strategy = _resolve_collectives(strategy, model, units)
     gm = capture_graph(model, units, example_inputs, capture)

@@ -126,6 +126,13 @@ def _unit_reprs(plan: Plan) -> list[str]:
     return out
 
 
+def _bucket_line(s: Strategy) -> str:
+    size = f"{s.bucket:,} bytes" if s.bucket else "0 (no units merged)"
+    line = s.line_of("bucket")
+    why = f"{os.path.basename(s.file)}:{line}" if line else "chosen by the cost model, no `bucket` line"
+    return f"bucket {size}  ({why}; compiler/units.py resolve_bucket)"
+
+
 def _header(plan: Plan, model_class: str) -> list[str]:
     s = plan.strategy
     lines = [f"{model_class} sharded under strategy `{s.name}` ({os.path.basename(s.file)}), emitted by shardc.",
@@ -137,6 +144,7 @@ def _header(plan: Plan, model_class: str) -> list[str]:
     lines.append(f"accumulate {s.accumulate}, prefetch {s.prefetch}, collectives {s.collectives.value}, "
                  f"capture {plan.capture}")
     lines.append(f"plan passes {', '.join(plan.passes) or 'none'} (shardc.lowering.passes)")
+    lines.append(_bucket_line(s))
     if plan.capture == "export":
         lines += ["", "Export capture: the model keeps its own forward, driven by the runtime's module hooks",
                   "(hooks=True), which follow SCHEDULE below (units in the exported graph's order)."]

@@ -12,6 +12,14 @@ or more modules of one class holding parameters (the transformer blocks). `units
 "pat", ...`: fnmatch over module FQNs. `units type Name`: class name. When matches
 nest, the outermost wins. Parameters of no unit go to the root unit.
 
+[Note: bucket]
+`bucket SIZE` merges consecutive non-root units with equal scopes while their parameter
+bytes stay <= SIZE (units of SIZE or more stay alone); `bucket 0` never merges. With no
+`bucket` line the cost model picks SIZE (`resolve_bucket`, analysis/costmodel/
+bucketing.py "[Note: when bucketing pays]") from the unbucketed units' sizes; the
+compiler writes the resolved size into the strategy it emits, so the emitted module
+shows it.
+
 [Note: tied parameters]
 A Parameter object reachable under several names (GPT-2's `lm_head.weight is
 transformer.wte.weight`) has one canonical name, the first `named_parameters` yields;
@@ -29,7 +37,7 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Scopes, Strategy, UnitsKind
 from shardc.lowering import unit_scopes, unused_override
 
-__all__ = ["find_units", "unit_spec_class", "param_owners", "ROOT"]
+__all__ = ["find_units", "resolve_bucket", "unit_spec_class", "param_owners", "ROOT"]
 
 ROOT = "<root>"
 
@@ -150,8 +158,30 @@ def _bucket(units: list, model: nn.Module, size: int) -> list:
     return out
 
 
+def resolve_bucket(model: nn.Module, strategy: Strategy) -> Strategy:
+    """`strategy` with its bucket size decided: no `bucket` line (None) -> the cost
+    model's size for this model's units, 0 when bucketing does not pay (see Note)."""
+    if strategy.bucket is not None:
+        return strategy
+    return _with_bucket(model, strategy, _unbucketed(model, strategy))
+
+
+def _with_bucket(model: nn.Module, strategy: Strategy, units: list) -> Strategy:
+    from dataclasses import replace
+
+    from shardc.analysis.costmodel.bucketing import bucket_bytes
+    return replace(strategy, bucket=bucket_bytes(strategy, [_nbytes(model, u.params) for u in units]))
+
+
 def find_units(model: nn.Module, strategy: Strategy) -> list:
-    """The unit table of `model` under `strategy` (root first, registration order)."""
+    """The unit table of `model` under `strategy` (root first, registration order),
+    bucketed by the strategy's (or the cost model's) bucket size."""
+    units = _unbucketed(model, strategy)
+    size = strategy.bucket if strategy.bucket is not None else _with_bucket(model, strategy, units).bucket
+    return _bucket(units, model, size) if size else units
+
+
+def _unbucketed(model: nn.Module, strategy: Strategy) -> list:
     UnitSpec = unit_spec_class()
     modules = _matched_modules(model, strategy)
     params = _assign(model, modules)
@@ -160,8 +190,6 @@ def find_units(model: nn.Module, strategy: Strategy) -> list:
     for m in modules:
         units.append(UnitSpec(m, tuple(params[m]), _scopes_for(m, (m,), strategy, used), (m,)))
     unused_override(strategy, used, [u.name for u in units])
-    if strategy.bucket:
-        units = _bucket(units, model, strategy.bucket)
     return units
 
 

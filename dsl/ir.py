@@ -199,7 +199,7 @@ class Strategy:
     prefetch: int = 1
     collectives: Collectives = Collectives.AUTO
     units: UnitsSpec = UnitsSpec()
-    bucket: int | None = None         # bytes, or None
+    bucket: int | None = None         # bytes; 0: no bucketing; None: the compiler's cost model decides
     overrides: tuple[Override, ...] = ()
     file: str = "<string>"            # for `file.shard:LINE` comments in emitted code
     lines: tuple[tuple[str, int], ...] = field(default=())   # statement -> line, e.g. ("mesh", 2)

@@ -291,8 +291,9 @@ def _bucket(stmt: ast.Statement, ctx: _Ctx) -> int | None:
                                    did_you_mean(u.text, BUCKET_UNITS) or f"units are {', '.join(BUCKET_UNITS)}"))
             return None
         mult = BUCKET_UNITS[u.text]
-    n = parse_int(number, "`bucket`", ctx.diags, minimum=1, maximum=MAX_BUCKET,
-                  hint="bucket is a size such as `25MB`; leave the line out for no bucketing")
+    n = parse_int(number, "`bucket`", ctx.diags, minimum=0, maximum=MAX_BUCKET,
+                  hint="bucket is a size such as `25MB`, or 0 for no bucketing; leave the line out for "
+                       "the cost model's choice")
     if n is None:
         return None
     if n * mult > MAX_BUCKET:

@@ -97,7 +97,9 @@ def _scope_lines(scopes: Scopes, mesh: Mesh, states) -> list[str]:
 
 
 def _size(n: int) -> str:
-    """Bytes in the largest unit that divides them exactly (`25MB`, `2MiB`, `100B`)."""
+    """Bytes in the largest unit that divides them exactly (`25MB`, `2MiB`, `100B`; 0: `0`)."""
+    if n == 0:
+        return "0"
     unit = max((u for u, m in BUCKET_UNITS.items() if n % m == 0), key=BUCKET_UNITS.get)
     if len(str(n // BUCKET_UNITS[unit])) > MAX_DIGITS:
         raise ShardcError(f"bucket size {n} cannot be written in a .shard file: a number has at most "

@@ -109,18 +109,21 @@ def _ag(dst, src, pg):
     return dist.all_gather_single(dst, src, group=pg, async_op=True)
 
 
-def _rs(dst, src, pg):
-    """One flat reduce-scatter stage; yields its handle, finishes into dst."""
+def _rs(dst, src, pg, scratch=None):
+    """One flat reduce-scatter stage; yields its handle, finishes into dst. `scratch` (a
+    runtime Workspace, or None) lends the all-to-all's receive buffer."""
     if device.native_reduce_scatter(pg, src.device.type):
         yield [dist.reduce_scatter_single(dst, src, group=pg, async_op=True)]
         return
-    recv = torch.empty_like(src)
+    recv = torch.empty_like(src) if scratch is None else scratch.take(src.numel(), src.dtype, src.device)
     yield [dist.all_to_all_single(recv, src, group=pg, async_op=True)]
     parts = recv.view(dist.get_world_size(pg), -1)
     if dst.dtype in (torch.float16, torch.bfloat16):
         dst.copy_(parts.float().sum(0))
     else:
         torch.sum(parts, 0, out=dst)
+    if scratch is not None:
+        scratch.give(recv)
 
 
 def _stage_levels(sm: ShardMesh, key: tuple[str, ...]) -> tuple[str, ...]:
@@ -212,25 +215,25 @@ def _ag_plan(out, inp, mesh, key, algo, comm, s):
 
 
 # -- reduce_scatter -----------------------------------------------------------------------
-def _rs_hier_piece(dst, src, sm, key):
+def _rs_hier_piece(dst, src, sm, key, scratch=None):
     """Reduce-scatter `src` (dims: stage levels innermost first, then piece) level by level."""
     stages = tuple(reversed(_stage_levels(sm, key)))
     buf = src
     for i, lvl in enumerate(stages):
         last = i == len(stages) - 1
         nxt = dst if last else buf.new_empty(buf.numel() // sm.mesh.size(lvl))
-        yield from _rs(nxt, buf, sm.group((lvl,)))
+        yield from _rs(nxt, buf, sm.group((lvl,)), scratch)
         buf = nxt
 
 
-def _rs_pieces(out, inp, sm, key, algo):
+def _rs_pieces(out, inp, sm, key, algo, scratch=None):
     if algo is Collectives.RING:
-        return [_rs(out, inp, sm.group(key, key))]
+        return [_rs(out, inp, sm.group(key, key), scratch)]
     m = out.numel()
     names = tuple(reversed(_stage_levels(sm, key)))       # innermost first: the first stage's digit leads
     full = inp.view(*[sm.mesh.size(n) for n in key], m).permute(_perm(key, names))
     k = HO_PIECES if algo is Collectives.HO_RING else 1
-    return [_rs_hier_piece(out[lo:hi], full[..., lo:hi].contiguous().view(-1), sm, key)
+    return [_rs_hier_piece(out[lo:hi], full[..., lo:hi].contiguous().view(-1), sm, key, scratch)
             for lo, hi in _pieces(m, k)]
 
 
@@ -251,8 +254,9 @@ def _qgz(out, inp, sm, key, comm):
 
 
 def reduce_scatter(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collectives.RING,
-                   comm: DType = DType.FP32) -> Work:
-    """out (n/s) = sum over the group of inp[chunk(index)], chunks indexed over `order`."""
+                   comm: DType = DType.FP32, scratch=None) -> Work:
+    """out (n/s) = sum over the group of inp[chunk(index)], chunks indexed over `order`.
+    `scratch` (a runtime Workspace) lends the gloo all-to-all's receive buffers."""
     key, algo, out, inp, s = _prologue(out, inp, mesh, levels, order, algo)
     if not key:
         out.copy_(inp)
@@ -264,9 +268,9 @@ def reduce_scatter(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collec
             return Work(_qgz(out, inp, mesh, key, comm), on=on)
         cdt = _TORCH_DTYPE[comm]
         if cdt == out.dtype and cdt == inp.dtype:
-            return Work(*_rs_pieces(out, inp, mesh, key, algo), on=on)
+            return Work(*_rs_pieces(out, inp, mesh, key, algo, scratch), on=on)
         tmp = out.new_empty(out.numel(), dtype=cdt)
-        return Work(*_rs_pieces(tmp, inp.to(cdt), mesh, key, algo), then=lambda: out.copy_(tmp), on=on)
+        return Work(*_rs_pieces(tmp, inp.to(cdt), mesh, key, algo, scratch), then=lambda: out.copy_(tmp), on=on)
 
 
 # -- all_reduce ---------------------------------------------------------------------------

@@ -67,7 +67,7 @@ class Comm:
                                  comm=comm)
 
     def reduce_scatter(self, phase: str, out: torch.Tensor, inp: torch.Tensor, levels, order,
-                       nbytes: int, comm: DType = DType.FP32):
+                       nbytes: int, comm: DType = DType.FP32, scratch=None):
         levels = self._levels(levels)
         if not levels or self.mesh.factor(levels) == 1:
             out.copy_(inp)
@@ -75,7 +75,7 @@ class Comm:
         op = "all_to_all" if comm.quantized else "reduce_scatter"
         self.ledger.record(phase, op, levels, nbytes)
         return self.C.reduce_scatter(out, inp, self.smesh, levels, tuple(order),
-                                     algo=self.algo, comm=comm)
+                                     algo=self.algo, comm=comm, scratch=scratch)
 
     def all_reduce(self, phase: str, t: torch.Tensor, levels, nbytes: int):
         levels = self._levels(levels)

@@ -53,6 +53,7 @@ its gradients arriving as usual, not after the recomputed forward.
 from __future__ import annotations
 
 import enum
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -93,6 +94,17 @@ class UnitState:
         return next((g for g in self.groups if g.trainable), None)
 
 
+def _setters(u: UnitState) -> list[list[list[tuple]]]:
+    """Where each view of unit u goes, as (set, attr) with set(attr, view): the module's
+    __dict__ when it keeps nn.Module's own __setattr__ (a parameter removed from
+    `_parameters` is then a plain attribute, so that is what setattr does), else setattr."""
+    def setter(mod):
+        if type(mod).__setattr__ is torch.nn.Module.__setattr__:
+            return mod.__dict__.__setitem__
+        return functools.partial(setattr, mod)
+    return [[[(setter(m), a) for m, a in slot] for slot in group] for group in u.targets]
+
+
 def _grad_tensors(out) -> list[torch.Tensor]:
     return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
 
@@ -119,6 +131,8 @@ class Engine:
         self._synced: set[int] = set()     # units whose sync this step is already issued
         self._updates: dict = {}           # unit -> its deferred update all-gather (in flight)
         self._unit_of = {id(u.trainable): u for u in units if u.trainable is not None}
+        self._setters = [_setters(u) for u in units]     # made once: per group, per slot
+        self.workspace = next((g.workspace for u in units for g in u.groups), None)
 
     # -- forward primitives ----------------------------------------------------------
     def begin_forward(self) -> None:
@@ -217,10 +231,10 @@ class Engine:
         return out
 
     def _set_views(self, u: UnitState) -> None:
-        for g, targets in zip(u.groups, u.targets):
-            for view, slot_targets in zip(g.views(), targets):
-                for mod, attr in slot_targets:
-                    setattr(mod, attr, view)
+        for g, setters in zip(u.groups, self._setters[u.index]):
+            for view, slot_setters in zip(g.views(), setters):
+                for set_, attr in slot_setters:
+                    set_(attr, view)
 
     # -- backward ------------------------------------------------------------------
     def _arm(self) -> None:
@@ -285,6 +299,13 @@ class Engine:
             self._loop_decides = True
         elif self._sync_due(self.micro):
             self._issue_sync()
+            self._clear_workspace()
+
+    def _clear_workspace(self) -> None:
+        """The step's backwards are over: the reduce workspace holds nothing until the next
+        (runtime/workspace.py)."""
+        if self.workspace is not None:
+            self.workspace.clear()
 
     def _sync_due(self, micro: int) -> bool:
         """Does the backward that makes `micro` micro-batches issue the step's sync?"""
@@ -380,6 +401,7 @@ class Engine:
     def zero_grad(self) -> None:
         for g in self.trainable_groups():
             g.zero_grads()
+        self._clear_workspace()
         self.micro = 0
         self._loop_decides = False
         self._carry.clear()

@@ -15,16 +15,25 @@ parameters are views of it made by one autograd function (`_Views`, one node per
 and forward), whose backward runs once the unit's parameter gradients are all in and
 hands them to `on_grads` (the engine): no N-element concatenation, no `.grad` on the
 leaf. With s_G = 1 each gradient is added straight into its slice of the grad shard;
-otherwise they are copied into one fresh N-element buffer that is reduce-scattered.
-Between uses the storage is resized
+otherwise they are copied into one N-element buffer that is reduce-scattered, taken from
+the engine's reduce workspace (runtime/workspace.py) with the chunk it lands in, and
+handed back when the reduce-scatter is waited. The slot sizes and shapes the views are
+cut by are computed once; a frozen group's views are made once (its buffer's storage is
+refilled in place, so they stay views of the gathered values).
+Between uses the full buffer's storage is resized
 to 0 (FSDP2's trick), so tensors autograd saved in the forward stay valid when the
 backward re-gather refills the same storage. Collectives write through `full_data`
 (`full.data`, which has its own version counter), so refilling never trips autograd's
 in-place checks.
 
 [Note: grad accumulation]
-Each backward reduce-scatters the full local gradient over G into a temporary chunk,
+Each backward reduce-scatters the full local gradient over G into a scratch chunk,
 added into the persistent grad shard when the work is waited (end of that backward).
+With s_G = 1 the gradients are added into the shard's slot views (made once) by one
+`torch._foreach_add_`. zero_grad() does not write the shard: it marks it `stale`
+(logically zero), and the first backward's gradients are copied in (instead of added
+to zeros); whatever reads the shard before a backward wrote it (`os_grad`, the sync, a
+backward that gave the group no gradient) zeroes it first.
 The once-per-step sync reduce-scatters the grad shard over OS∖G into this rank's OS
 slice of the grad shard, all-reduces that slice over the levels outside OS, and
 divides by the world size — the only division (DDP semantics).
@@ -40,6 +49,7 @@ from shardc.lowering import GroupPlan, Op, Phase, RankPlan, Row
 from . import quant
 from .comm import Comm, DoneWork, ThenWork
 from .layout import GroupLayout
+from .workspace import Workspace
 
 TORCH_DTYPE = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 
@@ -56,8 +66,12 @@ def _alloc(t: torch.Tensor) -> None:
 
 class FlatGroup:
     def __init__(self, layout: GroupLayout, gplan: GroupPlan, plan: RankPlan, comm: Comm,
-                 init: torch.Tensor, is_root: bool):
+                 init: torch.Tensor, is_root: bool, workspace: Workspace | None = None):
         self.layout, self.gplan, self.plan, self.comm, self.is_root = layout, gplan, plan, comm, is_root
+        self.workspace = workspace if workspace is not None else Workspace()
+        self._sizes = layout.split_sizes                     # made once (see Note)
+        self._shapes = tuple(s.shape for s in layout.slots)
+        self._stable_views: list[torch.Tensor] | None = None
         sc = plan.scopes
         self.n = n = layout.n
         self.trainable = layout.trainable
@@ -95,6 +109,8 @@ class FlatGroup:
         g_start, g_len = plan.chunk("grads", n)
         self.os_start, self.os_len = plan.chunk("optim", n)
         self.grad_shard = torch.zeros(g_len, dtype=self.gdtype, device=init.device)
+        self.stale = False                 # zero_grad() ran and no backward wrote the shard yet
+        self._gviews = self._plain_views(self.grad_shard) if self.s_g == 1 else None
         self.os_in_g = self.os_start - g_start
         self.os_in_p = self.os_start - self.p_start
         self.sync_state = None
@@ -179,55 +195,92 @@ class FlatGroup:
     def views(self) -> list[torch.Tensor]:
         """The parameters as views of the full buffer (autograd-tracked when trainable)."""
         if self.trainable and self.n:
-            return list(_Views.apply(self.full, self))
-        return self._plain_views(self.full)       # frozen: `full` is a plain tensor (see Note)
+            return _Views.apply(self.full, self)
+        if self._stable_views is None:            # frozen: `full` is a plain tensor (see Note)
+            self._stable_views = self._plain_views(self.full)
+        return self._stable_views
 
     def _plain_views(self, base: torch.Tensor) -> list[torch.Tensor]:
-        pieces = base.split(self.layout.split_sizes) if self.n else []
-        return [pieces[k].view(s.shape) for k, s in enumerate(self.layout.slots)]
+        if not self.n:
+            return []
+        return [p.view(shape) for p, shape in zip(base.split_with_sizes(self._sizes), self._shapes)]
 
     # -- gradients -------------------------------------------------------------------
     def reduce_slot_grads(self, grads) -> None:
         """One backward's parameter gradients (slot order, None: no gradient) into the shard."""
-        slots = self.layout.slots
         if self.s_g == 1:
-            for s, g in zip(slots, grads):
-                if g is not None:
-                    self.grad_shard[s.offset:s.offset + s.numel].view(s.shape).add_(g)
+            dst = [v for v, g in zip(self._gviews, grads) if g is not None]
+            src = [g for g in grads if g is not None]
+            if self.stale:                     # see [Note: grad accumulation]
+                for v, g in zip(self._gviews, grads):
+                    if g is None:
+                        v.zero_()
+                self.grad_shard[self.layout.phi:].zero_()
+                if dst:
+                    torch._foreach_copy_(dst, src)
+                self.stale = False
+            elif dst:
+                torch._foreach_add_(dst, src)
             return
-        flat = torch.empty(self.n, dtype=self.gdtype, device=self.grad_shard.device)
-        for s, g in zip(slots, grads):
-            piece = flat[s.offset:s.offset + s.numel].view(s.shape)
-            piece.zero_() if g is None else piece.copy_(g)
+        flat = self.workspace.take(self.n, self.gdtype, self.grad_shard.device)
+        dst, src = [], []
+        for piece, g in zip(self._plain_views(flat), grads):
+            if g is None:
+                piece.zero_()
+            else:
+                dst.append(piece)
+                src.append(g)
+        if dst:
+            torch._foreach_copy_(dst, src)
         flat[self.layout.phi:].zero_()
         self.reduce_grad(flat)
 
     def reduce_grad(self, grad: torch.Tensor | None) -> None:
-        """Reduce-scatter one backward's full local gradient over G (async)."""
-        if grad is None:
-            grad = torch.zeros(self.n, dtype=self.gdtype, device=self.grad_shard.device)
-        grad = grad.to(self.gdtype)
+        """Reduce-scatter one backward's full local gradient over G (async). `grad` is a
+        workspace tensor of the grad dtype, handed back by `finish_grads`; None: this
+        backward gave the group no gradient (zeros, so every rank issues the same rows)."""
         if self.s_g == 1:
-            self.grad_shard.add_(grad)
+            self.materialize()
+            if grad is not None:
+                self.grad_shard.add_(grad)
+                self.workspace.give(grad)
             return
-        tmp = torch.empty_like(self.grad_shard)
+        dev = self.grad_shard.device
+        if grad is None:
+            grad = self.workspace.take(self.n, self.gdtype, dev).zero_()
+        tmp = self.workspace.take(self.grad_shard.numel(), self.gdtype, dev)
         row = self._row(Phase.BACKWARD, Op.ALL_TO_ALL) or self._row(Phase.BACKWARD, Op.REDUCE_SCATTER)
-        work = self._issue(row, self.comm.reduce_scatter, tmp, grad)
+        work = self._issue(row, self.comm.reduce_scatter, tmp, grad, scratch=self.workspace)
         self.grad_pending.append((work, tmp, grad))
 
     def finish_grads(self) -> None:
-        for work, tmp, _ in self.grad_pending:
+        """Wait this group's backward reduce-scatters, add them in, hand the scratch back."""
+        for work, tmp, grad in self.grad_pending:
             work.wait()
-            self.grad_shard.add_(tmp)
+            if self.stale:
+                self.grad_shard.copy_(tmp)
+                self.stale = False
+            else:
+                self.grad_shard.add_(tmp)
+            self.workspace.give(tmp)
+            self.workspace.give(grad)
         self.grad_pending.clear()
+
+    def materialize(self) -> None:
+        """A stale grad shard (zero_grad() ran, no backward wrote it) becomes zeros."""
+        if self.stale:
+            self.grad_shard.zero_()
+            self.stale = False
 
     @property
     def os_grad(self) -> torch.Tensor:
+        self.materialize()
         return self.grad_shard[self.os_in_g:self.os_in_g + self.os_len]
 
     def sync_issue(self) -> None:
         """Stage 1 of the per-step sync: reduce-scatter the grad shard over OS∖G."""
         self.finish_grads()
+        self.materialize()
         row = self._row(Phase.SYNC, Op.REDUCE_SCATTER)
         if row is not None:
             tmp = torch.empty(self.os_len, dtype=self.gdtype, device=self.grad_shard.device)
@@ -259,7 +312,7 @@ class FlatGroup:
 
     def zero_grads(self) -> None:
         self.finish_grads()
-        self.grad_shard.zero_()
+        self.stale = True                      # zeroed lazily, see [Note: grad accumulation]
         self.sync_state = None
 
     # -- update ---------------------------------------------------------------------

@@ -34,6 +34,7 @@ from .layout import build_layout
 from .ledger import Ledger, LedgerRecord
 from .optimizer import build_optimizer
 from .units import UnitSpec
+from .workspace import Workspace
 
 
 def _broadcast_from_rank0(model: nn.Module) -> None:
@@ -85,7 +86,7 @@ def _check_units(units: list[UnitSpec], params: dict, aliases: dict) -> list[lis
     return per_unit
 
 
-def _make_group(names, params, gplan, plan, comm, is_root):
+def _make_group(names, params, gplan, plan, comm, is_root, workspace):
     """The flat group of `names` with the plan's padded size and rows."""
     layout = build_layout([(n, tuple(params[n].shape)) for n in names], gplan.trainable, gplan.n)
     dtype = TORCH_DTYPE[plan.scopes.params.dtype]
@@ -93,7 +94,7 @@ def _make_group(names, params, gplan, plan, comm, is_root):
     init = torch.zeros(layout.n, dtype=dtype, device=dev)
     for s in layout.slots:
         init[s.offset:s.offset + s.numel].copy_(params[s.fqn].detach().reshape(-1))
-    return FlatGroup(layout, gplan, plan, comm, init, is_root)
+    return FlatGroup(layout, gplan, plan, comm, init, is_root, workspace)
 
 
 class ShardedModule(nn.Module):
@@ -124,14 +125,14 @@ class ShardedModule(nn.Module):
         self._warm_groups()
         faults.apply_timeout(self)
         faults.register(self)
-        states = []
+        states, workspace = [], Workspace()        # one reduce workspace for every unit
         for i, (spec, names, uplan) in enumerate(zip(self.unit_specs, per_unit, self.lowering.units)):
             plan = RankPlan(strategy.mesh, spec.scopes, self.comm.rank)
             groups, tg = [], []
             comm = faults.UnitComm(self.comm, spec.name, self._fault_prefix)
             for gplan in uplan.groups:
                 sel = [n for n in names if (n not in self.frozen) == gplan.trainable]
-                g = _make_group(sel, params, gplan, plan, comm, i == 0)
+                g = _make_group(sel, params, gplan, plan, comm, i == 0, workspace)
                 groups.append(g)
                 tg.append([targets[s.fqn] for s in g.layout.slots])
             states.append(UnitState(i, spec, groups, tg))

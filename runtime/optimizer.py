@@ -122,11 +122,16 @@ def _attach(opt, engine, pieces, params, views) -> None:
     from . import checkpoint
     from .engine import Phase
 
+    # fp32 grad shards: the pieces' grads are views of them, made once
+    fixed = [g.os_grad[lo:hi] if g.gdtype == torch.float32 else None for g, lo, hi in views]
+
     def attach_grads() -> None:
+        for g in {id(g): g for g, _, _ in views}.values():
+            g.materialize()                    # a zero_grad() not followed by a backward
         cast = {}
-        for p, (g, lo, hi) in zip(params, views):
-            if g.gdtype == torch.float32:
-                p.grad = g.os_grad[lo:hi]
+        for p, grad, (g, lo, hi) in zip(params, fixed, views):
+            if grad is not None:
+                p.grad = grad
             else:                      # low-precision grad shard: an fp32 copy of the slice
                 if id(g) not in cast:
                     cast[id(g)] = g.os_grad.float()

@@ -2,7 +2,8 @@
 
 prefetch 0 and prefetch 2 train to bitwise-identical losses and parameters; with
 prefetch >= 1 the runtime's event log (ShardedModule.events, not timing) shows unit
-i+1's gather issued before unit i runs, and with prefetch 0 only after it ran.
+i+1's gather issued before unit i runs, and with prefetch 0 only after it ran. The
+strategy says `bucket 0`: the units stay one per block for every prefetch.
 """
 import pytest
 import torch
@@ -20,6 +21,7 @@ grads  shard over world
 optim  shard over world
 accumulate 2
 prefetch {p}
+bucket 0
 """
 
 

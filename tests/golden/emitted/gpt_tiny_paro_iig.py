@@ -7,6 +7,7 @@ grads       shard over gpu  (s=2, paro_iig.shard:6)
 optim       shard over world  (s=4, paro_iig.shard:7)
 accumulate 4, prefetch 1, collectives ring, capture fx
 plan passes early_sync, defer_update (shardc.lowering.passes)
+bucket 0 (no units merged)  (chosen by the cost model, no `bucket` line; compiler/units.py resolve_bucket)
 
 units (forward order):
     #  name                         params     elements  params | grads | optim
@@ -37,7 +38,7 @@ STRATEGY = Strategy(name='paro_iig',
                     prefetch=1,
                     collectives=Collectives.RING,
                     units=UnitsSpec(kind=UnitsKind.AUTO, names=(), line=0),
-                    bucket=None,
+                    bucket=0,
                     overrides=(),
                     file='paro_iig.shard',
                     lines=(('strategy', 3),

@@ -7,6 +7,7 @@ grads       shard over world  (s=4, zero3.shard:5)
 optim       shard over world  (s=4, zero3.shard:6)
 accumulate 1, prefetch 1, collectives hierarchical, capture fx
 plan passes early_sync, defer_update (shardc.lowering.passes)
+bucket 0 (no units merged)  (chosen by the cost model, no `bucket` line; compiler/units.py resolve_bucket)
 
 units (forward order):
     #  name                         params     elements  params | grads | optim
@@ -40,7 +41,7 @@ STRATEGY = Strategy(name='zero3',
                     prefetch=1,
                     collectives=Collectives.HIERARCHICAL,
                     units=UnitsSpec(kind=UnitsKind.AUTO, names=(), line=0),
-                    bucket=None,
+                    bucket=0,
                     overrides=(),
                     file='zero3.shard',
                     lines=(('mesh', 3), ('params', 4), ('grads', 5), ('optim', 6)),
