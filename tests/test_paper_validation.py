@@ -26,8 +26,9 @@ TABLE_III = {"7b": ((), (), ("gpu", "lane")), "13b": (("lane",), ("lane",), ("gp
 LINS_MFU = {"7b": 0.51, "13b": 0.52, "30b": 0.42}     # Lins §V-B, 1024 GPUs
 WORLD, NODE = ("node", "gpu", "lane"), ("gpu", "lane")
 # The DeepSpeed baselines as DeepSpeed runs them: one all-gather / reduce-scatter per
-# submodule with parameters, over NCCL's flat ring (no hierarchical collectives).
-DEEPSPEED = "units type Linear, RMSNorm, Embedding\ncollectives ring\n"
+# submodule with parameters (no fusing across submodules: `bucket 0`), over NCCL's flat
+# ring (no hierarchical collectives).
+DEEPSPEED = "units type Linear, RMSNorm, Embedding\ncollectives ring\nbucket 0\n"
 
 
 def _strategy(mesh: str, p=(), g=(), o=(), extra="", tail=""):
