@@ -15,7 +15,8 @@ SHARDED = Scopes(ParamsSpec(("gpu",), line=3), GradsSpec(("gpu",), line=4), Opti
 
 
 def strategy(prefetch=1, scopes=SHARDED):
-    return Strategy("toy", MESH, scopes, prefetch=prefetch, file="toy.shard")
+    """A toy strategy; `bucket=0` keeps one unit per block (the graphs are built per block)."""
+    return Strategy("toy", MESH, scopes, prefetch=prefetch, bucket=0, file="toy.shard")
 
 
 class Toy(nn.Module):
