@@ -26,12 +26,13 @@ from shardc.dsl.diagnostics import Diagnostic, Note, did_you_mean, error, short
 from shardc.dsl.ir import (BufferSync, Collectives, DType, GradsSpec, Mesh, OptimSpec, Override, ParamsSpec,
                            Scopes, Secondary, Span, Strategy, UnitsKind, UnitsSpec)
 from shardc.dsl.mesh import check_ir_mesh, parse_int, resolve_mesh
+from shardc.dsl.sizes import BYTE_UNITS
 
 ALLOWED = {("params", "comm"): ("int8", "bf16", "fp32"), ("params", "dtype"): ("fp32", "bf16", "fp16"),
            ("grads", "comm"): ("int4", "int8", "bf16", "fp32"), ("grads", "dtype"): ("fp32", "bf16")}
 NO_COLLECTIVE = {"params": "`params replicate` never all-gathers",
                  "grads": "`grads replicate` never reduce-scatters"}
-BUCKET_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+BUCKET_UNITS = {u: BYTE_UNITS[u] for u in ("B", "KB", "MB", "GB", "KiB", "MiB", "GiB")}   # bucket ≤ 1 TiB
 MAX_BUCKET = 2**40
 _SCOPE_WORDS = {"params", "grads", "optim", "override", "{", "}"}   # a broken one hides a scope
 

@@ -55,6 +55,7 @@ from math import prod
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Mesh, Strategy
+from shardc.dsl.sizes import prefix_scale
 
 from shardc.analysis.costmodel.ledger import counted_rows, predict_ledger
 from shardc.lowering import PHASE_ORDER, lower
@@ -300,9 +301,6 @@ def choose_collectives(strategy: Strategy, unit_numels, *, bandwidth=None,
     return best
 
 
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
 def _number(m) -> float:
     """The number a `parse_*` regex matched first, or -1 when there is none."""
     try:
@@ -317,7 +315,7 @@ def parse_rate(text: str) -> float:
     value = _number(m)
     if value <= 0:
         raise ShardcError(f"cannot read bandwidth {text!r}; write e.g. 100GB/s or 25Gbit/s")
-    scale = _UNITS[(m.group(2) or "").lower()]
+    scale = prefix_scale(m.group(2) or "")
     bits = m.group(3) in ("bit", "b")
     return value * scale / (8 if bits else 1)
 

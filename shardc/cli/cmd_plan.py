@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 
+from shardc.dsl.sizes import byte_scale
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import DType
 
@@ -18,19 +19,15 @@ from shardc.cli.cmd_explain import (
     add_bandwidth_arguments, bandwidth_from_args, flops_from_args, human_bytes,
 )
 
-_MEM = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-        "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_memory(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9.]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _MEM or float(m.group(1)) <= 0:
+    unit = m.group(2) if m else ""
+    if not m or byte_scale(unit) is None or float(m.group(1)) <= 0:
         raise ShardcError(f"cannot read memory size {text!r}; write e.g. 80GiB or 40GB")
     if not unit:
         raise ShardcError(f"memory size {text!r} has no unit; write e.g. {m.group(1)}GiB or {m.group(1)}GB "
                           f"(B, KB/KiB, MB/MiB, GB/GiB or TB/TiB)")
-    return float(m.group(1)) * _MEM[unit]
+    return float(m.group(1)) * byte_scale(unit)
 
 
 def add_arguments(p) -> None:

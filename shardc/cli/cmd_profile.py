@@ -32,9 +32,9 @@ import time
 
 from shardc.cli import profile_compute
 from shardc.cli.argtypes import positive_int
+from shardc.dsl.sizes import byte_scale
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,9 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
+    if not m or byte_scale(m.group(2)) is None:
         raise argparse.ArgumentTypeError(f"expected a size such as 4096, 64KiB or 16MB, got {text!r}")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    n = int(float(m.group(1)) * byte_scale(m.group(2)))
     if n < 4:
         raise argparse.ArgumentTypeError(f"a message size must be at least 4 bytes, got {text!r}")
     return n
