@@ -18,7 +18,7 @@ from __future__ import annotations
 from shardc.dsl.ir import Mesh
 from shardc.lowering import Lowering, lower
 
-ELEMENTWISE = {"adam", "adamw", "sgd", "adagrad", "rmsprop"}
+OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop")   # the classes K_state is known for
 
 
 def optimizer_state_bytes(optimizer: str = "adamw", **kw) -> int:
@@ -33,7 +33,7 @@ def optimizer_state_bytes(optimizer: str = "adamw", **kw) -> int:
     if name == "rmsprop":
         return 4 + (4 if kw.get("momentum", 0) else 0) + (4 if kw.get("centered") else 0)
     from shardc.dsl.errors import ShardcError
-    raise ShardcError(f"unknown optimizer {optimizer!r}; the cost model knows {', '.join(sorted(ELEMENTWISE))}")
+    raise ShardcError(f"unknown optimizer {optimizer!r}; the cost model knows {', '.join(OPTIMIZERS)}")
 
 
 def memory_of(plan: Lowering, *, k_state: int, prefetch: int = 1) -> dict[str, int]:

@@ -11,15 +11,15 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from shardc.analysis.costmodel.memory import OPTIMIZERS
 from shardc.cli import predict_args
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives
 
 # [Note: lazy imports] the CLI dispatcher imports every command module to build its
 # parser, so this module (and cmd_plan, which shares the options below) imports neither
-# torch nor the cost model at module level.
-
-OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop")
+# torch nor the cost model's heavy parts at module level (`costmodel.memory` is plain
+# arithmetic over the lowering).
 
 
 def add_arguments(p) -> None:

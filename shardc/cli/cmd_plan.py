@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 
+from shardc.analysis.costmodel.memory import OPTIMIZERS
 from shardc.dsl.sizes import byte_scale
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import DType
@@ -36,7 +37,7 @@ def add_arguments(p) -> None:
     p.add_argument("--world", type=int, help="world size (resolves `*` in the mesh)")
     p.add_argument("--memory", required=True, help="memory per rank the peak must fit, e.g. 80GiB")
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default 4)")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "adagrad", "rmsprop"))
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="params/grads dtype and comm (bf16 = mixed precision, fp32 master in the optimizer)")
     p.add_argument("--objective", default="time", choices=("time", "comm"),
