@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 import time
@@ -210,6 +211,11 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
+        # The sharded module, its engine and their process-group handles form reference
+        # cycles; collect them while the interpreter is fully alive, so the groups' gloo
+        # threads are joined here and not during interpreter shutdown (seen to abort a
+        # restarted rank at exit, after its training had finished).
+        gc.collect()
         dist.destroy_process_group()
     return 0
 
