@@ -132,29 +132,20 @@ def _nbytes(model: nn.Module, names) -> int:
 
 
 def _bucket(units: list, model: nn.Module, size: int) -> list:
-    """Merge consecutive non-root units with equal scopes while the total stays <= size."""
+    """Merge consecutive non-root units with equal scopes while the total stays <= size
+    (the merge rule is the cost model's `bucket_runs`, which also sizes the buckets)."""
+    from shardc.analysis.costmodel.bucketing import bucket_runs
     UnitSpec = unit_spec_class()
-    out, run = [units[0]], []
-
-    def flush():
+    rest = units[1:]
+    out = [units[0]]
+    for idx in bucket_runs([_nbytes(model, u.params) for u in rest], size, [u.scopes for u in rest]):
+        run = [rest[i] for i in idx]
         if len(run) == 1:
             out.append(run[0])
-        elif run:
+        else:
             name = f"{run[0].name}..{run[-1].name.split('.')[-1]}"
             out.append(UnitSpec(name, sum((u.params for u in run), ()), run[0].scopes,
                                 sum((u.modules for u in run), ())))
-        run.clear()
-
-    for u in units[1:]:
-        fits = run and run[0].scopes == u.scopes and \
-            _nbytes(model, sum((r.params for r in run), ())) + _nbytes(model, u.params) <= size
-        if not fits:
-            flush()
-        if _nbytes(model, u.params) < size:
-            run.append(u)
-        else:
-            out.append(u)
-    flush()
     return out
 
 

@@ -52,19 +52,27 @@ def crossover_bytes(strategy: Strategy, bandwidth=None) -> int:
     return int(best)
 
 
-def _buckets(sizes: list[int], size: int) -> list[int]:
-    """The bucket totals the compiler's greedy merge makes of `sizes` (compiler/units.py:
-    consecutive units below `size` while the total stays <= `size`; larger ones alone)."""
-    out, run = [], 0
-    for b in sizes:
-        if run and run + b > size:
+def bucket_runs(sizes: list[int], size: int, keys=None) -> list[list[int]]:
+    """The greedy merge the compiler buckets units by (compiler/units.py), as index runs of
+    `sizes`: consecutive entries below `size` with equal `keys` (the units' scopes) while
+    the total stays <= `size`; an entry of `size` or more stands alone."""
+    keys = [None] * len(sizes) if keys is None else keys
+    out, run, total = [], [], 0
+    for i, (b, k) in enumerate(zip(sizes, keys)):
+        if run and (keys[run[0]] != k or total + b > size):
             out.append(run)
-            run = 0
+            run, total = [], 0
         if b < size:
-            run += b
+            run.append(i)
+            total += b
         else:
-            out.append(b)
+            out.append([i])
     return out + ([run] if run else [])
+
+
+def _buckets(sizes: list[int], size: int) -> list[int]:
+    """The bucket totals `bucket_runs` makes of `sizes`."""
+    return [sum(sizes[i] for i in run) for run in bucket_runs(sizes, size)]
 
 
 def bucket_bytes(strategy: Strategy, unit_bytes: list[int], bandwidth=None) -> int:
