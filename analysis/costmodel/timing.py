@@ -57,7 +57,7 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Mesh, Strategy
 from shardc.dsl.sizes import prefix_scale
 
-from shardc.analysis.costmodel.ledger import counted_rows, predict_ledger
+from shardc.analysis.costmodel.ledger import counted_rows
 from shardc.lowering import PHASE_ORDER, lower
 from shardc.analysis.costmodel.network import collective_seconds
 from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
@@ -202,14 +202,6 @@ class StepTime:
         return self.total - self.compute
 
 
-def phase_seconds(records, mesh: Mesh, bw, algo: Collectives) -> dict[str, float]:
-    """Seconds of communication per phase of ledger records (fp32-keyed profile lookups)."""
-    out = {p: 0.0 for p in PHASE_ORDER}
-    for r in records:
-        out[r.phase] += r.count * bw.seconds(r.op, r.levels, r.bytes, mesh, algo)
-    return out
-
-
 def phase_costs(rows, mesh: Mesh, bw, algo: Collectives) -> tuple[dict, dict]:
     """Per phase: (seconds, seconds that occupy the cores) of `counted_rows`; the second is 0
     unless `bw` is a profile with CPU seconds ([Note: CPU share of a collective])."""
@@ -282,15 +274,16 @@ def choose_collectives(strategy: Strategy, unit_numels, *, bandwidth=None,
     if strategy.collectives != Collectives.AUTO:
         return strategy.collectives
     units = _as_units(strategy, unit_numels)
-    records = predict_ledger(strategy, units, micro_batches=micro_batches)
+    m = strategy.accumulate if micro_batches is None else micro_batches
+    rows = counted_rows(lower(strategy.mesh, units, strategy.prefetch), forwards=m, backwards=m)
     mesh = strategy.mesh
-    if not any(len(_stage_sizes(mesh, r.levels)) > 1 for r in records):
+    if not any(len(_stage_sizes(mesh, r.levels)) > 1 for r, _ in rows):
         return Collectives.RING
     bw = bandwidth or AlphaBeta()
     best, best_t, missing = None, math.inf, None
     for algo in (Collectives.HIERARCHICAL, Collectives.RING, Collectives.HO_RING):
         try:
-            t = sum(phase_seconds(records, mesh, bw, algo).values())
+            t = sum(phase_costs(rows, mesh, bw, algo)[0].values())
         except ShardcError as e:      # a profile without this algorithm: choose among the others
             missing = missing or e
             continue
