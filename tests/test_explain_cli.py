@@ -115,3 +115,21 @@ def test_bandwidth_profile_drives_the_time(tmp_path, capsys):
     assert main([*argv, "--bandwidth", str(tmp_path / "missing.json")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: cannot read bandwidth profile")
+
+
+def test_passes_select_the_plan_the_time_model_predicts(capsys):
+    # `--passes` as for `shardc compile`: without defer_update, PaRO-IIG's update all-gather
+    # (across nodes, 12.5 GB/s) no longer hides behind the next forward, so the step is
+    # longer; without early_sync too, every unit's sync waits for the end of the backward.
+    from shardc.cli import main
+    argv = ["explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)", "--json",
+            "--micro-batches", "2", "--flops", "1e9"]
+    steps = {}
+    for passes in (None, "early_sync", ""):
+        assert main([*argv, *(() if passes is None else ("--passes", passes))]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        steps[passes] = doc["time"]["total"]
+    assert steps["early_sync"] > steps[None] and steps[""] > steps["early_sync"]
+    assert main([*argv, "--passes", "early_sync,fuse_everything"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown plan pass 'fuse_everything'" in err[0]

@@ -4,7 +4,8 @@ Known misses are `xfail(strict=True)` with the reason, so they are visible, coun
 and flip to a failure the day the model starts matching them.
 
 Settings the papers leave unstated are the ones docs/explain.md lists: Lins — per-GPU
-links node 12.5 GB/s and NVLink 200 GB/s, achievable 200 TFLOP/s (Lins' 64 % MFU on 8
+links NVLink 200 GB/s and an effective 6.5 GB/s across nodes (calibrated on Lins' ZeRO-1
+7B figure, `test_lins_calibration_zero1`), achievable 200 TFLOP/s (Lins' 64 % MFU on 8
 GPUs × A800's 312 TFLOP/s peak), 2 GiB framework overhead; PaRO — intra-node 150 GB/s;
 ZeRO-topo — per-GCD links node 12.5, gpu 50, gcd 200 GB/s. The papers' DeepSpeed runs
 are written as DeepSpeed issues its collectives: per submodule, over flat rings.
@@ -18,7 +19,13 @@ import pytest
 from shardc.dsl.ir import Collectives
 
 LINS_MESH = "node(128) > gpu(2) > lane(4)"      # lane(4) expresses Lins' s = 4 of 8 GPUs
-LINS_LINKS = (("node", 12.5e9, None), ("gpu", 200e9, None), ("lane", 200e9, None))
+# [Note: effective bandwidth at 128 nodes] Lins' nodes have 12.5 GB/s per GPU (4 HDR NICs
+# per 8 GPUs), but Fig. 3 shows the effective bandwidth of ZeRO's collectives falling from
+# 8 to 512 GPUs, with no numbers in the text. One figure calibrates it: DeepSpeed ZeRO-1 on
+# 7B at 1024 GPUs, 36 % MFU (§I), which is not among the figures validated here. 6.5 GB/s
+# (52 % of nominal) reproduces it; every other 1024-GPU figure is then a prediction.
+LINS_NODE_BW = 6.5e9
+LINS_LINKS = (("node", LINS_NODE_BW, None), ("gpu", 200e9, None), ("lane", 200e9, None))
 CHECKPOINT = {"7b": False, "13b": False, "30b": True}   # Lins §V-A: recomputation for 30B only
 # Lins Table III, as (params, grads, optim) levels on LINS_MESH.
 TABLE_III = {"7b": ((), (), ("gpu", "lane")), "13b": (("lane",), ("lane",), ("gpu", "lane")),
@@ -56,16 +63,18 @@ def _links():
     return LevelLinks(LINS_LINKS, AlphaBeta())
 
 
-def _lins_explain(size: str, p, g, o, extra="", tail=""):
+def _lins_explain(size: str, p, g, o, extra="", tail="", passes=None):
     from dataclasses import replace
     from shardc.analysis.costmodel.report import explain
     s = _strategy(LINS_MESH, p, g, o, extra, tail)
     units, graph = _lins_model(size, tail)
     return explain(s, [replace(u, scopes=s.scopes) for u in units], micro_batches=1, bandwidth=_links(),
-                   flops=200e12, graph=graph, checkpoint=CHECKPOINT[size], peak_flops=312e12)
+                   flops=200e12, graph=graph, checkpoint=CHECKPOINT[size], peak_flops=312e12, passes=passes)
 
 
 def _lins_plan(size: str, objective: str):
+    """(rank of Lins' Table III pick among the fitting candidates, its predicted step time
+    over the best candidate's) under `objective`."""
     from shardc.analysis.planner import plan
     from shardc.dsl.ir import DType
     units, graph = _lins_model(size)
@@ -73,7 +82,8 @@ def _lins_plan(size: str, objective: str):
                  dtype=DType.BF16, flops=200e12, graph=graph, checkpoint=CHECKPOINT[size], objective=objective)
     fit = [c for c in cands if c.fits]
     picks = [(c.scopes.params.levels, c.scopes.grads.levels, c.scopes.optim.levels) for c in fit]
-    return picks.index(TABLE_III[size]) + 1
+    i = picks.index(TABLE_III[size])
+    return i + 1, fit[i].step_time / fit[0].step_time
 
 
 def test_paro_ho_ring_gain():
@@ -112,35 +122,35 @@ def test_zero_topo_max_model_sizes():
     assert max_params(topo) == pytest.approx(36e9, rel=0.15)
 
 
-_SCALE_LOSS = pytest.mark.xfail(strict=True, reason="known miss: with the update all-gather deferred into the "
-                                "next forward (as Lins and shardc's runtime do) the step is compute-bound, 62.6 / "
-                                "62.9 %; Lins lost ~20 % of its 8-GPU MFU at 1024 GPUs (Fig. 3's falling "
-                                "bandwidth), which shardc's per-level links do not model")
+def test_lins_calibration_zero1():
+    # [Note: effective bandwidth at 128 nodes]: the one figure the node bandwidth is fitted
+    # to. DeepSpeed ZeRO-1 (overlap_comm off, its default) all-reduces the gradients after
+    # the backward and all-gathers the parameters after the step: no plan passes, nothing
+    # overlaps. Lins §I: 36 % MFU on 7B at 1024 GPUs.
+    e = _lins_explain("7b", (), (), WORLD, passes=())
+    assert e.rates["mfu"] == pytest.approx(0.36, rel=0.02)
 
 
-@pytest.mark.parametrize("size", [pytest.param("7b", marks=_SCALE_LOSS), pytest.param("13b", marks=_SCALE_LOSS), "30b"])
+@pytest.mark.parametrize("size", ["7b", "13b", "30b"])
 def test_lins_mfu_of_its_strategy(size):
     e = _lins_explain(size, *TABLE_III[size])
     assert e.rates["mfu"] == pytest.approx(LINS_MFU[size], rel=0.20)
     assert e.peak["peak"] <= 80 * 2**30
 
 
-MISS_MICS = ("known miss: DeepSpeed-MiCS all-reduces its gradient partition across nodes after the "
-             "backward where shardc's runtime hides each unit's all-reduce behind it (exposed, shardc "
-             "gives 43 % for 7B), and the rest is Lins Fig. 3's bandwidth loss at 128 nodes, unquantified")
-MISS_SCALE = ("known miss: latency-bound over 1024 ranks, shardc is 20-25 % optimistic; the effective-"
-              "bandwidth loss and synchronization skew at that scale (Lins Fig. 3) are not modeled")
+MISS_SCALE = ("known miss by a hair (1.20x, 1.21x): latency-bound over 1024 ranks, where the 20 us per ring "
+              "step is a default and the synchronization skew of 1023-step rings is not modeled")
 MISS_30B = ("known miss: ZeRO++ on 30B measured 2.4x slower than its collectives' latency explains; "
             "Lins gives no breakdown (memory pressure near its OOM point is a candidate)")
 # (strategy, size, Lins' MFU, extra params text): Lins §V-B and §I at 1024 GPUs.
 BASELINES = [
-    pytest.param("mics", "7b", 0.35, marks=pytest.mark.xfail(strict=True, reason=MISS_MICS)),
-    pytest.param("mics", "13b", 0.33, marks=pytest.mark.xfail(strict=True, reason=MISS_MICS)),
-    pytest.param("mics", "30b", 0.29, marks=pytest.mark.xfail(strict=True, reason=MISS_MICS)),
+    pytest.param("mics", "7b", 0.35),
+    pytest.param("mics", "13b", 0.33),
+    pytest.param("mics", "30b", 0.29),
     pytest.param("zero3", "7b", 0.04),
     pytest.param("zero3", "13b", 0.04, marks=pytest.mark.xfail(strict=True, reason=MISS_SCALE)),
     pytest.param("zeropp", "7b", 0.04, marks=pytest.mark.xfail(strict=True, reason=MISS_SCALE)),
-    pytest.param("zeropp", "13b", 0.06, marks=pytest.mark.xfail(strict=True, reason=MISS_SCALE)),
+    pytest.param("zeropp", "13b", 0.06),
     pytest.param("zeropp", "30b", 0.05, marks=pytest.mark.xfail(strict=True, reason=MISS_30B)),
 ]
 
@@ -148,9 +158,10 @@ BASELINES = [
 def _baseline(name: str, size: str):
     """MiCS keeps shardc's per-block units: its in-node gathers cost a few microseconds
     either way, and per-block units come closer to DeepSpeed-MiCS' one flat cross-node
-    all-reduce than per-submodule ones would."""
+    all-reduce than per-submodule ones would. DeepSpeed-MiCS all-reduces its gradient
+    partition across nodes after the backward: the plan without the `early_sync` pass."""
     if name == "mics":
-        return _lins_explain(size, NODE, NODE, NODE, tail="collectives ring\n")
+        return _lins_explain(size, NODE, NODE, NODE, tail="collectives ring\n", passes=("defer_update",))
     extra = " secondary gpu, lane" if name == "zeropp" else ""   # Lins: ZeRO++ s_p^0 = 8, no quantization
     return _lins_explain(size, WORLD, WORLD, WORLD, extra, DEEPSPEED)
 
@@ -162,17 +173,24 @@ def test_lins_mfu_of_deepspeed_baselines(name, size, mfu):
 
 
 def test_lins_table_iii_7b_is_first_by_lins_objective():
-    assert _lins_plan("7b", "comm") == 1
-
-
-def test_lins_table_iii_30b_is_first_by_step_time():
-    assert _lins_plan("30b", "time") == 1
+    assert _lins_plan("7b", "comm")[0] == 1
 
 
 @pytest.mark.xfail(strict=True, reason="known miss: with NCCL's multi-channel rings spread over all NICs, "
                    "sharding the optimizer over the world is cheaper than Lins' in-node choice")
 def test_lins_table_iii_13b_is_first_by_lins_objective():
-    assert _lins_plan("13b", "comm") == 1
+    assert _lins_plan("13b", "comm")[0] == 1
+
+
+@pytest.mark.parametrize("size", ["7b", pytest.param("13b", marks=pytest.mark.xfail(
+    strict=True, reason="known miss: 4.6 % slower than sharding params and grads over the node and the "
+    "optimizer over the world, whose update all-gather the runtime defers into the next forward")), "30b"])
+def test_lins_table_iii_pick_is_within_1pct_of_the_best_step(size):
+    # By predicted step time the fitting candidates near the top lie within tenths of a per
+    # cent of each other (the update all-gather hides behind the next forward, the sync
+    # behind the backward), far below run-to-run spread: the check is that Lins' pick is
+    # the best to within 1 %, not that it wins a near-tie.
+    assert _lins_plan(size, "time")[1] <= 1.01
 
 
 # ZeRO-topo §VI on Frontier: GPT-NeoX-20B on 384 GCDs; per-GCD links node 12.5 GB/s

@@ -48,14 +48,15 @@ def model_units(strategy: Strategy, model) -> list[UnitSize]:
 def explain(strategy: Strategy, units, *, micro_batches: int | None = None, optimizer: str = "adamw",
             optimizer_kwargs: dict | None = None, clip_grad_norm: bool = False, bandwidth=None,
             tokens: int = 4096, flops: float = 150e12, graph=None, checkpoint: bool = False,
-            peak_flops: float = 312e12, overhead: int | None = None) -> Explained:
+            peak_flops: float = 312e12, overhead: int | None = None, passes=None) -> Explained:
     """Everything `shardc explain` prints, for one strategy on one model. `graph`: the
-    model's `flops.GraphCost` (FLOPs and activations per micro-batch), when traced."""
+    model's `flops.GraphCost` (FLOPs and activations per micro-batch), when traced;
+    `passes`: the plan passes the run uses (None: all, as `shardc compile` runs them)."""
     m = strategy.accumulate if micro_batches is None else micro_batches
     if m < 1:
         raise ShardcError(f"--micro-batches must be at least 1, got {m}")
     units = tuple(units)
-    plan = lower(strategy.mesh, units, strategy.prefetch)          # the one plan, added up twice
+    plan = lower(strategy.mesh, units, strategy.prefetch, passes)  # the one plan, added up twice
     k_state = optimizer_state_bytes(optimizer, **(optimizer_kwargs or {}))
     memory = memory_of(plan, k_state=k_state, prefetch=strategy.prefetch)
     records = ledger_of(plan, forwards=m, backwards=m, clips=int(clip_grad_norm))
@@ -66,7 +67,7 @@ def explain(strategy: Strategy, units, *, micro_batches: int | None = None, opti
     mb_flops = graph.executed_flops(checkpoint) if graph is not None else None
     tokens = graph.tokens if graph is not None else tokens
     t = step_time(strategy, list(units), bw, micro_batches=m, tokens=tokens, flops=flops, algo=algo,
-                  mb_flops=mb_flops)
+                  mb_flops=mb_flops, passes=passes)
     model_flops = graph.model_flops if graph is not None else dense_flops(units, tokens)
     rates = {"tokens_per_s": m * tokens / t.total, "mfu": m * model_flops / (t.total * peak_flops),
              "model_flops": model_flops}

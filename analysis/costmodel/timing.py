@@ -20,10 +20,16 @@ into the part that occupies the cores (k, [Note: CPU share of a collective]; 0 w
 a CPU profile) and waiting for links (w = seconds − k). Forward/backward collectives
 overlap the compute when `prefetch` ≥ 1, so each micro-batch costs k_mb + max(compute,
 w_mb); the sync phase's waits hide behind whatever of the last backward (2/3 of a
-micro-batch's compute) its own backward waits leave free; the update phase's waits hide
-behind the next forward when the schedule defers them ([Note: deferred update overlap]).
-With `prefetch 0` nothing overlaps. With k = 0 (GPUs, `--link`, a GPU profile) this is
-max(compute, comm) per micro-batch, as before.
+micro-batch's compute) its own backward waits leave free, except the units synced when
+that backward ends ([Note: sync overlap]
+The step's last backward ends with two units whose collectives nothing is left to hide:
+the root, whose gradients come in when the backward ends, and the unit before it in
+backward order, whose reduce-scatter (one in flight, engine.py) and sync the root's
+gradients trigger. Their link waits of that backward (its reduce-scatters and the step
+sync) are exposed whole. With the `early_sync` plan pass (lowering/passes/early_sync.py)
+every other unit's sync is issued as soon as the next unit's gradients come in, so it
+hides behind whatever of the last backward its own waits leave free; without the pass
+every unit is synced when the backward ends and the whole sync phase is exposed.
 
 [Note: deferred update overlap]
 With the `defer_update` plan pass (lowering/passes/defer_update.py) opt.step() only
@@ -58,7 +64,7 @@ from shardc.dsl.ir import Collectives, Mesh, Strategy
 from shardc.dsl.sizes import prefix_scale
 
 from shardc.analysis.costmodel.ledger import counted_rows
-from shardc.lowering import PHASE_ORDER, lower
+from shardc.lowering import PHASE_ORDER, Phase, lower
 from shardc.analysis.costmodel.network import collective_seconds
 from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
 from shardc.analysis.costmodel.sizes import UnitSize, dense_flops
@@ -218,14 +224,15 @@ def phase_costs(rows, mesh: Mesh, bw, algo: Collectives) -> tuple[dict, dict]:
 
 def step_time(strategy: Strategy, units: list[UnitSize], bw, *, micro_batches: int | None = None,
               tokens: int = 4096, flops: float = 150e12, algo: Collectives | None = None,
-              mb_flops: float | None = None) -> StepTime:
+              mb_flops: float | None = None, passes=None) -> StepTime:
     """Estimated seconds of one optimizer step; see [Note: step time]. `mb_flops`: FLOPs
-    one rank executes per micro-batch (from the graph, `flops.py`); default 6·Φ·tokens."""
+    one rank executes per micro-batch (from the graph, `flops.py`); default 6·Φ·tokens.
+    `passes`: the plan passes the run uses (None: all of them)."""
     m = strategy.accumulate if micro_batches is None else micro_batches
     algo = strategy.collectives if algo is None else algo
     if algo == Collectives.AUTO:
         algo = choose_collectives(strategy, units, bandwidth=bw, micro_batches=m)
-    plan = lower(strategy.mesh, units, strategy.prefetch)
+    plan = lower(strategy.mesh, units, strategy.prefetch, passes)
     rows = counted_rows(plan, forwards=m, backwards=m)
     comm, k = phase_costs(rows, strategy.mesh, bw, algo)
     w = {p: comm[p] - k[p] for p in comm}           # waiting for links: what can overlap
@@ -235,10 +242,23 @@ def step_time(strategy: Strategy, units: list[UnitSize], bw, *, micro_batches: i
     else:
         n = max(m, 1)
         slack = max(0.0, 2 / 3 * c_mb - w["backward"] / n)
-        total = (m * c_mb + k["forward"] + k["backward"] + max(0.0, w["forward"] + w["backward"] - m * c_mb)
-                 + k["sync"] + max(0.0, w["sync"] - slack) + k["update"]
+        tail = _tail_waits(plan, rows, strategy.mesh, bw, algo)
+        late = tail["sync"] if plan.schedule.sync_early else w["sync"]
+        total = (m * c_mb + k["forward"] + k["backward"] + k["sync"] + k["update"]
+                 + max(0.0, w["forward"] + w["backward"] - tail["backward"] - m * c_mb) + tail["backward"]
+                 + late + max(0.0, w["sync"] - late - slack)
                  + _update_wait(w["update"], len(plan.schedule.update_deferred), c_mb / 3 - w["forward"] / n))
     return StepTime(compute=m * c_mb, comm=comm, total=total, occupied=k)
+
+
+def _tail_waits(plan, rows, mesh: Mesh, bw, algo: Collectives) -> dict:
+    """Per phase, the link waits of one backward's rows and the sync rows of the two units
+    the step's last backward ends with; see [Note: sync overlap]."""
+    order = [st.unit for st in plan.schedule.backward] + [0]
+    ends = list(dict.fromkeys(i for i in order if any(g.trainable for g in plan.units[i].groups)))[-2:]
+    ids = {id(r) for i in ends for g in plan.units[i].groups for r in g.rows}
+    cost, busy = phase_costs([(r, 1) for r, _ in rows if id(r) in ids], mesh, bw, algo)
+    return {p: cost[p] - busy[p] for p in cost}
 
 
 def _update_wait(w: float, deferred: int, free: float) -> float:

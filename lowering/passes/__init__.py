@@ -5,7 +5,8 @@ its `Schedule` optimised; rows, sizes and bytes are never changed by a pass, so 
 ledger and memory that `explain` adds up stay the same with any pass on or off.
 
 `PASSES` is the one place the passes and their order are listed; `lower(..., passes=)`,
-`shardc.compile(..., passes=)` and `shardc compile --passes` pick a subset by name.
+`shardc.compile(..., passes=)`, `explain(..., passes=)` and `shardc compile/explain --passes`
+pick a subset by name.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from shardc.dsl.errors import ShardcError
 from .defer_update import defer_update
 from .early_sync import early_sync
 
-__all__ = ["PASSES", "run_plan_passes", "defer_update", "early_sync", "pass_names"]
+__all__ = ["PASSES", "run_plan_passes", "defer_update", "early_sync", "pass_names", "parse_passes"]
 
 PASSES = {"early_sync": early_sync, "defer_update": defer_update}
 
@@ -28,6 +29,11 @@ def pass_names(names) -> tuple[str, ...]:
     if unknown:
         raise ShardcError(f"unknown plan pass {unknown[0]!r}; the passes are: {', '.join(PASSES)}")
     return tuple(n for n in PASSES if n in names)
+
+
+def parse_passes(text: str | None) -> tuple[str, ...] | None:
+    """`--passes` text ("a,b"; "" for none) as checked names; None (not given) stays None."""
+    return None if text is None else pass_names(n.strip() for n in text.split(",") if n.strip())
 
 
 def run_plan_passes(lowering, names=None):

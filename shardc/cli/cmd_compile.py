@@ -17,6 +17,7 @@ import sys
 import torch
 
 from shardc.dsl.errors import ShardcError
+from shardc.lowering.passes import parse_passes
 
 _DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "bool": torch.bool}
@@ -72,9 +73,8 @@ def run(args) -> int:
         raise ShardcError(f"strategy file {args.file!r} not found")
     model = build_model(args.model)
     inputs = _example_inputs(args, model) if args.capture != "fx" else None
-    passes = None if args.passes is None else [n for n in args.passes.split(",") if n.strip()]
     source, plan = compile_source(model, args.file, inputs, args.capture, args.mesh, args.world,
-                                  passes=[n.strip() for n in passes] if passes is not None else None)
+                                  passes=parse_passes(args.passes))
     for warning in plan.strategy.warnings:
         print(warning, file=sys.stderr)
     out_dir = os.path.dirname(os.path.abspath(args.output))

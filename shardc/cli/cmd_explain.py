@@ -14,6 +14,7 @@ import json
 from shardc.analysis.costmodel.memory import OPTIMIZERS
 from shardc.cli import predict_args
 from shardc.dsl.errors import ShardcError
+from shardc.lowering.passes import parse_passes
 from shardc.dsl.ir import Collectives
 
 # [Note: lazy imports] the CLI dispatcher imports every command module to build its
@@ -33,6 +34,9 @@ def add_arguments(p) -> None:
     p.add_argument("--collectives", choices=("auto", "ring", "hierarchical", "ho-ring"),
                    help="override the strategy's `collectives` (how multi-level groups are counted)")
     p.add_argument("--clip", action="store_true", help="count the clip_grad_norm_ all-reduce")
+    p.add_argument("--passes", default=None, metavar="NAMES",
+                   help='plan passes the run uses, comma-separated, as for `shardc compile --passes` '
+                        '("" for none; default: all)')
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="draw this strategy among the named strategies")
     add_bandwidth_arguments(p)
@@ -64,7 +68,7 @@ def run(args) -> int:
     e = explain(strategy, units, micro_batches=args.micro_batches, optimizer=args.optimizer,
                 optimizer_kwargs=kw, clip_grad_norm=args.clip, bandwidth=bw, tokens=args.tokens,
                 flops=rate, graph=graph, checkpoint=args.checkpoint, peak_flops=predict_args.peak(args),
-                overhead=predict_args.overhead(args))
+                overhead=predict_args.overhead(args), passes=parse_passes(args.passes))
     if args.plot:
         from shardc.cli.plot import plot_among_named
         plot_among_named(e, args.model, args.plot, optimizer=args.optimizer, optimizer_kwargs=kw)
