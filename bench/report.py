@@ -64,6 +64,7 @@ def summarize(system: str, res: dict, model_name: str, nodes: int, per_node: int
         "level_bytes": level_bytes(system, res, model_name, nodes, per_node, accumulate),
         "measured_bytes": measured_bytes(res, world),
         "step_times": res["step_times"],
+        "splits": res.get("splits"),          # rank 0: per step, each micro-batch, opt.step(), the rest
         "params": res["params"],
     }
     if res.get("ledger") is not None:

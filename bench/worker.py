@@ -74,22 +74,27 @@ def run_step(sys_, model, step: int, args, rank: int, peak: bool = False) -> flo
     """One optimizer step; with `peak`, also the model-state bytes after every backward."""
     dist.barrier()
     t0 = time.perf_counter()
+    marks = []      # seconds since t0 at the end of each micro-batch, of opt.step(), of the step
     for i in range(args.accumulate):
         x, y = batch(model, step, i, rank, args.micro_batch)
         with sys_.micro(i, i == args.accumulate - 1):
             logits = sys_.model(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
             (loss / args.accumulate).backward()
+        marks.append(time.perf_counter() - t0)
         if peak:
             held = sys_.memory() + (sys_.pending() if sys_.pending else 0)
             sys_.extra["peak_state_bytes"] = max(held, sys_.extra.get("peak_state_bytes", 0))
     sys_.opt.step()
+    marks.append(time.perf_counter() - t0)
     sys_.extra["state_bytes"] = sys_.memory()       # grads still held: the step's states
     if peak:
         sys_.extra["peak_state_bytes"] = max(sys_.extra["state_bytes"], sys_.extra["peak_state_bytes"])
     sys_.opt.zero_grad()
     dist.barrier()
-    return time.perf_counter() - t0
+    marks.append(time.perf_counter() - t0)
+    sys_.extra["marks"] = marks
+    return marks[-1]
 
 
 def main() -> int:
@@ -133,7 +138,7 @@ def _write(out: str, rank: int, result: dict) -> None:
 
 
 def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
-    times = []
+    times, splits = [], []
     for step in range(args.warmup):       # peak states are measured here too
         run_step(sys_, model, step, args, rank, peak=True)
         _progress(args, rank, f"warmup {step + 1}/{args.warmup}")
@@ -144,6 +149,8 @@ def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
     for step in range(args.warmup, args.warmup + args.steps):
         # the first timed step measures peaks too (optimizer state exists only after a step)
         times.append(run_step(sys_, model, step, args, rank, peak=step == args.warmup))
+        m = sys_.extra["marks"]
+        splits.append([b - a for a, b in zip([0.0] + m[:-1], m)])
         _progress(args, rank, f"step {step - args.warmup + 1}/{args.steps} {times[-1]:.3f}s")
     nic = split_counters(before, nic_counters()) if local_rank == 0 else None
     if prof is not None:
@@ -156,6 +163,9 @@ def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
                        count=r.count) for r in sys_.ledger()]
     return {**{k: sys_.extra[k] for k in ("mesh", "collectives") if k in sys_.extra},
             "step_times": times, "step_time_s": statistics.median(times),
+            # per timed step, seconds of: each micro-batch (forward + backward), opt.step(),
+            # zero_grad + the closing barrier
+            "splits": splits,
             "state_bytes": sys_.extra["state_bytes"],
             "peak_state_bytes": sys_.extra["peak_state_bytes"], "nic": nic, "ledger": ledger,
             "ledger_steps": args.steps}

@@ -129,6 +129,7 @@ class Engine:
         self._in_flight: FlatGroup | None = None
         self._early = False                # this backward ends the step: sync_early applies
         self._synced: set[int] = set()     # units whose sync this step is already issued
+        self._sync_prev: FlatGroup | None = None   # the last unit synced early, not yet advanced
         self._updates: dict = {}           # unit -> its deferred update all-gather (in flight)
         self._unit_of = {id(u.trainable): u for u in units if u.trainable is not None}
         self._setters = [_setters(u) for u in units]     # made once: per group, per slot
@@ -279,6 +280,11 @@ class Engine:
             self.events.append(("wait_reduce", i))
         if self._early and i in self.schedule.sync_early:
             self._sync_unit(self.units[i])
+            # the unit synced before this one had a unit's backward for its reduce-scatter
+            # to land: its all-reduce over the replicas goes out now ([Note: early sync])
+            earlier, self._sync_prev = self._sync_prev, prev
+            if earlier is not None:
+                earlier.sync_advance_early()
 
     def _final_callback(self) -> None:
         self._queued = False
@@ -328,6 +334,7 @@ class Engine:
             if u.trainable is not None:
                 self._sync_unit(u)
         self._synced.clear()
+        self._sync_prev = None
         self.phase = Phase.SYNCING
 
     def _complete_sync(self) -> None:

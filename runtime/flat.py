@@ -278,7 +278,8 @@ class FlatGroup:
         return self.grad_shard[self.os_in_g:self.os_in_g + self.os_len]
 
     def sync_issue(self) -> None:
-        """Stage 1 of the per-step sync: reduce-scatter the grad shard over OS∖G."""
+        """Stage 1 of the per-step sync: reduce-scatter the grad shard over OS∖G; with no
+        such stage (OS = G), stage 2's all-reduce over the replicas is issued right away."""
         self.finish_grads()
         self.materialize()
         row = self._row(Phase.SYNC, Op.REDUCE_SCATTER)
@@ -287,6 +288,7 @@ class FlatGroup:
             self.sync_state = ("rs", self._issue(row, self.comm.reduce_scatter, tmp, self.grad_shard), tmp)
         else:
             self.sync_state = ("rs", DoneWork(), None)
+            self.sync_advance()        # no reduce-scatter stage: the all-reduce goes out now
 
     def sync_advance(self) -> None:
         """Stage 2: once the reduce-scatter is in, all-reduce the OS slice over the replicas."""
@@ -299,6 +301,13 @@ class FlatGroup:
         row = self._row(Phase.SYNC, Op.ALL_REDUCE)
         ar = DoneWork() if row is None else self.comm.all_reduce("sync", self.os_grad, row.levels, row.bytes)
         self.sync_state = ("ar", ar, None)
+
+    def sync_advance_early(self) -> None:
+        """Stage 2 ahead of opt.step(), where there is one ([Note: early sync]): a sync
+        with no all-reduce is left alone, since waiting its reduce-scatter here would only
+        stall the backward."""
+        if self.sync_state is not None and self._row(Phase.SYNC, Op.ALL_REDUCE) is not None:
+            self.sync_advance()
 
     def sync_wait(self) -> None:
         """Finish the sync and divide by the world size (the only division)."""

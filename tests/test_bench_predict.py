@@ -4,9 +4,9 @@ The fixture (tests/golden/predict/) is hand-written: constant bandwidths per lev
 (gpu 200 MB/s with every second on the cores, node 10 MB/s with 10 % on the cores,
 node+gpu hierarchical 20 MB/s with 25 %; compute wall/CPU = 0.8/0.2 = 4, 1.25e10 FLOP/s
 per rank), the bench model on node(2) > gpu(4), 4 micro-batches. The expected step
-times are derived here from the ledger rules (docs/internals.md) and [Note: step time]
-/ [Note: CPU share of a collective] (analysis/costmodel/timing.py), with the bench
-model's parameter count and traced FLOPs as inputs.
+times are derived here from the ledger rules (docs/internals.md), [Note: step time] /
+[Note: CPU share of a collective] (analysis/costmodel/timing.py) and [Note: sync
+overlap] (overlap.py), with the bench model's parameter counts and traced FLOPs as inputs.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def _bench(name):
 
 
 def _inputs():
-    """Φ (parameters) and executed FLOPs of one micro-batch (2 sequences of 64) of the bench model."""
+    """Φ (parameters), executed FLOPs of one micro-batch (2 sequences of 64) of the bench
+    model, its units' parameters and forward FLOPs (root first)."""
     from shardc.analysis.costmodel.flops import trace
     from shardc.cli.loader import build_model
     from shardc.compiler.units import find_units
@@ -41,29 +42,50 @@ def _inputs():
     meta = build_model(os.path.join(ROOT, "bench", "models.py") + ":bench", device="meta")
     units = find_units(meta, load_strategy("mesh gpu(1)\nparams replicate\n"))
     from shardc.analysis.costmodel.sizes import unit_sizes
-    trainable = sum(1 for u in unit_sizes(meta, units) if u.trainable)   # units with an update gather
-    return phi, trace(meta, units, batch=2, seq=64, dtype="fp32").executed_flops(), trainable
+    sizes = [u.trainable for u in unit_sizes(meta, units)]
+    graph = trace(meta, units, batch=2, seq=64, dtype="fp32")
+    return phi, graph.executed_flops(), sizes, graph.unit_forward_flops
 
 
-def _expected(phi, flops, d):
+def _sync_exposed(waits, shares, backward):
+    """[Note: sync overlap] by hand, root first in `waits`/`shares`: the root's compute
+    opens the backward, then blocks n..1; sync i goes out when the next unit's gradients
+    are in (the root's at the end), one at a time; what runs past the backward shows."""
+    order = list(range(len(waits) - 1, 0, -1)) + [0]
+    t, ready = backward * shares[0], []
+    for i in order[:-1]:
+        t += backward * shares[i]
+        ready.append(t)
+    issue, link = ready[1:] + [backward, backward], 0.0
+    for i, at in zip(order, issue):
+        link = max(at, link) + waits[i]
+    return max(0.0, link - backward)
+
+
+def _expected(phi, flops, sizes, unit_flops):
     m, c = 4, flops / 1.25e10                        # micro-batches, compute per micro-batch
-    slack = 2 / 3 * c                                 # neither strategy waits in its backward
+    shares = [f / sum(unit_flops) for f in unit_flops]
+    d = sum(1 for n in sizes if n)                    # units with an update all-gather
     # hsdp_zero2: backward reduce-scatter of 4Φ over gpu per micro-batch (all on the cores),
-    # sync all-reduce of the gpu shard Φ over node (10 % on the cores), update all-gather of 4Φ over gpu.
-    rs_b, ar_s, ag_u = 4 * phi / 200e6, phi / 10e6, 4 * phi / 200e6
-    hsdp = m * c + m * rs_b + 0.1 * ar_s + max(0.0, 0.9 * ar_s - slack) + ag_u
-    # zero1 (hierarchical): sync reduce-scatter of 4Φ over the world, update all-gather of 4Φ over it.
-    rs_s, ag_u = 4 * phi / 20e6, 4 * phi / 20e6
-    # Both updates are deferred into the next forward over d units ([Note: deferred update
-    # overlap]): their link waits hide behind a third of a micro-batch, all but the first unit's share.
-    zero1 = m * c + 0.25 * rs_s + max(0.0, 0.75 * rs_s - slack) + 0.25 * ag_u + max(0.75 * ag_u / d, 0.75 * ag_u - c / 3)
+    # sync all-reduce of each unit's gpu shard (4n/4 bytes) over node (10 % on the cores),
+    # update all-gather of 4Φ over gpu (all on the cores).
+    rs_b, ag_u = 4 * phi / 200e6, 4 * phi / 200e6
+    ar = [n / 10e6 for n in sizes]
+    hsdp = m * c + m * rs_b + 0.1 * sum(ar) + _sync_exposed([0.9 * t for t in ar], shares, 2 / 3 * c) + ag_u
+    # zero1 (hierarchical): sync reduce-scatter of each unit's 4n over the world (25 % on the
+    # cores), update all-gather of 4Φ over it, deferred into the next forward over d units
+    # ([Note: deferred update overlap]): its link waits hide behind a third of a micro-batch,
+    # all but the first unit's share.
+    rs = [4 * n / 20e6 for n in sizes]
+    ag_u = 4 * phi / 20e6
+    zero1 = (m * c + 0.25 * sum(rs) + _sync_exposed([0.75 * t for t in rs], shares, 2 / 3 * c)
+             + 0.25 * ag_u + max(0.75 * ag_u / d, 0.75 * ag_u - c / 3))
     return {"shardc:hsdp_zero2": hsdp, "shardc:zero1": zero1}
 
 
 def test_predicted_vs_measured_table(tmp_path):
     predict = _bench("predict")
-    phi, flops, d = _inputs()
-    want = _expected(phi, flops, d)
+    want = _expected(*_inputs())
     with open(os.path.join(FIX, "systems.json")) as f:
         doc = json.load(f)
     rows = predict.table(os.path.join(FIX, "profile.json"), doc)
@@ -72,7 +94,7 @@ def test_predicted_vs_measured_table(tmp_path):
     measured = {"shardc:hsdp_zero2": 6.0, "shardc:zero1": 9.0}
     for r in rows:
         assert r["predicted_s"] == pytest.approx(want[r["system"]], rel=1e-6)
-        assert r["time"]["compute"] == pytest.approx(4 * flops / 1.25e10, rel=1e-9)
+        assert r["time"]["compute"] == pytest.approx(4 * _inputs()[1] / 1.25e10, rel=1e-9)
         assert r["ratio"] == pytest.approx(want[r["system"]] / measured[r["system"]], rel=1e-6)
         assert r["within"] == (abs(want[r["system"]] / measured[r["system"]] - 1) <= 0.15)
     order = sorted(want, key=want.get)

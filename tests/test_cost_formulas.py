@@ -266,22 +266,25 @@ def test_profile_cpu_share_and_quantized_entries(tmp_path):
     assert prof.cost("all_gather", ("gpu",), 1e6, M2, Collectives.RING, "int4") == pytest.approx((1e-2, 4e-3))
 
 
-def test_step_time_exposes_the_end_of_the_last_backward():
-    """[Note: sync overlap]: DDP's all-reduces (one per unit, sync phase) hide behind the
-    last backward's free compute (2/3 of a micro-batch) except those of the two units
-    that backward ends with: the first block (u1) and the root. Without the early_sync
-    pass every all-reduce waits for the end of the backward."""
+def test_step_time_places_the_syncs_on_the_last_backward():
+    """[Note: sync overlap] (analysis/costmodel/overlap.py), worked by hand. DDP: one
+    all-reduce a_i per unit in the sync phase. The last backward lasts B = 2/3·c; shares by
+    parameters (root .2, u1 .1, u2 .3, u3 .4), the root's compute first. Gradients in:
+    u3 at .6B, u2 at .9B, u1 at B, the root at B. Each sync is issued when the next unit's
+    gradients are in: u3 at .9B, u2, u1 and the root at B; the links run one at a time."""
     from shardc.analysis.costmodel.timing import step_time
     ab = AlphaBeta(intra=1e9, inter=1e8, intra_lat=0.0, inter_lat=0.0)
     s = strat(M2, accumulate=1, algo=Collectives.RING)
     us = units(s, 2_000_000, 1_000_000, 3_000_000, 4_000_000)       # root, u1, u2, u3 (fp32)
-    ar = {n: ab.seconds("all_reduce", W2, 4 * n, M2, Collectives.RING) for n in (2e6, 1e6, 3e6, 4e6)}
-    tail, rest = ar[2e6] + ar[1e6], ar[3e6] + ar[4e6]
+    a = {n: ab.seconds("all_reduce", W2, 4 * n, M2, Collectives.RING) for n in (2e6, 1e6, 3e6, 4e6)}
 
     def total(c, passes=None):
         return step_time(s, us, ab, micro_batches=1, flops=1.0, mb_flops=c, passes=passes).total
 
-    assert total(100.0) == pytest.approx(100.0 + tail)                 # the rest hides in 2/3·100 s
-    c = 1.5 * rest * 0.5                                                # 2/3·c = rest / 2: half of it shows
-    assert total(c) == pytest.approx(c + tail + rest / 2)
-    assert total(100.0, passes=()) == pytest.approx(100.0 + tail + rest)
+    # a long backward: u3's sync ends before B; u2's, u1's and the root's come after it
+    assert total(100.0) == pytest.approx(100.0 + a[3e6] + a[1e6] + a[2e6])
+    # B = 5·a3: u3's sync, issued at .9B = B − a3/2, runs a3/2 past the backward
+    c = 7.5 * a[4e6]
+    assert total(c) == pytest.approx(c + a[4e6] / 2 + a[3e6] + a[1e6] + a[2e6])
+    # without early_sync every sync is issued when the backward ends
+    assert total(100.0, passes=()) == pytest.approx(100.0 + sum(a.values()))

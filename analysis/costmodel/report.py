@@ -67,7 +67,8 @@ def explain(strategy: Strategy, units, *, micro_batches: int | None = None, opti
     mb_flops = graph.executed_flops(checkpoint) if graph is not None else None
     tokens = graph.tokens if graph is not None else tokens
     t = step_time(strategy, list(units), bw, micro_batches=m, tokens=tokens, flops=flops, algo=algo,
-                  mb_flops=mb_flops, passes=passes)
+                  mb_flops=mb_flops, passes=passes,
+                  unit_flops=graph.unit_forward_flops if graph is not None else None)
     model_flops = graph.model_flops if graph is not None else dense_flops(units, tokens)
     rates = {"tokens_per_s": m * tokens / t.total, "mfu": m * model_flops / (t.total * peak_flops),
              "model_flops": model_flops}

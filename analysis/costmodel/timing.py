@@ -21,26 +21,7 @@ a CPU profile) and waiting for links (w = seconds − k). Forward/backward colle
 overlap the compute when `prefetch` ≥ 1, so each micro-batch costs k_mb + max(compute,
 w_mb); the sync phase's waits hide behind whatever of the last backward (2/3 of a
 micro-batch's compute) its own backward waits leave free, except the units synced when
-that backward ends ([Note: sync overlap]
-The step's last backward ends with two units whose collectives nothing is left to hide:
-the root, whose gradients come in when the backward ends, and the unit before it in
-backward order, whose reduce-scatter (one in flight, engine.py) and sync the root's
-gradients trigger. Their link waits of that backward (its reduce-scatters and the step
-sync) are exposed whole. With the `early_sync` plan pass (lowering/passes/early_sync.py)
-every other unit's sync is issued as soon as the next unit's gradients come in, so it
-hides behind whatever of the last backward its own waits leave free; without the pass
-every unit is synced when the backward ends and the whole sync phase is exposed.
-
-[Note: deferred update overlap]
-With the `defer_update` plan pass (lowering/passes/defer_update.py) opt.step() only
-issues the update all-gathers; unit i's is waited right before unit i is next needed in
-the next forward. Their link waits therefore hide behind the next step's first forward
-(1/3 of a micro-batch's compute, less that forward's own waits), except the first
-deferred unit's share (w/d for d deferred units, issued in forward order), which the
-forward needs before it can start. The cores they occupy (k) are never hidden. Without
-the pass (or with `prefetch 0`) the update phase is exposed whole.
-
-[Note: CPU share of a collective]
+that backward ends ([Note: CPU share of a collective]
 On CPU ranks (gloo) a collective is partly work on the same cores that compute: the
 loopback copies between ranks of a node, the reductions, gloo's threads; the rest is
 waiting for a shaped link, which other ranks' compute fills. `shardc profile` records
@@ -64,9 +45,10 @@ from shardc.dsl.ir import Collectives, Mesh, Strategy
 from shardc.dsl.sizes import prefix_scale
 
 from shardc.analysis.costmodel.ledger import counted_rows
-from shardc.lowering import PHASE_ORDER, Phase, lower
+from shardc.lowering import PHASE_ORDER, lower
 from shardc.analysis.costmodel.network import collective_seconds
 from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
+from shardc.analysis.costmodel.overlap import backward_tail, sync_wait, update_wait
 from shardc.analysis.costmodel.sizes import UnitSize, dense_flops
 
 @dataclass(frozen=True, slots=True)
@@ -224,10 +206,11 @@ def phase_costs(rows, mesh: Mesh, bw, algo: Collectives) -> tuple[dict, dict]:
 
 def step_time(strategy: Strategy, units: list[UnitSize], bw, *, micro_batches: int | None = None,
               tokens: int = 4096, flops: float = 150e12, algo: Collectives | None = None,
-              mb_flops: float | None = None, passes=None) -> StepTime:
+              mb_flops: float | None = None, passes=None, unit_flops=None) -> StepTime:
     """Estimated seconds of one optimizer step; see [Note: step time]. `mb_flops`: FLOPs
     one rank executes per micro-batch (from the graph, `flops.py`); default 6·Φ·tokens.
-    `passes`: the plan passes the run uses (None: all of them)."""
+    `passes`: the plan passes the run uses (None: all of them); `unit_flops`: each unit's
+    forward FLOPs (root first, from the graph), which place the syncs on the backward."""
     m = strategy.accumulate if micro_batches is None else micro_batches
     algo = strategy.collectives if algo is None else algo
     if algo == Collectives.AUTO:
@@ -241,33 +224,22 @@ def step_time(strategy: Strategy, units: list[UnitSize], bw, *, micro_batches: i
         total = m * c_mb + sum(comm.values())
     else:
         n = max(m, 1)
-        slack = max(0.0, 2 / 3 * c_mb - w["backward"] / n)
-        tail = _tail_waits(plan, rows, strategy.mesh, bw, algo)
-        late = tail["sync"] if plan.schedule.sync_early else w["sync"]
+        tail = backward_tail(plan, strategy.mesh, bw, algo, phase_costs)
+        shares = _shares(units, unit_flops)
         total = (m * c_mb + k["forward"] + k["backward"] + k["sync"] + k["update"]
-                 + max(0.0, w["forward"] + w["backward"] - tail["backward"] - m * c_mb) + tail["backward"]
-                 + late + max(0.0, w["sync"] - late - slack)
-                 + _update_wait(w["update"], len(plan.schedule.update_deferred), c_mb / 3 - w["forward"] / n))
+                 + max(0.0, w["forward"] + w["backward"] - tail - m * c_mb) + tail
+                 + sync_wait(plan, strategy.mesh, bw, algo, phase_costs, backward=2 / 3 * c_mb, shares=shares,
+                             busy=w["backward"] / n)
+                 + update_wait(w["update"], len(plan.schedule.update_deferred), c_mb / 3 - w["forward"] / n))
     return StepTime(compute=m * c_mb, comm=comm, total=total, occupied=k)
 
 
-def _tail_waits(plan, rows, mesh: Mesh, bw, algo: Collectives) -> dict:
-    """Per phase, the link waits of one backward's rows and the sync rows of the two units
-    the step's last backward ends with; see [Note: sync overlap]."""
-    order = [st.unit for st in plan.schedule.backward] + [0]
-    ends = list(dict.fromkeys(i for i in order if any(g.trainable for g in plan.units[i].groups)))[-2:]
-    ids = {id(r) for i in ends for g in plan.units[i].groups for r in g.rows}
-    cost, busy = phase_costs([(r, 1) for r, _ in rows if id(r) in ids], mesh, bw, algo)
-    return {p: cost[p] - busy[p] for p in cost}
-
-
-def _update_wait(w: float, deferred: int, free: float) -> float:
-    """Exposed seconds of the update phase's link waits `w`; see [Note: deferred update
-    overlap]. `deferred`: units whose update all-gather the schedule defers; `free`: the
-    first forward's compute its own waits leave free."""
-    if not deferred:
-        return w
-    return max(w / deferred, w - max(0.0, free))
+def _shares(units, unit_flops) -> list[float]:
+    """Each unit's share of the model's compute: its traced forward FLOPs when given, else
+    its trainable parameters (the 6·Φ·tokens rule)."""
+    weights = list(unit_flops) if unit_flops is not None else [u.trainable for u in units]
+    total = sum(weights)
+    return [x / total if total else 1 / len(weights) for x in weights]
 
 
 def _as_units(strategy: Strategy, unit_numels) -> list[UnitSize]:

@@ -8,7 +8,7 @@ and the device. Output: the profile's `"compute"` record, read by the cost model
 
 [Note: measured compute rate]
 Every rank builds the model on the device and runs forward, a summed loss and backward
-of one micro-batch `--iters` times after `--warmup` runs, all ranks at the same time
+of one micro-batch `--compute-iters` times after `--warmup` runs, all ranks at the same time
 (barrier before): on a shared machine (8 CPU ranks on 2 cores, or GPUs sharing host
 threads) the rate each rank achieves is the contended one training sees. `flops` are
 the executed FLOPs the cost model counts for that micro-batch (`flops.trace` on the
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import time
 
+from shardc.cli.argtypes import positive_int
+
 
 def add_arguments(p) -> None:
     g = p.add_argument_group("compute rate (optional)")
@@ -28,6 +30,8 @@ def add_arguments(p) -> None:
                    help="also time this model's forward+backward on every rank at once: the achievable FLOP/s")
     g.add_argument("--tokens", type=int, default=4096, help="tokens per rank per micro-batch (default 4096)")
     g.add_argument("--seq", type=int, help="sequence length (default: --tokens, one sequence)")
+    g.add_argument("--compute-iters", type=positive_int, default=10,
+                   help="timed forward+backward runs (default 10: one run's time drifts by ±10 %% on a shared machine)")
 
 
 def measure(args, device: str) -> dict:
@@ -61,10 +65,11 @@ def measure(args, device: str) -> dict:
     _sync(device)
     dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(args.iters):
+    for _ in range(args.compute_iters):
         once()
     _sync(device)
-    mine = torch.tensor([(time.perf_counter() - t0) / args.iters, (time.process_time() - c0) / args.iters],
+    mine = torch.tensor([(time.perf_counter() - t0) / args.compute_iters,
+                         (time.process_time() - c0) / args.compute_iters],
                         dtype=torch.float64, device=device)
     dist.all_reduce(mine)
     sec, cpu = (mine / dist.get_world_size()).tolist()
