@@ -17,8 +17,9 @@ window of gathered units + one micro-batch's activations + framework overhead); 
 candidate fits when that is at most the budget.
 
 [Note: objective]
-`time` (the default) ranks the fitting candidates by predicted step time (ties, when
-compute hides every collective, by summed communication time). `comm` ranks by summed
+`time` (the default) ranks the fitting candidates by predicted step time (ties — equal to
+6 significant digits, as when compute hides all but microseconds — by summed
+communication time). `comm` ranks by summed
 communication time before overlap — Lins' objective (§IV-C: minimise the
 communication cost subject to memory) — then step time. Remaining ties go to the
 candidate that shards least (p·g·os: sharding a state that fits buys nothing and
@@ -80,7 +81,9 @@ class Candidate:
 
 
 def _s(x: float) -> float:
-    return round(x, 9)    # seconds to the nanosecond: float noise must not break a tie
+    """Seconds to 6 significant digits: float noise and sub-ppm differences (a tail of
+    microseconds under a compute-bound step) must not break a tie."""
+    return float(f"{x:.6g}")
 
 
 OBJECTIVES = {   # [Note: objective]

@@ -273,4 +273,14 @@ def train(args) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # [Note: exit without interpreter teardown]
+    # main() has closed everything the run owns: the process groups are destroyed, the
+    # checkpoints and --save-final are written and closed. Interpreter teardown would then
+    # destroy what torch.distributed keeps behind (a restarted attempt's store client and
+    # its threads) in an order that aborted a restarted rank at exit twice ("terminate
+    # called without an active exception", after its training had finished), failing
+    # the job torchrun had just restarted. Flush and leave without it.
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -122,8 +122,8 @@ def test_passes_select_the_plan_the_time_model_predicts(capsys):
     # (across nodes, 12.5 GB/s) no longer hides behind the next forward, so the step is
     # longer; without early_sync too, every unit's sync waits for the end of the backward.
     from shardc.cli import main
-    argv = ["explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)", "--json",
-            "--micro-batches", "2", "--flops", "1e9"]
+    argv = ["explain", IIG, "--model", "bench/models.py:bench", "--mesh", "node(2) > gpu(2)", "--json",
+            "--micro-batches", "2", "--flops", "1e9"]         # 4 blocks: early_sync has syncs to move
     steps = {}
     for passes in (None, "early_sync", ""):
         assert main([*argv, *(() if passes is None else ("--passes", passes))]) == 0
