@@ -146,3 +146,9 @@ class Lowering:
     units: tuple[UnitPlan, ...]
     clip_rows: tuple[Row, ...]
     schedule: Schedule
+
+    def backward_order(self) -> tuple[int, ...]:
+        """Units with trainable parameters in the order the backward finishes them: the
+        backward stages' units, then the root (its embedding is reached last)."""
+        order = [st.unit for st in self.schedule.backward] + [0]
+        return tuple(dict.fromkeys(i for i in order if any(g.trainable for g in self.units[i].groups)))

@@ -39,12 +39,6 @@ from shardc.dsl.ir import Collectives, Mesh
 from shardc.lowering import Op, Phase
 
 
-def backward_order(plan) -> list[int]:
-    """Units with trainable parameters in the order the backward finishes them (root last)."""
-    order = [st.unit for st in plan.schedule.backward] + [0]
-    return list(dict.fromkeys(i for i in order if any(g.trainable for g in plan.units[i].groups)))
-
-
 def unit_waits(plan, i: int, phase: Phase, mesh: Mesh, bw, algo: Collectives, costs, op: Op | None = None) -> float:
     """Link-wait seconds of one run of unit i's rows of `phase` (of `op` only, when given;
     `costs` = timing.phase_costs)."""
@@ -65,14 +59,14 @@ def _sync_stages(plan, i: int, mesh: Mesh, bw, algo: Collectives, costs) -> tupl
 
 def backward_tail(plan, mesh: Mesh, bw, algo: Collectives, costs) -> float:
     """Exposed reduce-scatter waits of the step's last backward; see [Note: sync overlap]."""
-    return sum(unit_waits(plan, i, Phase.BACKWARD, mesh, bw, algo, costs) for i in backward_order(plan)[-2:])
+    return sum(unit_waits(plan, i, Phase.BACKWARD, mesh, bw, algo, costs) for i in plan.backward_order()[-2:])
 
 
 def sync_wait(plan, mesh: Mesh, bw, algo: Collectives, costs, *, backward: float, shares, busy: float) -> float:
     """Exposed seconds of the sync phase's link waits; see [Note: sync overlap].
     `backward`: compute seconds of the last backward; `shares[i]`: unit i's share of the
     model's compute; `busy`: seconds the links spend on that backward's own waits first."""
-    order = backward_order(plan)
+    order = plan.backward_order()
     stages = [_sync_stages(plan, i, mesh, bw, algo, costs) for i in order]
     if not plan.schedule.sync_early:
         return sum(a + b for a, b in stages)

@@ -27,6 +27,4 @@ from ..ir import Lowering
 
 
 def early_sync(lowering: Lowering) -> Lowering:
-    order = [st.unit for st in lowering.schedule.backward] + [0]
-    units = tuple(dict.fromkeys(i for i in order if any(g.trainable for g in lowering.units[i].groups)))
-    return replace(lowering, schedule=replace(lowering.schedule, sync_early=units))
+    return replace(lowering, schedule=replace(lowering.schedule, sync_early=lowering.backward_order()))
