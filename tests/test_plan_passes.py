@@ -143,24 +143,17 @@ def _sync_stage_job(rank, world):
     """After a step's last backward, before opt.step(): which stage each unit's sync is in."""
     import copy
     from shardc.runtime import shard_module
-    from tests.test_runtime_util import (Tiny, batches as tiny_batches, loss_fn, make_opt as tiny_opt,
-                                         max_rel_err, reference, strategy, units_for)
+    from tests.test_runtime_util import (Tiny, batches as tiny_batches, max_rel_err, reference, strategy,
+                                         train_sharded, units_for)
     out = {}
     for name in ("hsdp_zero2", "lins_7b", "ddp"):
-        model = Tiny()
-        data = tiny_batches(2, world, 2)
+        model, data, stages = Tiny(), tiny_batches(2, world, 2), []
         want, _ = reference(model, data, "sgd")
         s = strategy(name, "node(2) > gpu(2)", accumulate=2)
         sm = shard_module(copy.deepcopy(model), s, units_for(model, s.scopes))
-        opt, stages = tiny_opt("sgd", sm), []
-        for x, y in data:
-            xs, ys = x.chunk(world)[rank].chunk(2), y.chunk(world)[rank].chunk(2)
-            for m in range(2):
-                (loss_fn(sm(xs[m]), ys[m]) / 2).backward()
-            stages.append({u.index: u.trainable.sync_state[0] for u in sm.runtime.units if u.trainable})
-            opt.step()
-            opt.zero_grad()
-        out[name] = stages, max_rel_err(sm.full_state_dict(), want)
+        got, _, _ = train_sharded(sm, data, rank, world, 2, "sgd", before_step=lambda sm: stages.append(
+            {u.index: u.trainable.sync_state[0] for u in sm.runtime.units if u.trainable}))
+        out[name] = stages, max_rel_err(got, want)
     return out
 
 

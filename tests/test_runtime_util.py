@@ -135,7 +135,9 @@ def reference(model, data, opt_kind, clip=None, groups=False):
 
 
 def train_sharded(sm, data, rank, world, accumulate, opt_kind, clip=None, groups=None,
-                  use_no_sync=False):
+                  use_no_sync=False, before_step=None):
+    """`before_step(sm)`, when given, runs after each step's last backward, before clipping
+    and opt.step()."""
     opt = make_opt(opt_kind, sm, groups)
     norms = []
     for x, y in data:
@@ -146,6 +148,8 @@ def train_sharded(sm, data, rank, world, accumulate, opt_kind, clip=None, groups
                     (loss_fn(sm(xs[m]), ys[m]) / accumulate).backward()
             else:
                 (loss_fn(sm(xs[m]), ys[m]) / accumulate).backward()
+        if before_step is not None:
+            before_step(sm)
         if clip is not None:
             norms.append(float(sm.clip_grad_norm_(clip)))
         opt.step()
