@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="timed steps (after the warm-up)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the system list this many times, alternating, and pool the steps ([Note: rounds])")
     p.add_argument("--systems", default="fsdp2:full,fsdp2:hsdp,ddp,shardc:zero3")
     p.add_argument("--timeout", type=float, default=600, help="seconds per system")
     p.add_argument("--collectives", action="store_true",
@@ -68,8 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def check_args(a) -> str | None:
     if a.nodes < 1 or a.per_node < 1:
         return "--nodes and --per-node must be at least 1"
-    if a.accumulate < 1 or a.steps < 1 or a.warmup < 0 or a.micro_batch < 1:
-        return "--accumulate, --steps and --micro-batch must be at least 1, --warmup at least 0"
+    if a.accumulate < 1 or a.steps < 1 or a.warmup < 0 or a.micro_batch < 1 or a.rounds < 1:
+        return "--accumulate, --steps, --rounds and --micro-batch must be at least 1, --warmup at least 0"
     for s in a.systems.split(","):
         if s not in PEERS and not s.startswith("shardc:"):
             return f"unknown system {s!r}: use {', '.join(PEERS)} or shardc:<strategy>"
@@ -82,7 +84,7 @@ def config(a) -> dict:
     return {"nodes": a.nodes, "per_node": a.per_node, "world": a.nodes * a.per_node,
             "inter_rate": a.inter_rate, "inter_delay": a.inter_delay,
             "per_rank_links": a.per_rank_links, "model": a.model, "accumulate": a.accumulate,
-            "micro_batch": a.micro_batch, "steps": a.steps, "warmup": a.warmup,
+            "micro_batch": a.micro_batch, "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds,
             "cpu_count": os.cpu_count(), "torch": _torch_version(),
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -92,10 +94,10 @@ def _torch_version() -> str:
     return torch.__version__
 
 
-def run_system(cluster, a, name: str, index: int, logdir: str, progress, task) -> dict:
+def run_system(cluster, a, name: str, index: int, logdir: str, progress, task, round_: int = 0) -> dict:
     from report import summarize
 
-    tag = name.replace(":", "_").replace("/", "_")
+    tag = name.replace(":", "_").replace("/", "_") + (f".round{round_ + 1}" if a.rounds > 1 else "")
     out, prog = os.path.join(logdir, f"{tag}.json"), os.path.join(logdir, f"{tag}.progress")
     for path in (out, prog):
         if os.path.exists(path):
@@ -133,17 +135,24 @@ def _first_error(out: str, world: int, job) -> str:
 
 
 def run_systems(cluster, a, logdir: str) -> dict:
+    """Every system, `a.rounds` times over, alternating ([Note: rounds] in report.py)."""
+    from report import merge_rounds
+
     names = a.systems.split(",")
-    results = {}
+    rounds = {n: [] for n in names}
+    per_run = a.warmup + a.steps
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as progress:
-        tasks = [progress.add_task(n, total=a.warmup + a.steps) for n in names]
-        for i, (name, task) in enumerate(zip(names, tasks)):
-            progress.update(task, description=f"{name}: starting")
-            results[name] = run_system(cluster, a, name, i, logdir, progress, task)
-            done = "failed" if "error" in results[name] else f"{results[name]['step_time_s']:.3f}s/step"
-            progress.update(task, description=f"{name}: {done}", completed=a.warmup + a.steps)
-    return results
+        tasks = [progress.add_task(n, total=per_run) for n in names]
+        for r in range(a.rounds):
+            for i, (name, task) in enumerate(zip(names, tasks)):
+                label = name if a.rounds == 1 else f"{name} (round {r + 1}/{a.rounds})"
+                progress.update(task, description=f"{label}: starting", completed=0)
+                res = run_system(cluster, a, name, r * len(names) + i, logdir, progress, task, r)
+                rounds[name].append(res)
+                done = "failed" if "error" in res else f"{res['step_time_s']:.3f}s/step"
+                progress.update(task, description=f"{label}: {done}", completed=per_run)
+    return {n: merge_rounds(rs) for n, rs in rounds.items()}
 
 
 def print_table(systems: dict) -> None:

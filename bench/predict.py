@@ -10,7 +10,8 @@ predicts for `examples/strategies/NAME.shard` on the cluster's mesh
 the collective algorithm the run used (the system's `collectives`) and the profile
 (`--bandwidth`: its collectives, its measured compute rate) — beside the measured
 step time: ratio predicted/measured, whether it is within `--tolerance`, and the rank
-of each among the systems by predicted and by measured time. The peers (FSDP2, DDP)
+of each among the systems by predicted and by measured time, and whether the measured
+order of the top three is resolved by the steps (`order_p`). The peers (FSDP2, DDP)
 are not shardc strategies and are left out. Exit code 0 even when a row misses: the
 table is the result.
 """
@@ -22,6 +23,8 @@ import io
 import json
 import os
 import sys
+from math import sqrt
+from statistics import NormalDist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,7 +67,7 @@ def table(profile: str, systems_doc: dict, tolerance: float = 0.15) -> list[dict
         raise SystemExit(f"error: predict.py knows the `bench` model only, the run used {cfg['model']!r}")
     runs = {k: v for k, v in systems_doc["systems"].items() if k.startswith("shardc:") and "error" not in v}
     rows = {k: {"system": k, "collectives": v["collectives"], "measured_s": v["step_time_s"],
-                "time": predict(k, v, cfg, profile)} for k, v in runs.items()}
+                "step_times": v["step_times"], "time": predict(k, v, cfg, profile)} for k, v in runs.items()}
     for r in rows.values():
         r["predicted_s"] = r["time"]["total"]
         r["ratio"] = r["predicted_s"] / r["measured_s"]
@@ -83,6 +86,28 @@ def top_order_matches(rows: list[dict], n: int = 3) -> bool:
     return by_pred == by_meas
 
 
+def order_p(faster: list[float], slower: list[float]) -> float:
+    """One-sided p-value that `faster`'s steps are not shorter than `slower`'s: the
+    Mann–Whitney U test in its normal approximation (steps are continuous, so no tie
+    correction). Small = the measured order is resolved."""
+    n1, n2 = len(faster), len(slower)
+    u = sum((x < y) + 0.5 * (x == y) for x in faster for y in slower)
+    z = (u - n1 * n2 / 2) / sqrt(n1 * n2 * (n1 + n2 + 1) / 12)
+    return 1 - NormalDist().cdf(z)
+
+
+def measured_order(rows: list[dict], n: int = 3, alpha: float = 0.05) -> tuple[bool, str]:
+    """(every adjacent pair of the n fastest measured is resolved at `alpha`, one line)."""
+    top = sorted(rows, key=lambda r: r["measured_rank"])[:n]
+    parts, ok = [], True
+    for a, b in zip(top, top[1:]):
+        p = order_p(a["step_times"], b["step_times"])
+        ok &= p < alpha
+        parts.append(f"{a['system'].split(':', 1)[1]} < {b['system'].split(':', 1)[1]} "
+                     f"p = {p:.3g}{'' if p < alpha else ' (not resolved)'}")
+    return ok, "; ".join(parts)
+
+
 def markdown(rows: list[dict], tolerance: float) -> str:
     lines = ["| strategy | collectives | predicted (s) | compute (s) | measured (s) | predicted / measured "
              f"| within {tolerance:.0%} | rank predicted | rank measured |", "|---|---|---:|---:|---:|---:|---|---:|---:|"]
@@ -94,6 +119,10 @@ def markdown(rows: list[dict], tolerance: float) -> str:
     lines.append("")
     lines.append(f"{n_in} of {len(rows)} within {tolerance:.0%}; order of the top three "
                  f"{'equal' if top_order_matches(rows) else 'NOT equal'} (predicted vs measured).")
+    resolved, pairs = measured_order(rows)
+    steps = sorted({len(r["step_times"]) for r in rows})
+    lines.append(f"Measured order of the top three {'resolved' if resolved else 'NOT resolved'} at 5 % "
+                 f"(one-sided Mann-Whitney U over {'/'.join(map(str, steps))} steps each): {pairs}.")
     return "\n".join(lines)
 
 

@@ -2,7 +2,8 @@
 
 Input: the JSON a worker's rank 0 wrote, the cluster shape, the model name. Output:
 `{"step_time_s", "tokens_per_s", "model_state_bytes", "peak_model_state_bytes",
-"level_bytes", "measured_bytes", ...}`. `model_state_bytes`: params + grads + optimizer
+"level_bytes", "measured_bytes", ...}`; with `--rounds`, one such summary per round merged
+into one (`merge_rounds`, [Note: rounds]). `model_state_bytes`: params + grads + optimizer
 states held after `opt.step()` (max over ranks); `peak_...`: the most held at any
 point of the step, measured in the warm-up (FSDP2's unsharded gradients between
 micro-batches when gradient sync is off count here).
@@ -20,6 +21,8 @@ really does (its reduce_scatter_tensor is an all-reduce followed by a slice, so 
 moves twice the ring bytes).
 """
 from __future__ import annotations
+
+import statistics
 
 from shardc.analysis.costmodel import link_bytes
 from shardc.dsl.ir import Collectives, Level, Mesh
@@ -70,4 +73,28 @@ def summarize(system: str, res: dict, model_name: str, nodes: int, per_node: int
     if res.get("ledger") is not None:
         out["ledger"] = res["ledger"]
         out["collectives"] = res["collectives"]
+    return out
+
+
+# [Note: rounds]
+# `cluster_bench.py --rounds R` runs the system list R times, one system after the other
+# in each round, so that the machine's drift over the minutes of a run (its compute rate
+# moves by several per cent) falls on every system alike instead of on whichever ran
+# last. A system's rounds merge into one summary: every timed step of every round in
+# `step_times` and `splits`, the median over all of them as `step_time_s`, each round's
+# median in `round_step_s`; the byte counts are the first round's (the ledger is the
+# same every round; the NIC counters differ by a few packets of TCP). A round that
+# failed makes the system failed, with that round's error.
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One system's per-round summaries (`summarize`'s, or `{"error": ...}`) -> one."""
+    failed = next((r for r in rounds if "error" in r), None)
+    if failed is not None:
+        return failed
+    out = dict(rounds[0])
+    times = [t for r in rounds for t in r["step_times"]]
+    out["step_times"] = times
+    out["splits"] = None if any(r.get("splits") is None for r in rounds) else [s for r in rounds for s in r["splits"]]
+    out["step_time_s"] = statistics.median(times)
+    out["tokens_per_s"] = rounds[0]["tokens_per_s"] * rounds[0]["step_time_s"] / out["step_time_s"]
+    out["round_step_s"] = [r["step_time_s"] for r in rounds]
     return out

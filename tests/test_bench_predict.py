@@ -112,3 +112,28 @@ def test_cli_writes_the_markdown_table(tmp_path, capsys):
     assert text.splitlines()[0].startswith("| strategy | collectives | predicted (s)")
     assert "| hsdp_zero2 | ring |" in text and "| zero1 | hierarchical |" in text
     assert "of 2 within 15%" in text and text in capsys.readouterr().out + "\n"
+    # all three of hsdp_zero2's steps are shorter than all of zero1's: U = 9 of 9
+    assert "Measured order of the top three resolved at 5 %" in text and "hsdp_zero2 < zero1 p = 0.0248" in text
+
+
+def test_order_p_is_the_one_sided_mann_whitney_u_test():
+    # By hand, normal approximation: n1 = n2 = 3, mean U = 4.5, sd = sqrt(9 * 7 / 12) = 2.2913.
+    # All of a below all of b: U = 9, z = 1.9640, p = 1 - Phi(1.9640) = 0.02477.
+    predict = _bench("predict")
+    assert predict.order_p([1.0, 2.0, 3.0], [4.0, 5.0, 6.0]) == pytest.approx(0.02477, abs=1e-4)
+    # interleaved (1 < 2, 1 < 4, 1 < 6, 3 < 4, 3 < 6, 5 < 6): U = 6, z = 0.6547, p = 0.2563
+    assert predict.order_p([1.0, 3.0, 5.0], [2.0, 4.0, 6.0]) == pytest.approx(0.2563, abs=1e-4)
+    # the wrong way round: U = 0, p = 1 - 0.02477
+    assert predict.order_p([4.0, 5.0, 6.0], [1.0, 2.0, 3.0]) == pytest.approx(0.97523, abs=1e-4)
+
+
+def test_measured_order_names_each_unresolved_pair():
+    predict = _bench("predict")
+    rows = [{"system": "shardc:a", "measured_rank": 1, "step_times": [1.0, 2.0, 3.0]},
+            {"system": "shardc:b", "measured_rank": 2, "step_times": [4.0, 5.0, 6.0]},
+            {"system": "shardc:c", "measured_rank": 3, "step_times": [4.5, 5.5, 5.0]},
+            {"system": "shardc:d", "measured_rank": 4, "step_times": [9.0, 9.0, 9.0]}]
+    ok, line = predict.measured_order(rows)
+    assert not ok
+    assert line.startswith("a < b p = 0.0248;") and line.endswith("(not resolved)")
+    assert "d" not in line.replace("resolved", "")
