@@ -41,6 +41,44 @@ def _bus(op, s):
     return (s - 1) / s * (2 if op == "all_reduce" else 1)
 
 
+def _profile_stretched(rank, world, path):
+    """[Note: a robust collective time]: rank 1 stretches, after the collective, the 3rd
+    timed run of the 4 KiB all-gather by 1.5 s and every timed run of the 8 KiB one by
+    0.2 s (1 warm-up + 5 timed runs per entry)."""
+    import time
+
+    from shardc.cli import cmd_profile
+
+    real, calls = cmd_profile._launch, {}
+
+    def launch(op, sm, levels, algo, bufs, C, comm):
+        work, n = real(op, sm, levels, algo, bufs, C, comm), bufs[0].numel()
+        k = calls[n] = calls.get(n, -1) + 1          # 0 = the warm-up run
+        delay = 0.0 if rank != 1 else 1.5 if (n == 1024 and k == 3) else 0.2 if (n == 2048 and k >= 1) else 0.0
+
+        class Stretched:
+            def wait(self):
+                work.wait()
+                time.sleep(delay)
+        return Stretched()
+
+    cmd_profile._launch = launch
+    try:
+        return cmd_profile.main(["-o", path, "--sizes", "4KiB", "8KiB", "--mesh", "gpu(2)", "--ops", "all_gather",
+                                 "--iters", "5", "--warmup", "1"])
+    finally:
+        cmd_profile._launch = real
+
+
+@pytest.mark.distributed
+def test_profile_seconds_are_the_median_run_of_the_slowest_rank(tmp_path):
+    path = str(tmp_path / "bw.json")
+    assert dist_run(2, _profile_stretched, path) == [0, 0]
+    sec = {e["bytes"]: e["seconds"] for e in json.load(open(path))["entries"]}
+    assert sec[4096] < 0.3          # one stretched run of five: the median drops it (the mean is >= 0.3)
+    assert sec[8192] >= 0.2         # every run of rank 1 stretched: the slowest rank counts
+
+
 @pytest.mark.distributed
 def test_profile_json_on_4_ranks(tmp_path):
     path = str(tmp_path / "bw.json")

@@ -12,8 +12,9 @@ For every set of mesh levels whose factor is > 1 (levels in mesh order), every o
 (all_gather, reduce_scatter, all_reduce), every algorithm (ring only for one level) and
 every size, the runtime's own collectives (`shardc.runtime.collectives`) are timed.
 `bytes` is the logical full size of the collective, as in the ledger (fp32 payload);
-`seconds` is the slowest rank's mean over `--iters` runs after `--warmup` runs (every
-group of the level set runs at the same time, as in training); `cpu_seconds` (CPU
+`seconds` is the median over `--iters` runs (after `--warmup` runs) of each run's
+slowest rank ([Note: a robust collective time]; every group of the level set runs at
+the same time, as in training); `cpu_seconds` (CPU
 only, else null) the process CPU time per run, mean over ranks: the part of the
 collective that occupies a core ([Note: CPU share of a collective] in timing.py);
 `busbw` is nccl-tests' bus bandwidth: bytes/seconds times (s-1)/s for gathers and
@@ -110,7 +111,8 @@ def _launch(op, sm, levels, algo, bufs, C, comm):
 
 
 def _time_one(op, sm, levels, algo, n, args, device, comm) -> tuple[float, float | None]:
-    """(slowest rank's seconds per run, mean CPU seconds per run or None off CPU)."""
+    """(seconds of one run, CPU seconds per run or None off CPU); see [Note: a robust
+    collective time]."""
     import torch
     import torch.distributed as dist
 
@@ -122,15 +124,27 @@ def _time_one(op, sm, levels, algo, n, args, device, comm) -> tuple[float, float
         _launch(op, sm, levels, algo, bufs, C, comm).wait()
     _sync(device)
     dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
+    runs, c0 = [], time.process_time()
     for _ in range(args.iters):
+        t0 = time.perf_counter()
         _launch(op, sm, levels, algo, bufs, C, comm).wait()
-    _sync(device)
-    wall = torch.tensor([(time.perf_counter() - t0) / args.iters], dtype=torch.float64, device=device)
+        _sync(device)
+        runs.append(time.perf_counter() - t0)
     cpu = torch.tensor([(time.process_time() - c0) / args.iters], dtype=torch.float64, device=device)
+    wall = torch.tensor(runs, dtype=torch.float64, device=device)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     dist.all_reduce(cpu)
-    return float(wall.item()), (float(cpu.item()) / dist.get_world_size() if device == "cpu" else None)
+    return float(wall.median().item()), (float(cpu.item()) / dist.get_world_size() if device == "cpu" else None)
+
+
+# [Note: a robust collective time]
+# An entry's `seconds` is the median over its `--iters` runs of each run's slowest rank.
+# Each run is timed on its own (a collective returns when this rank's part is done; on
+# CUDA after a synchronize), the ranks' times are combined per run with a MAX (the run
+# took as long as its slowest rank), and the median drops the runs that an unrelated
+# process or the scheduler of an oversubscribed CPU stretched: with 8 ranks on 2 cores a
+# single stretched run moved the mean of 3 by up to 1.8x between two profiles of the same
+# cluster, and the step-time predictions built on them by up to 10 %.
 
 
 def _sync(device: str) -> None:
