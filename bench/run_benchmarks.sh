@@ -29,12 +29,13 @@ python bench/plot.py collectives "$OUT/collectives_250mbit.json" docs/bench_coll
 python bench/plot.py table "$OUT/systems_250mbit.json"
 
 # 4. predicted vs measured (docs/explain.md): `shardc profile` inside the cluster (collectives,
-#    quantized ones, the compute rate), the named strategies' steps, then the table
+#    quantized ones, the compute rate), the named strategies' steps (3 alternating rounds of
+#    6 timed steps: [Note: rounds] in bench/report.py), then the table
 python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 250mbit --model bench \
     --micro-batch 2 --steps 3 --warmup 1 --bandwidth-profile "$OUT/profile_250mbit.json" \
     --json "$OUT/profile_250mbit_run.json" --logdir "$OUT/logs_profile"
 python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 250mbit --model bench \
-    --micro-batch 2 --accumulate 4 --steps 3 --warmup 1 \
+    --micro-batch 2 --accumulate 4 --steps 6 --warmup 1 --rounds 3 \
     --systems shardc:zero1,shardc:paro_nig,shardc:hsdp_zero2,shardc:mics,shardc:paro_iig,shardc:zeropp,shardc:zero3 \
     --json "$OUT/systems_250mbit_predict.json" --logdir "$OUT/logs_predict"
 python bench/predict.py "$OUT/profile_250mbit.json" "$OUT/systems_250mbit_predict.json" --md "$OUT/predict_250mbit.md"
