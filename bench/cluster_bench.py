@@ -49,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps (after the warm-up)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1,
-                   help="run the system list this many times, alternating, and pool the steps ([Note: rounds])")
+                   help="run the system list this many times, alternating, and pool the steps ([Note: rounds]); "
+                        "with --bandwidth-profile, the profile's --sweeps")
     p.add_argument("--systems", default="fsdp2:full,fsdp2:hsdp,ddp,shardc:zero3")
     p.add_argument("--timeout", type=float, default=600, help="seconds per system")
     p.add_argument("--collectives", action="store_true",

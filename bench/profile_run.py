@@ -30,6 +30,7 @@ def model_flags(a) -> list[str]:
 def run_profile(cluster, a, logdir: str, console) -> dict:
     flags = ["-o", a.bandwidth_profile, "--mesh", f"node({a.nodes}) > gpu({a.per_node})",
              "--sizes", *a.profile_sizes.split(","), "--iters", str(a.steps), "--warmup", str(a.warmup),
+             "--sweeps", str(a.rounds),
              "--comm", *a.profile_comm.split(","), "--device", "cpu", *model_flags(a)]
     console.print(f"shardc profile {' '.join(flags)}")
     job = run_job(cluster, PROFILE, flags, logdir, "profile", port=29398, timeout=a.timeout)

@@ -6,17 +6,15 @@ real cluster_bench JSON (the shipped 250 Mbit/s results) to a PNG.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
+
+from tests.bench_modules import load_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _plot():
-    spec = importlib.util.spec_from_file_location("bench_plot", os.path.join(ROOT, "bench", "plot.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("plot")
 
 
 def test_frontier_keeps_only_undominated_points():

@@ -10,23 +10,15 @@ overlap] (overlap.py), with the bench model's parameter counts and traced FLOPs 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
 
+from tests.bench_modules import load_bench as _bench
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = os.path.join(ROOT, "tests", "golden", "predict")
-
-
-def _bench(name):
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _inputs():

@@ -2,21 +2,11 @@
 (bench/report.py `merge_rounds`, [Note: rounds])."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _report():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    spec = importlib.util.spec_from_file_location("bench_report", os.path.join(ROOT, "bench", "report.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.bench_modules import load_bench
 
 
 def _round(times, tokens_per_step=1000.0):
@@ -27,7 +17,7 @@ def _round(times, tokens_per_step=1000.0):
 
 
 def test_rounds_pool_every_step():
-    merged = _report().merge_rounds([_round([4.0, 5.0, 9.0]), _round([4.5, 4.6, 4.7])])
+    merged = load_bench("report").merge_rounds([_round([4.0, 5.0, 9.0]), _round([4.5, 4.6, 4.7])])
     assert merged["step_times"] == [4.0, 5.0, 9.0, 4.5, 4.6, 4.7]
     assert merged["step_time_s"] == pytest.approx((4.6 + 4.7) / 2)     # median of the six
     assert merged["tokens_per_s"] == pytest.approx(1000.0 / merged["step_time_s"])
@@ -38,12 +28,10 @@ def test_rounds_pool_every_step():
 
 def test_a_failed_round_fails_the_system():
     err = {"error": "timed out after 600s", "log_tail": "..."}
-    assert _report().merge_rounds([_round([4.0, 5.0, 6.0]), err]) == err
+    assert load_bench("report").merge_rounds([_round([4.0, 5.0, 6.0]), err]) == err
 
 
 def test_rounds_must_be_positive(capsys):
-    spec = importlib.util.spec_from_file_location("bench_cluster", os.path.join(ROOT, "bench", "cluster_bench.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench("cluster_bench")
     assert mod.main(["--rounds", "0", "--json", os.devnull]) == 1
     assert "--rounds" in capsys.readouterr().err

@@ -12,9 +12,10 @@ For every set of mesh levels whose factor is > 1 (levels in mesh order), every o
 (all_gather, reduce_scatter, all_reduce), every algorithm (ring only for one level) and
 every size, the runtime's own collectives (`shardc.runtime.collectives`) are timed.
 `bytes` is the logical full size of the collective, as in the ledger (fp32 payload);
-`seconds` is the median over `--iters` runs (after `--warmup` runs) of each run's
-slowest rank ([Note: a robust collective time]; every group of the level set runs at
-the same time, as in training); `cpu_seconds` (CPU
+`seconds` is the median over `--iters` runs (after `--warmup` runs; × `--sweeps`, the
+times the whole list is timed over) of each run's slowest rank ([Note: a robust
+collective time]; every group of the level set runs at the same time, as in
+training); `cpu_seconds` (CPU
 only, else null) the process CPU time per run, mean over ranks: the part of the
 collective that occupies a core ([Note: CPU share of a collective] in timing.py);
 `busbw` is nccl-tests' bus bandwidth: bytes/seconds times (s-1)/s for gathers and
@@ -52,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(qwZ) and reduce-scatter (qgZ, one all_to_all), codec work included")
     p.add_argument("--iters", type=positive_int, default=5, help="timed runs per entry (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per entry (default 1)")
+    p.add_argument("--sweeps", type=positive_int, default=1,
+                   help="time every entry this many times over, in turn, and pool the runs (default 1)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="tensor device (default: cuda when available, else cpu)")
     profile_compute.add_arguments(p)
@@ -110,9 +113,9 @@ def _launch(op, sm, levels, algo, bufs, C, comm):
     return C.all_reduce(full, sm, levels, algo=algo)
 
 
-def _time_one(op, sm, levels, algo, n, args, device, comm) -> tuple[float, float | None]:
-    """(seconds of one run, CPU seconds per run or None off CPU); see [Note: a robust
-    collective time]."""
+def _time_one(op, sm, levels, algo, n, args, device, comm) -> tuple[list[float], float | None]:
+    """(each run's seconds on its slowest rank, CPU seconds per run or None off CPU); see
+    [Note: a robust collective time]."""
     import torch
     import torch.distributed as dist
 
@@ -134,17 +137,19 @@ def _time_one(op, sm, levels, algo, n, args, device, comm) -> tuple[float, float
     wall = torch.tensor(runs, dtype=torch.float64, device=device)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     dist.all_reduce(cpu)
-    return float(wall.median().item()), (float(cpu.item()) / dist.get_world_size() if device == "cpu" else None)
+    return wall.tolist(), (float(cpu.item()) / dist.get_world_size() if device == "cpu" else None)
 
 
 # [Note: a robust collective time]
-# An entry's `seconds` is the median over its `--iters` runs of each run's slowest rank.
-# Each run is timed on its own (a collective returns when this rank's part is done; on
-# CUDA after a synchronize), the ranks' times are combined per run with a MAX (the run
-# took as long as its slowest rank), and the median drops the runs that an unrelated
-# process or the scheduler of an oversubscribed CPU stretched: with 8 ranks on 2 cores a
-# single stretched run moved the mean of 3 by up to 1.8x between two profiles of the same
-# cluster, and the step-time predictions built on them by up to 10 %.
+# An entry's `seconds` is the median over its runs of each run's slowest rank. Each run
+# is timed on its own (a collective returns when this rank's part is done; on CUDA after
+# a synchronize), the ranks' times are combined per run with a MAX (the run took as long
+# as its slowest rank), and the median drops the runs that an unrelated process or the
+# scheduler of an oversubscribed CPU stretched. With `--sweeps S` the whole list of
+# entries is timed S times over and each entry pools its runs of every sweep: runs that
+# follow one another share the state of the links (on the emulated cluster, a shaped
+# link's TCP state), so two profiles taken minutes apart disagreed on one entry by up to
+# 1.4x with 7 runs in one go, and a step-time prediction built on them by up to 7 %.
 
 
 def _sync(device: str) -> None:
@@ -165,6 +170,26 @@ def _plan(mesh, args) -> list[tuple[str, tuple[str, ...], str, int, str]]:
                 continue
             jobs.append((op, levels, algo, size, comm))
     return jobs
+
+
+def _numel(size: int, s: int) -> int:
+    """fp32 elements of a `size`-byte collective over a group of s, a multiple of s."""
+    return max(s, size // 4 // s * s)
+
+
+def _entry(job, mesh, runs: list[float], cpus: list[float], payload_bytes) -> dict:
+    """One profile entry from its pooled runs ([Note: a robust collective time])."""
+    from statistics import median
+
+    from shardc.dsl.ir import DType
+
+    op, levels, algo, size, comm = job
+    s, dt = mesh.factor(levels), DType(comm)
+    wire = payload_bytes(_numel(size, s), s, dt)   # what the ledger records for this collective
+    sec = median(runs)
+    return {"op": "all_to_all" if dt.quantized and op == "reduce_scatter" else op, "levels": list(levels),
+            "algo": algo, "comm": comm, "bytes": wire, "seconds": sec,
+            "cpu_seconds": sum(cpus) / len(cpus) if cpus else None, "busbw": wire / sec * _bus_factor(op, s)}
 
 
 def _progress(enabled: bool):
@@ -206,20 +231,21 @@ def _profile(mesh, args, device: str) -> None:
     sm = ShardMesh(mesh, device)
     rank0 = dist.get_rank() == 0
     jobs = _plan(mesh, args)
-    entries = []
+    runs: dict[int, list[float]] = {j: [] for j in range(len(jobs))}
+    cpus: dict[int, list[float]] = {j: [] for j in range(len(jobs))}
     with _progress(rank0) as bar:
-        task = bar.add_task("", total=len(jobs))
-        for op, levels, algo, size, comm in jobs:
-            bar.update(task, description=f"{op} over {'+'.join(levels)} ({algo}, {comm}, {size} B)")
-            s = mesh.factor(levels)
-            n = max(s, size // 4 // s * s)
-            dt = DType(comm)
-            sec, cpu = _time_one(op, sm, levels, Collectives(algo), n, args, device, dt)
-            wire = payload_bytes(n, s, dt)        # what the ledger records for this collective
-            name = "all_to_all" if dt.quantized and op == "reduce_scatter" else op
-            entries.append({"op": name, "levels": list(levels), "algo": algo, "comm": comm, "bytes": wire,
-                            "seconds": sec, "cpu_seconds": cpu, "busbw": wire / sec * _bus_factor(op, s)})
-            bar.advance(task)
+        task = bar.add_task("", total=len(jobs) * args.sweeps)
+        for sweep in range(args.sweeps):
+            for j, (op, levels, algo, size, comm) in enumerate(jobs):
+                bar.update(task, description=f"{op} over {'+'.join(levels)} ({algo}, {comm}, {size} B)"
+                                             + (f", sweep {sweep + 1}/{args.sweeps}" if args.sweeps > 1 else ""))
+                s = mesh.factor(levels)
+                got, cpu = _time_one(op, sm, levels, Collectives(algo), _numel(size, s), args, device, DType(comm))
+                runs[j] += got
+                if cpu is not None:
+                    cpus[j].append(cpu)
+                bar.advance(task)
+    entries = [_entry(job, mesh, runs[j], cpus[j], payload_bytes) for j, job in enumerate(jobs)]
     compute = profile_compute.measure(args, device) if args.model else None
     if rank0:
         out = {"mesh": [{"name": l.name, "size": l.size} for l in mesh.levels], "device": device,
