@@ -30,9 +30,10 @@ python bench/plot.py table "$OUT/systems_250mbit.json"
 
 # 4. predicted vs measured (docs/explain.md): `shardc profile` inside the cluster (collectives,
 #    quantized ones, the compute rate), the named strategies' steps (3 alternating rounds of
-#    6 timed steps: [Note: rounds] in bench/report.py), then the table
+#    6 timed steps: [Note: rounds] in bench/report.py; the profile: 3 runs x 3 sweeps per
+#    entry), then the table
 python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 250mbit --model bench \
-    --micro-batch 2 --steps 7 --warmup 1 --bandwidth-profile "$OUT/profile_250mbit.json" \
+    --micro-batch 2 --steps 3 --warmup 1 --rounds 3 --bandwidth-profile "$OUT/profile_250mbit.json" \
     --json "$OUT/profile_250mbit_run.json" --logdir "$OUT/logs_profile"
 python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 250mbit --model bench \
     --micro-batch 2 --accumulate 4 --steps 6 --warmup 1 --rounds 3 \
