@@ -1,6 +1,6 @@
 """Predicted vs measured step time (bench stage: profile JSON + systems JSON -> one table).
 
-    python bench/predict.py PROFILE.json SYSTEMS.json [--md OUT.md] [--json OUT.json]
+    python bench/predict.py PROFILE.json SYSTEMS.json [SYSTEMS.json ...] [--md OUT.md] [--json OUT.json]
 
 Input: a `shardc profile` JSON measured on the cluster (`cluster_bench.py
 --bandwidth-profile`) and a `cluster_bench.py` systems JSON from the same cluster.
@@ -9,7 +9,8 @@ predicts for `examples/strategies/NAME.shard` on the cluster's mesh
 `node(NODES) > gpu(PER_NODE)`, with the run's accumulation, micro-batch shape, AdamW,
 the collective algorithm the run used (the system's `collectives`) and the profile
 (`--bandwidth`: its collectives, its measured compute rate) — beside the measured
-step time: ratio predicted/measured, whether it is within `--tolerance`, and the rank
+step time (several systems JSON of the same cluster and run settings pool their steps,
+as rounds do: `pool`): ratio predicted/measured, whether it is within `--tolerance`, and the rank
 of each among the systems by predicted and by measured time, and whether the measured
 order of the top three is resolved by the steps (`order_p`). The peers (FSDP2, DDP)
 are not shardc strategies and are left out. Exit code 0 even when a row misses: the
@@ -126,20 +127,46 @@ def markdown(rows: list[dict], tolerance: float) -> str:
     return "\n".join(lines)
 
 
+# the settings every pooled systems JSON must share (a step of each is the same step)
+SAME = ("nodes", "per_node", "inter_rate", "per_rank_links", "model", "accumulate", "micro_batch")
+
+
+def pool(docs: list[dict]) -> dict:
+    """Several systems JSON of one cluster -> one: each system's runs merged as rounds
+    (bench/report.py `merge_rounds`, [Note: rounds]); a setting that differs is an error."""
+    from report import merge_rounds
+
+    if len(docs) == 1:
+        return docs[0]
+    first = docs[0]["config"]
+    for d in docs[1:]:
+        diff = [k for k in SAME if d["config"].get(k) != first.get(k)]
+        if diff:
+            raise SystemExit(f"error: the systems JSON differ in {', '.join(diff)}; pool runs of one setting only")
+    runs: dict = {}
+    for d in docs:
+        for name, r in d["systems"].items():
+            runs.setdefault(name, []).append(r)
+    return {"config": first, "systems": {n: merge_rounds(rs) for n, rs in runs.items()}}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("profile", help="shardc profile JSON (cluster_bench.py --bandwidth-profile)")
-    p.add_argument("systems", help="cluster_bench.py systems JSON")
+    p.add_argument("systems", nargs="+", help="cluster_bench.py systems JSON (several: their steps are pooled)")
     p.add_argument("--tolerance", type=float, default=0.15, help="relative error counted as a match (0.15)")
     p.add_argument("--md", help="also write the markdown table here")
     p.add_argument("--json", dest="json_out", help="also write the rows as JSON here")
     a = p.parse_args(argv)
-    try:
-        with open(a.systems) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as e:
-        print(f"error: cannot read {a.systems}: {e}", file=sys.stderr)
-        return 1
+    docs = []
+    for path in a.systems:
+        try:
+            with open(path) as f:
+                docs.append(json.load(f))
+        except (OSError, ValueError) as e:
+            print(f"error: cannot read {path}: {e}", file=sys.stderr)
+            return 1
+    doc = pool(docs)
     rows = table(a.profile, doc, a.tolerance)
     md = markdown(rows, a.tolerance)
     print(md)

@@ -88,13 +88,14 @@ def summarize(system: str, res: dict, model_name: str, nodes: int, per_node: int
 def merge_rounds(rounds: list[dict]) -> dict:
     """One system's per-round summaries (`summarize`'s, or `{"error": ...}`) -> one."""
     failed = next((r for r in rounds if "error" in r), None)
-    if failed is not None:
-        return failed
+    if failed is not None or len(rounds) == 1:
+        return failed or rounds[0]
     out = dict(rounds[0])
     times = [t for r in rounds for t in r["step_times"]]
     out["step_times"] = times
     out["splits"] = None if any(r.get("splits") is None for r in rounds) else [s for r in rounds for s in r["splits"]]
     out["step_time_s"] = statistics.median(times)
-    out["tokens_per_s"] = rounds[0]["tokens_per_s"] * rounds[0]["step_time_s"] / out["step_time_s"]
+    if "tokens_per_s" in out:
+        out["tokens_per_s"] = rounds[0]["tokens_per_s"] * rounds[0]["step_time_s"] / out["step_time_s"]
     out["round_step_s"] = [r["step_time_s"] for r in rounds]
     return out

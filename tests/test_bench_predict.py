@@ -129,3 +129,36 @@ def test_measured_order_names_each_unresolved_pair():
     assert not ok
     assert line.startswith("a < b p = 0.0248;") and line.endswith("(not resolved)")
     assert "d" not in line.replace("resolved", "")
+
+
+def test_several_systems_json_pool_their_steps(tmp_path):
+    # The fixture twice, the second with other step times: each system's steps are pooled
+    # (six each), `measured` is the median of the six, and the order line counts 6 steps.
+    predict = _bench("predict")
+    with open(os.path.join(FIX, "systems.json")) as f:
+        doc = json.load(f)
+    other = json.loads(json.dumps(doc))
+    other["systems"] = {k: v for k, v in other["systems"].items() if k.startswith("shardc:") and "error" not in v}
+    other["systems"]["shardc:hsdp_zero2"].update(step_times=[6.4, 6.6, 6.8], step_time_s=6.6)
+    other["systems"]["shardc:zero1"].update(step_times=[8.0, 8.1, 8.2], step_time_s=8.1)
+    second = tmp_path / "second.json"
+    second.write_text(json.dumps(other))
+    rows = {r["system"]: r for r in predict.table(os.path.join(FIX, "profile.json"),
+                                                  predict.pool([doc, json.loads(second.read_text())]))}
+    assert rows["shardc:hsdp_zero2"]["measured_s"] == pytest.approx((6.2 + 6.4) / 2)
+    assert rows["shardc:zero1"]["measured_s"] == pytest.approx((8.2 + 8.7) / 2)
+    assert sorted(rows["shardc:zero1"]["step_times"]) == [8.0, 8.1, 8.2, 8.7, 9.0, 9.4]
+    md = tmp_path / "t.md"
+    assert predict.main([os.path.join(FIX, "profile.json"), os.path.join(FIX, "systems.json"), str(second),
+                         "--md", str(md)]) == 0
+    assert "over 6 steps each" in md.read_text()
+
+
+def test_pooling_refuses_runs_of_another_setting():
+    predict = _bench("predict")
+    with open(os.path.join(FIX, "systems.json")) as f:
+        doc = json.load(f)
+    other = json.loads(json.dumps(doc))
+    other["config"]["inter_rate"] = "1gbit"
+    with pytest.raises(SystemExit, match="differ in inter_rate"):
+        predict.pool([doc, other])
