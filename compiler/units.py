@@ -22,7 +22,8 @@ shows it.
 
 [Note: tied parameters]
 A Parameter object reachable under several names (GPT-2's `lm_head.weight is
-transformer.wte.weight`) has one canonical name, the first `named_parameters` yields;
+transformer.wte.weight`) has one canonical name, the first `named_parameters` yields
+(`runtime.units.param_owners`, which the runtime reads too);
 the others are aliases that no unit lists. It lands in the unit of its first
 occurrence when every use lies inside that unit, otherwise in the root unit, so one
 gather covers every module that reads it.
@@ -36,6 +37,7 @@ from torch import nn
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Scopes, Strategy, UnitsKind
 from shardc.lowering import unit_scopes, unused_override
+from shardc.runtime.units import param_owners
 
 __all__ = ["find_units", "resolve_bucket", "unit_spec_class", "param_owners", "ROOT"]
 
@@ -100,14 +102,6 @@ def _matched_modules(model: nn.Module, strategy: Strategy) -> list[str]:
         if not any(_inside(n, k) for k in kept):
             kept.append(n)
     return kept
-
-
-def param_owners(model: nn.Module) -> dict[int, list[str]]:
-    """id(Parameter) -> every FQN it is reachable under (first = canonical)."""
-    owners: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), []).append(name)
-    return owners
 
 
 def _assign(model: nn.Module, modules: list[str]) -> dict[str, list[str]]:

@@ -33,7 +33,7 @@ from .flat import TORCH_DTYPE, FlatGroup
 from .layout import build_layout
 from .ledger import Ledger, LedgerRecord
 from .optimizer import build_optimizer
-from .units import UnitSpec
+from .units import UnitSpec, param_owners
 from .workspace import Workspace
 
 
@@ -46,18 +46,18 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
 
 
 def _param_maps(model: nn.Module):
-    """canonical FQN -> parameter, alias FQN -> canonical, canonical -> [(module, attr)]."""
-    by_id, aliases, targets, order = {}, {}, {}, []
+    """canonical FQN -> parameter, alias FQN -> canonical (`param_owners`), canonical ->
+    [(module, attr)], and every FQN in registration order."""
+    aliases = {n: names[0] for names in param_owners(model).values() for n in names}
+    targets, order = {}, []
     for mname, mod in model.named_modules(remove_duplicate=False):
         for attr, p in list(mod._parameters.items()):
             if p is None:
                 continue
             fqn = f"{mname}.{attr}" if mname else attr
-            canon = by_id.setdefault(id(p), fqn)
-            aliases[fqn] = canon
             order.append(fqn)
-            lst = targets.setdefault(canon, [])
-            if (mod, attr) not in [(m, a) for m, a in lst]:
+            lst = targets.setdefault(aliases[fqn], [])
+            if not any(m is mod and a == attr for m, a in lst):
                 lst.append((mod, attr))
     params = {aliases[f]: p for f, p in model.named_parameters(remove_duplicate=False)}
     return params, aliases, targets, order
