@@ -136,8 +136,6 @@ def pool(docs: list[dict]) -> dict:
     (bench/report.py `merge_rounds`, [Note: rounds]); a setting that differs is an error."""
     from report import merge_rounds
 
-    if len(docs) == 1:
-        return docs[0]
     first = docs[0]["config"]
     for d in docs[1:]:
         diff = [k for k in SAME if d["config"].get(k) != first.get(k)]

@@ -17,11 +17,16 @@ graph (attention and recomputation included, `flops.py`) or 6·Φ·tokens withou
 achievable rate is `--tflops`, else a profile's measured rate ([Note: measured compute
 rate] in shardc/cli/profile_compute.py), else `--flops`. Each collective's seconds split
 into the part that occupies the cores (k, [Note: CPU share of a collective]; 0 without
-a CPU profile) and waiting for links (w = seconds − k). Forward/backward collectives
-overlap the compute when `prefetch` ≥ 1, so each micro-batch costs k_mb + max(compute,
-w_mb); the sync phase's waits hide behind whatever of the last backward (2/3 of a
-micro-batch's compute) its own backward waits leave free, except the units synced when
-that backward ends ([Note: CPU share of a collective]
+a CPU profile) and waiting for links (w = seconds − k). With `prefetch` ≥ 1 the step
+costs the compute plus every k, plus the forward/backward waits the compute does not
+cover, except the last backward's final two reduce-scatters, which are always exposed
+(`backward_tail`); the sync phase's waits are placed on the last backward as the engine
+issues them ([Note: sync overlap] in overlap.py); the update phase's waits hide behind
+the next forward when the schedule defers them ([Note: deferred update overlap] there).
+With `prefetch 0` nothing overlaps. With k = 0 (GPUs, `--link`, a GPU profile) the
+forward/backward part is max(compute, comm − tail) + tail.
+
+[Note: CPU share of a collective]
 On CPU ranks (gloo) a collective is partly work on the same cores that compute: the
 loopback copies between ranks of a node, the reductions, gloo's threads; the rest is
 waiting for a shaped link, which other ranks' compute fills. `shardc profile` records

@@ -149,7 +149,7 @@ def _time_one(op, sm, levels, algo, n, args, device, comm) -> tuple[list[float],
 # entries is timed S times over and each entry pools its runs of every sweep: runs that
 # follow one another share the state of the links (on the emulated cluster, a shaped
 # link's TCP state), so two profiles taken minutes apart disagreed on one entry by up to
-# 1.4x with 7 runs in one go, and a step-time prediction built on them by up to 7 %.
+# 1.9x with 7 runs in one go, and a step-time prediction built on them by up to 7 %.
 
 
 def _sync(device: str) -> None:
@@ -177,11 +177,12 @@ def _numel(size: int, s: int) -> int:
     return max(s, size // 4 // s * s)
 
 
-def _entry(job, mesh, runs: list[float], cpus: list[float], payload_bytes) -> dict:
+def _entry(job, mesh, runs: list[float], cpus: list[float]) -> dict:
     """One profile entry from its pooled runs ([Note: a robust collective time])."""
     from statistics import median
 
     from shardc.dsl.ir import DType
+    from shardc.lowering import payload_bytes
 
     op, levels, algo, size, comm = job
     s, dt = mesh.factor(levels), DType(comm)
@@ -225,7 +226,6 @@ def _profile(mesh, args, device: str) -> None:
     import torch.distributed as dist
 
     from shardc.dsl.ir import Collectives, DType
-    from shardc.lowering import payload_bytes
     from shardc.runtime.mesh import ShardMesh
 
     sm = ShardMesh(mesh, device)
@@ -245,7 +245,7 @@ def _profile(mesh, args, device: str) -> None:
                 if cpu is not None:
                     cpus[j].append(cpu)
                 bar.advance(task)
-    entries = [_entry(job, mesh, runs[j], cpus[j], payload_bytes) for j, job in enumerate(jobs)]
+    entries = [_entry(job, mesh, runs[j], cpus[j]) for j, job in enumerate(jobs)]
     compute = profile_compute.measure(args, device) if args.model else None
     if rank0:
         out = {"mesh": [{"name": l.name, "size": l.size} for l in mesh.levels], "device": device,
