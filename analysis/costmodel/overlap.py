@@ -3,8 +3,8 @@ a step hides behind its compute.
 
 Input: the lowered plan (`shardc.lowering`: its units' rows and its `Schedule`), the rows
 counted per step, a bandwidth model, the compute seconds of one micro-batch and each
-unit's share of it. Output: exposed seconds per phase, which `timing.step_time` adds up
-([Note: step time] there).
+unit's share of it. Output: exposed seconds of the sync and update phases, which
+`timing.step_time` adds up ([Note: step time] there); `unit_waits`, read by pipeline.py.
 
 [Note: sync overlap]
 The engine (runtime/engine.py) keeps one gradient reduce-scatter in flight: unit i's is
@@ -21,8 +21,7 @@ stage is its reduce-scatter, or its all-reduce when it has none (runtime/flat.py
 `sync_issue`); an all-reduce after a reduce-scatter goes out when the next unit's sync
 is issued, the last two units' at opt.step() (engine.py `_bound_reductions`). Without
 the pass every sync is issued when the backward ends and the whole sync phase is exposed.
-The backward's own reduce-scatters of the last two units (the last block, whose wait the
-root's gradients trigger, and the root's, waited when the backward ends) are exposed too.
+(The backward's own collectives are replayed by [Note: pass pipeline], pipeline.py.)
 
 [Note: deferred update overlap]
 With the `defer_update` plan pass (lowering/passes/defer_update.py) opt.step() only
@@ -55,11 +54,6 @@ def _sync_stages(plan, i: int, mesh: Mesh, bw, algo: Collectives, costs) -> tupl
     ar = unit_waits(plan, i, Phase.SYNC, mesh, bw, algo, costs, Op.ALL_REDUCE)
     has_rs = any(r.phase is Phase.SYNC and r.op is Op.REDUCE_SCATTER for g in plan.units[i].groups for r in g.rows)
     return (rs, ar) if has_rs else (ar, 0.0)
-
-
-def backward_tail(plan, mesh: Mesh, bw, algo: Collectives, costs) -> float:
-    """Exposed reduce-scatter waits of the step's last backward; see [Note: sync overlap]."""
-    return sum(unit_waits(plan, i, Phase.BACKWARD, mesh, bw, algo, costs) for i in plan.backward_order()[-2:])
 
 
 def sync_wait(plan, mesh: Mesh, bw, algo: Collectives, costs, *, backward: float, shares, busy: float) -> float:

@@ -18,13 +18,14 @@ achievable rate is `--tflops`, else a profile's measured rate ([Note: measured c
 rate] in shardc/cli/profile_compute.py), else `--flops`. Each collective's seconds split
 into the part that occupies the cores (k, [Note: CPU share of a collective]; 0 without
 a CPU profile) and waiting for links (w = seconds − k). With `prefetch` ≥ 1 the step
-costs the compute plus every k, plus the forward/backward waits the compute does not
-cover, except the last backward's final two reduce-scatters, which are always exposed
-(`backward_tail`); the sync phase's waits are placed on the last backward as the engine
-issues them ([Note: sync overlap] in overlap.py); the update phase's waits hide behind
-the next forward when the schedule defers them ([Note: deferred update overlap] there).
-With `prefetch 0` nothing overlaps. With k = 0 (GPUs, `--link`, a GPU profile) the
-forward/backward part is max(compute, comm − tail) + tail.
+costs every k, plus each micro-batch's forward and backward replayed on the plan's
+schedule with the waits w ([Note: pass pipeline] in pipeline.py: compute and links in
+the engine's order, so a link-bound pass shows the compute the links wait for and a
+compute-bound one its first gathers and last reductions), plus the sync phase's waits
+placed on the last backward as the engine issues them ([Note: sync overlap] in
+overlap.py), plus the update phase's waits, which hide behind the next forward when the
+schedule defers them ([Note: deferred update overlap] there). With `prefetch 0` nothing
+overlaps: compute plus every collective's seconds.
 
 [Note: CPU share of a collective]
 On CPU ranks (gloo) a collective is partly work on the same cores that compute: the
@@ -53,7 +54,8 @@ from shardc.analysis.costmodel.ledger import counted_rows
 from shardc.lowering import PHASE_ORDER, lower
 from shardc.analysis.costmodel.network import collective_seconds
 from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
-from shardc.analysis.costmodel.overlap import backward_tail, sync_wait, update_wait
+from shardc.analysis.costmodel.overlap import sync_wait, update_wait
+from shardc.analysis.costmodel.pipeline import micro_batch
 from shardc.analysis.costmodel.sizes import UnitSize, dense_flops
 
 @dataclass(frozen=True, slots=True)
@@ -229,10 +231,9 @@ def step_time(strategy: Strategy, units: list[UnitSize], bw, *, micro_batches: i
         total = m * c_mb + sum(comm.values())
     else:
         n = max(m, 1)
-        tail = backward_tail(plan, strategy.mesh, bw, algo, phase_costs)
         shares = _shares(units, unit_flops)
-        total = (m * c_mb + k["forward"] + k["backward"] + k["sync"] + k["update"]
-                 + max(0.0, w["forward"] + w["backward"] - tail - m * c_mb) + tail
+        mb = micro_batch(plan, strategy.mesh, bw, algo, phase_costs, compute=c_mb, shares=shares)
+        total = (m * mb + k["forward"] + k["backward"] + k["sync"] + k["update"]
                  + sync_wait(plan, strategy.mesh, bw, algo, phase_costs, backward=2 / 3 * c_mb, shares=shares,
                              busy=w["backward"] / n)
                  + update_wait(w["update"], len(plan.schedule.update_deferred), c_mb / 3 - w["forward"] / n))
