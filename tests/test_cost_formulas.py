@@ -267,7 +267,7 @@ def test_profile_cpu_share_and_quantized_entries(tmp_path):
 
 
 def test_step_time_places_the_syncs_on_the_last_backward():
-    """[Note: sync overlap] (analysis/costmodel/overlap.py), worked by hand. DDP: one
+    """[Note: sync overlap] (analysis/costmodel/pipeline.py), worked by hand. DDP: one
     all-reduce a_i per unit in the sync phase. The last backward lasts B = 2/3·c; shares by
     parameters (root .2, u1 .1, u2 .3, u3 .4), the root's compute first. Gradients in:
     u3 at .6B, u2 at .9B, u1 at B, the root at B. Each sync is issued when the next unit's

@@ -1,13 +1,14 @@
-"""[Note: pass pipeline] (analysis/costmodel/pipeline.py) worked by hand on ZeRO-3 written
-as a `.shard` file: the step time of one micro-batch replayed on the engine's schedule.
+"""The step pipeline (analysis/costmodel/pipeline.py) worked by hand on strategies written
+as `.shard` text: the step time of one micro-batch replayed on the engine's schedule.
 
-ZeRO-3 on node(2) > gpu(4), prefetch 1, flat rings, alpha-beta links with no latency:
+[Note: pass pipeline] with ZeRO-3 on node(2) > gpu(4), prefetch 1, flat rings, alpha-beta links with no latency:
 the forward all-gathers every unit (root included), the backward re-gathers every block
 (the root stays gathered) and reduce-scatters every unit; nothing in sync or update, so
 the step is the pipeline alone. Units: root 2e6 parameters, three blocks of 8e6 each;
 compute shares by parameters (root 2/26, each block 8/26), a third of a micro-batch's
 compute forward and two thirds backward, the root's (its head) after the last block.
-g0, g: the root's and a block's all-gather; r0, r: their reduce-scatters.
+g0, g: the root's and a block's all-gather; r0, r: their reduce-scatters. [Note: sync
+overlap] and [Note: deferred update overlap] with ZeRO-1 on the same units.
 """
 from __future__ import annotations
 
@@ -38,10 +39,11 @@ def _setup(text=ZERO3):
                    "r0": sec("reduce_scatter", SIZES[0]), "r": sec("reduce_scatter", SIZES[1])}
 
 
-def _step(s, us, c):
+def _step(s, us, c, check=True, passes=None):
     from shardc.analysis.costmodel.timing import step_time
-    t = step_time(s, us, AB, micro_batches=1, flops=1.0, mb_flops=c)
-    assert t.comm["sync"] == 0 and t.comm["update"] == 0          # the pipeline alone
+    t = step_time(s, us, AB, micro_batches=1, flops=1.0, mb_flops=c, passes=passes)
+    if check:                                                    # the passes alone
+        assert t.comm["sync"] == 0 and t.comm["update"] == 0
     return t.total
 
 
@@ -73,3 +75,47 @@ def test_prefetch_zero_overlaps_nothing():
     c = 1.0
     assert _step(s, us, c) == pytest.approx(c + x["g0"] + 6 * x["g"] + 3 * x["r"] + x["r0"], rel=1e-12)
 
+
+
+ZERO1 = ZERO3.replace("params shard over world", "params replicate").replace(
+    "grads  shard over world", "grads  replicate")
+
+
+def test_update_and_sync_on_a_compute_bound_step():
+    # ZeRO-1: nothing in forward or backward; the step's sync reduce-scatters each unit
+    # over the world (r_i) and opt.step() all-gathers each unit's update (u_i).
+    # [Note: deferred update overlap]: the update all-gathers hide behind the next
+    # forward but the first deferred unit's share: (u0 + u1 + u2 + u3) / 4. [Note: sync overlap]: the backward runs the head,
+    # b3, b2, b1; b3's sync goes out when b2's gradients are in, while b1 still computes;
+    # b2's when b1's are in and b1's when the root's are — both at the backward's end,
+    # since the root's compute came first — and the root's after them: r2 + r1 + r0 show.
+    s, us, _ = _setup(ZERO1)
+    sec = lambda op, n: AB.seconds(op, ("node", "gpu"), 4 * n, s.mesh, Collectives.RING)
+    u = [sec("all_gather", n) for n in SIZES]
+    r = [sec("reduce_scatter", n) for n in SIZES]
+    c = 1000.0
+    assert _step(s, us, c, check=False) == pytest.approx(c + sum(u) / 4 + r[2] + r[1] + r[0], rel=1e-12)
+    # without the plan passes every sync goes out after the backward and opt.step() waits
+    # every update all-gather
+    assert _step(s, us, c, check=False, passes=()) == pytest.approx(c + sum(u) + sum(r), rel=1e-12)
+
+
+def test_a_sync_all_reduce_goes_out_one_unit_late():
+    # Lins' 7B layout: optimizer states over the node's GPUs only. A unit's sync is a
+    # reduce-scatter over gpu (rs_i), then an all-reduce of its shard over node (ar_i),
+    # which goes out when the next unit's sync is issued, once its own reduce-scatter is
+    # in. b3's reduce-scatter goes out while b1 computes; the rest at the backward's end
+    # (b1's and the root's gradients come in then). The two stages run on different
+    # links: the node link carries ar3, ar2, ar0, ar1 back to back from the backward's
+    # end, each one's reduce-scatter in on the gpu link before the node link needs it
+    # (rs2 at 0.024 s, rs1 at 0.048 s, rs0 at 0.054 s; the node link frees at 0.08 s
+    # first), so the sync shows sum(ar) and no rs.
+    text = ZERO1.replace("optim  shard over world", "optim  shard over gpu")
+    s, us, _ = _setup(text)
+    sec = lambda op, lv, n: AB.seconds(op, lv, n, s.mesh, Collectives.RING)
+    rs = [sec("reduce_scatter", ("gpu",), 4 * n) for n in SIZES]
+    ar = [sec("all_reduce", ("node",), n) for n in SIZES]
+    u = [sec("all_gather", ("gpu",), 4 * n) for n in SIZES]
+    assert (rs[2], rs[2] + rs[1], rs[2] + rs[1] + rs[0], ar[3]) == pytest.approx((0.024, 0.048, 0.054, 0.08))
+    c = 1000.0
+    assert _step(s, us, c, check=False) == pytest.approx(c + sum(u) / 4 + sum(ar), rel=1e-12)

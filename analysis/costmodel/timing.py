@@ -18,14 +18,13 @@ achievable rate is `--tflops`, else a profile's measured rate ([Note: measured c
 rate] in shardc/cli/profile_compute.py), else `--flops`. Each collective's seconds split
 into the part that occupies the cores (k, [Note: CPU share of a collective]; 0 without
 a CPU profile) and waiting for links (w = seconds − k). With `prefetch` ≥ 1 the step
-costs every k, plus each micro-batch's forward and backward replayed on the plan's
-schedule with the waits w ([Note: pass pipeline] in pipeline.py: compute and links in
-the engine's order, so a link-bound pass shows the compute the links wait for and a
-compute-bound one its first gathers and last reductions), plus the sync phase's waits
-placed on the last backward as the engine issues them ([Note: sync overlap] in
-overlap.py), plus the update phase's waits, which hide behind the next forward when the
-schedule defers them ([Note: deferred update overlap] there). With `prefetch 0` nothing
-overlaps: compute plus every collective's seconds.
+costs every k, plus each micro-batch replayed on the plan's schedule with the waits w
+(pipeline.py, [Note: pass pipeline]: compute and links in the engine's order, so a
+link-bound pass shows the compute the links wait for and a compute-bound one its first
+gathers and last reductions), the step's syncs on the links of its last backward
+([Note: sync overlap]), plus the update phase's waits, which hide behind the next
+forward when the schedule defers them ([Note: deferred update overlap]). With
+`prefetch 0` nothing overlaps: compute plus every collective's seconds.
 
 [Note: CPU share of a collective]
 On CPU ranks (gloo) a collective is partly work on the same cores that compute: the
@@ -54,8 +53,7 @@ from shardc.analysis.costmodel.ledger import counted_rows
 from shardc.lowering import PHASE_ORDER, lower
 from shardc.analysis.costmodel.network import collective_seconds
 from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
-from shardc.analysis.costmodel.overlap import sync_wait, update_wait
-from shardc.analysis.costmodel.pipeline import micro_batch
+from shardc.analysis.costmodel.pipeline import step, update_wait, waits_of
 from shardc.analysis.costmodel.sizes import UnitSize, dense_flops
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +215,7 @@ def step_time(strategy: Strategy, units: list[UnitSize], bw, *, micro_batches: i
     """Estimated seconds of one optimizer step; see [Note: step time]. `mb_flops`: FLOPs
     one rank executes per micro-batch (from the graph, `flops.py`); default 6·Φ·tokens.
     `passes`: the plan passes the run uses (None: all of them); `unit_flops`: each unit's
-    forward FLOPs (root first, from the graph), which place the syncs on the backward."""
+    forward FLOPs (root first, from the graph), which place each unit's compute in the step."""
     m = strategy.accumulate if micro_batches is None else micro_batches
     algo = strategy.collectives if algo is None else algo
     if algo == Collectives.AUTO:
@@ -225,18 +223,15 @@ def step_time(strategy: Strategy, units: list[UnitSize], bw, *, micro_batches: i
     plan = lower(strategy.mesh, units, strategy.prefetch, passes)
     rows = counted_rows(plan, forwards=m, backwards=m)
     comm, k = phase_costs(rows, strategy.mesh, bw, algo)
-    w = {p: comm[p] - k[p] for p in comm}           # waiting for links: what can overlap
     c_mb = (dense_flops(units, tokens) if mb_flops is None else mb_flops) / flops
     if strategy.prefetch <= 0:
         total = m * c_mb + sum(comm.values())
     else:
-        n = max(m, 1)
-        shares = _shares(units, unit_flops)
-        mb = micro_batch(plan, strategy.mesh, bw, algo, phase_costs, compute=c_mb, shares=shares)
-        total = (m * mb + k["forward"] + k["backward"] + k["sync"] + k["update"]
-                 + sync_wait(plan, strategy.mesh, bw, algo, phase_costs, backward=2 / 3 * c_mb, shares=shares,
-                             busy=w["backward"] / n)
-                 + update_wait(w["update"], len(plan.schedule.update_deferred), c_mb / 3 - w["forward"] / n))
+        waits = waits_of(plan, strategy.mesh, bw, algo, phase_costs)
+        w_update, w_forward = comm["update"] - k["update"], (comm["forward"] - k["forward"]) / max(m, 1)
+        total = (step(plan, waits, compute=c_mb, shares=_shares(units, unit_flops), micro_batches=m)
+                 + k["forward"] + k["backward"] + k["sync"] + k["update"]
+                 + update_wait(w_update, len(plan.schedule.update_deferred), c_mb / 3 - w_forward))
     return StepTime(compute=m * c_mb, comm=comm, total=total, occupied=k)
 
 
