@@ -60,7 +60,7 @@ from typing import NamedTuple
 from shardc.dsl.ir import Collectives, Mesh
 from shardc.lowering import Op, Phase
 
-Parts = dict   # link (the outermost level a collective's group spans) -> link-wait seconds
+Parts = dict[str, float]   # link (the outermost level a collective's group spans) -> link-wait seconds
 
 
 class Waits(NamedTuple):
@@ -104,12 +104,12 @@ class _Links:
         self.free: dict[str, float] = {}
         self.done: dict[int, float] = {}
 
-    def issue(self, at: float, parts: Parts, after: float = 0.0) -> float:
-        """Issue at `at` (starting no earlier than `after`); when it is in."""
+    def issue(self, at: float, parts: Parts) -> float:
+        """Issue a collective at `at`; when it is in on every link it uses."""
         end = at
         for link, sec in parts.items():
             if sec > 0:
-                self.free[link] = max(at, after, self.free.get(link, 0.0)) + sec
+                self.free[link] = max(at, self.free.get(link, 0.0)) + sec
                 end = max(end, self.free[link])
         return end
 
