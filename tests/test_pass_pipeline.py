@@ -8,11 +8,15 @@ the step is the pipeline alone. Units: root 2e6 parameters, three blocks of 8e6 
 compute shares by parameters (root 2/26, each block 8/26), a third of a micro-batch's
 compute forward and two thirds backward, the root's (its head) after the last block.
 g0, g: the root's and a block's all-gather; r0, r: their reduce-scatters. [Note: sync
-overlap] and [Note: deferred update overlap] with ZeRO-1 on the same units.
+overlap] and [Note: deferred update overlap] with ZeRO-1 on the same units. And a
+hypothesis property on random meshes, scopes and units: a step lies between its busiest
+link and everything in turn.
 """
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardc.analysis.costmodel import AlphaBeta, UnitSize
 from shardc.dsl import load_strategy
@@ -119,3 +123,45 @@ def test_a_sync_all_reduce_goes_out_one_unit_late():
     assert (rs[2], rs[2] + rs[1], rs[2] + rs[1] + rs[0], ar[3]) == pytest.approx((0.024, 0.048, 0.054, 0.08))
     c = 1000.0
     assert _step(s, us, c, check=False) == pytest.approx(c + sum(u) / 4 + sum(ar), rel=1e-12)
+
+
+@st.composite
+def _random_steps(draw):
+    """A random mesh (2–3 levels), valid scopes (params ⊆ grads ⊆ optim), 2–6 units,
+    prefetch, micro-batches, compute and plan passes."""
+    from shardc.dsl.ir import GradsSpec, Level, Mesh, OptimSpec, ParamsSpec, Scopes, Strategy
+    names = ("node", "gpu", "gcd")[:draw(st.integers(2, 3))]
+    mesh = Mesh(tuple(Level(n, draw(st.integers(2, 4))) for n in names))
+    sub = lambda lv: tuple(l for l in lv if draw(st.booleans()))
+    o = sub(names)
+    g = sub(o)
+    p = sub(g)
+    scopes = Scopes(ParamsSpec(p), GradsSpec(g), OptimSpec(o))
+    s = Strategy("h", mesh, scopes, accumulate=draw(st.integers(1, 4)), prefetch=draw(st.integers(1, 2)),
+                 collectives=draw(st.sampled_from([Collectives.RING, Collectives.HIERARCHICAL])))
+    sizes = draw(st.lists(st.integers(0, 4_000_000), min_size=2, max_size=6))
+    us = [UnitSize("<root>" if i == 0 else f"b{i}", n, 0, scopes, root=i == 0) for i, n in enumerate(sizes)]
+    return s, us, draw(st.floats(1e-3, 10.0)), draw(st.sampled_from([None, ()]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_random_steps())
+def test_the_step_lies_between_its_busiest_link_and_everything_in_turn(case):
+    # Whatever the schedule, a step can be no shorter than its compute or than the waits
+    # its busiest link carries in forward, backward and sync (each micro-batch ends once
+    # its links are through), and no longer than compute and every collective in turn
+    # (at any moment the cores compute or wait for a link that is busy).
+    from shardc.analysis.costmodel.ledger import counted_rows
+    from shardc.analysis.costmodel.timing import step_time
+    from shardc.lowering import lower
+    s, us, c, passes = case
+    ab = AlphaBeta(intra=1e9, inter=1e8, intra_lat=5e-6, inter_lat=2e-5)
+    t = step_time(s, us, ab, flops=1.0, mb_flops=c, passes=passes)
+    rows = counted_rows(lower(s.mesh, us, s.prefetch, passes), forwards=s.accumulate, backwards=s.accumulate)
+    per_link: dict[str, float] = {}
+    for r, n in rows:
+        if r.phase.value != "update":
+            sec = ab.seconds(r.op.value, r.levels, r.bytes, s.mesh, s.collectives)
+            per_link[r.levels[0]] = per_link.get(r.levels[0], 0.0) + n * sec
+    lower_bound = max([s.accumulate * c] + list(per_link.values()))
+    assert lower_bound * (1 - 1e-9) <= t.total <= (s.accumulate * c + sum(t.comm.values())) * (1 + 1e-9)
