@@ -157,7 +157,6 @@ def _backward(plan, w: Waits, links: _Links, t: float, bwd: float, shares, early
     """When the backward that starts at `t` ends, its syncs issued when `early`
     ([Note: pass pipeline], [Note: sync overlap])."""
     t += bwd * shares[0]                            # the head's backward
-    links.done.clear()
     stages = {st.unit: st for st in plan.schedule.backward}
     chain = set(plan.backward_order())             # units whose gradients the engine reduces
     sync, reduced, prev, earlier = _Sync(w, links), t, None, None
