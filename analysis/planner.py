@@ -116,7 +116,7 @@ def plan(base: Strategy, units: list[UnitSize], budget: float, *, bandwidth=None
 def why(best: Candidate, runner: Candidate, objective: str = "time") -> str:
     """One line: why `best` ranks above `runner` under `objective`."""
     a, b = best.report.time, runner.report.time
-    ms = lambda x: f"{x * 1e3:.1f} ms"
+    ms = lambda x: f"{x * 1e3:.1f} ms" if abs(x) >= 1e-3 or x == 0 else f"{x * 1e6:.1f} us"
     ka, kb = OBJECTIVES[objective](best), OBJECTIVES[objective](runner)
     if ka[:2] == kb[:2]:
         return (f"#1 and #2 tie on communication ({ms(best.comm_time)}) and step time ({ms(a.total)}); #1 shards "
@@ -126,9 +126,15 @@ def why(best: Candidate, runner: Candidate, objective: str = "time") -> str:
         return (f"#1 beats #2 on summed communication time: {ms(best.comm_time)} vs {ms(runner.comm_time)} "
                 f"(Lins' objective; predicted steps {ms(a.total)} vs {ms(b.total)})")
     if _s(a.total) < _s(b.total):
-        worst = max(a.comm, key=lambda k: (b.comm[k] - a.comm[k]))
-        return (f"#1 beats #2 by {ms(b.total - a.total)} per step: exposed communication {ms(a.exposed)} vs "
-                f"{ms(b.exposed)}, most of it in {worst} ({ms(a.comm[worst])} vs {ms(b.comm[worst])})")
+        head = (f"#1 beats #2 by {ms(b.total - a.total)} per step: exposed communication {ms(a.exposed)} vs "
+                f"{ms(b.exposed)}")
+        more = {k: b.comm[k] - a.comm[k] for k in a.comm}
+        phase = max(more, key=more.get)
+        if more[phase] <= 0:
+            return head + (f"; #1 sends no less in any phase ({ms(best.comm_time)} vs {ms(runner.comm_time)} "
+                           f"before overlap) but hides more of it behind compute")
+        return head + (f"; #2 sends {ms(more[phase])} more in the {phase} phase ({ms(b.comm[phase])} vs "
+                       f"{ms(a.comm[phase])} before overlap)")
     return (f"#1 and #2 tie on step time ({ms(a.total)}: compute hides their communication); #1 sends less: "
             f"{ms(best.comm_time)} vs {ms(runner.comm_time)} of communication")
 

@@ -115,6 +115,12 @@ def test_objective_and_peak_memory_bind(capsys):
     comms = [round(r["comm_seconds"], 9) for r in by_comm["ranking"]]
     assert steps == sorted(steps) and comms == sorted(comms)
     assert by_time["why"].startswith("#1") and by_comm["objective"] == "comm"
+    a, b = by_time["ranking"][:2]
+    # #1 is faster here; the line names the phase where #2 sends the most more, in readable units.
+    more = {k: b["comm_by_phase"][k] - a["comm_by_phase"][k] for k in a["comm_by_phase"]}
+    phase = max(more, key=more.get)
+    assert a["step_seconds"] < b["step_seconds"] and more[phase] > 0
+    assert f"more in the {phase} phase" in by_time["why"] and " 0.0 " not in by_time["why"]
     # The budget binds on the peak (states + gathered + activations + overhead), not on states.
     peaks = sorted(r["peak"]["peak"] for r in by_time["ranking"])
     budget = peaks[len(peaks) // 2]

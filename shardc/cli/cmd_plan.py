@@ -118,7 +118,7 @@ def row(c) -> dict:
     return {"params": list(sc.params.levels), "grads": list(sc.grads.levels), "optim": list(sc.optim.levels),
             "collectives": r.algo.value, "memory": c.memory, "model_states": r.memory["total"],
             "inter": round(r.inter), "intra": round(r.intra), "step_seconds": c.step_time,
-            "comm_seconds": c.comm_time, "peak": c.report.peak, "mfu": r.rates["mfu"],
+            "comm_seconds": c.comm_time, "comm_by_phase": dict(r.time.comm), "peak": c.report.peak, "mfu": r.rates["mfu"],
             "tokens_per_s": r.rates["tokens_per_s"]}
 
 
