@@ -5,7 +5,8 @@ referenced in the module), the strategy's accumulate and the plan's `Schedule`
 (`shardc.lowering`: which gathers are issued before each unit runs, both directions).
 Output: the explicit primitives of docs/internals.md (begin_forward, issue_gather,
 wait_gather, run_unit, end_forward), the backward hooks that call the same
-machinery, the accumulation state machine and the `events` schedule record.
+machinery and the `events` schedule record; the accumulation state machine it runs
+at the step boundary is `StepBoundary` (boundary.py, [Note: accumulation]).
 
 [Note: schedule]
 The engine has no ordering logic of its own: it issues what the plan's `Schedule`
@@ -29,22 +30,6 @@ groups that got no gradient, waits the reduce-scatters, releases what is still h
 and, on the last micro-batch, issues the per-step sync, waited in opt.step() or
 clip_grad_norm_.
 
-[Note: accumulation]
-The loop decides how many micro-batches make a step; `accumulate N` is the plan. At the
-end of a backward the step's sync is issued early (to overlap whatever runs before
-opt.step()) when gradient sync is on (outside `no_sync()`, `set_requires_gradient_sync`
-not False) and either this is the N-th micro-batch, or the loop took charge: it called
-`set_requires_gradient_sync` (FSDP2: every backward with sync on issues it), or an
-earlier backward this step ran inside `no_sync()` (DDP: the next one outside is the
-last). opt.step()/clip_grad_norm_ with the sync not issued (k < N) issues and completes
-it then. A backward after the sync was issued (k > N) first completes it, moves the
-synced OS slices into a carry and zeroes the grad shards; the later micro-batches
-accumulate from zero and their own sync, at the step, adds the carry back (both halves
-are divided by the world size, so the sum is the step's mean). Either deviation costs
-the planned overlap (k > N also a second sync) and warns once per run. A forward with
-gradients after opt.step() without zero_grad() is an error (shardc does not accumulate
-across optimizer steps).
-
 [Note: recomputation]
 Activation checkpointing re-runs a unit's forward inside the backward (after its
 pre-backward re-gather). Such a call only re-sets the views; the unit is released by
@@ -52,9 +37,7 @@ its gradients arriving as usual, not after the recomputed forward.
 """
 from __future__ import annotations
 
-import enum
 import functools
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -63,20 +46,10 @@ from torch.utils._pytree import tree_leaves
 
 from shardc.lowering import Schedule
 
-from .errors import AccumulationWarning, RuntimeUsageError
+from .boundary import Phase, StepBoundary
+from .errors import RuntimeUsageError
 from .flat import FlatGroup
 from .units import UnitSpec
-
-
-class Phase(enum.Enum):
-    FRESH = "fresh"            # grads zero, nothing accumulated
-    ACCUMULATING = "accumulating"
-    SYNCING = "syncing"        # sync issued, waiting in step/clip
-    SYNCED = "synced"          # gradients ready for the optimizer
-    STEPPED = "stepped"        # optimizer ran; zero_grad() due
-
-    def __repr__(self) -> str:
-        return f"Phase.{self.name}"
 
 
 @dataclass
@@ -109,7 +82,7 @@ def _grad_tensors(out) -> list[torch.Tensor]:
     return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-class Engine:
+class Engine(StepBoundary):
     def __init__(self, units: list[UnitState], accumulate: int, schedule: Schedule, drive_forward: bool):
         self.units = units
         self.accumulate = max(1, accumulate)
@@ -312,104 +285,3 @@ class Engine:
         (runtime/workspace.py)."""
         if self.workspace is not None:
             self.workspace.clear()
-
-    def _sync_due(self, micro: int) -> bool:
-        """Does the backward that makes `micro` micro-batches issue the step's sync?"""
-        if self.no_sync_depth > 0 or self.requires_sync is False:
-            return False
-        return bool(self.requires_sync or self._loop_decides or micro == self.accumulate)
-
-    # -- step boundary -------------------------------------------------------------
-    def trainable_groups(self) -> list[FlatGroup]:
-        return [u.trainable for u in self.units if u.trainable is not None]
-
-    def _sync_unit(self, u: UnitState) -> None:
-        if u.index not in self._synced:
-            self._synced.add(u.index)
-            u.trainable.sync_issue()
-            self.events.append(("issue_sync", u.index))
-
-    def _issue_sync(self) -> None:
-        for u in self.units:
-            if u.trainable is not None:
-                self._sync_unit(u)
-        self._synced.clear()
-        self._sync_prev = None
-        self.phase = Phase.SYNCING
-
-    def _complete_sync(self) -> None:
-        groups = self.trainable_groups()
-        for g in groups:
-            g.sync_advance()
-        for g in groups:
-            g.sync_wait()
-        self.phase = Phase.SYNCED
-        self.events.append(("sync_done", -1))
-
-    def _fold(self) -> None:
-        """A backward after the sync was issued: keep the synced grads aside (see Note)."""
-        self._warn(f"micro-batch {self.micro + 1} ran after the step's gradient sync was issued "
-                   f"(the strategy plans accumulate {self.accumulate}); it is folded in exactly "
-                   f"with a second sync at the step")
-        if self.phase is Phase.SYNCING:
-            self._complete_sync()
-        for u in self.units:
-            g = u.trainable
-            if g is not None:
-                done = self._carry.get(u.index)
-                self._carry[u.index] = g.os_grad.clone() if done is None else done.add_(g.os_grad)
-                g.zero_grads()
-        self.phase = Phase.ACCUMULATING
-
-    def _warn(self, what: str) -> None:
-        if not self._warned:
-            self._warned = True
-            warnings.warn(f"{what}; the overlap the plan gives that sync is lost (warned once per run)",
-                          AccumulationWarning, stacklevel=4)
-
-    def wait_sync(self, what: str) -> None:
-        self.complete_updates()
-        if self.phase is Phase.ACCUMULATING:
-            if not self._carry:
-                why = (f"after {self.micro} micro-batch(es) while the strategy plans accumulate "
-                       f"{self.accumulate}" if self.micro != self.accumulate else
-                       "with every backward of the step run with gradient sync off")
-                self._warn(f"{what} {why}: the gradient sync runs now, exact")
-            self._issue_sync()
-        if self.phase is Phase.SYNCING:
-            self._complete_sync()
-            for u in self.units:
-                if u.index in self._carry:
-                    u.trainable.os_grad.add_(self._carry.pop(u.index))
-
-    def after_step(self) -> None:
-        """Issue every unit's update all-gather; wait those the schedule does not defer."""
-        self.complete_updates()
-        works = [(u.index, u.trainable.update_issue()) for u in self.units if u.trainable is not None]
-        deferred = set(self.schedule.update_deferred)
-        for i, w in works:
-            if i in deferred:
-                self._updates[i] = w
-            else:
-                w.wait()
-        self.phase = Phase.STEPPED
-
-    def complete_update(self, i: int) -> None:
-        """Unit i's parameters are needed: wait its deferred update all-gather, if any."""
-        work = self._updates.pop(i, None)
-        if work is not None:
-            work.wait()
-            self.events.append(("wait_update", i))
-
-    def complete_updates(self) -> None:
-        for i in list(self._updates):
-            self.complete_update(i)
-
-    def zero_grad(self) -> None:
-        for g in self.trainable_groups():
-            g.zero_grads()
-        self._clear_workspace()
-        self.micro = 0
-        self._loop_decides = False
-        self._carry.clear()
-        self.phase = Phase.FRESH

@@ -199,7 +199,7 @@ class ShardedModule(nn.Module):
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """FSDP2's spelling, after which the loop decides: backwards with it False accumulate
         without the step's gradient sync; each backward with it True ends by issuing it (see
-        the engine's [Note: accumulation]). `recurse` is accepted for FSDP2 compatibility."""
+        boundary.py's [Note: accumulation]). `recurse` is accepted for FSDP2 compatibility."""
         self.runtime.requires_sync = bool(requires_gradient_sync)
 
     @contextlib.contextmanager

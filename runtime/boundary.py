@@ -1,0 +1,151 @@
+"""The step boundary — stage: runtime. The accumulation state machine of the engine.
+
+Input: the engine's state (its units and their flat groups, the plan's `Schedule`, the
+strategy's accumulate, the loop's sync switches). Output: `Phase`, and `StepBoundary`,
+the part of `Engine` (engine.py) that decides when the step's gradient sync is issued
+and completed (`wait_sync`, called by opt.step() and clip_grad_norm_), folds
+micro-batches run past it, issues the update all-gathers after opt.step() and waits the
+deferred ones (`complete_update`), and resets for the next step (`zero_grad`).
+
+[Note: accumulation]
+The loop decides how many micro-batches make a step; `accumulate N` is the plan. At the
+end of a backward the step's sync is issued early (to overlap whatever runs before
+opt.step()) when gradient sync is on (outside `no_sync()`, `set_requires_gradient_sync`
+not False) and either this is the N-th micro-batch, or the loop took charge: it called
+`set_requires_gradient_sync` (FSDP2: every backward with sync on issues it), or an
+earlier backward this step ran inside `no_sync()` (DDP: the next one outside is the
+last). opt.step()/clip_grad_norm_ with the sync not issued (k < N) issues and completes
+it then. A backward after the sync was issued (k > N) first completes it, moves the
+synced OS slices into a carry and zeroes the grad shards; the later micro-batches
+accumulate from zero and their own sync, at the step, adds the carry back (both halves
+are divided by the world size, so the sum is the step's mean). Either deviation costs
+the planned overlap (k > N also a second sync) and warns once per run. A forward with
+gradients after opt.step() without zero_grad() is an error (shardc does not accumulate
+across optimizer steps).
+"""
+from __future__ import annotations
+
+import enum
+import warnings
+from typing import TYPE_CHECKING
+
+from .errors import AccumulationWarning
+from .flat import FlatGroup
+
+if TYPE_CHECKING:
+    from .engine import UnitState
+
+
+class Phase(enum.Enum):
+    FRESH = "fresh"            # grads zero, nothing accumulated
+    ACCUMULATING = "accumulating"
+    SYNCING = "syncing"        # sync issued, waiting in step/clip
+    SYNCED = "synced"          # gradients ready for the optimizer
+    STEPPED = "stepped"        # optimizer ran; zero_grad() due
+
+    def __repr__(self) -> str:
+        return f"Phase.{self.name}"
+
+
+class StepBoundary:
+    """Mixed into `Engine`, whose __init__ sets the state these methods read."""
+
+    def _sync_due(self, micro: int) -> bool:
+        """Does the backward that makes `micro` micro-batches issue the step's sync?"""
+        if self.no_sync_depth > 0 or self.requires_sync is False:
+            return False
+        return bool(self.requires_sync or self._loop_decides or micro == self.accumulate)
+
+    def trainable_groups(self) -> list[FlatGroup]:
+        return [u.trainable for u in self.units if u.trainable is not None]
+
+    def _sync_unit(self, u: UnitState) -> None:
+        if u.index not in self._synced:
+            self._synced.add(u.index)
+            u.trainable.sync_issue()
+            self.events.append(("issue_sync", u.index))
+
+    def _issue_sync(self) -> None:
+        for u in self.units:
+            if u.trainable is not None:
+                self._sync_unit(u)
+        self._synced.clear()
+        self._sync_prev = None
+        self.phase = Phase.SYNCING
+
+    def _complete_sync(self) -> None:
+        groups = self.trainable_groups()
+        for g in groups:
+            g.sync_advance()
+        for g in groups:
+            g.sync_wait()
+        self.phase = Phase.SYNCED
+        self.events.append(("sync_done", -1))
+
+    def _fold(self) -> None:
+        """A backward after the sync was issued: keep the synced grads aside (see Note)."""
+        self._warn(f"micro-batch {self.micro + 1} ran after the step's gradient sync was issued "
+                   f"(the strategy plans accumulate {self.accumulate}); it is folded in exactly "
+                   f"with a second sync at the step")
+        if self.phase is Phase.SYNCING:
+            self._complete_sync()
+        for u in self.units:
+            g = u.trainable
+            if g is not None:
+                done = self._carry.get(u.index)
+                self._carry[u.index] = g.os_grad.clone() if done is None else done.add_(g.os_grad)
+                g.zero_grads()
+        self.phase = Phase.ACCUMULATING
+
+    def _warn(self, what: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"{what}; the overlap the plan gives that sync is lost (warned once per run)",
+                          AccumulationWarning, stacklevel=4)
+
+    def wait_sync(self, what: str) -> None:
+        self.complete_updates()
+        if self.phase is Phase.ACCUMULATING:
+            if not self._carry:
+                why = (f"after {self.micro} micro-batch(es) while the strategy plans accumulate "
+                       f"{self.accumulate}" if self.micro != self.accumulate else
+                       "with every backward of the step run with gradient sync off")
+                self._warn(f"{what} {why}: the gradient sync runs now, exact")
+            self._issue_sync()
+        if self.phase is Phase.SYNCING:
+            self._complete_sync()
+            for u in self.units:
+                if u.index in self._carry:
+                    u.trainable.os_grad.add_(self._carry.pop(u.index))
+
+    def after_step(self) -> None:
+        """Issue every unit's update all-gather; wait those the schedule does not defer."""
+        self.complete_updates()
+        works = [(u.index, u.trainable.update_issue()) for u in self.units if u.trainable is not None]
+        deferred = set(self.schedule.update_deferred)
+        for i, w in works:
+            if i in deferred:
+                self._updates[i] = w
+            else:
+                w.wait()
+        self.phase = Phase.STEPPED
+
+    def complete_update(self, i: int) -> None:
+        """Unit i's parameters are needed: wait its deferred update all-gather, if any."""
+        work = self._updates.pop(i, None)
+        if work is not None:
+            work.wait()
+            self.events.append(("wait_update", i))
+
+    def complete_updates(self) -> None:
+        for i in list(self._updates):
+            self.complete_update(i)
+
+    def zero_grad(self) -> None:
+        for g in self.trainable_groups():
+            g.zero_grads()
+        self._clear_workspace()
+        self.micro = 0
+        self._loop_decides = False
+        self._carry.clear()
+        self.phase = Phase.FRESH
