@@ -13,8 +13,9 @@ step time (several systems JSON of the same cluster and run settings pool their 
 as rounds do: `pool`): ratio predicted/measured, whether it is within `--tolerance`, and the rank
 of each among the systems by predicted and by measured time, and whether the measured
 order of the top three is resolved by the steps (`order_p`). The peers (FSDP2, DDP)
-are not shardc strategies and are left out. Exit code 0 even when a row misses: the
-table is the result.
+are not shardc strategies and are left out; a shardc system whose runs failed is named
+under the table ("Left out"), and a failed run among pooled ones is dropped, with a
+line. Exit code 0 even when a row misses: the table is the result.
 """
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ def measured_order(rows: list[dict], n: int = 3, alpha: float = 0.05) -> tuple[b
     return ok, "; ".join(parts)
 
 
-def markdown(rows: list[dict], tolerance: float) -> str:
+def markdown(rows: list[dict], tolerance: float, missing: list[str] = ()) -> str:
     lines = ["| strategy | collectives | predicted (s) | compute (s) | measured (s) | predicted / measured "
              f"| within {tolerance:.0%} | rank predicted | rank measured |", "|---|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in rows:
@@ -124,6 +125,7 @@ def markdown(rows: list[dict], tolerance: float) -> str:
     steps = sorted({len(r["step_times"]) for r in rows})
     lines.append(f"Measured order of the top three {'resolved' if resolved else 'NOT resolved'} at 5 % "
                  f"(one-sided Mann-Whitney U over {'/'.join(map(str, steps))} steps each): {pairs}.")
+    lines += [f"Left out: {m}." for m in missing]
     return "\n".join(lines)
 
 
@@ -145,7 +147,22 @@ def pool(docs: list[dict]) -> dict:
     for d in docs:
         for name, r in d["systems"].items():
             runs.setdefault(name, []).append(r)
-    return {"config": first, "systems": {n: merge_rounds(rs) for n, rs in runs.items()}}
+    systems, failed = {}, []
+    for name, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        systems[name] = merge_rounds(ok) if ok else rs[0]
+        if ok and len(ok) < len(rs):
+            failed.append(f"{name}: {len(rs) - len(ok)} of its {len(rs)} runs failed "
+                          f"({next(r['error'] for r in rs if 'error' in r)}); its other runs are pooled")
+    return {"config": first, "systems": systems, "failed_runs": failed}
+
+
+def left_out(doc: dict) -> list[str]:
+    """One line per shardc system not in the table (every run failed) or pooled without a
+    failed run, so that a table never drops a system silently."""
+    lines = [f"{n}: not predicted, its run failed ({v['error']})"
+             for n, v in doc["systems"].items() if n.startswith("shardc:") and "error" in v]
+    return lines + list(doc.get("failed_runs", ()))
 
 
 def main(argv=None) -> int:
@@ -166,7 +183,7 @@ def main(argv=None) -> int:
             return 1
     doc = pool(docs)
     rows = table(a.profile, doc, a.tolerance)
-    md = markdown(rows, a.tolerance)
+    md = markdown(rows, a.tolerance, left_out(doc))
     print(md)
     if a.md:
         with open(a.md, "w") as f:

@@ -106,6 +106,8 @@ def test_cli_writes_the_markdown_table(tmp_path, capsys):
     assert "of 2 within 15%" in text and text in capsys.readouterr().out + "\n"
     # all three of hsdp_zero2's steps are shorter than all of zero1's: U = 9 of 9
     assert "Measured order of the top three resolved at 5 %" in text and "hsdp_zero2 < zero1 p = 0.0248" in text
+    # the failed shardc system is named, not dropped silently; the peer (not shardc) is not
+    assert text.count("Left out:") == 1 and "Left out: shardc:zero3: not predicted, its run failed (" in text
 
 
 def test_order_p_is_the_one_sided_mann_whitney_u_test():
@@ -152,6 +154,25 @@ def test_several_systems_json_pool_their_steps(tmp_path):
     assert predict.main([os.path.join(FIX, "profile.json"), os.path.join(FIX, "systems.json"), str(second),
                          "--md", str(md)]) == 0
     assert "over 6 steps each" in md.read_text()
+
+
+def test_a_failed_run_in_one_file_leaves_the_others_pooled(tmp_path):
+    # zero1 failed in a second run (as a teardown abort once did): its three good steps
+    # stay in the table, and a line says one of its two runs was left out.
+    predict = _bench("predict")
+    with open(os.path.join(FIX, "systems.json")) as f:
+        doc = json.load(f)
+    other = json.loads(json.dumps(doc))
+    other["systems"] = {k: v for k, v in other["systems"].items() if k.startswith("shardc:") and "error" not in v}
+    other["systems"]["shardc:zero1"] = {"error": "torchrun exited with [1, 1] (see log_tail)"}
+    pooled = predict.pool([doc, other])
+    rows = {r["system"]: r for r in predict.table(os.path.join(FIX, "profile.json"), pooled)}
+    assert sorted(rows["shardc:zero1"]["step_times"]) == sorted(doc["systems"]["shardc:zero1"]["step_times"])
+    assert sorted(rows["shardc:hsdp_zero2"]["step_times"]) == sorted(doc["systems"]["shardc:hsdp_zero2"]["step_times"] * 2)
+    lines = predict.left_out(pooled)
+    assert len(lines) == 2 and lines[0].startswith("shardc:zero3: not predicted")
+    assert lines[1] == ("shardc:zero1: 1 of its 2 runs failed (torchrun exited with [1, 1] (see log_tail)); "
+                        "its other runs are pooled")
 
 
 def test_pooling_refuses_runs_of_another_setting():
