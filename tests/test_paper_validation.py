@@ -165,8 +165,10 @@ BASELINES = [
 def _baseline(name: str, size: str):
     """MiCS keeps shardc's per-block units: its in-node gathers cost a few microseconds
     either way, and per-block units come closer to DeepSpeed-MiCS' one flat cross-node
-    all-reduce than per-submodule ones would. DeepSpeed-MiCS all-reduces its gradient
-    partition across nodes after the backward: the plan without the `early_sync` pass."""
+    all-reduce than per-submodule ones would. Its cross-node all-reduce is modelled after
+    the backward (the plan without `early_sync`): DeepSpeed-MiCS issues it per reduce
+    bucket on its reduction stream, and hidden behind the backward as `early_sync` hides
+    a sync it would put MiCS at 1.6-1.8x Lins' MFU (docs/explain.md)."""
     if name == "mics":
         return _lins_explain(size, NODE, NODE, NODE, tail="collectives ring\n", passes=("defer_update",))
     extra = " secondary gpu, lane" if name == "zeropp" else ""   # Lins: ZeRO++ s_p^0 = 8, no quantization
