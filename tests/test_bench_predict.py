@@ -133,14 +133,20 @@ def test_measured_order_names_each_unresolved_pair():
     assert line.count(";") == 1 and "c < d" not in line          # the top three only: two pairs
 
 
-def test_several_systems_json_pool_their_steps(tmp_path):
-    # The fixture twice, the second with other step times: each system's steps are pooled
-    # (six each), `measured` is the median of the six, and the order line counts 6 steps.
-    predict = _bench("predict")
+def _fixture_and_a_second_run() -> tuple[dict, dict]:
+    """The fixture's systems JSON, and a copy holding its measured shardc systems only."""
     with open(os.path.join(FIX, "systems.json")) as f:
         doc = json.load(f)
     other = json.loads(json.dumps(doc))
     other["systems"] = {k: v for k, v in other["systems"].items() if k.startswith("shardc:") and "error" not in v}
+    return doc, other
+
+
+def test_several_systems_json_pool_their_steps(tmp_path):
+    # The fixture twice, the second with other step times: each system's steps are pooled
+    # (six each), `measured` is the median of the six, and the order line counts 6 steps.
+    predict = _bench("predict")
+    doc, other = _fixture_and_a_second_run()
     other["systems"]["shardc:hsdp_zero2"].update(step_times=[6.4, 6.6, 6.8], step_time_s=6.6)
     other["systems"]["shardc:zero1"].update(step_times=[8.0, 8.1, 8.2], step_time_s=8.1)
     second = tmp_path / "second.json"
@@ -160,10 +166,7 @@ def test_a_failed_run_in_one_file_leaves_the_others_pooled(tmp_path):
     # zero1 failed in a second run (as a teardown abort once did): its three good steps
     # stay in the table, and a line says one of its two runs was left out.
     predict = _bench("predict")
-    with open(os.path.join(FIX, "systems.json")) as f:
-        doc = json.load(f)
-    other = json.loads(json.dumps(doc))
-    other["systems"] = {k: v for k, v in other["systems"].items() if k.startswith("shardc:") and "error" not in v}
+    doc, other = _fixture_and_a_second_run()
     other["systems"]["shardc:zero1"] = {"error": "torchrun exited with [1, 1] (see log_tail)"}
     pooled = predict.pool([doc, other])
     rows = {r["system"]: r for r in predict.table(os.path.join(FIX, "profile.json"), pooled)}
