@@ -48,11 +48,11 @@ def _strategy(mesh: str, p=(), g=(), o=(), extra="", tail=""):
 
 
 @functools.lru_cache(maxsize=None)
-def _lins_model(size: str, tail: str = ""):
+def _lins_model(size: str, tail: str = "", mesh: str = LINS_MESH):
     from shardc.analysis.costmodel.flops import trace
     from shardc.cli.loader import build_model
     from shardc.compiler.units import find_units
-    base = _strategy(LINS_MESH, tail=tail)
+    base = _strategy(mesh, tail=tail)
     model = build_model(f"examples/llama.py:llama_{size}", device="meta")
     units = find_units(model, base)
     from shardc.analysis.costmodel.sizes import unit_sizes
@@ -74,13 +74,14 @@ def _lins_explain(size: str, p, g, o, extra="", tail="", passes=None):
                    flops=200e12, graph=graph, checkpoint=CHECKPOINT[size], peak_flops=312e12, passes=passes)
 
 
-def _lins_plan(size: str, objective: str):
+@functools.lru_cache(maxsize=None)
+def _lins_plan(size: str, objective: str, mesh: str = LINS_MESH, micro_batches: int = 1):
     """Lins' Table III pick among the fitting candidates ranked by `objective`: (its rank,
     its predicted step time over the best's, its summed communication over the least)."""
     from shardc.analysis.planner import plan
     from shardc.dsl.ir import DType
-    units, graph = _lins_model(size)
-    cands = plan(_strategy(LINS_MESH), units, 80 * 2**30, bandwidth=_links(), micro_batches=1,
+    units, graph = _lins_model(size, mesh=mesh)
+    cands = plan(_strategy(mesh), units, 80 * 2**30, bandwidth=_links(), micro_batches=micro_batches,
                  dtype=DType.BF16, flops=200e12, graph=graph, checkpoint=CHECKPOINT[size], objective=objective)
     fit = [c for c in cands if c.fits]
     picks = [(c.scopes.params.levels, c.scopes.grads.levels, c.scopes.optim.levels) for c in fit]
@@ -202,6 +203,29 @@ def test_lins_table_iii_pick_is_within_1pct_of_the_best_step(size):
     # By predicted step time the candidates near the top lie within a few per cent of each
     # other, below run-to-run spread: the check is that Lins' pick is the best to within 1 %.
     assert _lins_plan(size, "time")[1] <= 1.01
+
+
+# [Note: Table III at 8 GPUs] Lins "maintains a uniform set of configurations when scaling
+# training from 8 GPUs to 1024 GPUs" (§VI-A): one layout per model, valid on one node. So
+# Table III is also checked where that layout must already be the solver's answer: 8 GPUs,
+# the same 4M-token batch as 128 micro-batches of one sequence (§VI-A: M = 128). There,
+# sharding the parameters or gradients costs a collective per micro-batch, so memory decides.
+LINS_NODE_MESH, LINS_NODE_M = "gpu(2) > lane(4)", 128
+MISS_III_NODE_13B = ("known miss (4th of 4 that fit, 1.32x the least): params over 2 GPUs with grads over 8 "
+                     "fit in 71.4 GiB and gather half as much per micro-batch; Lins' pick (68.4 GiB) "
+                     "wins only if that layout did not fit Lins' memory model or its 2-GPU all-gather "
+                     "was profiled slower, and the paper gives neither")
+
+
+@pytest.mark.parametrize("size", ["7b", pytest.param("13b", marks=pytest.mark.xfail(strict=True, reason=MISS_III_NODE_13B)),
+                                  "30b"])
+def test_lins_table_iii_pick_has_the_least_communication_on_one_node(size):
+    assert _lins_plan(size, "comm", LINS_NODE_MESH, LINS_NODE_M)[:1] == (1,)
+
+
+@pytest.mark.parametrize("size", ["7b", "13b", "30b"])
+def test_lins_table_iii_pick_is_within_1pct_of_the_best_step_on_one_node(size):
+    assert _lins_plan(size, "time", LINS_NODE_MESH, LINS_NODE_M)[1] <= 1.01
 
 
 # ZeRO-topo §VI on Frontier: GPT-NeoX-20B on 384 GCDs; per-GCD links node 12.5 GB/s
