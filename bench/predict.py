@@ -1,6 +1,7 @@
 """Predicted vs measured step time (bench stage: profile JSON + systems JSON -> one table).
 
-    python bench/predict.py PROFILE.json SYSTEMS.json [SYSTEMS.json ...] [--md OUT.md] [--json OUT.json]
+    python bench/predict.py PROFILE.json SYSTEMS.json [SYSTEMS.json ...] [--profile MORE.json ...]
+                            [--md OUT.md] [--json OUT.json]
 
 Input: a `shardc profile` JSON measured on the cluster (`cluster_bench.py
 --bandwidth-profile`) and a `cluster_bench.py` systems JSON from the same cluster.
@@ -8,7 +9,8 @@ Output: per shardc system (`shardc:NAME[@ALGO]`) the step time `shardc explain`
 predicts for `examples/strategies/NAME.shard` on the cluster's mesh
 `node(NODES) > gpu(PER_NODE)`, with the run's accumulation, micro-batch shape, AdamW,
 the collective algorithm the run used (the system's `collectives`) and the profile
-(`--bandwidth`: its collectives, its measured compute rate) — beside the measured
+(`--bandwidth`: its collectives, its measured compute rate; with `--profile`, several
+profiles of the cluster merged, the median of each entry) — beside the measured
 step time (several systems JSON of the same cluster and run settings pool their steps,
 as rounds do: `pool`): ratio predicted/measured, whether it is within `--tolerance`, and the rank
 of each among the systems by predicted and by measured time, and whether the measured
@@ -35,7 +37,7 @@ from models import PRESETS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def explain_argv(system: str, run: dict, config: dict, profile: str) -> list[str]:
+def explain_argv(system: str, run: dict, config: dict, profiles: list[str]) -> list[str]:
     """The `shardc explain` command line that predicts `system` as it ran."""
     name = system.split(":", 1)[1].split("@")[0]
     seq = PRESETS[config["model"]]["block_size"]
@@ -44,15 +46,15 @@ def explain_argv(system: str, run: dict, config: dict, profile: str) -> list[str
             "--mesh", f"node({config['nodes']}) > gpu({config['per_node']})",
             "--micro-batches", str(config["accumulate"]), "--collectives", run["collectives"],
             "--tokens", str(config["micro_batch"] * seq), "--seq", str(seq),
-            "--bandwidth", profile, "--json"]
+            *(a for f in profiles for a in ("--bandwidth", f)), "--json"]
 
 
-def predict(system: str, run: dict, config: dict, profile: str) -> dict:
+def predict(system: str, run: dict, config: dict, profiles: list[str]) -> dict:
     from shardc.cli import main as shardc_main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = shardc_main(explain_argv(system, run, config, profile))
+        code = shardc_main(explain_argv(system, run, config, profiles))
     if code != 0:
         raise SystemExit(f"error: shardc explain failed for {system} (exit {code})")
     return json.loads(out.getvalue())["time"]
@@ -63,13 +65,16 @@ def ranks(values: dict) -> dict:
     return {k: i + 1 for i, k in enumerate(sorted(values, key=values.get))}
 
 
-def table(profile: str, systems_doc: dict, tolerance: float = 0.15) -> list[dict]:
+def table(profiles: str | list[str], systems_doc: dict, tolerance: float = 0.15) -> list[dict]:
+    """One row per shardc system of `systems_doc`, predicted with `profiles` (one path, or
+    several merged)."""
+    profiles = [profiles] if isinstance(profiles, str) else list(profiles)
     cfg = systems_doc["config"]
     if cfg["model"] != "bench":
         raise SystemExit(f"error: predict.py knows the `bench` model only, the run used {cfg['model']!r}")
     runs = {k: v for k, v in systems_doc["systems"].items() if k.startswith("shardc:") and "error" not in v}
     rows = {k: {"system": k, "collectives": v["collectives"], "measured_s": v["step_time_s"],
-                "step_times": v["step_times"], "time": predict(k, v, cfg, profile)} for k, v in runs.items()}
+                "step_times": v["step_times"], "time": predict(k, v, cfg, profiles)} for k, v in runs.items()}
     for r in rows.values():
         r["predicted_s"] = r["time"]["total"]
         r["ratio"] = r["predicted_s"] / r["measured_s"]
@@ -169,6 +174,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("profile", help="shardc profile JSON (cluster_bench.py --bandwidth-profile)")
     p.add_argument("systems", nargs="+", help="cluster_bench.py systems JSON (several: their steps are pooled)")
+    p.add_argument("--profile", dest="profile_more", action="append", default=[], metavar="MORE.json",
+                   help="a further profile of the same cluster, merged with the first (median of each entry)")
     p.add_argument("--tolerance", type=float, default=0.15, help="relative error counted as a match (0.15)")
     p.add_argument("--md", help="also write the markdown table here")
     p.add_argument("--json", dest="json_out", help="also write the rows as JSON here")
@@ -182,7 +189,7 @@ def main(argv=None) -> int:
             print(f"error: cannot read {path}: {e}", file=sys.stderr)
             return 1
     doc = pool(docs)
-    rows = table(a.profile, doc, a.tolerance)
+    rows = table([a.profile, *a.profile_more], doc, a.tolerance)
     md = markdown(rows, a.tolerance, left_out(doc))
     print(md)
     if a.md:

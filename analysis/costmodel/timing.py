@@ -54,6 +54,7 @@ from shardc.lowering import PHASE_ORDER, lower
 from shardc.analysis.costmodel.network import collective_seconds
 from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
 from shardc.analysis.costmodel.pipeline import step, update_wait, waits_of
+from shardc.analysis.costmodel.profile_merge import merge
 from shardc.analysis.costmodel.sizes import UnitSize, dense_flops
 
 @dataclass(frozen=True, slots=True)
@@ -83,16 +84,27 @@ class Profile:
     sorted by bytes, and the measured compute record (`compute`, or None)."""
     entries: dict
     compute: dict | None = None
+    files: int = 1                       # > 1: merged, the median of each entry
 
     def __str__(self) -> str:
         rate = "" if self.flops is None else f", compute {self.flops / 1e9:.3g} GFLOP/s per rank"
-        return f"bandwidth profile ({len(self.entries)} measured groups{rate})"
+        merged = "" if self.files == 1 else f"median of {self.files} files, "
+        return f"bandwidth profile ({merged}{len(self.entries)} measured groups{rate})"
 
     @classmethod
-    def load(cls, path: str) -> "Profile":
+    def load(cls, *paths: str) -> "Profile":
+        """One profile file, or several of one mesh merged entry by entry ([Note: merged
+        profiles] in profile_merge.py)."""
+        docs = []
+        for path in paths:
+            try:
+                with open(path) as f:
+                    docs.append(json.load(f))
+            except (OSError, ValueError) as e:
+                raise ShardcError(f"cannot read bandwidth profile {path}: {e}") from None
+        what = f" {paths[0]}" if len(paths) == 1 else "s " + ", ".join(paths)
         try:
-            with open(path) as f:
-                data = json.load(f)
+            data = merge(docs, list(paths))
             table: dict = {}
             for e in data["entries"]:
                 key = (e["op"], tuple(e["levels"]), e.get("algo", "ring"), e.get("comm", "fp32"))
@@ -102,9 +114,9 @@ class Profile:
             compute = data.get("compute")
             if compute is not None and float(compute["flops_per_s"]) <= 0:
                 raise ValueError("compute.flops_per_s must be positive")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ShardcError(f"cannot read bandwidth profile {path}: {e}") from None
-        return cls({k: tuple(sorted(v)) for k, v in table.items()}, compute)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ShardcError(f"cannot read bandwidth profile{what}: {e}") from None
+        return cls({k: tuple(sorted(v)) for k, v in table.items()}, compute, len(paths))
 
     @property
     def flops(self) -> float | None:

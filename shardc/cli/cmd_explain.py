@@ -133,7 +133,9 @@ def add_bandwidth_arguments(p) -> None:
     g.add_argument("--inter", default="12.5GB/s", help="bandwidth per rank of the outermost level's links (default 12.5GB/s)")
     g.add_argument("--intra-latency", default="5us", help="latency per ring step on inner links (default 5us)")
     g.add_argument("--inter-latency", default="20us", help="latency per ring step on outer links (default 20us)")
-    g.add_argument("--bandwidth", metavar="F.json", help="measured profile from `shardc profile` (replaces --intra/--inter)")
+    g.add_argument("--bandwidth", metavar="F.json", action="append",
+                   help="measured profile from `shardc profile` (replaces --intra/--inter); repeat it to merge "
+                        "profiles of one mesh taken at different times (the median of each entry)")
     g.add_argument("--tokens", type=int, default=4096, help="tokens per rank per micro-batch (default 4096)")
     g.add_argument("--flops", default=None,
                    help="achievable FLOP/s per rank (default: the --bandwidth profile's measured rate, else 150e12)")
@@ -143,7 +145,7 @@ def add_bandwidth_arguments(p) -> None:
 def bandwidth_from_args(args):
     from shardc.analysis.costmodel.timing import AlphaBeta, Profile, parse_rate, parse_seconds
     if args.bandwidth:
-        return Profile.load(args.bandwidth)
+        return Profile.load(*args.bandwidth)
     return AlphaBeta(intra=parse_rate(args.intra), inter=parse_rate(args.inter),
                      intra_lat=parse_seconds(args.intra_latency), inter_lat=parse_seconds(args.inter_latency))
 
