@@ -35,6 +35,7 @@ from shardc.dsl.unparse import unparse
 
 from shardc.analysis.costmodel.report import Explained, explain
 from shardc.analysis.costmodel.sizes import UnitSize
+from shardc.analysis.costmodel.timing import duration
 
 # Which scopes a level joins, for each of its four choices.
 CHOICES = ((), ("optim",), ("grads", "optim"), ("params", "grads", "optim"))
@@ -116,32 +117,33 @@ def plan(base: Strategy, units: list[UnitSize], budget: float, *, bandwidth=None
 def why(best: Candidate, runner: Candidate, objective: str = "time") -> str:
     """One line: why `best` ranks above `runner` under `objective`."""
     a, b = best.report.time, runner.report.time
-    ms = lambda x: f"{x * 1e3:.1f} ms" if abs(x) >= 1e-3 or x == 0 else f"{x * 1e6:.1f} us"
     ka, kb = OBJECTIVES[objective](best), OBJECTIVES[objective](runner)
     if ka[:2] == kb[:2]:
-        return (f"#1 and #2 tie on communication ({ms(best.comm_time)}) and step time ({ms(a.total)}); #1 shards "
+        return (f"#1 and #2 tie on communication ({duration(best.comm_time)}) and step time "
+                f"({duration(a.total)}); #1 shards "
                 f"less (p·g·os {best.sharding} vs {runner.sharding})" if ka[2] != kb[2] else
                 f"#1 and #2 tie on time and sharding; #1 needs less memory ({best.memory:,} vs {runner.memory:,} bytes)")
     if objective == "comm":
-        return (f"#1 beats #2 on summed communication time: {ms(best.comm_time)} vs {ms(runner.comm_time)} "
-                f"(Lins' objective; predicted steps {ms(a.total)} vs {ms(b.total)})")
+        return (f"#1 beats #2 on summed communication time: {duration(best.comm_time)} vs "
+                f"{duration(runner.comm_time)} (Lins' objective; predicted steps {duration(a.total)} vs {duration(b.total)})")
     if _s(a.total) < _s(b.total):
-        head = (f"#1 beats #2 by {ms(b.total - a.total)} per step: exposed communication {ms(a.exposed)} vs "
-                f"{ms(b.exposed)}")
+        head = (f"#1 beats #2 by {duration(b.total - a.total)} per step: exposed communication "
+                f"{duration(a.exposed)} vs {duration(b.exposed)}")
         more = {k: b.comm[k] - a.comm[k] for k in a.comm}
         phase = max(more, key=more.get)
         if more[phase] <= 0:
-            return head + (f"; #1 sends no less in any phase ({ms(best.comm_time)} vs {ms(runner.comm_time)} "
-                           f"before overlap) but hides more of it behind compute")
-        return head + (f"; #2 sends {ms(more[phase])} more in the {phase} phase ({ms(b.comm[phase])} vs "
-                       f"{ms(a.comm[phase])} before overlap)")
-    return (f"#1 and #2 tie on step time ({ms(a.total)}: compute hides their communication); #1 sends less: "
-            f"{ms(best.comm_time)} vs {ms(runner.comm_time)} of communication")
+            return head + (f"; #1 sends no less in any phase ({duration(best.comm_time)} vs "
+                           f"{duration(runner.comm_time)} before overlap) but hides more of it behind compute")
+        return head + (f"; #2 sends {duration(more[phase])} more in the {phase} phase "
+                       f"({duration(b.comm[phase])} vs {duration(a.comm[phase])} before overlap)")
+    return (f"#1 and #2 tie on step time ({duration(a.total)}: compute hides their communication); "
+            f"#1 sends less: "
+            f"{duration(best.comm_time)} vs {duration(runner.comm_time)} of communication")
 
 
 def shard_text(c: Candidate, name: str = "planned") -> str:
     """The candidate as a `.shard` file (it loads with `shardc check`)."""
     s = replace(c.report.strategy, name=name, accumulate=c.report.micro_batches)
     t = c.report.time
-    return (f"# written by `shardc plan`: estimated step {t.total * 1e3:.1f} ms, "
+    return (f"# written by `shardc plan`: estimated step {duration(t.total)}, "
             f"{c.memory / 2**30:.2f} GiB peak per rank\n" + unparse(s))

@@ -135,3 +135,11 @@ def test_link_and_profile_are_exclusive(tmp_path):
     with pytest.raises(ShardcError, match="--link and --bandwidth"):
         run_cmd("explain", ["examples/strategies/zero3.shard", "--model", TINY, "--mesh", "node(2) > gpu(2)",
                             "--bandwidth", str(f), "--link", "node=1GB/s"])
+
+
+def test_printed_times_read_in_their_own_unit():
+    # `plan` and `explain` print µs below 1 ms, ms below 10 s, seconds above (Lins' 30B
+    # on one node plans steps of 756 s, unreadable as 755920.3 ms).
+    from shardc.analysis.costmodel.timing import duration
+    assert [duration(x) for x in (0.0, 2e-5, 1.1015, 9.99, 755.92)] == \
+        ["0.0 ms", "20.0 us", "1101.5 ms", "9990.0 ms", "755.92 s"]

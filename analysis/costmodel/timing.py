@@ -318,6 +318,14 @@ def parse_rate(text: str) -> float:
     return value * scale / (8 if bits else 1)
 
 
+def duration(seconds: float) -> str:
+    """Seconds as people read them: '12.3 us' below 1 ms, '1101.5 ms' below 10 s, '755.92 s'
+    above (the planner's and `explain`'s printed times; JSON keeps seconds)."""
+    if seconds != 0 and abs(seconds) < 1e-3:
+        return f"{seconds * 1e6:.1f} us"
+    return f"{seconds * 1e3:.1f} ms" if abs(seconds) < 10 else f"{seconds:.2f} s"
+
+
 def parse_seconds(text: str) -> float:
     """'5us', '0.1ms', '2e-5' -> seconds."""
     m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(s|ms|us|ns)?\s*", str(text))

@@ -83,6 +83,7 @@ def run(args) -> int:
 
 def render(e) -> None:
     from rich.console import Console
+    from shardc.analysis.costmodel.timing import duration
     from rich.table import Table
 
     s = e.strategy
@@ -113,9 +114,9 @@ def render(e) -> None:
     lk.add_row("intra (all others)", f"{round(e.intra):,}", human_bytes(e.intra))
     con.print(lk)
     t = e.time
-    con.print(f"step time estimate: {t.total * 1e3:.1f} ms (compute {t.compute * 1e3:.1f} ms, exposed "
-              f"communication {t.exposed * 1e3:.1f} ms; " +
-              ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.comm.items()) + ")")
+    con.print(f"step time estimate: {duration(t.total)} (compute {duration(t.compute)}, exposed "
+              f"communication {duration(t.exposed)}; " +
+              ", ".join(f"{k} {duration(v)}" for k, v in t.comm.items()) + ")")
     r, pk = e.rates, e.peak
     con.print(f"throughput: {r['tokens_per_s']:,.0f} tokens/s per rank, MFU {100 * r['mfu']:.1f} %")
     con.print(f"peak memory per rank: {human_bytes(pk['peak'])} = states {human_bytes(pk['states'])} + gathered "

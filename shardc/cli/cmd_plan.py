@@ -124,6 +124,7 @@ def row(c) -> dict:
 
 def render(cands, fit, args, budget) -> None:
     from rich.console import Console
+    from shardc.analysis.costmodel.timing import duration
     from rich.table import Table
 
     con = Console(width=max(Console().width, 150))
@@ -139,7 +140,7 @@ def render(cands, fit, args, budget) -> None:
     for i, c in enumerate(fit[:args.top], 1):
         sc, r = c.scopes, c.report
         t.add_row(str(i), short(sc.params.levels), short(sc.grads.levels), short(sc.optim.levels), r.algo.value,
-                  human_bytes(c.memory), human_bytes(r.inter), human_bytes(r.intra), f"{c.step_time * 1e3:.1f} ms")
+                  human_bytes(c.memory), human_bytes(r.inter), human_bytes(r.intra), duration(c.step_time))
     con.print(t)
     if len(fit) > 1:
         from shardc.analysis.planner import why
