@@ -83,8 +83,9 @@ def run(args) -> int:
 
 def render(e) -> None:
     from rich.console import Console
-    from shardc.analysis.costmodel.timing import duration
     from rich.table import Table
+
+    from shardc.analysis.costmodel.timing import duration
 
     s = e.strategy
     con = Console()

@@ -124,8 +124,9 @@ def row(c) -> dict:
 
 def render(cands, fit, args, budget) -> None:
     from rich.console import Console
-    from shardc.analysis.costmodel.timing import duration
     from rich.table import Table
+
+    from shardc.analysis.costmodel.timing import duration
 
     con = Console(width=max(Console().width, 150))
     mesh = cands[0].report.strategy.mesh
