@@ -111,3 +111,14 @@ def test_unlike_profiles_are_refused_naming_the_file(tmp_path, capsys, edit, say
     assert main(EXPLAIN + ["--bandwidth", a, "--bandwidth", b]) != 0
     err = capsys.readouterr().err
     assert says in err and "odd.json" in err and "Traceback" not in err
+
+
+def test_the_merge_ignores_file_order_and_a_repeated_file(three):
+    # A median does not depend on the order of its samples, and merging a file with
+    # itself changes nothing.
+    import itertools
+    from shardc.analysis.costmodel.timing import Profile
+    files, median = three
+    merged = [Profile.load(*order).entries for order in itertools.permutations(files)]
+    assert all(m == merged[0] for m in merged)
+    assert Profile.load(median, median, median).entries == Profile.load(median).entries
