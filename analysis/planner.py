@@ -120,8 +120,8 @@ def why(best: Candidate, runner: Candidate, objective: str = "time") -> str:
     ka, kb = OBJECTIVES[objective](best), OBJECTIVES[objective](runner)
     if ka[:2] == kb[:2]:
         return (f"#1 and #2 tie on communication ({duration(best.comm_time)}) and step time "
-                f"({duration(a.total)}); #1 shards "
-                f"less (p·g·os {best.sharding} vs {runner.sharding})" if ka[2] != kb[2] else
+                f"({duration(a.total)}); #1 shards less (p·g·os {best.sharding} vs {runner.sharding})"
+                if ka[2] != kb[2] else
                 f"#1 and #2 tie on time and sharding; #1 needs less memory ({best.memory:,} vs {runner.memory:,} bytes)")
     if objective == "comm":
         return (f"#1 beats #2 on summed communication time: {duration(best.comm_time)} vs "
@@ -137,8 +137,7 @@ def why(best: Candidate, runner: Candidate, objective: str = "time") -> str:
         return head + (f"; #2 sends {duration(more[phase])} more in the {phase} phase "
                        f"({duration(b.comm[phase])} vs {duration(a.comm[phase])} before overlap)")
     return (f"#1 and #2 tie on step time ({duration(a.total)}: compute hides their communication); "
-            f"#1 sends less: "
-            f"{duration(best.comm_time)} vs {duration(runner.comm_time)} of communication")
+            f"#1 sends less: {duration(best.comm_time)} vs {duration(runner.comm_time)} of communication")
 
 
 def shard_text(c: Candidate, name: str = "planned") -> str:

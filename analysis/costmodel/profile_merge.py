@@ -11,7 +11,7 @@ median, and the compute rate by up to 6.6 %, which moves predictions of strategi
 apart past one another. Profiles taken at different times are merged entry by entry:
 each entry's `seconds` and `cpu_seconds` are the median over the files, as `shardc
 profile` already takes the median over its runs and sweeps ([Note: a robust collective
-time]); `busbw` follows from the merged seconds. The compute record merges the same way:
+time]). The compute record merges the same way:
 the median `seconds` and `cpu_seconds`, and the rate is the traced FLOPs over the median
 seconds. Every file must describe the same mesh, time the same entries and (when any
 has one) the same compute run; otherwise the merge names the file and what differs
@@ -51,8 +51,6 @@ def _merge_entries(docs: list[dict], paths: list[str]) -> list[dict]:
         e = dict(first)
         e["seconds"] = _med(t[k]["seconds"] for t in tables)
         e["cpu_seconds"] = _med(t[k].get("cpu_seconds") for t in tables)
-        if first.get("busbw") is not None:
-            e["busbw"] = first["busbw"] * float(first["seconds"]) / e["seconds"]
         out.append(e)
     return out
 
@@ -91,7 +89,6 @@ def merge(docs: list[dict], paths: list[str]) -> dict:
     compute = _merge_compute(docs, paths)
     if compute is not None:
         out["compute"] = compute
-    out["merged_from"] = list(paths)
     return out
 
 
