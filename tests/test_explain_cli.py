@@ -117,6 +117,39 @@ def test_bandwidth_profile_drives_the_time(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error: cannot read bandwidth profile")
 
 
+def test_a_profile_of_another_mesh_is_refused(tmp_path, capsys):
+    # A measured collective's time is its group's: a node(2) > gpu(2) profile says nothing
+    # of a 4-node ring. explain and plan refuse it in one line naming both meshes.
+    from shardc.cli import main
+    prof = tmp_path / "bw.json"
+    entries = [{"op": op, "levels": [lvl], "algo": "ring", "bytes": 1e6, "seconds": 1e-3, "busbw": 0}
+               for op in ("all_gather", "reduce_scatter", "all_reduce") for lvl in ("gpu", "node")]
+    prof.write_text(json.dumps({"mesh": [{"name": "node", "size": 2}, {"name": "gpu", "size": 2}], "entries": entries}))
+    model = ["--model", "examples/llama.py:llama_tiny", "--bandwidth", str(prof), "--no-graph"]
+    assert main(["explain", IIG, "--mesh", "node(2) > gpu(2)", "--json", *model]) == 0
+    capsys.readouterr()
+    for argv in (["explain", IIG, "--mesh", "node(4) > gpu(2)", *model],
+                 ["plan", "--mesh", "node(4) > gpu(2)", "--memory", "1GiB", *model]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "measured on mesh node(2) > gpu(2)" in err[0] and "node(4) > gpu(2)" in err[0]
+
+
+def test_slow_rates_print_readably(capsys):
+    # A 7B model at a CPU's rate: 0.21 tokens/s, not "0 tokens/s, MFU 0.0 %".
+    from shardc.cli import main
+    assert main(["explain", IIG, "--model", "examples/llama.py:llama_7b", "--world", "16", "--mesh", "node(2) > gpu(8)",
+                 "--flops", "1e10", "--no-graph"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("throughput:"))
+    tps, mfu = float(line.split()[1]), float(line.split("MFU ")[1].split()[0])
+    assert 0 < tps < 1 and 0 < mfu < 0.01
+
+
+def test_seq_must_be_positive():
+    r = shardc("explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)", "--seq", "0")
+    assert r.returncode == 2 and "--seq: expected a positive integer, got 0" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_passes_select_the_plan_the_time_model_predicts(capsys):
     # `--passes` as for `shardc compile`: without defer_update, PaRO-IIG's update all-gather
     # (across nodes, 12.5 GB/s) no longer hides behind the next forward, so the step is

@@ -119,12 +119,18 @@ def render(e) -> None:
               f"communication {duration(t.exposed)}; " +
               ", ".join(f"{k} {duration(v)}" for k, v in t.comm.items()) + ")")
     r, pk = e.rates, e.peak
-    con.print(f"throughput: {r['tokens_per_s']:,.0f} tokens/s per rank, MFU {100 * r['mfu']:.1f} %")
+    con.print(f"throughput: {_readable(r['tokens_per_s'])} tokens/s per rank, MFU {_readable(100 * r['mfu'])} %")
     con.print(f"peak memory per rank: {human_bytes(pk['peak'])} = states {human_bytes(pk['states'])} + gathered "
               f"units {human_bytes(pk['gathered'])} + activations {human_bytes(pk['activations'])} + overhead "
               f"{human_bytes(pk['overhead'])}; dominated by {pk['dominant']}")
     for w in s.warnings:
         con.print(w, markup=False, highlight=False)
+
+
+def _readable(x: float) -> str:
+    """A rate as printed: whole above 100, one decimal above 1, two significant digits below
+    (a CPU-rate prediction of a 7B model runs at 0.32 tokens/s, not "0")."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 1 else f"{x:.2g}"
 
 
 # -- options shared with `shardc plan` ------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+from shardc.cli.argtypes import positive_int
 from shardc.dsl.errors import ShardcError
 
 
@@ -20,7 +21,7 @@ def add_prediction_arguments(g) -> None:
     g.add_argument("--tflops", type=float, help="achievable TFLOP/s per rank (replaces --flops)")
     g.add_argument("--peak-tflops", type=float, default=312.0,
                    help="peak TFLOP/s per rank that MFU divides by (default 312: A100/A800 bf16 dense)")
-    g.add_argument("--seq", type=int, help="sequence length (default: --tokens, one sequence per micro-batch)")
+    g.add_argument("--seq", type=positive_int, help="sequence length (default: --tokens, one sequence per micro-batch)")
     g.add_argument("--checkpoint", action="store_true", help="activation checkpointing of every non-root unit")
     g.add_argument("--overhead", metavar="BYTES",
                    help="framework memory per rank counted in the peak (default 2GiB: CUDA context, buffers)")
@@ -51,8 +52,11 @@ def overhead(args):
 
 
 def links(args, fallback, mesh):
-    """`--link` options over the two-tier fallback, checked against the mesh."""
+    """`--link` options over the fallback (the two tiers, or a measured profile, which
+    must be of this mesh), checked against the mesh."""
     if not args.link:
+        if hasattr(fallback, "check"):
+            fallback.check(mesh)
         return fallback
     if getattr(args, "bandwidth", None):
         raise ShardcError("--link and --bandwidth both describe the links; give a measured profile or --link, not both")
