@@ -194,3 +194,13 @@ def test_cli_writes_the_module(tmp_path):
     src = out.read_text()
     compile(src, str(out), "exec")
     assert "def shard_model(model):" in src and "rt.run_unit(1, " in src
+
+
+def test_cli_unwritable_output_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")                         # a file where the output's directory should be
+    r = subprocess.run([sys.executable, "-m", "shardc.cli", "compile", "examples/strategies/zero3.shard",
+                        "--model", "examples/gpt.py:tiny", "--mesh", "node(2) > gpu(2)", "-o", str(blocker / "out.py")],
+                       capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
+    assert r.returncode == 1 and r.stderr.startswith(f"error: cannot write {blocker / 'out.py'}: ")
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1

@@ -77,10 +77,12 @@ def run(args) -> int:
                                   passes=parse_passes(args.passes))
     for warning in plan.strategy.warnings:
         print(warning, file=sys.stderr)
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    os.makedirs(out_dir, exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as f:
-        f.write(source)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(source)
+    except OSError as e:
+        raise ShardcError(f"cannot write {args.output}: {e.strerror or e}") from None
     print(f"wrote {args.output}: strategy {plan.strategy.name} on {plan.strategy.mesh}, "
           f"{len(plan.units)} units, capture {plan.capture}")
     return 0
