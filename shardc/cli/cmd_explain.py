@@ -129,7 +129,7 @@ def render(e) -> None:
 
 def _readable(x: float) -> str:
     """A rate as printed: whole above 100, one decimal above 1, two significant digits below
-    (a CPU-rate prediction of a 7B model runs at 0.32 tokens/s, not "0")."""
+    (a 7B model predicted at a CPU's rate runs at a fraction of a token per second, not "0")."""
     return f"{x:,.0f}" if x >= 100 else f"{x:.1f}" if x >= 1 else f"{x:.2g}"
 
 
