@@ -84,6 +84,8 @@ def test_nothing_fits_is_one_clear_error(tmp_path):
         run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", "lots"])
     with pytest.raises(ShardcError, match=r"memory size '80' has no unit; write e\.g\. 80GiB or 80GB"):
         run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", "80"])
+    with pytest.raises(ShardcError, match=r"memory size '0GiB' must be positive"):
+        run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", "0GiB"])
 
 
 def test_compute_bound_ties_go_to_the_least_communication(capsys):

@@ -23,8 +23,10 @@ from shardc.cli.cmd_explain import (
 def parse_memory(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9.]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     unit = m.group(2) if m else ""
-    if not m or byte_scale(unit) is None or float(m.group(1)) <= 0:
+    if not m or byte_scale(unit) is None:
         raise ShardcError(f"cannot read memory size {text!r}; write e.g. 80GiB or 40GB")
+    if float(m.group(1)) <= 0:
+        raise ShardcError(f"memory size {text!r} must be positive; write e.g. 80GiB or 40GB")
     if not unit:
         raise ShardcError(f"memory size {text!r} has no unit; write e.g. {m.group(1)}GiB or {m.group(1)}GB "
                           f"(B, KB/KiB, MB/MiB, GB/GiB or TB/TiB)")
