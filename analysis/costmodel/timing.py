@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from math import prod
 
 from shardc.dsl.errors import ShardcError
-from shardc.dsl.ir import Collectives, Mesh, Strategy
+from shardc.dsl.ir import Collectives, Level, Mesh, Strategy
 from shardc.dsl.sizes import prefix_scale
 
 from shardc.analysis.costmodel.ledger import counted_rows
@@ -85,7 +85,7 @@ class Profile:
     entries: dict
     compute: dict | None = None
     files: int = 1                       # > 1: merged, the median of each entry
-    mesh: tuple = ()                     # ((level, size), ...) it was measured on; () if unrecorded
+    mesh: Mesh | None = None             # the mesh it was measured on; None if unrecorded
 
     def __str__(self) -> str:
         rate = "" if self.flops is None else f", compute {self.flops / 1e9:.3g} GFLOP/s per rank"
@@ -115,16 +115,16 @@ class Profile:
             compute = data.get("compute")
             if compute is not None and float(compute["flops_per_s"]) <= 0:
                 raise ValueError("compute.flops_per_s must be positive")
-            mesh = tuple((m["name"], int(m["size"])) for m in data.get("mesh") or ())
+            levels = tuple(Level(m["name"], int(m["size"])) for m in data.get("mesh") or ())
         except (ValueError, KeyError, TypeError) as e:
             raise ShardcError(f"cannot read bandwidth profile{what}: {e}") from None
-        return cls({k: tuple(sorted(v)) for k, v in table.items()}, compute, len(paths), mesh)
+        return cls({k: tuple(sorted(v)) for k, v in table.items()}, compute, len(paths),
+                   Mesh(levels) if levels else None)
 
     def check(self, mesh: Mesh) -> None:
         """A measured collective's time is its group's: refuse a profile of another mesh."""
-        if self.mesh and self.mesh != tuple((l.name, l.size) for l in mesh.levels):
-            text = " > ".join(f"{n}({k})" for n, k in self.mesh)
-            raise ShardcError(f"the bandwidth profile was measured on mesh {text}, the strategy runs on {mesh}; "
+        if self.mesh is not None and self.mesh != mesh:
+            raise ShardcError(f"the bandwidth profile was measured on mesh {self.mesh}, the strategy runs on {mesh}; "
                               f"profile that mesh (`shardc profile --mesh`) or describe its links with --link")
 
     @property
