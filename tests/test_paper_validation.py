@@ -218,16 +218,42 @@ def test_lins_table_iii_pick_is_within_1pct_of_the_best_step(size):
 # the same 4M-token batch as 128 micro-batches of one sequence (§VI-A: M = 128). There,
 # sharding the parameters or gradients costs a collective per micro-batch, so memory decides.
 LINS_NODE_MESH, LINS_NODE_M = "gpu(2) > lane(4)", 128
-MISS_III_NODE_13B = ("known miss (4th of 4 that fit, 1.32x the least): params over 2 GPUs with grads over 8 "
-                     "fit in 71.4 GiB and gather half as much per micro-batch; Lins' pick (68.4 GiB) "
-                     "wins only if that layout did not fit Lins' memory model or its 2-GPU all-gather "
-                     "was profiled slower, and the paper gives neither")
+MISS_III_NODE_13B = ("disagrees on purpose (4th of 4 that fit, 1.32x the least): Lins gives s_g > s_p an "
+                     "all-reduce over s_g/s_p GPUs with select & drop (IV-C), under which params over 2 with "
+                     "grads over 8 and its pick send the same bytes and its profiled bandwidths break the tie; "
+                     "shardc reduce-scatters straight to the gradients' scope, which sends less "
+                     "(test_lins_13b_one_node_bytes_per_micro_batch)")
 
 
 @pytest.mark.parametrize("size", ["7b", pytest.param("13b", marks=pytest.mark.xfail(strict=True, reason=MISS_III_NODE_13B)),
                                   "30b"])
 def test_lins_table_iii_pick_has_the_least_communication_on_one_node(size):
     assert _lins_plan(size, "comm", LINS_NODE_MESH, LINS_NODE_M)[0] == 1     # its rank
+
+
+def test_lins_13b_one_node_bytes_per_micro_batch():
+    # Per rank and micro-batch, bf16 (2 bytes per parameter), Φ parameters, Φ_r of them in
+    # the root, which the backward does not re-gather. Lins' pick (params and grads over 4):
+    # gather 3/4 of 2Φ forward and of 2(Φ - Φ_r) backward, reduce-scatter 3/4 of 2Φ. Params
+    # over 2, grads over 8: gather 1/2 of each, reduce-scatter 7/8 of 2Φ straight to the
+    # gradients' scope. (Lins' executor: reduce-scatter 1/2 of 2Φ, then all-reduce the
+    # shard Φ over 4 GPUs, 2·3/4·Φ: 4.5Φ, as its pick sends when Φ_r = 0.)
+    from dataclasses import replace
+    from shardc.analysis.costmodel.report import explain
+    units, graph = _lins_model("13b", mesh=LINS_NODE_MESH)
+    phi, root = sum(u.trainable for u in units), units[0].trainable
+
+    def per_micro_batch(p, g, o):
+        s = _strategy(LINS_NODE_MESH, p, g, o)
+        us = [replace(u, scopes=s.scopes) for u in units]
+        total = [sum(explain(s, us, micro_batches=m, bandwidth=_links(), graph=graph).links.values())
+                 for m in (1, 2)]
+        return total[1] - total[0]
+
+    pick = per_micro_batch(("lane",), ("lane",), NODE)
+    other = per_micro_batch(("gpu",), NODE, NODE)
+    assert pick == pytest.approx(3 / 4 * 2 * phi + 3 / 4 * 2 * (phi - root) + 3 / 4 * 2 * phi, rel=1e-6)
+    assert other == pytest.approx(1 / 2 * 2 * phi + 1 / 2 * 2 * (phi - root) + 7 / 8 * 2 * phi, rel=1e-6)
 
 
 @pytest.mark.parametrize("size", ["7b", "13b", "30b"])
