@@ -27,6 +27,11 @@ LINS_MESH = "node(128) > gpu(2) > lane(4)"      # lane(4) expresses Lins' s = 4 
 # 7B at 1024 GPUs, 36 % MFU (§I), which is not among the figures validated here. 6.5 GB/s
 # (52 % of nominal) reproduces it; every other 1024-GPU figure is then a prediction.
 LINS_NODE_BW = 6.5e9
+# [Note: NVLink as two levels] `gpu` and `lane` are one NVLink per GPU split in two mesh
+# levels, each given 200 GB/s; a flat ring over both spreads its in-node bytes over the
+# two, so an 8-GPU ring in a node runs at 4/3 the bandwidth of a 4-GPU one. Counted as
+# one link, the MFU checks move by at most 0.2 %, but Table III on one node does not
+# hold: 30B's pick falls to 2nd (docs/explain.md, "NVLink as two levels").
 LINS_LINKS = (("node", LINS_NODE_BW, None), ("gpu", 200e9, None), ("lane", 200e9, None))
 CHECKPOINT = {"7b": False, "13b": False, "30b": True}   # Lins §V-A: recomputation for 30B only
 # Lins Table III, as (params, grads, optim) levels on LINS_MESH.
