@@ -52,6 +52,52 @@ def test_ho_ring_against_flat_ring_on_paro_setting():
     assert bw.seconds("all_gather", lv, v, mesh, Collectives.HO_RING) == pytest.approx(max(inter, intra) + min(inter, intra) / 4)
 
 
+def test_levels_on_one_link():
+    # [Note: shared links]: gpu(2) > lane(4) is one 8-GPU node; `lane=gpu` puts lane's
+    # traffic on gpu's links, so a flat ring over the node is one ring of 8 on one link.
+    from shardc import load_strategy
+    mesh = load_strategy("strategy a\nmesh node(2) > gpu(2) > lane(4)\n").mesh
+    apart = _links("node=25GB/s@20us", "gpu=200GB/s@5us", "lane=200GB/s@5us")
+    one = _links("node=25GB/s@20us", "gpu=200GB/s@5us", "lane=gpu")
+    v = 8e9
+    ring8 = 7 * 5e-6 + 7 / 8 * v / 200e9
+    assert one.seconds("all_gather", ("gpu", "lane"), v, mesh, Collectives.RING) == pytest.approx(ring8)
+    # apart, the ring's bytes split 2:6 over the two links (links.flat_ring's edge counts)
+    assert apart.seconds("all_gather", ("gpu", "lane"), v, mesh, Collectives.RING) == pytest.approx(
+        7 * 5e-6 + 6 / 8 * 7 / 8 * v / 200e9)
+    assert one.seconds("all_gather", ("lane",), v, mesh, Collectives.RING) == pytest.approx(3 * 5e-6 + 3 / 4 * v / 200e9)
+    # ho-ring: gpu's and lane's stages run one after the other on their one link
+    node = 4 * 20e-6 + v / 8 / 2 / 25e9
+    gpu, lane = 4 * 5e-6 + v / 4 / 2 / 200e9, 3 * (4 * 5e-6 + v / 4 / 200e9)
+    inside = gpu + lane
+    lv = ("node", "gpu", "lane")
+    assert one.seconds("all_gather", lv, v, mesh, Collectives.HO_RING) == pytest.approx(
+        max(node, inside) + min(node, inside) / 4)
+    assert str(one).startswith("per-level links: node 25 GB/s + 20 us, gpu 200 GB/s + 5 us, lane on gpu's links")
+    with pytest.raises(ShardcError, match="'lane' must be a level with links of its own"):
+        _links("gpu=lane", "lane=gpu").check(mesh)
+    with pytest.raises(ShardcError, match="not on the mesh"):
+        _links("lane=rack").check(mesh)
+    with pytest.raises(ShardcError, match="twice"):
+        _links("lane=gpu", "lane=200GB/s")
+
+
+def test_the_step_replays_levels_on_one_link_as_one():
+    # pipeline.py queues every collective on the link it goes through: with lane=gpu no
+    # collective waits on a `lane` link of its own.
+    from shardc import load_strategy
+    from shardc.analysis.costmodel.pipeline import waits_of
+    from shardc.analysis.costmodel.timing import phase_costs
+    from shardc.lowering import UnitSize, lower
+    s = load_strategy("strategy a\nmesh node(2) > gpu(2) > lane(4)\nparams shard over lane\n"
+                      "grads shard over gpu, lane\noptim shard over gpu, lane\n")
+    units = [UnitSize(f"u{i}", 1000, 0, s.scopes, root=i == 0) for i in range(3)]
+    plan = lower(s.mesh, units, 1)
+    parts = lambda bw: {k for w in waits_of(plan, s.mesh, bw, Collectives.RING, phase_costs)[:3] for p in w for k in p}
+    assert parts(_links("node=25GB/s", "gpu=200GB/s", "lane=200GB/s")) == {"gpu", "lane"}
+    assert parts(_links("node=25GB/s", "gpu=200GB/s", "lane=gpu")) == {"gpu"}
+
+
 @pytest.fixture(scope="module")
 def tiny_graph():
     from shardc import load_strategy

@@ -44,7 +44,8 @@ def crossover_bytes(strategy: Strategy, bandwidth=None) -> int:
     for g in plan.groups:
         for r in g.rows:
             def t(v):
-                return collective_seconds(r.op.value, r.levels, v, mesh, algo, lambda lv: bw.link(mesh, lv))
+                return collective_seconds(r.op.value, r.levels, v, mesh, algo, lambda lv: bw.link(mesh, lv),
+                                          getattr(bw, "key", None))
             a = t(0.0)
             slope = (t(float(PROBE_BYTES)) - a) / PROBE_BYTES
             if a > 0 and slope > 0:

@@ -3,7 +3,8 @@
 Input: a collective (op, the mesh levels it spans, its logical bytes V), the mesh, the
 algorithm (ring, hierarchical, HO-Ring) and a link per level: bandwidth per rank
 (bytes/s) and latency per ring step. Output: seconds. `LevelLinks` holds links for
-any number of levels (`--link node=25GB/s --link gpu=200GB/s --link gcd=50GB/s`);
+any number of levels (`--link node=25GB/s --link gpu=200GB/s --link gcd=50GB/s`), and
+levels that share another level's links (`--link lane=gpu`, [Note: shared links]);
 `AlphaBeta` in `timing.py` is its two-tier shorthand (`--intra/--inter`).
 
 [Note: flat ring over several levels]
@@ -24,6 +25,16 @@ stages on both link tiers at once, pipelined over HO_RING_CHUNKS pieces (PaRO §
 each stage pays `chunks` latencies, and the time is the slowest stage plus the
 others' share of one chunk, max t_i + (Σ t_i − max t_i)/chunks. An all-to-all (qgZ)
 is always one flat exchange.
+
+[Note: shared links]
+Mesh levels are how a strategy names groups, and a group of 4 of a node's 8 GPUs needs
+two levels inside the node (`gpu(2) > lane(4)`) whose traffic goes through one NVLink
+port per GPU. `--link lane=gpu` says so: `lane` has `gpu`'s link, and a flat ring's
+bytes on the two levels add up on that one link (given apart, an 8-GPU ring in the
+node would spread its bytes over two links and run 4/3 as fast as a 4-GPU ring). The
+stages of `ho-ring` that share a link run one after the other on it, as one stage of
+their summed time; the step pipeline queues collectives of either level on the one
+link (pipeline.py). Every other level has a link of its own.
 """
 from __future__ import annotations
 
@@ -53,65 +64,86 @@ def combine(stages: list[float], algo: Collectives) -> float:
     return sum(stages)
 
 
-def collective_seconds(op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives, link) -> float:
-    """Seconds of one collective; `link(level) -> (latency s, bytes/s)`."""
+def collective_seconds(op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives, link,
+                       key=None) -> float:
+    """Seconds of one collective; `link(level) -> (latency s, bytes/s)`; `key(level)`: the
+    link a level's traffic goes through (default its own; [Note: shared links])."""
+    key = key or (lambda l: l)
     sizes = stage_sizes(mesh, levels)
     if not sizes:
         return 0.0
     if len(sizes) == 1 or algo == Collectives.RING or op == "all_to_all":
         p = prod(s for _, s in sizes)
-        per_level = flat_ring(op, sizes, nbytes)
-        wire = max(b / link(l)[1] for l, b in per_level.items())
+        on: dict[str, list] = {}
+        for l, b in flat_ring(op, sizes, nbytes).items():
+            on.setdefault(key(l), [0.0, link(l)[1]])[0] += b
+        wire = max(b / w for b, w in on.values())
         return FACTOR[op] * (p - 1) * max(link(l)[0] for l, _ in sizes) + wire
     chunks = HO_RING_CHUNKS if algo == Collectives.HO_RING else 1
-    stages = []
+    stages: dict[str, float] = {}
     for i, (l, s) in enumerate(sizes):
         alpha, w = link(l)
         v = nbytes / prod(x for _, x in sizes[i + 1:])
-        stages.append(FACTOR[op] * (s - 1) * (chunks * alpha + v / (s * w)))
-    return combine(stages, algo)
+        stages[key(l)] = stages.get(key(l), 0.0) + FACTOR[op] * (s - 1) * (chunks * alpha + v / (s * w))
+    return combine(list(stages.values()), algo)
 
 
 @dataclass(frozen=True, slots=True)
 class LevelLinks:
     """One link per named mesh level: `((level, bytes/s, latency s), ...)`, outermost first
-    as given; a level not named uses `fallback` (an `AlphaBeta`, the two-tier default)."""
+    as given; `shared`: `((level, owner), ...)`, levels whose traffic goes through another
+    level's links ([Note: shared links]); a level not named uses `fallback` (an
+    `AlphaBeta`, the two-tier default)."""
     links: tuple
     fallback: object
+    shared: tuple = ()
 
     def __str__(self) -> str:
-        named = ", ".join(f"{l} {w / 1e9:g} GB/s" + ("" if a is None else f" + {a * 1e6:g} us")
-                          for l, w, a in self.links)
-        return f"per-level links: {named} (other levels: {self.fallback})"
+        named = [f"{l} {w / 1e9:g} GB/s" + ("" if a is None else f" + {a * 1e6:g} us") for l, w, a in self.links]
+        named += [f"{l} on {o}'s links" for l, o in self.shared]
+        return f"per-level links: {', '.join(named)} (other levels: {self.fallback})"
+
+    def key(self, level: str) -> str:
+        """The level whose links carry `level`'s traffic."""
+        return dict(self.shared).get(level, level)
 
     def link(self, mesh: Mesh, level: str) -> tuple[float, float]:
         """(latency, bytes/s); a link given without latency keeps its tier's default."""
+        level = self.key(level)
         for name, w, a in self.links:
             if name == level:
                 return (self.fallback.link(mesh, level)[0] if a is None else a), w
         return self.fallback.link(mesh, level)
 
     def check(self, mesh: Mesh) -> None:
-        for name, _, _ in self.links:
+        for name in [n for n, _, _ in self.links] + [n for s in self.shared for n in s]:
             if name not in mesh.names:
                 raise ShardcError(f"--link names level {name!r}, which is not on the mesh {mesh}")
+        for level, owner in self.shared:
+            if owner == level or owner in dict(self.shared):
+                raise ShardcError(f"--link {level}={owner}: {owner!r} must be a level with links of its own")
 
     def seconds(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
-        return collective_seconds(op, levels, nbytes, mesh, algo, lambda l: self.link(mesh, l))
+        return collective_seconds(op, levels, nbytes, mesh, algo, lambda l: self.link(mesh, l), self.key)
 
 
 def parse_links(specs, fallback, parse_rate, parse_seconds) -> LevelLinks:
-    """`["node=25GB/s", "gpu=200GB/s@5us"]` -> LevelLinks (latency after `@`, else the
-    fallback's latency for that level's tier)."""
-    out = []
+    """`["node=25GB/s", "gpu=200GB/s@5us", "lane=gpu"]` -> LevelLinks (latency after `@`,
+    else the fallback's latency for that level's tier; a level name after `=`: that
+    level's links, [Note: shared links])."""
+    out, shared = [], []
     for spec in specs:
         name, eq, rest = str(spec).partition("=")
-        if not eq or not name.strip() or not rest.strip():
-            raise ShardcError(f"cannot read --link {spec!r}; write LEVEL=BANDWIDTH[@LATENCY], e.g. node=25GB/s@20us")
-        rate, at, lat = rest.partition("@")
-        name = name.strip()
-        if any(n == name for n, _, _ in out):
+        name, rest = name.strip(), rest.strip()
+        if not eq or not name or not rest:
+            raise ShardcError(f"cannot read --link {spec!r}; write LEVEL=BANDWIDTH[@LATENCY], e.g. node=25GB/s@20us, "
+                              "or LEVEL=OTHER_LEVEL for a level on another level's links")
+        if any(n == name for n, _, _ in out) or any(n == name for n, _ in shared):
             raise ShardcError(f"--link names level {name!r} twice; give each level one link")
+        if rest.isidentifier():
+            shared.append((name, rest))
+            continue
+        rate, at, lat = rest.partition("@")
         latency = parse_seconds(lat) if at else None
         out.append((name, parse_rate(rate), latency))
-    return LevelLinks(tuple(out), fallback)
+    return LevelLinks(tuple(out), fallback, tuple(shared))

@@ -15,7 +15,7 @@ each micro-batch is replayed event by event: the cores run the units' compute in
 each link runs the collectives issued on it one at a time, in issue order (a
 collective's link wait only), and different links run at once. A collective's link is
 the outermost level its group spans (`node`: the NICs; `gpu`: within a node), the one
-that bounds it. A collective goes out when the cores reach the point that issues it,
+that bounds it, or the level whose links it shares ([Note: shared links] in network.py). A collective goes out when the cores reach the point that issues it,
 or when its link comes free. Forward, a unit's compute
 (a third of the micro-batch, split by its share) starts once its gather is in: the
 root's stage issues first, each stage issues its prefetches, and the root's own compute
@@ -74,11 +74,13 @@ class Waits(NamedTuple):
 def waits_of(plan, mesh: Mesh, bw, algo: Collectives, costs) -> Waits:
     """Every unit's link waits, by the role the engine gives them (`costs` =
     timing.phase_costs)."""
+    on = getattr(bw, "key", lambda level: level)     # [Note: shared links] in network.py
+
     def w(i, phase, keep=lambda r: True) -> Parts:
         out: Parts = {}
         for r in (r for g in plan.units[i].groups for r in g.rows if r.phase is phase and keep(r)):
             cost, busy = costs([(r, 1)], mesh, bw, algo)
-            out[r.levels[0]] = out.get(r.levels[0], 0.0) + cost[phase.value] - busy[phase.value]
+            out[on(r.levels[0])] = out.get(on(r.levels[0]), 0.0) + cost[phase.value] - busy[phase.value]
         return out
 
     def sync(i) -> tuple[Parts, Parts | None]:
