@@ -82,6 +82,23 @@ def test_levels_on_one_link():
         _links("lane=gpu", "lane=200GB/s")
 
 
+def test_explain_with_a_level_on_another_levels_links(tmp_path, capsys):
+    # Real strategy text through explain: a node split as gpu(2) > lane(4) with lane on
+    # gpu's links predicts what the same node as one level gpu(8) predicts.
+    def explain(mesh, scope, *links):
+        f = tmp_path / f"{scope.replace(', ', '_')}.shard"
+        f.write_text(f"strategy s\nmesh {mesh}\nparams shard over {scope}\ngrads shard over {scope}\n"
+                     f"optim shard over {scope}\ncollectives ring\n")
+        assert run_cmd("explain", [str(f), "--model", TINY, "--tokens", "16", "--seq", "8", "--tflops", "1e-3",
+                                   "--link", "gpu=20GB/s@5us", *links, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["time"]
+    one = explain("gpu(8)", "gpu")
+    split = explain("gpu(2) > lane(4)", "gpu, lane", "--link", "lane=gpu")
+    apart = explain("gpu(2) > lane(4)", "gpu, lane", "--link", "lane=20GB/s@5us")
+    assert split["total"] == pytest.approx(one["total"], rel=1e-9)
+    assert apart["total"] < split["total"]          # two links carry the ring faster
+
+
 def test_the_step_replays_levels_on_one_link_as_one():
     # pipeline.py queues every collective on the link it goes through: with lane=gpu no
     # collective waits on a `lane` link of its own.
