@@ -15,8 +15,9 @@ each micro-batch is replayed event by event: the cores run the units' compute in
 each link runs the collectives issued on it one at a time, in issue order (a
 collective's link wait only), and different links run at once. A collective's link is
 the outermost level its group spans (`node`: the NICs; `gpu`: within a node), the one
-that bounds it, or the level whose links it shares ([Note: shared links] in network.py). A collective goes out when the cores reach the point that issues it,
-or when its link comes free. Forward, a unit's compute
+that bounds it, or the level whose links that level shares ([Note: shared links] in
+network.py). A collective goes out when the cores reach the point that issues it, or
+when its link comes free. Forward, a unit's compute
 (a third of the micro-batch, split by its share) starts once its gather is in: the
 root's stage issues first, each stage issues its prefetches, and the root's own compute
 (its head: the embedding lookup costs no FLOPs) runs after the last block. Backward (two
