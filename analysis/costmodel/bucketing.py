@@ -28,8 +28,6 @@ from dataclasses import replace
 from shardc.dsl.ir import Collectives, Strategy
 from shardc.lowering import UnitSize, lower_unit
 
-from shardc.analysis.costmodel.network import collective_seconds
-
 PROBE_BYTES = 1 << 30     # the size the per-byte slope is read at
 
 
@@ -44,8 +42,7 @@ def crossover_bytes(strategy: Strategy, bandwidth=None) -> int:
     for g in plan.groups:
         for r in g.rows:
             def t(v):
-                return collective_seconds(r.op.value, r.levels, v, mesh, algo, lambda lv: bw.link(mesh, lv),
-                                          getattr(bw, "key", None))
+                return bw.seconds(r.op.value, r.levels, v, mesh, algo)
             a = t(0.0)
             slope = (t(float(PROBE_BYTES)) - a) / PROBE_BYTES
             if a > 0 and slope > 0:
