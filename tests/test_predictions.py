@@ -113,6 +113,47 @@ def test_the_step_replays_levels_on_one_link_as_one():
     parts = lambda bw: {k for w in waits_of(plan, s.mesh, bw, Collectives.RING, phase_costs)[:3] for p in w for k in p}
     assert parts(_links("node=25GB/s", "gpu=200GB/s", "lane=200GB/s")) == {"gpu", "lane"}
     assert parts(_links("node=25GB/s", "gpu=200GB/s", "lane=gpu")) == {"gpu"}
+    from shardc.analysis.costmodel.timing import AlphaBeta
+    assert parts(AlphaBeta()) == {"gpu"}                  # [Note: one in-node link]
+
+
+def test_the_two_tier_default_has_one_in_node_link():
+    # [Note: one in-node link] in timing.py: --intra/--inter alone put every inner level on
+    # one link at `intra`; with `--link`, inner levels it does not name use the first
+    # inner level's link.
+    from shardc import load_strategy
+    from shardc.analysis.costmodel.timing import AlphaBeta
+    mesh = load_strategy("strategy a\nmesh node(2) > gpu(2) > lane(4)\n").mesh
+    v, intra = 8e9, 100e9
+    ring8 = 7 * 5e-6 + 7 / 8 * v / intra
+    for bw in (AlphaBeta(), _links("node=25GB/s")):
+        assert bw.seconds("all_gather", ("gpu", "lane"), v, mesh, Collectives.RING) == pytest.approx(ring8)
+        assert bw.seconds("all_gather", ("lane",), v, mesh, Collectives.RING) == pytest.approx(3 * 5e-6 + 3 / 4 * v / intra)
+    # ho-ring on the default: the node stage at `inter`, gpu's and lane's stages in turn on one link
+    node = 4 * 20e-6 + v / 8 / 2 / 12.5e9
+    inside = 4 * 5e-6 + v / 4 / 2 / intra + 3 * (4 * 5e-6 + v / 4 / intra)
+    assert AlphaBeta().seconds("all_gather", ("node", "gpu", "lane"), v, mesh, Collectives.HO_RING) == pytest.approx(
+        max(node, inside) + min(node, inside) / 4)
+    # lane, not named, goes through gpu's named link; named, it has its own
+    on_gpu = _links("gpu=200GB/s@5us").seconds("all_gather", ("gpu", "lane"), v, mesh, Collectives.RING)
+    assert on_gpu == pytest.approx(7 * 5e-6 + 7 / 8 * v / 200e9)
+    apart = _links("gpu=100GB/s@5us", "lane=100GB/s").seconds("all_gather", ("gpu", "lane"), v, mesh, Collectives.RING)
+    assert apart == pytest.approx(7 * 5e-6 + 6 / 8 * 7 / 8 * v / intra)
+
+
+def test_explain_on_a_split_node_with_the_two_tier_default(tmp_path, capsys):
+    # Real strategy text through explain with --intra/--inter only: a node split as
+    # gpu(2) > lane(4) predicts what the same node as gpu(8) predicts.
+    def explain(mesh, scope):
+        f = tmp_path / f"{scope.replace(', ', '_')}.shard"
+        f.write_text(f"strategy s\nmesh {mesh}\nparams shard over {scope}\ngrads shard over {scope}\n"
+                     f"optim shard over {scope}\ncollectives ring\n")
+        assert run_cmd("explain", [str(f), "--model", TINY, "--tokens", "16", "--seq", "8", "--tflops", "1e-3",
+                                   "--intra", "20GB/s", "--inter", "2GB/s", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["time"]
+    one = explain("node(2) > gpu(8)", "gpu")
+    split = explain("node(2) > gpu(2) > lane(4)", "gpu, lane")
+    assert split["total"] == pytest.approx(one["total"], rel=1e-9)
 
 
 @pytest.fixture(scope="module")

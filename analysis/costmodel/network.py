@@ -34,7 +34,9 @@ bytes on the two levels add up on that one link (given apart, an 8-GPU ring in t
 node would spread its bytes over two links and run 4/3 as fast as a 4-GPU ring). The
 stages of `ho-ring` that share a link run one after the other on it, as one stage of
 their summed time; the step pipeline queues collectives of either level on the one
-link (pipeline.py). Every other level has a link of its own.
+link (pipeline.py). An inner level `--link` does not name goes through the first inner
+level's links, as in the two-tier default ([Note: one in-node link] in timing.py);
+every other level has a link of its own.
 """
 from __future__ import annotations
 
@@ -103,13 +105,20 @@ class LevelLinks:
         named += [f"{l} on {o}'s links" for l, o in self.shared]
         return f"per-level links: {', '.join(named)} (other levels: {self.fallback})"
 
-    def key(self, level: str) -> str:
-        """The level whose links carry `level`'s traffic."""
-        return dict(self.shared).get(level, level)
+    def key(self, mesh: Mesh, level: str) -> str:
+        """The level whose links carry `level`'s traffic: its owner's if shared, its own if
+        named; an inner level not named goes through the first inner level's links, as in
+        the two-tier default ([Note: one in-node link] in timing.py)."""
+        shared = dict(self.shared)
+        if level in shared:
+            return self.key(mesh, shared[level])
+        if level in (n for n, _, _ in self.links) or level in mesh.names[:2]:
+            return level
+        return self.key(mesh, mesh.names[1])
 
     def link(self, mesh: Mesh, level: str) -> tuple[float, float]:
         """(latency, bytes/s); a link given without latency keeps its tier's default."""
-        level = self.key(level)
+        level = self.key(mesh, level)
         for name, w, a in self.links:
             if name == level:
                 return (self.fallback.link(mesh, level)[0] if a is None else a), w
@@ -124,7 +133,8 @@ class LevelLinks:
                 raise ShardcError(f"--link {level}={owner}: {owner!r} must be a level with links of its own")
 
     def seconds(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
-        return collective_seconds(op, levels, nbytes, mesh, algo, lambda l: self.link(mesh, l), self.key)
+        return collective_seconds(op, levels, nbytes, mesh, algo, lambda l: self.link(mesh, l),
+                                  lambda l: self.key(mesh, l))
 
 
 def parse_links(specs, fallback, parse_rate, parse_seconds) -> LevelLinks:

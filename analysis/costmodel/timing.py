@@ -11,6 +11,16 @@ levels] and [Note: staged algorithms] there): `AlphaBeta` gives the outermost le
 `inter` links and every other level `intra` links (Lins §IV-A); `LevelLinks` one link
 per level.
 
+[Note: one in-node link]
+`--intra` is the bandwidth per rank inside a node, and every level inside the outermost
+one only names groups of the node's ranks: `gpu(2) > lane(4)` is how a strategy shards
+over 4 of 8 GPUs (Lins eq. 3–6), and both levels' traffic goes through each GPU's one
+in-node link. So `AlphaBeta` puts every inner level on the first inner level's link
+([Note: shared links] in network.py): an 8-rank ring over `gpu(2) > lane(4)` runs at
+`intra`, as over `gpu(8)`, not spread over two links at 4/3 of its speed (Lins §IV-A
+likewise has one intra-node bandwidth). Inner levels that are physically separate links
+(Frontier's GPU and GCD links) are described with `--link`, one per level.
+
 [Note: step time]
 compute = FLOPs per micro-batch / achievable FLOP/s, the FLOPs counted on the captured
 graph (attention and recomputation included, `flops.py`) or 6·Φ·tokens without one; the
@@ -59,7 +69,8 @@ from shardc.analysis.costmodel.sizes import UnitSize, dense_flops
 
 @dataclass(frozen=True, slots=True)
 class AlphaBeta:
-    """α–β model: the outermost level's links run at `inter`, all others at `intra` (bytes/s)."""
+    """α–β model: the outermost level's links run at `inter`; every other level's traffic
+    goes through one in-node link at `intra` (bytes/s; [Note: one in-node link])."""
     intra: float = 100e9
     inter: float = 12.5e9
     intra_lat: float = 5e-6
@@ -74,8 +85,14 @@ class AlphaBeta:
         outer = level == mesh.names[0] and len(mesh.names) > 1
         return (self.inter_lat, self.inter) if outer else (self.intra_lat, self.intra)
 
+    def key(self, mesh: Mesh, level: str) -> str:
+        """The level whose links carry `level`'s traffic: the first inner level's for every
+        inner level ([Note: one in-node link])."""
+        return level if level == mesh.names[0] else mesh.names[1]
+
     def seconds(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
-        return collective_seconds(op, levels, nbytes, mesh, algo, lambda l: self.link(mesh, l))
+        return collective_seconds(op, levels, nbytes, mesh, algo, lambda l: self.link(mesh, l),
+                                  lambda l: self.key(mesh, l))
 
 
 @dataclass(frozen=True, slots=True)

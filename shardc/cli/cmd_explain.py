@@ -137,7 +137,7 @@ def _readable(x: float) -> str:
 
 def add_bandwidth_arguments(p) -> None:
     g = p.add_argument_group("time model")
-    g.add_argument("--intra", default="100GB/s", help="bandwidth per rank of the inner levels' links (default 100GB/s)")
+    g.add_argument("--intra", default="100GB/s", help="bandwidth per rank of the in-node link, which every inner level shares (default 100GB/s)")
     g.add_argument("--inter", default="12.5GB/s", help="bandwidth per rank of the outermost level's links (default 12.5GB/s)")
     g.add_argument("--intra-latency", default="5us", help="latency per ring step on inner links (default 5us)")
     g.add_argument("--inter-latency", default="20us", help="latency per ring step on outer links (default 20us)")

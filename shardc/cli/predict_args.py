@@ -17,7 +17,8 @@ from shardc.dsl.errors import ShardcError
 def add_prediction_arguments(g) -> None:
     g.add_argument("--link", action="append", default=[], metavar="LEVEL=BW[@LAT]",
                    help="bandwidth (and latency) per rank of one mesh level's links, e.g. --link node=25GB/s "
-                        "--link gpu=200GB/s@5us; repeat per level (levels not named use --intra/--inter); "
+                        "--link gpu=200GB/s@5us; repeat per level (levels not named use --intra/--inter, an inner one "
+                        "the first inner level's link); "
                         "LEVEL=OTHER puts a level on another level's links, e.g. --link lane=gpu")
     g.add_argument("--tflops", type=float, help="achievable TFLOP/s per rank (replaces --flops)")
     g.add_argument("--peak-tflops", type=float, default=312.0,
