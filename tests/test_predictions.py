@@ -150,10 +150,16 @@ def test_explain_on_a_split_node_with_the_two_tier_default(tmp_path, capsys):
                      f"optim shard over {scope}\ncollectives ring\n")
         assert run_cmd("explain", [str(f), "--model", TINY, "--tokens", "16", "--seq", "8", "--tflops", "1e-3",
                                    "--intra", "20GB/s", "--inter", "2GB/s", "--json"]) == 0
-        return json.loads(capsys.readouterr().out)["time"]
+        return json.loads(capsys.readouterr().out)
     one = explain("node(2) > gpu(8)", "gpu")
     split = explain("node(2) > gpu(2) > lane(4)", "gpu, lane")
-    assert split["total"] == pytest.approx(one["total"], rel=1e-9)
+    assert split["time"]["total"] == pytest.approx(one["time"]["total"], rel=1e-9)
+    assert (one["shared_links"], split["shared_links"]) == ({}, {"lane": "gpu"})
+    f = tmp_path / "gpu_lane.shard"
+    assert run_cmd("explain", [str(f), "--model", TINY, "--tokens", "16", "--seq", "8"]) == 0
+    assert "lane (on gpu's link)" in capsys.readouterr().out
+    assert run_cmd("explain", [str(f), "--model", TINY, "--tokens", "16", "--seq", "8", "--link", "lane=50GB/s"]) == 0
+    assert "on gpu's link" not in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

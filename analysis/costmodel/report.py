@@ -37,6 +37,7 @@ class Explained:
     time: StepTime | None
     peak: dict | None = None        # activations.peak_memory: the peak per rank and what dominates it
     rates: dict | None = None       # tokens_per_s (per rank), mfu, model_flops (per micro-batch)
+    shared: dict | None = None      # level -> the level whose links carry its traffic, where another's
 
 
 def model_units(strategy: Strategy, model) -> list[UnitSize]:
@@ -73,7 +74,15 @@ def explain(strategy: Strategy, units, *, micro_batches: int | None = None, opti
     rates = {"tokens_per_s": m * tokens / t.total, "mfu": m * model_flops / (t.total * peak_flops),
              "model_flops": model_flops}
     return Explained(strategy, units, m, memory, tuple(records), algo, links, inter, intra, t,
-                     peak_memory(memory, graph, checkpoint, *(() if overhead is None else (overhead,))), rates)
+                     peak_memory(memory, graph, checkpoint, *(() if overhead is None else (overhead,))), rates,
+                     shared_links(bw, strategy.mesh))
+
+
+def shared_links(bw, mesh) -> dict:
+    """{level: owner} for the levels whose traffic goes through another level's links
+    ([Note: shared links] in network.py; a measured profile shares none)."""
+    key = getattr(bw, "key", None)
+    return {} if key is None else {l: key(mesh, l) for l in mesh.names if key(mesh, l) != l}
 
 
 def to_json(e: Explained) -> dict:
@@ -91,6 +100,7 @@ def to_json(e: Explained) -> dict:
         "links": {k: round(v) for k, v in e.links.items()},
         "inter": round(e.inter),
         "intra": round(e.intra),
+        "shared_links": dict(e.shared or {}),
         "time": None if e.time is None else {
             "compute": e.time.compute, "total": e.time.total,
             "comm": dict(e.time.comm), "exposed": e.time.exposed},

@@ -109,8 +109,10 @@ def render(e) -> None:
     lk.add_column("level")
     lk.add_column("bytes", justify="right")
     lk.add_column("", justify="right")
+    shared = e.shared or {}
     for level, b in e.links.items():
-        lk.add_row(level, f"{round(b):,}", human_bytes(b))
+        on = f" (on {shared[level]}'s link)" if level in shared else ""
+        lk.add_row(level + on, f"{round(b):,}", human_bytes(b))
     lk.add_row("inter (outermost)", f"{round(e.inter):,}", human_bytes(e.inter))
     lk.add_row("intra (all others)", f"{round(e.intra):,}", human_bytes(e.intra))
     con.print(lk)
