@@ -253,3 +253,20 @@ def test_printed_times_read_in_their_own_unit():
     from shardc.analysis.costmodel.timing import duration
     assert [duration(x) for x in (0.0, 2e-5, 1.1015, 9.99, 755.92)] == \
         ["0.0 ms", "20.0 us", "1101.5 ms", "9990.0 ms", "755.92 s"]
+
+
+def test_a_profile_composes_in_node_stages_on_one_link():
+    # [Note: one in-node link] for a measured profile: an ho-ring composed from one-level
+    # entries runs the gpu and lane stages in turn on the node's link, beside the node stage.
+    from shardc import load_strategy
+    from shardc.analysis.costmodel.timing import Profile
+    mesh = load_strategy("strategy a\nmesh node(2) > gpu(2) > lane(4)\n").mesh
+    rates = {"node": 10e9, "gpu": 10e9, "lane": 20e9}       # constant bandwidth: seconds = bytes / rate
+    p = Profile({("all_gather", (l,), "ring", "fp32"): ((1e3, 1e3 / w, 0.0), (1e12, 1e12 / w, 0.0))
+                 for l, w in rates.items()})
+    v = 8e9
+    node, gpu, lane = v / 8 / 10e9, v / 4 / 10e9, v / 20e9  # stage payloads V / (inner sizes)
+    inside = gpu + lane                                      # > node: the in-node link is the slowest
+    assert p.seconds("all_gather", ("node", "gpu", "lane"), v, mesh, Collectives.HO_RING) == pytest.approx(
+        max(node, inside) + min(node, inside) / 4)
+    assert (p.key(mesh, "lane"), p.key(mesh, "gpu"), p.key(mesh, "node")) == ("gpu", "gpu", "node")

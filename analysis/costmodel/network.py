@@ -51,6 +51,13 @@ from shardc.analysis.costmodel.links import FACTOR, flat_ring
 HO_RING_CHUNKS = 4
 
 
+def in_node_link(mesh: Mesh, level: str) -> str:
+    """The level whose links carry `level`'s traffic when nothing says otherwise: its own
+    for the outermost level, the first inner level's for every inner one ([Note: one
+    in-node link] in timing.py)."""
+    return level if level in mesh.names[:2] else mesh.names[1]
+
+
 def stage_sizes(mesh: Mesh, levels) -> list[tuple[str, int]]:
     """The levels a group spans (mesh order) with their sizes, size-1 levels dropped."""
     return [(l, mesh.size(l)) for l in mesh.ordered(levels) if mesh.size(l) > 1]
@@ -112,9 +119,10 @@ class LevelLinks:
         shared = dict(self.shared)
         if level in shared:
             return self.key(mesh, shared[level])
-        if level in (n for n, _, _ in self.links) or level in mesh.names[:2]:
+        if level in (n for n, _, _ in self.links):
             return level
-        return self.key(mesh, mesh.names[1])
+        owner = in_node_link(mesh, level)
+        return level if owner == level else self.key(mesh, owner)
 
     def link(self, mesh: Mesh, level: str) -> tuple[float, float]:
         """(latency, bytes/s); a link given without latency keeps its tier's default."""

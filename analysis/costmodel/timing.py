@@ -18,8 +18,11 @@ over 4 of 8 GPUs (Lins eq. 3–6), and both levels' traffic goes through each GP
 in-node link. So `AlphaBeta` puts every inner level on the first inner level's link
 ([Note: shared links] in network.py): an 8-rank ring over `gpu(2) > lane(4)` runs at
 `intra`, as over `gpu(8)`, not spread over two links at 4/3 of its speed (Lins §IV-A
-likewise has one intra-node bandwidth). Inner levels that are physically separate links
-(Frontier's GPU and GCD links) are described with `--link`, one per level.
+likewise has one intra-node bandwidth). A measured `Profile` times each group as it
+is, so sharing only says which collectives queue on one link in the step replay
+(pipeline.py) and which stages of one composed from one-level entries run in turn; it
+follows the same rule (`network.in_node_link`). Inner levels that are physically
+separate links (Frontier's GPU and GCD links) are described with `--link`, one per level.
 
 [Note: step time]
 compute = FLOPs per micro-batch / achievable FLOP/s, the FLOPs counted on the captured
@@ -61,7 +64,7 @@ from shardc.dsl.sizes import prefix_scale
 
 from shardc.analysis.costmodel.ledger import counted_rows
 from shardc.lowering import PHASE_ORDER, lower
-from shardc.analysis.costmodel.network import collective_seconds
+from shardc.analysis.costmodel.network import collective_seconds, in_node_link
 from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
 from shardc.analysis.costmodel.pipeline import step, update_wait, waits_of
 from shardc.analysis.costmodel.profile_merge import merge
@@ -86,9 +89,8 @@ class AlphaBeta:
         return (self.inter_lat, self.inter) if outer else (self.intra_lat, self.intra)
 
     def key(self, mesh: Mesh, level: str) -> str:
-        """The level whose links carry `level`'s traffic: the first inner level's for every
-        inner level ([Note: one in-node link])."""
-        return level if level == mesh.names[0] else mesh.names[1]
+        """The level whose links carry `level`'s traffic ([Note: one in-node link])."""
+        return in_node_link(mesh, level)
 
     def seconds(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
         return collective_seconds(op, levels, nbytes, mesh, algo, lambda l: self.link(mesh, l),
@@ -174,6 +176,11 @@ class Profile:
         t = nbytes / _interp([(b, b / s) for b, s, _ in pts], nbytes)
         return t, t * _interp([(b, min(1.0, u * self.cpu_share / s)) for b, s, u in pts], nbytes)
 
+    def key(self, mesh: Mesh, level: str) -> str:
+        """The level whose links carry `level`'s traffic: measured groups inside a node
+        share its one in-node link too ([Note: one in-node link])."""
+        return in_node_link(mesh, level)
+
     def seconds(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
         return self.cost(op, levels, nbytes, mesh, algo)[0]
 
@@ -193,15 +200,17 @@ class Profile:
         if t is not None:
             return t
         if len(sizes) > 1 and algo != Collectives.RING:   # compose the stages from one-level entries
-            stages = []
+            walls: dict[str, float] = {}      # by link: stages on one link run in turn
+            busy = 0.0
             for i, (l, _) in enumerate(sizes):
                 inner = prod(x for _, x in sizes[i + 1:])
                 st = self._lookup(op, (l,), "ring", nbytes / inner, comm)
                 if st is None:
                     break
-                stages.append(st)
+                walls[self.key(mesh, l)] = walls.get(self.key(mesh, l), 0.0) + st[0]
+                busy += st[1]
             else:
-                return _combine([a for a, _ in stages], algo), sum(b for _, b in stages)
+                return _combine(list(walls.values()), algo), busy
         raise ShardcError(f"the bandwidth profile has no {op} entry over {', '.join(names)} "
                           f"({algo.value}); profile that group or pass --intra/--inter")
 
