@@ -34,11 +34,11 @@ LINS_NODE_BW = 6.5e9
 # over both and run 4/3 as fast as a 4-GPU one (docs/explain.md, "NVLink as two levels").
 LINS_LINKS = (("node", LINS_NODE_BW, None), ("gpu", 200e9, None))
 LINS_SHARED = (("lane", "gpu"),)
-CHECKPOINT = {"7b": False, "13b": False, "30b": True}   # Lins §V-A: recomputation for 30B only
+CHECKPOINT = {"7b": False, "13b": False, "30b": True}   # Lins §VI-A: recomputation for 30B only
 # Lins Table III, as (params, grads, optim) levels on LINS_MESH.
 TABLE_III = {"7b": ((), (), ("gpu", "lane")), "13b": (("lane",), ("lane",), ("gpu", "lane")),
              "30b": (("gpu", "lane"),) * 3}
-LINS_MFU = {"7b": 0.51, "13b": 0.52, "30b": 0.42}     # Lins §V-B, 1024 GPUs
+LINS_MFU = {"7b": 0.51, "13b": 0.52, "30b": 0.42}     # Lins §VI-B, 1024 GPUs
 WORLD, NODE = ("node", "gpu", "lane"), ("gpu", "lane")
 # The DeepSpeed baselines as DeepSpeed runs them: one all-gather / reduce-scatter per
 # submodule with parameters (no fusing across submodules: `bucket 0`), over NCCL's flat
@@ -65,18 +65,20 @@ def _lins_model(size: str, tail: str = "", mesh: str = LINS_MESH):
     return unit_sizes(model, units), trace(model, units, batch=1, seq=4096, dtype="bf16")
 
 
-def _links():
+def _links(node_bw: float = LINS_NODE_BW):
     from shardc.analysis.costmodel.network import LevelLinks
     from shardc.analysis.costmodel.timing import AlphaBeta
-    return LevelLinks(LINS_LINKS, AlphaBeta(), LINS_SHARED)
+    return LevelLinks((("node", node_bw, None),) + LINS_LINKS[1:], AlphaBeta(), LINS_SHARED)
 
 
-def _lins_explain(size: str, p, g, o, extra="", tail="", passes=None):
+def _lins_explain(size: str, p, g, o, extra="", tail="", passes=None, mesh=LINS_MESH, node_bw=LINS_NODE_BW):
+    """One rank's prediction on `mesh`; the traced graph is per rank and micro-batch, so
+    the one traced on LINS_MESH serves any mesh."""
     from dataclasses import replace
     from shardc.analysis.costmodel.report import explain
-    s = _strategy(LINS_MESH, p, g, o, extra, tail)
+    s = _strategy(mesh, p, g, o, extra, tail)
     units, graph = _lins_model(size, tail)
-    return explain(s, [replace(u, scopes=s.scopes) for u in units], micro_batches=1, bandwidth=_links(),
+    return explain(s, [replace(u, scopes=s.scopes) for u in units], micro_batches=1, bandwidth=_links(node_bw),
                    flops=200e12, graph=graph, checkpoint=CHECKPOINT[size], peak_flops=312e12, passes=passes)
 
 
@@ -136,7 +138,7 @@ def test_lins_calibration_zero1():
     # [Note: effective bandwidth at 128 nodes]: the one figure the node bandwidth is fitted
     # to. DeepSpeed ZeRO-1 modelled as one all-reduce of the gradients after the backward
     # and an all-gather of the parameters after the step: no plan passes, nothing overlaps.
-    # Lins §I: 36 % MFU on 7B at 1024 GPUs. (Lins §V-A turns overlap on in every baseline,
+    # Lins §I: 36 % MFU on 7B at 1024 GPUs. (Lins §VI-A turns overlap on in every baseline,
     # but DeepSpeed ZeRO-1/2's overlapped reduction is one dist.reduce per owner's slice of
     # each bucket, which a ring model cannot express; calibrated with the reduction hidden
     # behind the backward instead, 36 % needs 3.26 GB/s, and Lins' picks then come out
@@ -157,7 +159,7 @@ MISS_SCALE = ("known miss by a hair (1.203x): latency-bound over 1024 ranks, whe
 MISS_30B = ("known miss (2.22x): Lins gives no breakdown; DeepSpeed before 0.13.2 gathered a "
             "recomputation over the world, not from hpZ's secondary (PR #4906), which with non-reentrant "
             "checkpointing makes ZeRO++ send what ZeRO-3 sends: 1.49x, still outside")
-# (strategy, size, Lins' MFU, extra params text): Lins §V-B and §I at 1024 GPUs.
+# (strategy, size, Lins' MFU, extra params text): Lins §VI-B and §I at 1024 GPUs.
 BASELINES = [
     pytest.param("mics", "7b", 0.35),
     pytest.param("mics", "13b", 0.33),
@@ -171,7 +173,7 @@ BASELINES = [
 ]
 
 
-def _baseline(name: str, size: str):
+def _baseline(name: str, size: str, **at):
     """MiCS keeps shardc's per-block units: its in-node gathers cost a few microseconds
     either way, and per-block units come closer to DeepSpeed-MiCS' one flat cross-node
     all-reduce than per-submodule ones would. Its cross-node all-reduce is modelled after
@@ -179,20 +181,49 @@ def _baseline(name: str, size: str):
     bucket on its reduction stream, and hidden behind the backward as `early_sync` hides
     a sync it would put MiCS at 1.6-1.8x Lins' MFU (docs/explain.md)."""
     if name == "mics":
-        return _lins_explain(size, NODE, NODE, NODE, tail="collectives ring\n", passes=("defer_update",))
+        return _lins_explain(size, NODE, NODE, NODE, tail="collectives ring\n", passes=("defer_update",), **at)
     if name == "zeropp_recompute_world":
         # DeepSpeed < 0.13.2 with non-reentrant checkpointing: the recomputation's gathers
         # go over the world (hpZ only for gathers made with autograd off), so what ZeRO++
         # sends across nodes is ZeRO-3's (docs/explain.md, "Recomputation under ZeRO++").
-        return _lins_explain(size, WORLD, WORLD, WORLD, "", DEEPSPEED)
+        return _lins_explain(size, WORLD, WORLD, WORLD, "", DEEPSPEED, **at)
+    if name == "lins":
+        return _lins_explain(size, *TABLE_III[size], **at)
     extra = " secondary gpu, lane" if name == "zeropp" else ""   # Lins: ZeRO++ s_p^0 = 8, no quantization
-    return _lins_explain(size, WORLD, WORLD, WORLD, extra, DEEPSPEED)
+    return _lins_explain(size, WORLD, WORLD, WORLD, extra, DEEPSPEED, **at)
 
 
 @pytest.mark.parametrize("name, size, mfu", BASELINES)
 def test_lins_mfu_of_deepspeed_baselines(name, size, mfu):
     # Tolerance 20 % of Lins' MFU, as for its own strategy.
     assert _baseline(name, size).rates["mfu"] == pytest.approx(mfu, rel=0.20)
+
+
+# [Note: 30B on 32 GPUs] Lins §VI-B: "when training LLaMA-30B on 32 GPUs, ZeRO++
+# encountered an OOM situation, whereas other methods achieved an MFU of around 40%" (Lins'
+# own, MiCS, ZeRO-3; ZeRO-1's replicated bf16 parameters and gradients exceed 80 GiB). The
+# effective node bandwidth at 32 GPUs is not given: Fig. 3 has it falling with scale, so
+# it lies between the 1024-GPU 6.5 GB/s ([Note: effective bandwidth at 128 nodes]) and the
+# nominal 12.5 GB/s, and both ends are checked. Tolerance 20 % of 40 %.
+LINS_32 = "node(4) > gpu(2) > lane(4)"
+MISS_32_OOM = ("known miss: Lins reports ZeRO++ out of memory on 30B at 32 GPUs; shardc predicts 31.7 GiB "
+               "(22.6 GiB of model states with hpZ's secondary over 8 GPUs, 4.3 GiB of activations under "
+               "per-layer recomputation); what DeepSpeed holds beyond that (its buckets, the prefetched and "
+               "persistent parameters, fragmentation) is not modelled")
+
+
+@pytest.mark.parametrize("node_bw", [LINS_NODE_BW, 12.5e9])
+@pytest.mark.parametrize("name", ["lins", "mics", "zero3"])
+def test_lins_30b_on_32_gpus_near_40pct_mfu(name, node_bw):
+    assert _baseline(name, "30b", mesh=LINS_32, node_bw=node_bw).rates["mfu"] == pytest.approx(0.40, rel=0.20)
+
+
+@pytest.mark.xfail(strict=True, reason=MISS_32_OOM)
+def test_lins_zeropp_30b_on_32_gpus_is_out_of_memory():
+    # Memory with DeepSpeed's recomputation, per decoder layer (shardc's per-block units),
+    # not per submodule as `_baseline`'s DeepSpeed units would checkpoint.
+    e = _lins_explain("30b", WORLD, WORLD, WORLD, " secondary gpu, lane", mesh=LINS_32)
+    assert e.peak["peak"] > 80 * 2**30
 
 
 MISS_III_COMM = ("known miss (1.07x, 1.08x the least): with NCCL's multi-channel rings spread over all NICs, "
