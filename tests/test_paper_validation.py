@@ -71,14 +71,15 @@ def _links(node_bw: float = LINS_NODE_BW):
     return LevelLinks((("node", node_bw, None),) + LINS_LINKS[1:], AlphaBeta(), LINS_SHARED)
 
 
-def _lins_explain(size: str, p, g, o, extra="", tail="", passes=None, mesh=LINS_MESH, node_bw=LINS_NODE_BW):
+def _lins_explain(size: str, p, g, o, extra="", tail="", passes=None, mesh=LINS_MESH, node_bw=LINS_NODE_BW,
+                  micro_batches=1):
     """One rank's prediction on `mesh`; the traced graph is per rank and micro-batch, so
     the one traced on LINS_MESH serves any mesh."""
     from dataclasses import replace
     from shardc.analysis.costmodel.report import explain
     s = _strategy(mesh, p, g, o, extra, tail)
     units, graph = _lins_model(size, tail)
-    return explain(s, [replace(u, scopes=s.scopes) for u in units], micro_batches=1, bandwidth=_links(node_bw),
+    return explain(s, [replace(u, scopes=s.scopes) for u in units], micro_batches=micro_batches, bandwidth=_links(node_bw),
                    flops=200e12, graph=graph, checkpoint=CHECKPOINT[size], peak_flops=312e12, passes=passes)
 
 
@@ -143,8 +144,7 @@ def test_lins_calibration_zero1():
     # each bucket, which a ring model cannot express; calibrated with the reduction hidden
     # behind the backward instead, 36 % needs 3.26 GB/s, and Lins' picks then come out
     # 0.76 / 0.76 / 0.90 of the paper and ZeRO-3 7B 0.77: worse on every row.)
-    e = _lins_explain("7b", (), (), WORLD, passes=())
-    assert e.rates["mfu"] == pytest.approx(0.36, rel=0.02)
+    assert _baseline("zero1", "7b").rates["mfu"] == pytest.approx(0.36, rel=0.02)
 
 
 @pytest.mark.parametrize("size", ["7b", "13b", "30b"])
@@ -179,18 +179,22 @@ def _baseline(name: str, size: str, **at):
     all-reduce than per-submodule ones would. Its cross-node all-reduce is modelled after
     the backward (the plan without `early_sync`): DeepSpeed-MiCS issues it per reduce
     bucket on its reduction stream, and hidden behind the backward as `early_sync` hides
-    a sync it would put MiCS at 1.6-1.8x Lins' MFU (docs/explain.md)."""
+    a sync it would put MiCS at 1.6-1.8x Lins' MFU (docs/explain.md). ZeRO-1 as calibrated
+    ([Note: effective bandwidth at 128 nodes]): nothing overlaps."""
+    world = NODE if at.get("mesh") == LINS_NODE_MESH else WORLD     # on one node the world is the node
+    if name == "zero1":
+        return _lins_explain(size, (), (), world, passes=(), **at)
     if name == "mics":
         return _lins_explain(size, NODE, NODE, NODE, tail="collectives ring\n", passes=("defer_update",), **at)
     if name == "zeropp_recompute_world":
         # DeepSpeed < 0.13.2 with non-reentrant checkpointing: the recomputation's gathers
         # go over the world (hpZ only for gathers made with autograd off), so what ZeRO++
         # sends across nodes is ZeRO-3's (docs/explain.md, "Recomputation under ZeRO++").
-        return _lins_explain(size, WORLD, WORLD, WORLD, "", DEEPSPEED, **at)
+        return _lins_explain(size, world, world, world, "", DEEPSPEED, **at)
     if name == "lins":
         return _lins_explain(size, *TABLE_III[size], **at)
     extra = " secondary gpu, lane" if name == "zeropp" else ""   # Lins: ZeRO++ s_p^0 = 8, no quantization
-    return _lins_explain(size, WORLD, WORLD, WORLD, extra, DEEPSPEED, **at)
+    return _lins_explain(size, world, world, world, extra, DEEPSPEED, **at)
 
 
 @pytest.mark.parametrize("name, size, mfu", BASELINES)
@@ -300,6 +304,26 @@ def test_lins_13b_one_node_bytes_per_micro_batch():
 @pytest.mark.parametrize("size", ["7b", "13b", "30b"])
 def test_lins_table_iii_pick_is_within_1pct_of_the_best_step_on_one_node(size):
     assert _lins_plan(size, "time", LINS_NODE_MESH, LINS_NODE_M)[1] <= 1.01
+
+
+# [Note: DeepSpeed on one node] Lins gives three DeepSpeed figures on 8 GPUs with the
+# 1024-GPU batch (M = 128, "with the same batch size"): ZeRO-1 7B 63 % (§I), ZeRO-3 13B
+# 47 % (§III-A), MiCS 7B 50 % (§III-C). Over NVLink, by shardc's count, every collective
+# of the three hides behind 128 micro-batches of compute, so all three come out near
+# Lins' own 64 % there (the figure the achievable rate is taken from); ZeRO-1, which Lins
+# says sends what its own 7B layout sends, is the check. Tolerance 20 %, as at 1024.
+MISS_NODE_DS = ("known miss (MiCS 1.23x, ZeRO-3 1.24x): by shardc's count their in-node collectives hide behind the "
+                "compute, as Lins' and ZeRO-1's do; DeepSpeed's ZeRO-3 engine, which MiCS builds on, ran 14-17 "
+                "points below Lins' 64 % on one node, and what it spends beyond its collectives there is not modelled")
+ONE_NODE = [pytest.param("zero1", "7b", 0.63),
+            pytest.param("mics", "7b", 0.50, marks=pytest.mark.xfail(strict=True, reason=MISS_NODE_DS)),
+            pytest.param("zero3", "13b", 0.47, marks=pytest.mark.xfail(strict=True, reason=MISS_NODE_DS))]
+
+
+@pytest.mark.parametrize("name, size, mfu", ONE_NODE)
+def test_lins_mfu_of_deepspeed_on_one_node(name, size, mfu):
+    e = _baseline(name, size, mesh=LINS_NODE_MESH, micro_batches=LINS_NODE_M)
+    assert e.rates["mfu"] == pytest.approx(mfu, rel=0.20)
 
 
 # ZeRO-topo §VI on Frontier: GPT-NeoX-20B on 384 GCDs; per-GCD links node 12.5 GB/s
