@@ -59,11 +59,11 @@ import torch
 import torch.distributed as dist
 
 from shardc.dsl.ir import Collectives, DType
+from shardc.lowering import HO_PIECES
 
 from . import device, quant
 from .mesh import ShardMesh
 
-HO_PIECES = 4
 _TORCH_DTYPE = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 
 

@@ -45,10 +45,11 @@ from math import prod
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Mesh
+from shardc.lowering import HO_PIECES
 
 from shardc.analysis.costmodel.links import FACTOR, flat_ring
 
-HO_RING_CHUNKS = 4
+HO_RING_CHUNKS = HO_PIECES         # the pieces the runtime issues (lowering/rows.py)
 
 
 def in_node_link(mesh: Mesh, level: str) -> str:
