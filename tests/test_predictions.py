@@ -270,3 +270,24 @@ def test_a_profile_composes_in_node_stages_on_one_link():
     assert p.seconds("all_gather", ("node", "gpu", "lane"), v, mesh, Collectives.HO_RING) == pytest.approx(
         max(node, inside) + min(node, inside) / 4)
     assert (p.key(mesh, "lane"), p.key(mesh, "gpu"), p.key(mesh, "node")) == ("gpu", "gpu", "node")
+
+
+def test_a_profile_composes_ho_ring_from_its_pieces():
+    # [Note: staged algorithms] with measured stages: ho-ring runs each stage on HO_PIECES
+    # pieces, so a stage costs HO_PIECES measured rings on a quarter of its payload (each
+    # paying its own latency); hierarchical one ring on the whole payload. Entries are
+    # measured at exactly the payloads used, seconds = latency + bytes / rate.
+    from shardc import load_strategy
+    from shardc.analysis.costmodel.timing import Profile
+    mesh = load_strategy("strategy a\nmesh node(2) > gpu(4)\n").mesh
+    link = {"node": (2e-3, 5e6), "gpu": (5e-4, 3e8)}
+    sizes = (1e6, 4e6, 16e6)
+    p = Profile({("all_gather", (l,), "ring", "fp32"): tuple((b, a + b / w, 0.0) for b in sizes)
+                 for l, (a, w) in link.items()})
+    t = lambda l, b: link[l][0] + b / link[l][1]
+    v = 16e6                                    # node stage payload v/4, gpu stage v
+    node, gpu = 4 * t("node", v / 4 / 4), 4 * t("gpu", v / 4)
+    assert p.seconds("all_gather", ("node", "gpu"), v, mesh, Collectives.HO_RING) == pytest.approx(
+        max(node, gpu) + min(node, gpu) / 4)
+    assert p.seconds("all_gather", ("node", "gpu"), v, mesh, Collectives.HIERARCHICAL) == pytest.approx(
+        t("node", v / 4) + t("gpu", v))

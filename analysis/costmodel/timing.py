@@ -63,7 +63,7 @@ from shardc.dsl.ir import Collectives, Level, Mesh, Strategy
 from shardc.dsl.sizes import prefix_scale
 
 from shardc.analysis.costmodel.ledger import counted_rows
-from shardc.lowering import PHASE_ORDER, lower
+from shardc.lowering import HO_PIECES, PHASE_ORDER, lower
 from shardc.analysis.costmodel.network import collective_seconds, in_node_link
 from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
 from shardc.analysis.costmodel.pipeline import step, update_wait, waits_of
@@ -200,15 +200,17 @@ class Profile:
         if t is not None:
             return t
         if len(sizes) > 1 and algo != Collectives.RING:   # compose the stages from one-level entries
+            # ho-ring runs each stage on HO_PIECES pieces, each a measured ring on its share
+            pieces = HO_PIECES if algo is Collectives.HO_RING else 1
             walls: dict[str, float] = {}      # by link: stages on one link run in turn
             busy = 0.0
             for i, (l, _) in enumerate(sizes):
                 inner = prod(x for _, x in sizes[i + 1:])
-                st = self._lookup(op, (l,), "ring", nbytes / inner, comm)
+                st = self._lookup(op, (l,), "ring", nbytes / inner / pieces, comm)
                 if st is None:
                     break
-                walls[self.key(mesh, l)] = walls.get(self.key(mesh, l), 0.0) + st[0]
-                busy += st[1]
+                walls[self.key(mesh, l)] = walls.get(self.key(mesh, l), 0.0) + pieces * st[0]
+                busy += pieces * st[1]
             else:
                 return _combine(list(walls.values()), algo), busy
         raise ShardcError(f"the bandwidth profile has no {op} entry over {', '.join(names)} "
