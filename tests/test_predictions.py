@@ -291,3 +291,15 @@ def test_a_profile_composes_ho_ring_from_its_pieces():
         max(node, gpu) + min(node, gpu) / 4)
     assert p.seconds("all_gather", ("node", "gpu"), v, mesh, Collectives.HIERARCHICAL) == pytest.approx(
         t("node", v / 4) + t("gpu", v))
+
+
+def test_a_profile_below_its_smallest_size_keeps_the_latency():
+    # [Note: below the measured sizes]: the line through the two smallest points.
+    from shardc import load_strategy
+    from shardc.analysis.costmodel.timing import Profile
+    mesh = load_strategy("strategy a\nmesh node(2) > gpu(4)\n").mesh
+    a, w = 2e-3, 5e6
+    p = Profile({("all_gather", ("node",), "ring", "fp32"): tuple((b, a + b / w, 0.0) for b in (1e6, 2e6, 8e6))})
+    assert p.seconds("all_gather", ("node",), 2.5e5, mesh, Collectives.RING) == pytest.approx(a + 2.5e5 / w)
+    one = Profile({("all_gather", ("node",), "ring", "fp32"): ((1e6, 0.2, 0.0),)})   # one point: no latency known
+    assert one.seconds("all_gather", ("node",), 2.5e5, mesh, Collectives.RING) == pytest.approx(0.05)

@@ -39,6 +39,16 @@ gathers and last reductions), the step's syncs on the links of its last backward
 forward when the schedule defers them ([Note: deferred update overlap]). With
 `prefetch 0` nothing overlaps: compute plus every collective's seconds.
 
+[Note: below the measured sizes]
+Between and above its measured sizes a profile interpolates bandwidth (linear in
+log bytes, clamped above). Below the smallest, clamping the bandwidth would make a
+collective's time shrink with its bytes to nothing, but a small collective still pays
+its latency: there it is the line through the two smallest points, latency + bytes /
+rate, the latency kept within [0, the smallest's time]. HO-Ring's pieces of a 128 KiB
+collective are 32 KiB: composed from one-level entries (128 KiB and up) they came out
+at 0.22–0.26 of the measured HO-Ring on the emulated cluster with the clamp, 0.79–0.92
+with the line (docs/explain.md, "Collective models against measured collectives").
+
 [Note: CPU share of a collective]
 On CPU ranks (gloo) a collective is partly work on the same cores that compute: the
 loopback copies between ranks of a node, the reductions, gloo's threads; the rest is
@@ -173,7 +183,7 @@ class Profile:
             return None
         if nbytes <= 0:
             return 0.0, 0.0
-        t = nbytes / _interp([(b, b / s) for b, s, _ in pts], nbytes)
+        t = _below(pts, nbytes) if nbytes < pts[0][0] else nbytes / _interp([(b, b / s) for b, s, _ in pts], nbytes)
         return t, t * _interp([(b, min(1.0, u * self.cpu_share / s)) for b, s, u in pts], nbytes)
 
     def key(self, mesh: Mesh, level: str) -> str:
@@ -215,6 +225,16 @@ class Profile:
                 return _combine(list(walls.values()), algo), busy
         raise ShardcError(f"the bandwidth profile has no {op} entry over {', '.join(names)} "
                           f"({algo.value}); profile that group or pass --intra/--inter")
+
+
+def _below(pts, nbytes: float) -> float:
+    """Seconds of a collective smaller than any measured ([Note: below the measured
+    sizes]): the line through the two smallest measured points, latency + bytes / rate,
+    with the latency at least 0."""
+    b0, t0, _ = pts[0]
+    slope = (pts[1][1] - t0) / (pts[1][0] - b0) if len(pts) > 1 else t0 / b0
+    slope = min(max(0.0, slope), t0 / b0)          # the latency within [0, t0]
+    return t0 - slope * b0 + slope * nbytes
 
 
 def _interp(pts, nbytes: float) -> float:
