@@ -21,10 +21,10 @@ too slow, and predicted HO-Ring 92 % faster where PaRO measured 32.6 %.)
 [Note: staged algorithms]
 `hierarchical` runs one ring per level on V_i = V/Π(inner sizes), one after the
 other: Σ t_i with t_i = FACTOR·(p_i−1)·(α_i + V_i/(p_i·w_i)). `ho-ring` runs the same
-stages on both link tiers at once, pipelined over HO_RING_CHUNKS pieces (PaRO §3.3):
-each stage pays `chunks` latencies, and the time is the slowest stage plus the
-others' share of one chunk, max t_i + (Σ t_i − max t_i)/chunks. An all-to-all (qgZ)
-is always one flat exchange.
+stages on both link tiers at once, pipelined over the runtime's HO_PIECES pieces
+(lowering/rows.py, PaRO §3.3): each stage pays `chunks` latencies, and the time is the
+slowest stage plus the others' share of one chunk, max t_i + (Σ t_i − max t_i)/chunks.
+An all-to-all (qgZ) is always one flat exchange.
 
 [Note: shared links]
 Mesh levels are how a strategy names groups, and a group of 4 of a node's 8 GPUs needs
@@ -49,7 +49,6 @@ from shardc.lowering import HO_PIECES
 
 from shardc.analysis.costmodel.links import FACTOR, flat_ring
 
-HO_RING_CHUNKS = HO_PIECES         # the pieces the runtime issues (lowering/rows.py)
 
 
 def in_node_link(mesh: Mesh, level: str) -> str:
@@ -70,7 +69,7 @@ def combine(stages: list[float], algo: Collectives) -> float:
         return 0.0
     if algo == Collectives.HO_RING:
         top = max(stages)
-        return top + (sum(stages) - top) / HO_RING_CHUNKS
+        return top + (sum(stages) - top) / HO_PIECES
     return sum(stages)
 
 
@@ -89,7 +88,7 @@ def collective_seconds(op: str, levels, nbytes: float, mesh: Mesh, algo: Collect
             on.setdefault(key(l), [0.0, link(l)[1]])[0] += b
         wire = max(b / w for b, w in on.values())
         return FACTOR[op] * (p - 1) * max(link(l)[0] for l, _ in sizes) + wire
-    chunks = HO_RING_CHUNKS if algo == Collectives.HO_RING else 1
+    chunks = HO_PIECES if algo == Collectives.HO_RING else 1
     stages: dict[str, float] = {}
     for i, (l, s) in enumerate(sizes):
         alpha, w = link(l)

@@ -80,7 +80,7 @@ def explain(strategy: Strategy, units, *, micro_batches: int | None = None, opti
 
 def shared_links(bw, mesh) -> dict:
     """{level: owner} for the levels whose traffic goes through another level's links
-    ([Note: shared links] in network.py; a measured profile shares none)."""
+    ([Note: shared links] in network.py, [Note: one in-node link] in timing.py)."""
     key = getattr(bw, "key", None)
     return {} if key is None else {l: key(mesh, l) for l in mesh.names if key(mesh, l) != l}
 
