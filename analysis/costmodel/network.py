@@ -50,7 +50,6 @@ from shardc.lowering import HO_PIECES
 from shardc.analysis.costmodel.links import FACTOR, flat_ring
 
 
-
 def in_node_link(mesh: Mesh, level: str) -> str:
     """The level whose links carry `level`'s traffic when nothing says otherwise: its own
     for the outermost level, the first inner level's for every inner one ([Note: one
@@ -63,14 +62,19 @@ def stage_sizes(mesh: Mesh, levels) -> list[tuple[str, int]]:
     return [(l, mesh.size(l)) for l in mesh.ordered(levels) if mesh.size(l) > 1]
 
 
-def combine(stages: list[float], algo: Collectives) -> float:
-    """Seconds of a staged collective from its per-level stages ([Note: staged algorithms])."""
-    if not stages:
+def combine(stages: list[tuple[str, float]], algo: Collectives) -> float:
+    """Seconds of a staged collective from its per-level stages `[(link, seconds)]`
+    ([Note: staged algorithms]); stages on one link run in turn, as one stage of their
+    summed time ([Note: shared links])."""
+    on: dict[str, float] = {}
+    for link, t in stages:
+        on[link] = on.get(link, 0.0) + t
+    if not on:
         return 0.0
     if algo == Collectives.HO_RING:
-        top = max(stages)
-        return top + (sum(stages) - top) / HO_PIECES
-    return sum(stages)
+        top = max(on.values())
+        return top + (sum(on.values()) - top) / HO_PIECES
+    return sum(on.values())
 
 
 def collective_seconds(op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives, link,
@@ -89,12 +93,12 @@ def collective_seconds(op: str, levels, nbytes: float, mesh: Mesh, algo: Collect
         wire = max(b / w for b, w in on.values())
         return FACTOR[op] * (p - 1) * max(link(l)[0] for l, _ in sizes) + wire
     chunks = HO_PIECES if algo == Collectives.HO_RING else 1
-    stages: dict[str, float] = {}
+    stages = []
     for i, (l, s) in enumerate(sizes):
         alpha, w = link(l)
         v = nbytes / prod(x for _, x in sizes[i + 1:])
-        stages[key(l)] = stages.get(key(l), 0.0) + FACTOR[op] * (s - 1) * (chunks * alpha + v / (s * w))
-    return combine(list(stages.values()), algo)
+        stages.append((key(l), FACTOR[op] * (s - 1) * (chunks * alpha + v / (s * w))))
+    return combine(stages, algo)
 
 
 @dataclass(frozen=True, slots=True)

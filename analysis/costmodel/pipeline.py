@@ -75,8 +75,7 @@ class Waits(NamedTuple):
 def waits_of(plan, mesh: Mesh, bw, algo: Collectives, costs) -> Waits:
     """Every unit's link waits, by the role the engine gives them (`costs` =
     timing.phase_costs)."""
-    key = getattr(bw, "key", lambda mesh, level: level)     # [Note: shared links] in network.py
-    on = lambda level: key(mesh, level)
+    on = lambda level: bw.key(mesh, level)     # [Note: shared links] in network.py
 
     def w(i, phase, keep=lambda r: True) -> Parts:
         out: Parts = {}

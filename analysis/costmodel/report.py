@@ -81,8 +81,7 @@ def explain(strategy: Strategy, units, *, micro_batches: int | None = None, opti
 def shared_links(bw, mesh) -> dict:
     """{level: owner} for the levels whose traffic goes through another level's links
     ([Note: shared links] in network.py, [Note: one in-node link] in timing.py)."""
-    key = getattr(bw, "key", None)
-    return {} if key is None else {l: key(mesh, l) for l in mesh.names if key(mesh, l) != l}
+    return {l: bw.key(mesh, l) for l in mesh.names if bw.key(mesh, l) != l}
 
 
 def to_json(e: Explained) -> dict:

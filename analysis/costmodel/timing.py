@@ -212,17 +212,16 @@ class Profile:
         if len(sizes) > 1 and algo != Collectives.RING:   # compose the stages from one-level entries
             # ho-ring runs each stage on HO_PIECES pieces, each a measured ring on its share
             pieces = HO_PIECES if algo is Collectives.HO_RING else 1
-            walls: dict[str, float] = {}      # by link: stages on one link run in turn
-            busy = 0.0
+            stages, busy = [], 0.0
             for i, (l, _) in enumerate(sizes):
                 inner = prod(x for _, x in sizes[i + 1:])
                 st = self._lookup(op, (l,), "ring", nbytes / inner / pieces, comm)
                 if st is None:
                     break
-                walls[self.key(mesh, l)] = walls.get(self.key(mesh, l), 0.0) + pieces * st[0]
+                stages.append((self.key(mesh, l), pieces * st[0]))
                 busy += pieces * st[1]
             else:
-                return _combine(list(walls.values()), algo), busy
+                return _combine(stages, algo), busy
         raise ShardcError(f"the bandwidth profile has no {op} entry over {', '.join(names)} "
                           f"({algo.value}); profile that group or pass --intra/--inter")
 
