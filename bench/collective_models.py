@@ -27,7 +27,8 @@ import tempfile
 
 from shardc.analysis.costmodel.links import FACTOR, flat_ring
 from shardc.analysis.costmodel.network import LevelLinks
-from shardc.analysis.costmodel.timing import AlphaBeta, Profile
+from shardc.analysis.costmodel.profile import Profile
+from shardc.analysis.costmodel.timing import AlphaBeta
 from shardc.dsl.ir import Collectives, Level, Mesh
 
 

@@ -5,7 +5,7 @@ The fixture (tests/golden/predict/) is hand-written: constant bandwidths per lev
 node+gpu hierarchical 20 MB/s with 25 %; compute wall/CPU = 0.8/0.2 = 4, 1.25e10 FLOP/s
 per rank), the bench model on node(2) > gpu(4), 4 micro-batches. The expected step
 times are derived here from the ledger rules (docs/internals.md), [Note: step time] /
-[Note: CPU share of a collective] (analysis/costmodel/timing.py) and [Note: sync
+[Note: CPU share of a collective] (analysis/costmodel/profile.py) and [Note: sync
 overlap] (pipeline.py), with the bench model's parameter counts and traced FLOPs as inputs.
 """
 from __future__ import annotations

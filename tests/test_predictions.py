@@ -259,7 +259,7 @@ def test_a_profile_composes_in_node_stages_on_one_link():
     # [Note: one in-node link] for a measured profile: an ho-ring composed from one-level
     # entries runs the gpu and lane stages in turn on the node's link, beside the node stage.
     from shardc import load_strategy
-    from shardc.analysis.costmodel.timing import Profile
+    from shardc.analysis.costmodel.profile import Profile
     mesh = load_strategy("strategy a\nmesh node(2) > gpu(2) > lane(4)\n").mesh
     rates = {"node": 10e9, "gpu": 10e9, "lane": 20e9}       # constant bandwidth: seconds = bytes / rate
     p = Profile({("all_gather", (l,), "ring", "fp32"): ((1e3, 1e3 / w, 0.0), (1e12, 1e12 / w, 0.0))
@@ -278,7 +278,7 @@ def test_a_profile_composes_ho_ring_from_its_pieces():
     # paying its own latency); hierarchical one ring on the whole payload. Entries are
     # measured at exactly the payloads used, seconds = latency + bytes / rate.
     from shardc import load_strategy
-    from shardc.analysis.costmodel.timing import Profile
+    from shardc.analysis.costmodel.profile import Profile
     mesh = load_strategy("strategy a\nmesh node(2) > gpu(4)\n").mesh
     link = {"node": (2e-3, 5e6), "gpu": (5e-4, 3e8)}
     sizes = (1e6, 4e6, 16e6)
@@ -296,7 +296,7 @@ def test_a_profile_composes_ho_ring_from_its_pieces():
 def test_a_profile_below_its_smallest_size_keeps_the_latency():
     # [Note: below the measured sizes]: the line through the two smallest points.
     from shardc import load_strategy
-    from shardc.analysis.costmodel.timing import Profile
+    from shardc.analysis.costmodel.profile import Profile
     mesh = load_strategy("strategy a\nmesh node(2) > gpu(4)\n").mesh
     a, w = 2e-3, 5e6
     p = Profile({("all_gather", ("node",), "ring", "fp32"): tuple((b, a + b / w, 0.0) for b in (1e6, 2e6, 8e6))})

@@ -60,7 +60,7 @@ def _explain(capsys, profiles) -> dict:
 
 
 def test_merged_profile_is_the_median_of_each_entry(three):
-    from shardc.analysis.costmodel.timing import Profile
+    from shardc.analysis.costmodel.profile import Profile
     files, median = three
     merged, want = Profile.load(*files), Profile.load(median)
     assert merged.entries == want.entries
@@ -117,7 +117,7 @@ def test_the_merge_ignores_file_order_and_a_repeated_file(three):
     # A median does not depend on the order of its samples, and merging a file with
     # itself changes nothing.
     import itertools
-    from shardc.analysis.costmodel.timing import Profile
+    from shardc.analysis.costmodel.profile import Profile
     files, median = three
     merged = [Profile.load(*order).entries for order in itertools.permutations(files)]
     assert all(m == merged[0] for m in merged)

@@ -16,7 +16,7 @@ _WHERE = {
     "LedgerRecord": "ledger", "predict_ledger": "ledger",
     "optimizer_state_bytes": "memory", "predict_memory": "memory",
     "inter_intra": "links", "link_bytes": "links",
-    "AlphaBeta": "timing", "Profile": "timing", "StepTime": "timing",
+    "AlphaBeta": "timing", "Profile": "profile", "StepTime": "timing",
     "choose_collectives": "timing", "step_time": "timing",
     "Explained": "report", "explain": "report",
     "LevelLinks": "network", "collective_seconds": "network",

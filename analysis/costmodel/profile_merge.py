@@ -2,7 +2,7 @@
 
 Input: the parsed documents of profiles measured on the same mesh at different times
 (`explain/plan --bandwidth A.json B.json ...`). Output: one document of the same
-format, read by `timing.Profile` as a single profile.
+format, read by `profile.Profile` as a single profile.
 
 [Note: merged profiles]
 A profile is one sample of a machine that drifts: on the emulated cluster

@@ -1,8 +1,8 @@
 """Time model — seconds per collective and an estimated step time.
 
 Input: ledger records (from `ledger.py`), a bandwidth model — `AlphaBeta` built from
-`--intra/--inter` bandwidths and latencies (Lins §IV-A), or `Profile` read from
-`shardc profile`'s JSON — and compute figures. Output: seconds per phase, a step-time
+`--intra/--inter` bandwidths and latencies (Lins §IV-A), or `Profile` (profile.py) read
+from `shardc profile`'s JSON — and compute figures. Output: seconds per phase, a step-time
 estimate, and `choose_collectives`, which resolves `collectives auto`.
 
 [Note: alpha-beta per stage]
@@ -29,56 +29,34 @@ compute = FLOPs per micro-batch / achievable FLOP/s, the FLOPs counted on the ca
 graph (attention and recomputation included, `flops.py`) or 6·Φ·tokens without one; the
 achievable rate is `--tflops`, else a profile's measured rate ([Note: measured compute
 rate] in shardc/cli/profile_compute.py), else `--flops`. Each collective's seconds split
-into the part that occupies the cores (k, [Note: CPU share of a collective]; 0 without
-a CPU profile) and waiting for links (w = seconds − k). With `prefetch` ≥ 1 the step
+into the part that occupies the cores (k, [Note: CPU share of a collective] in
+profile.py; 0 without a CPU profile) and waiting for links (w = seconds − k). With `prefetch` ≥ 1 the step
 costs every k, plus each micro-batch replayed on the plan's schedule with the waits w
 (pipeline.py, [Note: pass pipeline]: compute and links in the engine's order, so a
 link-bound pass shows the compute the links wait for and a compute-bound one its first
 gathers and last reductions), the step's syncs on the links of its last backward
 ([Note: sync overlap]), plus the update phase's waits, which hide behind the next
 forward when the schedule defers them ([Note: deferred update overlap]). With
-`prefetch 0` nothing overlaps: compute plus every collective's seconds.
-
-[Note: below the measured sizes]
-Between and above its measured sizes a profile interpolates bandwidth (linear in
-log bytes, clamped above). Below the smallest, clamping the bandwidth would make a
-collective's time shrink with its bytes to nothing, but a small collective still pays
-its latency: there it is the line through the two smallest points, latency + bytes /
-rate, the latency kept within [0, the smallest's time]. HO-Ring's pieces of a 128 KiB
-collective are 32 KiB: composed from one-level entries (128 KiB and up) they came out
-at 0.22–0.26 of the measured HO-Ring on the emulated cluster with the clamp, 0.79–0.92
-with the line (docs/explain.md, "Collective models against measured collectives").
-
-[Note: CPU share of a collective]
-On CPU ranks (gloo) a collective is partly work on the same cores that compute: the
-loopback copies between ranks of a node, the reductions, gloo's threads; the rest is
-waiting for a shaped link, which other ranks' compute fills. `shardc profile` records
-each collective's process CPU seconds u next to its wall seconds T, and the compute
-run's wall/CPU ratio r (how many ranks share a core while all compute). Under the same
-contention u CPU seconds cost u·r wall seconds of the shared cores, so the occupied part
-is k = min(T, u·r); only T − k can overlap compute. A profile without CPU seconds (CUDA)
-has k = 0.
+`prefetch 0` nothing overlaps: compute plus every collective's seconds. The
+measured bandwidth model, `Profile`, and its notes live in profile.py.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
-from bisect import bisect_left
 from dataclasses import dataclass
-from math import prod
 
 from shardc.dsl.errors import ShardcError
-from shardc.dsl.ir import Collectives, Level, Mesh, Strategy
+from shardc.dsl.ir import Collectives, Mesh, Strategy
 from shardc.dsl.sizes import prefix_scale
 
 from shardc.analysis.costmodel.ledger import counted_rows
-from shardc.lowering import HO_PIECES, PHASE_ORDER, lower
+from shardc.lowering import PHASE_ORDER, lower
 from shardc.analysis.costmodel.network import collective_seconds, in_node_link
-from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
+from shardc.analysis.costmodel.network import stage_sizes as _stage_sizes
 from shardc.analysis.costmodel.pipeline import step, update_wait, waits_of
-from shardc.analysis.costmodel.profile_merge import merge
 from shardc.analysis.costmodel.sizes import UnitSize, dense_flops
+
 
 @dataclass(frozen=True, slots=True)
 class AlphaBeta:
@@ -105,150 +83,6 @@ class AlphaBeta:
     def seconds(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
         return collective_seconds(op, levels, nbytes, mesh, algo, lambda l: self.link(mesh, l),
                                   lambda l: self.key(mesh, l))
-
-
-@dataclass(frozen=True, slots=True)
-class Profile:
-    """Measured collectives: `{(op, levels, algo): ((bytes, seconds, cpu seconds), ...)}`
-    sorted by bytes, and the measured compute record (`compute`, or None)."""
-    entries: dict
-    compute: dict | None = None
-    files: int = 1                       # > 1: merged, the median of each entry
-    mesh: Mesh | None = None             # the mesh it was measured on; None if unrecorded
-
-    def __str__(self) -> str:
-        rate = "" if self.flops is None else f", compute {self.flops / 1e9:.3g} GFLOP/s per rank"
-        merged = "" if self.files == 1 else f"median of {self.files} files, "
-        return f"bandwidth profile ({merged}{len(self.entries)} measured groups{rate})"
-
-    @classmethod
-    def load(cls, *paths: str) -> "Profile":
-        """One profile file, or several of one mesh merged entry by entry ([Note: merged
-        profiles] in profile_merge.py)."""
-        docs = []
-        for path in paths:
-            try:
-                with open(path) as f:
-                    docs.append(json.load(f))
-            except (OSError, ValueError) as e:
-                raise ShardcError(f"cannot read bandwidth profile {path}: {e}") from None
-        what = f" {paths[0]}" if len(paths) == 1 else "s " + ", ".join(paths)
-        try:
-            data = merge(docs, list(paths))
-            table: dict = {}
-            for e in data["entries"]:
-                key = (e["op"], tuple(e["levels"]), e.get("algo", "ring"), e.get("comm", "fp32"))
-                cpu = e.get("cpu_seconds")
-                table.setdefault(key, []).append((float(e["bytes"]), float(e["seconds"]),
-                                                  0.0 if cpu is None else float(cpu)))
-            compute = data.get("compute")
-            if compute is not None and float(compute["flops_per_s"]) <= 0:
-                raise ValueError("compute.flops_per_s must be positive")
-            levels = tuple(Level(m["name"], int(m["size"])) for m in data.get("mesh") or ())
-        except (ValueError, KeyError, TypeError) as e:
-            raise ShardcError(f"cannot read bandwidth profile{what}: {e}") from None
-        return cls({k: tuple(sorted(v)) for k, v in table.items()}, compute, len(paths),
-                   Mesh(levels) if levels else None)
-
-    def check(self, mesh: Mesh) -> None:
-        """A measured collective's time is its group's: refuse a profile of another mesh."""
-        if self.mesh is not None and self.mesh != mesh:
-            raise ShardcError(f"the bandwidth profile was measured on mesh {self.mesh}, the strategy runs on {mesh}; "
-                              f"profile that mesh (`shardc profile --mesh`) or describe its links with --link")
-
-    @property
-    def flops(self) -> float | None:
-        """Measured achievable FLOP/s per rank ([Note: measured compute rate]), or None."""
-        return None if self.compute is None else float(self.compute["flops_per_s"])
-
-    @property
-    def cpu_share(self) -> float:
-        """Wall seconds per CPU second while every rank computes (0: no CPU measurement)."""
-        c = self.compute or {}
-        return c["seconds"] / c["cpu_seconds"] if c.get("cpu_seconds") else 0.0
-
-    def _lookup(self, op: str, levels: tuple[str, ...], algo: str, nbytes: float, comm: str = "fp32"):
-        """(seconds, occupied seconds) of one measured group at `nbytes` (payload bytes), or
-        None. A quantized collective uses its own entries when profiled (codec work
-        included), else the fp32 ones at its payload size."""
-        pts = None
-        for c in dict.fromkeys((comm, "fp32")):
-            pts = self.entries.get((op, levels, algo, c))
-            if pts is None and len(levels) == 1:   # one level: every algorithm is the same ring
-                pts = next((v for (o, l, _, c2), v in self.entries.items() if o == op and l == levels
-                            and c2 == c), None)
-            if pts is not None:
-                break
-        if pts is None:
-            return None
-        if nbytes <= 0:
-            return 0.0, 0.0
-        t = _below(pts, nbytes) if nbytes < pts[0][0] else nbytes / _interp([(b, b / s) for b, s, _ in pts], nbytes)
-        return t, t * _interp([(b, min(1.0, u * self.cpu_share / s)) for b, s, u in pts], nbytes)
-
-    def key(self, mesh: Mesh, level: str) -> str:
-        """The level whose links carry `level`'s traffic: measured groups inside a node
-        share its one in-node link too ([Note: one in-node link])."""
-        return in_node_link(mesh, level)
-
-    def seconds(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
-        return self.cost(op, levels, nbytes, mesh, algo)[0]
-
-    def cost(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives,
-             comm: str = "fp32") -> tuple[float, float]:
-        """(seconds, seconds that occupy the cores) of one collective whose payload is
-        `nbytes` in wire dtype `comm` ([Note: CPU share of a collective])."""
-        sizes = _stage_sizes(mesh, levels)
-        if not sizes:
-            return 0.0, 0.0
-        names = tuple(l for l, _ in sizes)
-        if op == "all_to_all":   # qgZ: one flat all-to-all; `shardc profile` does not time it, and a
-            algo = Collectives.RING          # ring reduce-scatter sends the same (p−1)/p·V per rank
-            t = self._lookup(op, names, "ring", nbytes, comm)
-            op = "reduce_scatter" if t is None else op
-        t = self._lookup(op, names, algo.value, nbytes, comm)
-        if t is not None:
-            return t
-        if len(sizes) > 1 and algo != Collectives.RING:   # compose the stages from one-level entries
-            # ho-ring runs each stage on HO_PIECES pieces, each a measured ring on its share
-            pieces = HO_PIECES if algo is Collectives.HO_RING else 1
-            stages, busy = [], 0.0
-            for i, (l, _) in enumerate(sizes):
-                inner = prod(x for _, x in sizes[i + 1:])
-                st = self._lookup(op, (l,), "ring", nbytes / inner / pieces, comm)
-                if st is None:
-                    break
-                stages.append((self.key(mesh, l), pieces * st[0]))
-                busy += pieces * st[1]
-            else:
-                return _combine(stages, algo), busy
-        raise ShardcError(f"the bandwidth profile has no {op} entry over {', '.join(names)} "
-                          f"({algo.value}); profile that group or pass --intra/--inter")
-
-
-def _below(pts, nbytes: float) -> float:
-    """Seconds of a collective smaller than any measured ([Note: below the measured
-    sizes]): the line through the two smallest measured points, latency + bytes / rate,
-    with the latency at least 0."""
-    b0, t0, _ = pts[0]
-    slope = (pts[1][1] - t0) / (pts[1][0] - b0) if len(pts) > 1 else t0 / b0
-    slope = min(max(0.0, slope), t0 / b0)          # the latency within [0, t0]
-    return t0 - slope * b0 + slope * nbytes
-
-
-def _interp(pts, nbytes: float) -> float:
-    """A measured quantity (bandwidth, occupied share) at `nbytes`: linear in log(bytes)
-    between the measured sizes `pts = ((bytes, value), ...)`, clamped outside them."""
-    sizes = [b for b, _ in pts]
-    vals = [v for _, v in pts]
-    i = bisect_left(sizes, nbytes)
-    if i == 0:
-        return vals[0]
-    if i == len(sizes):
-        return vals[-1]
-    x0, x1 = math.log(sizes[i - 1]), math.log(sizes[i])
-    t = (math.log(nbytes) - x0) / (x1 - x0) if x1 > x0 else 0.0
-    return vals[i - 1] + t * (vals[i] - vals[i - 1])
 
 
 @dataclass(frozen=True, slots=True)

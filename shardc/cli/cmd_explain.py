@@ -153,7 +153,8 @@ def add_bandwidth_arguments(p) -> None:
 
 
 def bandwidth_from_args(args):
-    from shardc.analysis.costmodel.timing import AlphaBeta, Profile, parse_rate, parse_seconds
+    from shardc.analysis.costmodel.profile import Profile
+    from shardc.analysis.costmodel.timing import AlphaBeta, parse_rate, parse_seconds
     if args.bandwidth:
         return Profile.load(*args.bandwidth)
     return AlphaBeta(intra=parse_rate(args.intra), inter=parse_rate(args.inter),

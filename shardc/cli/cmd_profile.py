@@ -2,7 +2,7 @@
 
 Input: a running world (under torchrun, or an already initialised default process
 group) and a mesh. Output (rank 0): a JSON bandwidth profile read by the cost model
-(`analysis/costmodel/timing.py`, `--bandwidth F.json`):
+(`analysis/costmodel/profile.py`, `--bandwidth F.json`):
 
     {"mesh": [{"name", "size"}], "device": "cpu", "entries":
        [{"op", "levels", "algo", "bytes", "seconds", "cpu_seconds", "busbw"}],
@@ -17,7 +17,7 @@ times the whole list is timed over) of each run's slowest rank ([Note: a robust
 collective time]; every group of the level set runs at the same time, as in
 training); `cpu_seconds` (CPU
 only, else null) the process CPU time per run, mean over ranks: the part of the
-collective that occupies a core ([Note: CPU share of a collective] in timing.py);
+collective that occupies a core ([Note: CPU share of a collective] in profile.py);
 `busbw` is nccl-tests' bus bandwidth: bytes/seconds times (s-1)/s for gathers and
 scatters, 2(s-1)/s for all-reduce. With `--model`, the achievable compute rate is
 measured too (`profile_compute.py`).

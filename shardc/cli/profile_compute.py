@@ -2,7 +2,7 @@
 
 Input: a running world, a model factory, the micro-batch shape (`--tokens`, `--seq`)
 and the device. Output: the profile's `"compute"` record, read by the cost model
-(`analysis/costmodel/timing.py`, `Profile.flops`) when `--tflops` is not given:
+(`analysis/costmodel/profile.py`, `Profile.flops`) when `--tflops` is not given:
 
     {"model", "tokens", "seq", "dtype", "flops", "seconds", "cpu_seconds", "flops_per_s"}
 
@@ -15,7 +15,7 @@ the executed FLOPs the cost model counts for that micro-batch (`flops.trace` on 
 meta device, fp32), so `flops / flops_per_s` gives back the measured seconds exactly;
 `seconds` is the mean over ranks of the mean per run; `cpu_seconds` the process CPU
 time per run, mean over ranks (CPU only; with `seconds` it says how many ranks share
-a core, [Note: CPU share of a collective] in timing.py).
+a core, [Note: CPU share of a collective] in profile.py).
 """
 from __future__ import annotations
 
