@@ -145,6 +145,19 @@ def test_slow_rates_print_readably(capsys):
     assert 0 < tps < 1 and 0 < mfu < 0.01
 
 
+@pytest.mark.parametrize("flag", [["--link", "node=25"], ["--intra", "5"]])
+def test_a_bandwidth_without_a_unit_is_refused(capsys, flag):
+    # A bare number is bytes/s: `--link node=25` would be a 25 B/s link and a step of
+    # years. Below 1 MB/s it is taken for a forgotten unit: one line naming the value.
+    from shardc.cli import main
+    argv = ["explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)", "--no-graph"]
+    assert main([*argv, *flag]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    value = flag[1].partition("=")[2] or flag[1]
+    assert len(err) == 1 and f"bandwidth '{value}' has no unit" in err[0] and f"{value}GB/s" in err[0]
+    assert main([*argv, flag[0], flag[1] + "e9"]) == 0       # a unitless rate in bytes/s still reads
+
+
 def test_seq_must_be_positive():
     r = shardc("explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)", "--seq", "0")
     assert r.returncode == 2 and "--seq: expected a positive integer, got 0" in r.stderr and "Traceback" not in r.stderr

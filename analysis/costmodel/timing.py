@@ -198,11 +198,15 @@ def _number(m) -> float:
 
 
 def parse_rate(text: str) -> float:
-    """'100GB/s', '25Gbit/s', '12.5e9' -> bytes per second."""
+    """'100GB/s', '25Gbit/s', '12.5e9' -> bytes per second. A number without a unit is
+    bytes per second, so one below 1 MB/s (`--link node=25`) is refused as a missing unit."""
     m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]i?)?(B|bit|b)?(/s)?\s*", str(text))
     value = _number(m)
     if value <= 0:
         raise ShardcError(f"cannot read bandwidth {text!r}; write e.g. 100GB/s or 25Gbit/s")
+    if not (m.group(2) or m.group(3)) and value < 1e6:
+        raise ShardcError(f"bandwidth {text.strip()!r} has no unit, so it reads as {value:g} bytes/s; "
+                          f"write e.g. {value:g}GB/s or {value:g}Gbit/s")
     scale = prefix_scale(m.group(2) or "")
     bits = m.group(3) in ("bit", "b")
     return value * scale / (8 if bits else 1)
