@@ -158,6 +158,17 @@ def test_a_bandwidth_without_a_unit_is_refused(capsys, flag):
     assert main([*argv, flag[0], flag[1] + "e9"]) == 0       # a unitless rate in bytes/s still reads
 
 
+@pytest.mark.parametrize("flag", [["--link", "node=25GB/s@20"], ["--inter-latency", "20"]])
+def test_a_latency_without_a_unit_is_refused(capsys, flag):
+    # A bare number is seconds: 20 s per ring step is a forgotten `us`.
+    from shardc.cli import main
+    argv = ["explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)", "--no-graph"]
+    assert main([*argv, *flag]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "latency '20' has no unit" in err[0] and "20us" in err[0]
+    assert main([*argv, flag[0], flag[1] + "e-6"]) == 0      # a unitless latency in seconds still reads
+
+
 def test_seq_must_be_positive():
     r = shardc("explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)", "--seq", "0")
     assert r.returncode == 2 and "--seq: expected a positive integer, got 0" in r.stderr and "Traceback" not in r.stderr

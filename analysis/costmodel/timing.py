@@ -221,9 +221,13 @@ def duration(seconds: float) -> str:
 
 
 def parse_seconds(text: str) -> float:
-    """'5us', '0.1ms', '2e-5' -> seconds."""
+    """'5us', '0.1ms', '2e-5' -> seconds. A number without a unit is seconds, so one of
+    a second or more per ring step (`@20`) is refused as a missing unit."""
     m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(s|ms|us|ns)?\s*", str(text))
     value = _number(m)
     if value < 0:
         raise ShardcError(f"cannot read latency {text!r}; write e.g. 5us or 0.1ms")
+    if m.group(2) is None and value >= 1:
+        raise ShardcError(f"latency {text.strip()!r} has no unit, so it reads as {value:g} s per ring step; "
+                          f"write e.g. {value:g}us or {value:g}ms")
     return value * {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, None: 1}[m.group(2)]
