@@ -42,6 +42,7 @@ from shardc.lowering import HO_PIECES
 from shardc.analysis.costmodel.network import in_node_link
 from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
 from shardc.analysis.costmodel.profile_merge import merge
+from shardc.analysis.costmodel.timing import flop_rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,7 @@ class Profile:
     mesh: Mesh | None = None             # the mesh it was measured on; None if unrecorded
 
     def __str__(self) -> str:
-        rate = "" if self.flops is None else f", compute {self.flops / 1e9:.3g} GFLOP/s per rank"
+        rate = "" if self.flops is None else f", compute {flop_rate(self.flops)} per rank"
         merged = "" if self.files == 1 else f"median of {self.files} files, "
         return f"bandwidth profile ({merged}{len(self.entries)} measured groups{rate})"
 

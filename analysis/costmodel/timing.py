@@ -220,6 +220,14 @@ def duration(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if abs(seconds) < 10 else f"{seconds:.2f} s"
 
 
+def flop_rate(flops: float) -> str:
+    """FLOP/s as people read them, three significant digits: '17.6 GFLOP/s', '200 TFLOP/s'."""
+    for unit, scale in (("GFLOP/s", 1e9), ("TFLOP/s", 1e12)):
+        if abs(flops / scale) < 999.5:
+            return f"{flops / scale:.3g} {unit}"
+    return f"{flops / 1e15:.3g} PFLOP/s"
+
+
 def parse_seconds(text: str) -> float:
     """'5us', '0.1ms', '2e-5' -> seconds. A number without a unit is seconds, so one of
     a second or more per ring step (`@20`) is refused as a missing unit."""

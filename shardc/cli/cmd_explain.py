@@ -77,7 +77,8 @@ def run(args) -> int:
     else:
         render(e)
         counted = "6·params·tokens" if graph is None else "FLOPs counted on the traced graph"
-        print(f"time model: {bw}; compute {args.tokens} tokens per micro-batch at {rate:.4g} FLOP/s ({counted})")
+        from shardc.analysis.costmodel.timing import flop_rate
+        print(f"time model: {bw}; compute {args.tokens} tokens per micro-batch at {flop_rate(rate)} ({counted})")
     return 0
 
 
@@ -178,9 +179,10 @@ def flops_from_args(args, bw=None) -> float:
 
 
 def human_bytes(n: float) -> str:
-    """Binary units, three significant digits: 1.50 GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    """Binary units, three significant digits: 1.5 GiB; what rounds to 1000 or more of
+    a unit is written in the next (1000 MiB is 0.977 GiB, not 1e+03 MiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < (1024 if unit == "B" else 999.5):
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1024
-    return f"{n} B"
+    return f"{n:.3g} TiB" if abs(n) < 999.5 else f"{n:.0f} TiB"
