@@ -88,6 +88,21 @@ def test_nothing_fits_is_one_clear_error(tmp_path):
         run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", "0GiB"])
 
 
+def test_nothing_fits_names_what_dominates_and_prints_no_empty_table(capsys):
+    # llama_tiny at 4096 tokens: activations are most of every layout's peak, so the
+    # error names them and the flag that shrinks them; with --checkpoint it does not
+    # suggest --checkpoint again.
+    from shardc.dsl.errors import ShardcError
+    argv = ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", "1MiB", "--overhead", "0"]
+    with pytest.raises(ShardcError, match=r"dominated by activations \(--checkpoint recomputes them\)$"):
+        run_cmd("plan", argv)
+    out = capsys.readouterr().out
+    assert "0 fit 1 MiB" in out and "top 0" not in out and "┏" not in out
+    with pytest.raises(ShardcError) as e:
+        run_cmd("plan", [*argv, "--checkpoint"])
+    assert "--checkpoint" not in str(e.value)
+
+
 def test_compute_bound_ties_go_to_the_least_communication(capsys):
     # 1 MFLOP/s: compute hides every collective but microseconds of tail ([Note: sync
     # overlap]) under a 34,649 s step, so the step times tie to 6 significant digits (the

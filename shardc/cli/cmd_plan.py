@@ -91,8 +91,18 @@ def run(args) -> int:
     if not fit:
         smallest = cands[0]
         raise ShardcError(f"no strategy fits {args.memory} per rank; the smallest needs "
-                          f"{human_bytes(smallest.memory)} ({describe(smallest)})")
+                          f"{human_bytes(smallest.memory)} ({describe(smallest)}){dominated(smallest, args)}")
     return 0
+
+
+def dominated(c, args) -> str:
+    """What the smallest candidate's peak is mostly made of, and the flag that shrinks it."""
+    part = c.report.peak.get("dominant")
+    if part is None:
+        return ""
+    hint = {"activations": "" if args.checkpoint else " (--checkpoint recomputes them)",
+            "states": " (--precision bf16 halves params and grads)" if args.precision == "fp32" else ""}.get(part, "")
+    return f", dominated by {part}{hint}"
 
 
 def write_best(c, path: str) -> None:
@@ -134,6 +144,8 @@ def render(cands, fit, args, budget) -> None:
     mesh = cands[0].report.strategy.mesh
     con.print(f"{len(cands)} strategies obey the dependency rule on {mesh}; {len(fit)} fit "
               f"{human_bytes(budget)} per rank ({args.micro_batches} micro-batches, {args.precision})")
+    if not fit:
+        return                   # the error that follows names the smallest
     short = lambda levels: ",".join(levels) if levels else "replicate"
     by = "estimated step time" if args.objective == "time" else "summed communication time"
     t = Table(title=f"top {min(args.top, len(fit))} by {by} (levels each state is sharded over)")
