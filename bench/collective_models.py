@@ -8,7 +8,7 @@ against its own two-level entries (fp32):
 - **composed**: `hierarchical` and `ho-ring` over both levels, composed by the cost
   model from the file's measured one-level rings alone (`Profile` without its
   two-level entries: [Note: staged algorithms] with measured stages, [Note: below the
-  measured sizes] in analysis/costmodel/timing.py);
+  measured sizes] in analysis/costmodel/profile.py);
 - **links**: every two-level algorithm from per-level links fitted to the file's
   one-level ring all-gathers (latency + bytes / rate, least squares per level) through
   analysis/costmodel/network.py; a flat reduce-scatter is the all-to-all shardc's
