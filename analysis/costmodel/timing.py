@@ -30,15 +30,15 @@ graph (attention and recomputation included, `flops.py`) or 6·Φ·tokens withou
 achievable rate is `--tflops`, else a profile's measured rate ([Note: measured compute
 rate] in shardc/cli/profile_compute.py), else `--flops`. Each collective's seconds split
 into the part that occupies the cores (k, [Note: CPU share of a collective] in
-profile.py; 0 without a CPU profile) and waiting for links (w = seconds − k). With `prefetch` ≥ 1 the step
-costs every k, plus each micro-batch replayed on the plan's schedule with the waits w
-(pipeline.py, [Note: pass pipeline]: compute and links in the engine's order, so a
-link-bound pass shows the compute the links wait for and a compute-bound one its first
-gathers and last reductions), the step's syncs on the links of its last backward
-([Note: sync overlap]), plus the update phase's waits, which hide behind the next
-forward when the schedule defers them ([Note: deferred update overlap]). With
-`prefetch 0` nothing overlaps: compute plus every collective's seconds. The
-measured bandwidth model, `Profile`, and its notes live in profile.py.
+profile.py; 0 without a CPU profile) and waiting for links (w = seconds − k). With
+`prefetch` ≥ 1 the step costs every k, plus each micro-batch replayed on the plan's
+schedule with the waits w (pipeline.py, [Note: pass pipeline]: compute and links in the
+engine's order, so a link-bound pass shows the compute the links wait for and a
+compute-bound one its first gathers and last reductions), the step's syncs on the links
+of its last backward ([Note: sync overlap]), plus the update phase's waits, which hide
+behind the next forward when the schedule defers them ([Note: deferred update
+overlap]). With `prefetch 0` nothing overlaps: compute plus every collective's seconds.
+The measured bandwidth model, `Profile`, and its notes live in profile.py.
 """
 from __future__ import annotations
 
