@@ -178,6 +178,7 @@ def test_bytes_and_rates_read_without_exponents():
     assert human_bytes(1.5 * 2**30) == "1.5 GiB" and human_bytes(5000 * 2**40) == "5000 TiB"
     from shardc.analysis.costmodel.timing import flop_rate
     assert flop_rate(17.6e9) == "17.6 GFLOP/s" and flop_rate(999.6e9) == "1 TFLOP/s" and flop_rate(2e14) == "200 TFLOP/s"
+    assert flop_rate(2.5e15) == "2.5 PFLOP/s" and flop_rate(1.5e18) == "1500 PFLOP/s"
 
 
 def test_seq_must_be_positive():

@@ -225,7 +225,8 @@ def flop_rate(flops: float) -> str:
     for unit, scale in (("GFLOP/s", 1e9), ("TFLOP/s", 1e12)):
         if abs(flops / scale) < 999.5:
             return f"{flops / scale:.3g} {unit}"
-    return f"{flops / 1e15:.3g} PFLOP/s"
+    peta = flops / 1e15
+    return f"{peta:.3g} PFLOP/s" if abs(peta) < 999.5 else f"{peta:.0f} PFLOP/s"
 
 
 def parse_seconds(text: str) -> float:
