@@ -145,12 +145,15 @@ def test_slow_rates_print_readably(capsys):
     assert 0 < tps < 1 and 0 < mfu < 0.01
 
 
+TINY_NO_GRAPH = ["explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)", "--no-graph"]
+
+
 @pytest.mark.parametrize("flag", [["--link", "node=25"], ["--intra", "5"]])
 def test_a_bandwidth_without_a_unit_is_refused(capsys, flag):
     # A bare number is bytes/s: `--link node=25` would be a 25 B/s link and a step of
     # years. Below 1 MB/s it is taken for a forgotten unit: one line naming the value.
     from shardc.cli import main
-    argv = ["explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)", "--no-graph"]
+    argv = TINY_NO_GRAPH
     assert main([*argv, *flag]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     value = flag[1].partition("=")[2] or flag[1]
@@ -162,7 +165,7 @@ def test_a_bandwidth_without_a_unit_is_refused(capsys, flag):
 def test_a_latency_without_a_unit_is_refused(capsys, flag):
     # A bare number is seconds: 20 s per ring step is a forgotten `us`.
     from shardc.cli import main
-    argv = ["explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)", "--no-graph"]
+    argv = TINY_NO_GRAPH
     assert main([*argv, *flag]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "latency '20' has no unit" in err[0] and "20us" in err[0]

@@ -220,13 +220,20 @@ def duration(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if abs(seconds) < 10 else f"{seconds:.2f} s"
 
 
+def scaled(value: float, units: tuple[str, ...], step: float) -> str:
+    """`value` (in `units[0]`) with three significant digits in the first unit where it
+    rounds below 1000, each unit `step` times the one before; whole in the last unit
+    beyond it (no exponents: 1000 MiB is '0.977 GiB', not '1e+03 MiB')."""
+    for unit in units[:-1]:
+        if abs(value) < 999.5:
+            return f"{value:.3g} {unit}"
+        value /= step
+    return f"{value:.3g} {units[-1]}" if abs(value) < 999.5 else f"{value:.0f} {units[-1]}"
+
+
 def flop_rate(flops: float) -> str:
-    """FLOP/s as people read them, three significant digits: '17.6 GFLOP/s', '200 TFLOP/s'."""
-    for unit, scale in (("GFLOP/s", 1e9), ("TFLOP/s", 1e12)):
-        if abs(flops / scale) < 999.5:
-            return f"{flops / scale:.3g} {unit}"
-    peta = flops / 1e15
-    return f"{peta:.3g} PFLOP/s" if abs(peta) < 999.5 else f"{peta:.0f} PFLOP/s"
+    """FLOP/s as people read them: '17.6 GFLOP/s', '200 TFLOP/s'."""
+    return scaled(flops / 1e9, ("GFLOP/s", "TFLOP/s", "PFLOP/s"), 1000)
 
 
 def parse_seconds(text: str) -> float:

@@ -179,10 +179,7 @@ def flops_from_args(args, bw=None) -> float:
 
 
 def human_bytes(n: float) -> str:
-    """Binary units, three significant digits: 1.5 GiB; what rounds to 1000 or more of
-    a unit is written in the next (1000 MiB is 0.977 GiB, not 1e+03 MiB)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < (1024 if unit == "B" else 999.5):
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    return f"{n:.3g} TiB" if abs(n) < 999.5 else f"{n:.0f} TiB"
+    """Whole bytes below 1 KiB, else binary units with three significant digits (1.5 GiB;
+    `timing.scaled`)."""
+    from shardc.analysis.costmodel.timing import scaled
+    return f"{n:.0f} B" if abs(n) < 1024 else scaled(n / 1024, ("KiB", "MiB", "GiB", "TiB"), 1024)
