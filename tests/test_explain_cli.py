@@ -148,6 +148,14 @@ def test_slow_rates_print_readably(capsys):
 TINY_NO_GRAPH = ["explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)", "--no-graph"]
 
 
+def test_without_a_trace_activations_read_as_not_counted(capsys):
+    # No trace, no activations: the peak says so rather than printing "activations 0 B".
+    from shardc.cli import main
+    assert main(TINY_NO_GRAPH) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "activations not counted (no trace)" in out and "activations 0 B" not in out
+
+
 @pytest.mark.parametrize("flag", [["--link", "node=25"], ["--intra", "5"]])
 def test_a_bandwidth_without_a_unit_is_refused(capsys, flag):
     # A bare number is bytes/s: `--link node=25` would be a 25 B/s link and a step of

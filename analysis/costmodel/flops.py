@@ -16,6 +16,14 @@ allocated: the forward and backward run on meta tensors.
 - Model FLOPs (for MFU) = 3 × forward FLOPs (Megatron's convention, backward = 2 ×
   forward). Executed FLOPs = forward + backward as counted, plus one more forward of
   every checkpointed unit (activation recomputation).
+- Mixture-of-experts layers that run their experts as one grouped matmul
+  (`aten._grouped_mm`, what Hugging Face's MoE models and torchtitan call) count
+  2·rows·k·n: the routed rows are tokens × top-k whatever the router picks, so the
+  meta trace counts the active experts exactly (torch's counter has no formula for it
+  and would count nothing). Its meta kernel accepts bf16 only, as the first CUDA kernel
+  did; other dtypes are shaped through a bf16 view on meta (`_meta_grouped_mm`), so an
+  fp32 MoE traces too. An expert loop indexed by the routing (`nonzero`) cannot run on
+  meta tensors: such a model falls back to 6·params·tokens, which counts every expert.
 - Saved bytes exclude parameters (they are model states) and count each tensor once
   (by storage); a tensor saved inside a non-root unit's forward belongs to that unit,
   anything else to the root unit.
@@ -78,6 +86,38 @@ def _flash_sdpa_mode():
     return FlashSDPA()
 
 
+def grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of `aten._grouped_mm`: every row (or contraction slice) of the 2-D operand
+    meets one group's matrix, so the count is that of one plain matmul over all rows."""
+    if len(a_shape) == 3 and len(b_shape) == 3:           # a batch of G matmuls
+        g, m, k = a_shape
+        return 2 * g * m * k * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 2:           # groups split the contraction (weight gradients)
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    if len(a_shape) == 2:                                 # (rows, k) × (G, k, n): groups split the rows
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    return 2 * a_shape[1] * a_shape[2] * b_shape[1]       # (G, m, k) × (k, n): groups split the columns
+
+
+def _meta_grouped_mm():
+    """A TorchDispatchMode under which `aten._grouped_mm` on meta tensors of any float
+    dtype takes its shape from the bf16 meta kernel (nothing runs on meta; the result
+    keeps the inputs' dtype, and autograd, above this mode, saves the real inputs)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    op = torch.ops.aten._grouped_mm.default
+
+    class MetaGroupedMM(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is op and args[0].is_meta and args[0].dtype != torch.bfloat16:
+                a, b = (t.to(torch.bfloat16) for t in args[:2])
+                return func(a, b, *args[2:], **kwargs).to(kwargs.get("out_dtype") or args[0].dtype)
+            return func(*args, **kwargs)
+    return MetaGroupedMM()
+
+
 def trace(model, units, *, batch: int, seq: int, dtype: str = "bf16") -> GraphCost:
     """Run one micro-batch forward and backward on meta tensors; see the module docstring."""
     import torch
@@ -91,7 +131,7 @@ def trace(model, units, *, batch: int, seq: int, dtype: str = "bf16") -> GraphCo
     saved, inputs, fwd = [0] * n, [0] * n, [0.0] * n
     seen: set = set()
     current = [0]          # a stack: the unit whose forward is running is current[-1]
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: grouped_mm_flop})
 
     def pack(t):
         key = t.untyped_storage()._cdata
@@ -109,11 +149,12 @@ def trace(model, units, *, batch: int, seq: int, dtype: str = "bf16") -> GraphCo
             handles.append(mods[name].register_forward_hook(_leave(i, current, counter, fwd)))
     x = sample_input(m, batch, seq)
     try:
-        with counter, _flash_sdpa_mode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _meta_grouped_mm(), counter, _flash_sdpa_mode(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = m(x)
             forward = counter.get_total_flops()
             loss = (out if torch.is_tensor(out) else out[0]).float().sum()
-        with counter, _flash_sdpa_mode():      # entering the counter again starts from zero
+        with _meta_grouped_mm(), counter, _flash_sdpa_mode():   # entering the counter again starts from zero
             loss.backward()
             backward = counter.get_total_flops()
     finally:

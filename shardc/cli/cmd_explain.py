@@ -75,14 +75,14 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(to_json(e), indent=2))
     else:
-        render(e)
+        render(e, traced=graph is not None)
         counted = "6·params·tokens" if graph is None else "FLOPs counted on the traced graph"
         from shardc.analysis.costmodel.timing import flop_rate
         print(f"time model: {bw}; compute {args.tokens} tokens per micro-batch at {flop_rate(rate)} ({counted})")
     return 0
 
 
-def render(e) -> None:
+def render(e, traced: bool = True) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -123,8 +123,9 @@ def render(e) -> None:
               ", ".join(f"{k} {duration(v)}" for k, v in t.comm.items()) + ")")
     r, pk = e.rates, e.peak
     con.print(f"throughput: {_readable(r['tokens_per_s'])} tokens/s per rank, MFU {_readable(100 * r['mfu'])} %")
+    acts = human_bytes(pk['activations']) if traced else "not counted (no trace)"
     con.print(f"peak memory per rank: {human_bytes(pk['peak'])} = states {human_bytes(pk['states'])} + gathered "
-              f"units {human_bytes(pk['gathered'])} + activations {human_bytes(pk['activations'])} + overhead "
+              f"units {human_bytes(pk['gathered'])} + activations {acts} + overhead "
               f"{human_bytes(pk['overhead'])}; dominated by {pk['dominant']}")
     for w in s.warnings:
         con.print(w, markup=False, highlight=False)
