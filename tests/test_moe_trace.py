@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardc import load_strategy
 from shardc.analysis.costmodel.flops import grouped_mm_flop, trace
 from shardc.cli import main as cli_main
+from shardc.cli.loader import build_model
 from shardc.compiler.units import find_units
 
 H, FFN, LAYERS, HEADS, KV, VOCAB, EXPERTS, TOP_K = 64, 96, 2, 4, 2, 128, 4, 2
@@ -75,9 +76,8 @@ def model_flops_by_hand(tokens: int, seq: int):
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("moe") / "moe.py"
     path.write_text(FACTORY)
-    namespace = {}
-    exec(compile(FACTORY, str(path), "exec"), namespace)
-    return namespace["mixtral"](), f"{path}:mixtral"
+    spec = f"{path}:mixtral"
+    return build_model(spec, device="meta"), spec          # the loader explain and plan use
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -87,9 +87,7 @@ def test_the_trace_counts_the_active_experts(model, dtype):
     g = trace(m, units, batch=2, seq=16, dtype=dtype)
     matmul, attention = model_flops_by_hand(32, 16)
     assert g.forward_flops == matmul + attention
-    assert g.backward_flops == 2 * matmul + 2.5 * attention
-    # every expert counted would be EXPERTS / TOP_K times the experts' share: not what ran
-    assert g.forward_flops < 2 * 32 * sum(p.numel() for p in m.parameters())
+    assert g.backward_flops == 2 * matmul + 2.5 * attention     # top-k of EXPERTS, not every expert
     assert sum(g.saved[1:]) > 0 and len(g.saved) == len(units)
 
 

@@ -31,6 +31,7 @@ allocated: the forward and backward run on meta tensors.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 from shardc.dsl.errors import ShardcError
@@ -87,16 +88,11 @@ def _flash_sdpa_mode():
 
 
 def grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    """FLOPs of `aten._grouped_mm`: every row (or contraction slice) of the 2-D operand
-    meets one group's matrix, so the count is that of one plain matmul over all rows."""
-    if len(a_shape) == 3 and len(b_shape) == 3:           # a batch of G matmuls
-        g, m, k = a_shape
-        return 2 * g * m * k * b_shape[2]
-    if len(a_shape) == 2 and len(b_shape) == 2:           # groups split the contraction (weight gradients)
-        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
-    if len(a_shape) == 2:                                 # (rows, k) × (G, k, n): groups split the rows
-        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
-    return 2 * a_shape[1] * a_shape[2] * b_shape[1]       # (G, m, k) × (k, n): groups split the columns
+    """FLOPs of `aten._grouped_mm`: each row of `a` (or each slice of the contraction)
+    meets one group's matrix, so the count is one plain matmul over all of `a`."""
+    if len(a_shape) == 3 and len(b_shape) == 2:    # (G, m, k) × (k, cols): each group meets only its columns
+        return 2 * a_shape[1] * a_shape[2] * b_shape[1]
+    return 2 * math.prod(a_shape) * b_shape[-1]     # rows split, contraction split, or a batch of G matmuls
 
 
 def _meta_grouped_mm():
