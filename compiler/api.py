@@ -97,8 +97,7 @@ def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str 
     namespace = load_emitted(source, plan.strategy.name)
     sm = namespace["shard_model"](model)
     if timeout is not None:
-        from shardc.runtime.faults import set_timeout
-        set_timeout(sm, timeout)
+        sm.set_timeout(timeout)
     sm.plan = plan
     sm.source = source
     return sm

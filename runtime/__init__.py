@@ -6,12 +6,14 @@ sharded optimizer, the communication ledger, memory reports and state dicts.
     loss = f(sm(x)); loss.backward(); sm.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 
 Modules: layout (parameter slots in a flat buffer; padding and chunks come from
-shardc.lowering), flat (per-unit storage and its collectives),
-engine (schedule, hooks, accumulation), optimizer, state (memory report, full state dicts),
-checkpoint (strategy-independent DCP state dicts), buffers (`buffers broadcast|local`),
-faults (timeouts, failed peers), ledger, comm (ledger-recording adapter over
-mesh/collectives), device (the model's device, the backend per device type,
-communication streams), module (entry point).
+shardc.lowering), storage (a flat group's stored states: shards, full buffer, grads,
+master), flat_group (the collectives that move them, one plan row each), unit (a unit's
+state), engine (schedule, hooks) and boundary (the step's accumulation state machine),
+optimizer, state (memory report, full state dicts), checkpoint (strategy-independent DCP
+state dicts), buffers (`buffers broadcast|local`), faults (timeouts, failed peers,
+guarded collectives), ledger, comm (the communication interface: plan rows issued on
+mesh/collectives and recorded), dtypes (the DType -> torch.dtype table), device (the
+model's device, the backend per device type, communication streams), module (entry point).
 `sm.module` keeps no registered parameters: read values with `full_state_dict()`.
 """
 from .errors import RuntimeUsageError

@@ -1,11 +1,13 @@
 """The step boundary — stage: runtime. The accumulation state machine of the engine.
 
-Input: the engine's state (its units and their flat groups, the plan's `Schedule`, the
-strategy's accumulate, the loop's sync switches). Output: `Phase`, and `StepBoundary`,
-the part of `Engine` (engine.py) that decides when the step's gradient sync is issued
-and completed (`wait_sync`, called by opt.step() and clip_grad_norm_), folds
-micro-batches run past it, issues the update all-gathers after opt.step() and waits the
-deferred ones (`complete_update`), and resets for the next step (`zero_grad`).
+Input: the units (their flat groups), the plan's `Schedule`, the strategy's accumulate,
+the engine's event record and reduce workspace; the loop's sync switches
+(`no_sync_depth`, `requires_sync`). Output: `StepPhase`, and `StepBoundary`, the object
+the engine (engine.py) composes that owns the step's state: it decides when the step's
+gradient sync is issued and completed (`wait_sync`, called by opt.step() and
+clip_grad_norm_), folds micro-batches run past it, issues the update all-gathers after
+opt.step() and waits the deferred ones (`complete_update`), and resets for the next step
+(`zero_grad`).
 
 [Note: accumulation]
 The loop decides how many micro-batches make a step; `accumulate N` is the plan. At the
@@ -27,16 +29,16 @@ from __future__ import annotations
 
 import enum
 import warnings
-from typing import TYPE_CHECKING
 
-from .errors import AccumulationWarning
-from .flat import FlatGroup
+from shardc.lowering import Schedule
 
-if TYPE_CHECKING:
-    from .engine import UnitState
+from .errors import AccumulationWarning, RuntimeUsageError
+from .flat_group import FlatGroup
+from .unit import UnitState
+from .workspace import Workspace
 
 
-class Phase(enum.Enum):
+class StepPhase(enum.Enum):
     FRESH = "fresh"            # grads zero, nothing accumulated
     ACCUMULATING = "accumulating"
     SYNCING = "syncing"        # sync issued, waiting in step/clip
@@ -44,20 +46,82 @@ class Phase(enum.Enum):
     STEPPED = "stepped"        # optimizer ran; zero_grad() due
 
     def __repr__(self) -> str:
-        return f"Phase.{self.name}"
+        return f"StepPhase.{self.name}"
 
 
 class StepBoundary:
-    """Mixed into `Engine`, whose __init__ sets the state these methods read."""
+    """The step's state and its transitions (see [Note: accumulation])."""
 
+    def __init__(self, units: list[UnitState], accumulate: int, schedule: Schedule,
+                 events: list, workspace: Workspace | None):
+        self.units = units
+        self.accumulate = max(1, accumulate)
+        self.schedule = schedule
+        self.events = events
+        self.workspace = workspace
+        self.phase = StepPhase.FRESH
+        self.micro = 0
+        self.no_sync_depth = 0
+        self.requires_sync: bool | None = None   # set_requires_gradient_sync; None: the plan
+        self._loop_decides = False         # a backward this step ran with sync off
+        self._carry: dict = {}             # unit -> synced OS grads before a fold
+        self._warned = False
+        self._synced: set[int] = set()     # units whose sync this step is already issued
+        self._sync_prev: FlatGroup | None = None   # the last unit synced early, not yet advanced
+        self._updates: dict = {}           # unit -> its deferred update all-gather (in flight)
+
+    def trainable_groups(self) -> list[FlatGroup]:
+        return [u.trainable for u in self.units if u.trainable is not None]
+
+    def pending_updates(self) -> list[int]:
+        """Units whose deferred update all-gather is still in flight."""
+        return sorted(self._updates)
+
+    # -- the backward's view -----------------------------------------------------------
+    def check_forward(self, grad_enabled: bool) -> None:
+        if grad_enabled and self.phase is StepPhase.STEPPED:
+            raise RuntimeUsageError(
+                "forward with gradients after opt.step() without opt.zero_grad(); "
+                "shardc does not accumulate gradients across optimizer steps")
+
+    def begin_backward(self) -> bool:
+        """A backward starts; True when it ends the step (its sync is due, so `sync_early`
+        applies). A backward after the step's sync was issued folds it first."""
+        if self.phase in (StepPhase.SYNCING, StepPhase.SYNCED):
+            self._fold()
+        return self._sync_due(self.micro + 1)
+
+    def sync_early(self, u: UnitState) -> None:
+        """On the backward that ends the step, unit u's reduce-scatter is in: issue its sync;
+        the unit synced before it had a unit's backward for its reduce-scatter to land, so
+        its all-reduce over the replicas goes out now ([Note: early sync])."""
+        self._sync_unit(u)
+        earlier, self._sync_prev = self._sync_prev, u.trainable
+        if earlier is not None:
+            earlier.sync_advance_early()
+
+    def end_backward(self) -> None:
+        """A backward is done: count it; issue the step's sync when it is due."""
+        self.micro += 1
+        self.phase = StepPhase.ACCUMULATING
+        if self.no_sync_depth > 0 or self.requires_sync is False:
+            self._loop_decides = True
+        elif self._sync_due(self.micro):
+            self._issue_sync()
+            self.clear_workspace()
+
+    def clear_workspace(self) -> None:
+        """The step's backwards are over: the reduce workspace holds nothing until the next
+        (runtime/workspace.py)."""
+        if self.workspace is not None:
+            self.workspace.clear()
+
+    # -- the sync --------------------------------------------------------------------------
     def _sync_due(self, micro: int) -> bool:
         """Does the backward that makes `micro` micro-batches issue the step's sync?"""
         if self.no_sync_depth > 0 or self.requires_sync is False:
             return False
         return bool(self.requires_sync or self._loop_decides or micro == self.accumulate)
-
-    def trainable_groups(self) -> list[FlatGroup]:
-        return [u.trainable for u in self.units if u.trainable is not None]
 
     def _sync_unit(self, u: UnitState) -> None:
         if u.index not in self._synced:
@@ -71,7 +135,7 @@ class StepBoundary:
                 self._sync_unit(u)
         self._synced.clear()
         self._sync_prev = None
-        self.phase = Phase.SYNCING
+        self.phase = StepPhase.SYNCING
 
     def _complete_sync(self) -> None:
         groups = self.trainable_groups()
@@ -79,7 +143,7 @@ class StepBoundary:
             g.sync_advance()
         for g in groups:
             g.sync_wait()
-        self.phase = Phase.SYNCED
+        self.phase = StepPhase.SYNCED
         self.events.append(("sync_done", -1))
 
     def _fold(self) -> None:
@@ -87,15 +151,16 @@ class StepBoundary:
         self._warn(f"micro-batch {self.micro + 1} ran after the step's gradient sync was issued "
                    f"(the strategy plans accumulate {self.accumulate}); it is folded in exactly "
                    f"with a second sync at the step")
-        if self.phase is Phase.SYNCING:
+        if self.phase is StepPhase.SYNCING:
             self._complete_sync()
         for u in self.units:
             g = u.trainable
             if g is not None:
                 done = self._carry.get(u.index)
-                self._carry[u.index] = g.os_grad.clone() if done is None else done.add_(g.os_grad)
+                self._carry[u.index] = (g.storage.os_grad.clone() if done is None
+                                         else done.add_(g.storage.os_grad))
                 g.zero_grads()
-        self.phase = Phase.ACCUMULATING
+        self.phase = StepPhase.ACCUMULATING
 
     def _warn(self, what: str) -> None:
         if not self._warned:
@@ -105,18 +170,18 @@ class StepBoundary:
 
     def wait_sync(self, what: str) -> None:
         self.complete_updates()
-        if self.phase is Phase.ACCUMULATING:
+        if self.phase is StepPhase.ACCUMULATING:
             if not self._carry:
                 why = (f"after {self.micro} micro-batch(es) while the strategy plans accumulate "
                        f"{self.accumulate}" if self.micro != self.accumulate else
                        "with every backward of the step run with gradient sync off")
                 self._warn(f"{what} {why}: the gradient sync runs now, exact")
             self._issue_sync()
-        if self.phase is Phase.SYNCING:
+        if self.phase is StepPhase.SYNCING:
             self._complete_sync()
             for u in self.units:
                 if u.index in self._carry:
-                    u.trainable.os_grad.add_(self._carry.pop(u.index))
+                    u.trainable.storage.os_grad.add_(self._carry.pop(u.index))
 
     def after_step(self) -> None:
         """Issue every unit's update all-gather; wait those the schedule does not defer."""
@@ -128,7 +193,7 @@ class StepBoundary:
                 self._updates[i] = w
             else:
                 w.wait()
-        self.phase = Phase.STEPPED
+        self.phase = StepPhase.STEPPED
 
     def complete_update(self, i: int) -> None:
         """Unit i's parameters are needed: wait its deferred update all-gather, if any."""
@@ -144,8 +209,8 @@ class StepBoundary:
     def zero_grad(self) -> None:
         for g in self.trainable_groups():
             g.zero_grads()
-        self._clear_workspace()
+        self.clear_workspace()
         self.micro = 0
         self._loop_decides = False
         self._carry.clear()
-        self.phase = Phase.FRESH
+        self.phase = StepPhase.FRESH

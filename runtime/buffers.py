@@ -2,10 +2,10 @@
 
 Input: a `ShardedModule` and its strategy's `buffers` mode (`BufferSync`).
 Output: `broadcast(module)` (rank 0's buffers to every rank, one broadcast per dtype,
-not recorded in the ledger), `install(sm)`, which under `buffers broadcast` runs it
-before every forward in training mode (a forward pre-hook on the ShardedModule, so
-emitted forwards get it too), and `settle(sm)`, which the state-dict and export paths
-call so that what they return is rank 0's. `buffers local` keeps only the broadcast
+not recorded in the ledger) and `Buffers`, whose `install(sm)` runs it under `buffers
+broadcast` before every forward in training mode (a forward pre-hook on the
+ShardedModule, so emitted forwards get it too), and whose `settle()` the state-dict and
+export paths call so that what they return is rank 0's. `buffers local` keeps only the broadcast
 made when sharding.
 
 [Note: before the forward, and before reading]
@@ -39,27 +39,31 @@ def broadcast(module: nn.Module) -> None:
                 off += b.numel()
 
 
-def settle(sm, caller: str | None = None) -> None:
-    """Under `buffers broadcast`: rank 0's buffers everywhere if a training forward ran
-    since the last broadcast. Collective then (every rank must call it); `caller` names
-    the API for the bounded entry rendezvous (runtime/faults.py)."""
-    if sm._buffers_dirty:
-        if caller is not None:
-            from . import faults
-            faults.enter_collective(sm, caller)
-        broadcast(sm.module)
-        sm._buffers_dirty = False
+class Buffers:
+    """The buffers of one ShardedModule's model under its `buffers` mode (see Note)."""
 
+    def __init__(self, module: nn.Module, mode: BufferSync, faults):
+        self.module, self.mode, self.faults = module, mode, faults
+        self.dirty = False                 # a training forward ran since the last broadcast
 
-def install(sm) -> None:
-    """Under `buffers broadcast`, sync the buffers before each training forward."""
-    sm._buffers_dirty = False
-    if sm.strategy.buffers is not BufferSync.BROADCAST or not any(True for _ in sm.module.buffers()):
-        return
+    def settle(self, caller: str | None = None) -> None:
+        """Under `buffers broadcast`: rank 0's buffers everywhere if a training forward ran
+        since the last broadcast. Collective then (every rank must call it); `caller` names
+        the API for the bounded entry rendezvous (runtime/faults.py)."""
+        if self.dirty:
+            if caller is not None:
+                self.faults.enter(caller)
+            broadcast(self.module)
+            self.dirty = False
 
-    def before_forward(module, args):
-        if module.training:
-            settle(module)
-            module._buffers_dirty = True
+    def install(self, owner: nn.Module) -> None:
+        """Under `buffers broadcast`, sync the buffers before each training forward of `owner`."""
+        if self.mode is not BufferSync.BROADCAST or not any(True for _ in self.module.buffers()):
+            return
 
-    sm.register_forward_pre_hook(before_forward)
+        def before_forward(module, args):
+            if module.training:
+                self.settle()
+                self.dirty = True
+
+        owner.register_forward_pre_hook(before_forward)

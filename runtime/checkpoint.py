@@ -127,20 +127,15 @@ def local_piece(value, shape: tuple[int, ...], lo: int, hi: int, what: str) -> t
 def manifest(sm) -> str:
     names = {n: list(s) for n, s in param_shapes(sm).items()}
     return json.dumps({"params": names, "buffers": [n for n, _ in sm.module.named_buffers()],
-                       "optimizers": [type(o).__name__ for o in sm._optimizers]})
+                       "optimizers": [type(o).__name__ for o in sm.optimizers]})
 
 
 def param_shapes(sm) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for u in sm.runtime.units:
         for g in u.groups:
-            shapes.update((s.fqn, s.shape) for s in g.layout.slots)
+            shapes.update((s.fqn, s.shape) for s in g.storage.layout.slots)
     return {n: shapes[n] for n in sm.param_order if n in shapes}
-
-
-def _chunk_of(g):
-    """(source tensor, its start in the flat buffer): fp32 master or frozen params shard."""
-    return (g.master, g.os_start) if g.trainable else (g.shard, g.p_start)
 
 
 # -- model ------------------------------------------------------------------------------
@@ -148,15 +143,13 @@ def model_state_dict(sm) -> dict:
     """Canonical parameter name -> piece (see Note), buffers, and the manifest. Local,
     except that under `buffers broadcast` rank 0's buffers are broadcast first if a
     training forward changed them (runtime/buffers.py)."""
-    from . import buffers
-    from .optimizer import slot_ranges
-    buffers.settle(sm, "state_dict()")
+    sm.buffer_sync.settle("state_dict()")
     mesh = sm.comm.smesh.device_mesh
     pieces = {}
     for u in sm.runtime.units:
-        for g in u.groups:
-            src, start = _chunk_of(g)
-            for s, lo, hi in slot_ranges(g.layout, start, src.numel()):
+        for st in (g.storage for g in u.groups):
+            src, start = st.checkpoint_chunk()
+            for s, lo, hi in st.layout.ranges(start, src.numel()):
                 first = start + lo - s.offset if hi > lo else 0
                 pieces[s.fqn] = wrap(src[lo:hi].clone(), s.shape, first, mesh)
     out = {n: pieces[n] for n in sm.param_order if n in pieces}
@@ -177,7 +170,7 @@ def _check_manifest(sm, sd: dict, strict: bool) -> None:
         if extra and strict:
             raise RuntimeUsageError(f"the checkpoint holds {extra[0]!r}, which this model does "
                                     f"not have (a checkpoint of another model?)")
-        opts = [type(o).__name__ for o in sm._optimizers]
+        opts = [type(o).__name__ for o in sm.optimizers]
         if strict and opts and theirs.get("optimizers") and theirs["optimizers"] != opts:
             raise RuntimeUsageError(f"the checkpoint holds {', '.join(theirs['optimizers'])} "
                                     f"optimizer state, but this model's optimizer is "
@@ -197,14 +190,13 @@ def _check_manifest(sm, sd: dict, strict: bool) -> None:
 def load_model_state_dict(sm, sd: dict, strict: bool = True) -> None:
     """Check every name and shape, then write masters, shards and buffers. Collective over
     the OS∖P levels (the params shards are re-gathered from the loaded masters)."""
-    from .optimizer import slot_ranges
     _check_manifest(sm, sd, strict)
     staged = []
     for u in sm.runtime.units:
         for g in u.groups:
-            src, start = _chunk_of(g)
+            src, start = g.storage.checkpoint_chunk()
             new = src.detach().clone()
-            for s, lo, hi in slot_ranges(g.layout, start, src.numel()):
+            for s, lo, hi in g.storage.layout.ranges(start, src.numel()):
                 if s.fqn in sd and hi > lo:
                     first = start + lo - s.offset
                     new[lo:hi].copy_(local_piece(sd[s.fqn], s.shape, first, first + hi - lo,
@@ -220,28 +212,27 @@ def load_model_state_dict(sm, sd: dict, strict: bool = True) -> None:
     with torch.no_grad():
         for i, g, new in staged:
             sm.runtime.release(i)
-            _commit(sm, g, new)
+            _commit(g, new)
         for name, buf in sm.module.named_buffers():
             if name in bufs:
                 buf.copy_(bufs[name])
 
 
-def _commit(sm, g, new: torch.Tensor) -> None:
+def _commit(g, new: torch.Tensor) -> None:
     """Write a group's loaded chunk; trainable: master, then the params shard as after a
     step (OS chunk cast into the shard, all-gathered over OS∖P; not recorded in the ledger)."""
-    src, _ = _chunk_of(g)
+    src, _ = g.storage.checkpoint_chunk()
     src.copy_(new)
     if g.trainable:
         g.update_issue(record=False).wait()
 
 
 # -- optimizer ----------------------------------------------------------------------------
-def _piece_info(opt, engine) -> list[tuple[str, tuple, int, int]]:
+def _piece_info(opt, boundary) -> list[tuple[str, tuple, int, int]]:
     """(name, parameter shape, lo, hi) per optimizer piece, lo/hi within the parameter."""
     out = []
     for piece in opt.shardc_pieces:
-        g = engine.units[piece.unit].trainable
-        slot = next((s for s in g.layout.slots if s.fqn == piece.name), None)
+        slot = boundary.units[piece.unit].trainable.storage.layout.slot(piece.name)
         if slot is None or piece.start == piece.stop:
             out.append((piece.name, slot.shape if slot else (), 0, 0))
         else:
@@ -249,13 +240,11 @@ def _piece_info(opt, engine) -> list[tuple[str, tuple, int, int]]:
     return out
 
 
-def attach_optimizer_hooks(opt, engine) -> None:
+def attach_optimizer_hooks(opt, boundary, mesh) -> None:
     """`opt.state_dict()` keeps only real parameters (padding dropped), each state tensor a
-    parameter-shaped piece; `opt.load_state_dict()` takes that, torch's FQN-keyed form from
-    `set_state_dict`, or full parameter-shaped tensors."""
-    info = _piece_info(opt, engine)
-    groups = engine.trainable_groups()
-    mesh = groups[0].comm.smesh.device_mesh if groups else None
+    parameter-shaped piece over DeviceMesh `mesh`; `opt.load_state_dict()` takes that,
+    torch's FQN-keyed form from `set_state_dict`, or full parameter-shaped tensors."""
+    info = _piece_info(opt, boundary)
     cls = type(opt).__name__
 
     def order():

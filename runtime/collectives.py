@@ -59,12 +59,11 @@ import torch
 import torch.distributed as dist
 
 from shardc.dsl.ir import Collectives, DType
-from shardc.lowering import HO_PIECES
+from shardc.lowering import HO_PIECES, Op
 
 from . import device, quant
+from .dtypes import torch_dtype
 from .mesh import ShardMesh
-
-_TORCH_DTYPE = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 
 
 class Work:
@@ -102,6 +101,13 @@ class Work:
 
     def is_completed(self) -> bool:
         return not self._pending and self._then is None
+
+
+def local_copy(out: torch.Tensor, inp: torch.Tensor) -> Work:
+    """The collective over a group of one rank: `inp` into `out` (nothing when they are one)."""
+    if out.data_ptr() != inp.data_ptr():
+        out.copy_(inp.reshape(out.shape))
+    return Work()
 
 
 # -- one-level building blocks ----------------------------------------------------------
@@ -186,10 +192,9 @@ def all_gather(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collective
     """out (n) = concat over the chunk index (over `order`) of every rank's inp (n/s)."""
     key, algo, out, inp, s = _prologue(out, inp, mesh, levels, order, algo)
     if not key:
-        out.copy_(inp)
-        return Work()
+        return local_copy(out, inp)
     assert out.numel() == s * inp.numel(), f"all_gather: out has {out.numel()} elements, expected {s}*{inp.numel()}"
-    on = device.launch("all_gather", out, inp)
+    on = device.launch(Op.ALL_GATHER, out, inp)
     with on.active():
         pieces, then = _ag_plan(out, inp, mesh, key, algo, comm, s)
         return Work(*pieces, then=then, on=on)
@@ -207,7 +212,7 @@ def _ag_plan(out, inp, mesh, key, algo, comm, s):
             for c in range(s):
                 quant.dequantize(gathered[c * p:(c + 1) * p], m, comm, out=out[c * m:(c + 1) * m])
         return _ag_bytes(gathered, payload, mesh, key, algo), decode
-    cdt = _TORCH_DTYPE[comm]
+    cdt = torch_dtype(comm)
     if cdt == out.dtype and cdt == inp.dtype:
         return _ag_bytes(out, inp, mesh, key, algo), None
     tmp = out.new_empty(s * m, dtype=cdt)
@@ -259,14 +264,13 @@ def reduce_scatter(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collec
     `scratch` (a runtime Workspace) lends the gloo all-to-all's receive buffers."""
     key, algo, out, inp, s = _prologue(out, inp, mesh, levels, order, algo)
     if not key:
-        out.copy_(inp)
-        return Work()
+        return local_copy(out, inp)
     assert inp.numel() == s * out.numel(), f"reduce_scatter: inp has {inp.numel()} elements, expected {s}*{out.numel()}"
-    on = device.launch("reduce_scatter", out, inp)
+    on = device.launch(Op.REDUCE_SCATTER, out, inp)
     with on.active():
         if comm.quantized:
             return Work(_qgz(out, inp, mesh, key, comm), on=on)
-        cdt = _TORCH_DTYPE[comm]
+        cdt = torch_dtype(comm)
         if cdt == out.dtype and cdt == inp.dtype:
             return Work(*_rs_pieces(out, inp, mesh, key, algo, scratch), on=on)
         tmp = out.new_empty(out.numel(), dtype=cdt)
@@ -294,7 +298,7 @@ def all_reduce(t, mesh: ShardMesh, levels, *, algo=Collectives.RING) -> Work:
     algo = _resolve(mesh, key, algo)
     if not key:
         return Work()
-    on = device.launch("all_reduce", t)
+    on = device.launch(Op.ALL_REDUCE, t)
     with on.active():
         pieces, then = _ar_plan(t, mesh, key, algo)
         return Work(*pieces, then=then, on=on)

@@ -53,10 +53,11 @@ import torch.distributed as dist
 from torch import nn
 
 from shardc.dsl.errors import ShardcError
+from shardc.lowering import Op
 
 # backends whose reduce_scatter is an all-reduce plus a slice (see [Note: backend per device])
 ALLREDUCE_RS_BACKENDS = frozenset({"gloo"})
-STREAM_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+STREAM_KINDS = (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE)
 
 _native_rs_override: bool | None = None
 _stream_modules: dict[str, object] = {}      # device type -> module with Stream/current_stream/stream
@@ -154,9 +155,9 @@ class CommStreams:
 
     def __init__(self, device: torch.device, module):
         self.device, self.module = device, module
-        self._streams: dict[str, object] = {}
+        self._streams: dict[Op, object] = {}
 
-    def stream(self, kind: str):
+    def stream(self, kind: Op):
         s = self._streams.get(kind)
         if s is None:
             s = self._streams[kind] = self.module.Stream(device=self.device, priority=-1)
@@ -185,7 +186,7 @@ class OnStream:
 
     __slots__ = ("_pool", "_stream", "_keep")
 
-    def __init__(self, pool: CommStreams, kind: str, keep: tuple):
+    def __init__(self, pool: CommStreams, kind: Op, keep: tuple):
         self._pool, self._stream, self._keep = pool, pool.stream(kind), keep
         self._stream.wait_stream(pool.current())
 
@@ -217,7 +218,7 @@ class _NoStream:
 NO_STREAM = _NoStream()
 
 
-def launch(kind: str, *tensors: torch.Tensor) -> OnStream | _NoStream:
+def launch(kind: Op, *tensors: torch.Tensor) -> OnStream | _NoStream:
     """Where a collective of `kind` over `tensors` (its inputs and outputs) runs."""
     pool = comm_streams(tensors[0].device)
     return NO_STREAM if pool is None else OnStream(pool, kind, tensors)

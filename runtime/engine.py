@@ -5,8 +5,9 @@ referenced in the module), the strategy's accumulate and the plan's `Schedule`
 (`shardc.lowering`: which gathers are issued before each unit runs, both directions).
 Output: the explicit primitives of docs/internals.md (begin_forward, issue_gather,
 wait_gather, run_unit, end_forward), the backward hooks that call the same
-machinery and the `events` schedule record; the accumulation state machine it runs
-at the step boundary is `StepBoundary` (boundary.py, [Note: accumulation]).
+machinery and the `events` schedule record; the accumulation state machine at the step
+boundary is the `StepBoundary` it composes (`engine.boundary`, boundary.py, [Note:
+accumulation]).
 
 [Note: schedule]
 The engine has no ordering logic of its own: it issues what the plan's `Schedule`
@@ -18,7 +19,7 @@ its last module ran it is released. Backward: a multi-grad hook on unit i's outp
 issues unit i's backward stage (its own re-gather, primary or secondary, and the
 prefetches) and waits its gather. A wait for a gather no stage issued issues it then
 (a unit run out of the compiled order). When its parameter gradients are all in (the
-backward of its views, flat.py) it reduce-scatters them (async) and releases the full
+backward of its views, storage.py) it reduce-scatters them (async) and releases the full
 params; issuing it waits the previous unit's reduce-scatter, so at most one full-size
 gradient is in flight; on the backward that ends the step, that
 previous unit's sync is issued right then when the schedule lists it in `sync_early`
@@ -38,33 +39,16 @@ its gradients arriving as usual, not after the recomputed forward.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from shardc.lowering import Schedule
+from shardc.lowering import Phase, Schedule
 
-from .boundary import Phase, StepBoundary
-from .errors import RuntimeUsageError
-from .flat import FlatGroup
-from .units import UnitSpec
-
-
-@dataclass
-class UnitState:
-    index: int
-    spec: UnitSpec
-    groups: list[FlatGroup]
-    targets: list[list[list[tuple[torch.nn.Module, str]]]]   # group -> slot -> (module, attr)
-    reduced: bool = False
-    running: bool = False
-    calls: int = 0
-
-    @property
-    def trainable(self) -> FlatGroup | None:
-        return next((g for g in self.groups if g.trainable), None)
+from .boundary import StepBoundary
+from .flat_group import FlatGroup
+from .unit import UnitState
 
 
 def _setters(u: UnitState) -> list[list[list[tuple]]]:
@@ -82,64 +66,51 @@ def _grad_tensors(out) -> list[torch.Tensor]:
     return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-class Engine(StepBoundary):
+class Engine:
     def __init__(self, units: list[UnitState], accumulate: int, schedule: Schedule, drive_forward: bool):
         self.units = units
-        self.accumulate = max(1, accumulate)
         self.schedule = schedule
-        self._issues = {d: {st.unit: st.issue for st in getattr(schedule, d)} for d in ("forward", "backward")}
+        self._issues = {d: {st.unit: st.issue for st in getattr(schedule, d.value)}
+                        for d in (Phase.FORWARD, Phase.BACKWARD)}
         self.drive_forward = drive_forward      # hooks path: the engine issues the forward stages
         self.events: list[tuple[str, int]] = []
-        self.phase = Phase.FRESH
-        self.micro = 0
-        self.no_sync_depth = 0
-        self.requires_sync: bool | None = None   # set_requires_gradient_sync; None: the plan
-        self._loop_decides = False         # a backward this step ran with sync off
-        self._carry: dict[int, torch.Tensor] = {}   # unit -> synced OS grads before a fold
-        self._warned = False
+        self.workspace = next((g.workspace for u in units for g in u.groups), None)
+        self.boundary = StepBoundary(units, accumulate, schedule, self.events, self.workspace)
         self._queued = False
         self._bwd_seen: set[int] = set()
         self._in_flight: FlatGroup | None = None
         self._early = False                # this backward ends the step: sync_early applies
-        self._synced: set[int] = set()     # units whose sync this step is already issued
-        self._sync_prev: FlatGroup | None = None   # the last unit synced early, not yet advanced
-        self._updates: dict = {}           # unit -> its deferred update all-gather (in flight)
         self._unit_of = {id(u.trainable): u for u in units if u.trainable is not None}
         self._setters = [_setters(u) for u in units]     # made once: per group, per slot
-        self.workspace = next((g.workspace for u in units for g in u.groups), None)
 
     # -- forward primitives ----------------------------------------------------------
     def begin_forward(self) -> None:
-        if torch.is_grad_enabled():
-            if self.phase is Phase.STEPPED:
-                raise RuntimeUsageError(
-                    "forward with gradients after opt.step() without opt.zero_grad(); "
-                    "shardc does not accumulate gradients across optimizer steps")
+        self.boundary.check_forward(torch.is_grad_enabled())
         for u in self.units:
             u.running = False
             u.calls = 0
         self.issue_gather(0)
         self.wait_gather(0)
-        self._set_views(self.units[0])
+        self.set_views(self.units[0])
         if self.drive_forward:
-            self._issue_stage("forward", 0)
+            self._issue_stage(Phase.FORWARD, 0)
 
-    def _issue_stage(self, direction: str, i: int) -> None:
+    def _issue_stage(self, direction: Phase, i: int) -> None:
         """Issue the gathers the plan's `direction` stage of unit i names."""
         for j in self._issues[direction].get(i, ()):      # one lookup per unit (built once)
             self.issue_gather(j, direction)
 
-    def issue_gather(self, i: int, phase: str = "forward") -> None:
-        self.complete_update(i)
+    def issue_gather(self, i: int, phase: Phase = Phase.FORWARD) -> None:
+        self.boundary.complete_update(i)
         issued = [g.issue_gather(phase) for g in self.units[i].groups]
         if any(issued):
             self.events.append(("issue_gather", i))
 
-    def wait_gather(self, i: int, phase: str = "forward") -> None:
+    def wait_gather(self, i: int, phase: Phase = Phase.FORWARD) -> None:
         u = self.units[i]
-        if any(not g.held and g.pending is None for g in u.groups):
+        if any(not g.held and g.gathering is None for g in u.groups):
             self.issue_gather(i, phase)
-        if any(g.pending is not None for g in u.groups):
+        if any(g.gathering is not None for g in u.groups):
             for g in u.groups:
                 g.wait_gather()
             self.events.append(("wait_gather", i))
@@ -151,17 +122,17 @@ class Engine(StepBoundary):
     def pre_forward(self, i: int) -> None:
         u = self.units[i]
         if self._queued:                 # activation recomputation inside the backward
-            self.wait_gather(i, "backward")
-            self._set_views(u)
+            self.wait_gather(i, Phase.BACKWARD)
+            self.set_views(u)
             u.running = True
             self.events.append(("recompute", i))
             return
-        self.complete_update(i)
+        self.boundary.complete_update(i)
         if self.drive_forward:
-            self._issue_stage("forward", i)
+            self._issue_stage(Phase.FORWARD, i)
         self.wait_gather(i)
         if i != 0:
-            self._set_views(u)
+            self.set_views(u)
         u.running = True
         self.events.append(("run", i))
 
@@ -204,7 +175,8 @@ class Engine(StepBoundary):
             self.release(0)
         return out
 
-    def _set_views(self, u: UnitState) -> None:
+    def set_views(self, u: UnitState) -> None:
+        """Point every module attribute of unit u's parameters at its views of the full buffer."""
         for g, setters in zip(u.groups, self._setters[u.index]):
             for view, slot_setters in zip(g.views(), setters):
                 for set_, attr in slot_setters:
@@ -214,11 +186,9 @@ class Engine(StepBoundary):
     def _arm(self) -> None:
         if self._queued:
             return
-        if self.phase in (Phase.SYNCING, Phase.SYNCED):
-            self._fold()
+        self._early = self.boundary.begin_backward()
         self._queued = True
         self._bwd_seen = set()
-        self._early = self._sync_due(self.micro + 1)
         torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
 
     def _pre_backward(self, i: int) -> None:
@@ -226,8 +196,8 @@ class Engine(StepBoundary):
         if i in self._bwd_seen:
             return
         self._bwd_seen.add(i)
-        self._issue_stage("backward", i)
-        self.wait_gather(i, "backward")
+        self._issue_stage(Phase.BACKWARD, i)
+        self.wait_gather(i, Phase.BACKWARD)
         self.events.append(("backward", i))
 
     def unit_grads(self, i: int, grads) -> None:
@@ -248,16 +218,11 @@ class Engine(StepBoundary):
         if prev is None or prev is newest:
             return
         i = self._unit_of[id(prev)].index
-        if prev.grad_pending:
+        if prev.reducing:
             prev.finish_grads()
             self.events.append(("wait_reduce", i))
         if self._early and i in self.schedule.sync_early:
-            self._sync_unit(self.units[i])
-            # the unit synced before this one had a unit's backward for its reduce-scatter
-            # to land: its all-reduce over the replicas goes out now ([Note: early sync])
-            earlier, self._sync_prev = self._sync_prev, prev
-            if earlier is not None:
-                earlier.sync_advance_early()
+            self.boundary.sync_early(self.units[i])
 
     def _final_callback(self) -> None:
         self._queued = False
@@ -271,17 +236,5 @@ class Engine(StepBoundary):
             if u.trainable is not None:
                 u.trainable.finish_grads()
             self.release(u.index)
-        self.micro += 1
-        self.phase = Phase.ACCUMULATING
         self._early = False
-        if self.no_sync_depth > 0 or self.requires_sync is False:
-            self._loop_decides = True
-        elif self._sync_due(self.micro):
-            self._issue_sync()
-            self._clear_workspace()
-
-    def _clear_workspace(self) -> None:
-        """The step's backwards are over: the reduce workspace holds nothing until the next
-        (runtime/workspace.py)."""
-        if self.workspace is not None:
-            self.workspace.clear()
+        self.boundary.end_backward()

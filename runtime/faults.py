@@ -3,9 +3,12 @@
 Input: the shardc timeout (`shardc.compile(..., timeout=...)`, `shard_module(..., timeout=...)`
 or the `SHARDC_TIMEOUT` environment variable, in seconds; default `DEFAULT_TIMEOUT_S`),
 the default process group's store.
-Output: `enter_collective(sm, name)`, a bounded rendezvous before the collective APIs users
-call outside the training step (`full_state_dict()`, `load_state_dict()`, ...): a rank
-calling one alone gets an error naming it instead of a silent hang; `timeout_s()`.
+Output: `Faults`, one per ShardedModule: `enter(name)`, a bounded rendezvous before the
+collective APIs users call outside the training step (`full_state_dict()`,
+`load_state_dict()`, ...), so that a rank calling one alone gets an error naming it instead
+of a silent hang; the timeout on every process group; `guard`, a unit's `GuardedComm`,
+whose failed or timed-out collectives become a `PeerFailure` naming the collective, the
+unit and, where known, the peer; `timeout_s()`.
 
 [Note: entry rendezvous]
 Each ShardedModule gets a key prefix from a per-process counter (every rank shards the
@@ -22,6 +25,9 @@ import time
 
 import torch.distributed as dist
 
+from shardc.lowering import Op, Phase, Row
+
+from .comm import UnitCollectives
 from .errors import RuntimeUsageError
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -44,62 +50,62 @@ def timeout_s(explicit: float | None = None) -> float:
     return value
 
 
-def new_prefix() -> str:
-    return f"shardc/{next(_ids)}"
+class Faults:
+    """One ShardedModule's fault handling: its timeout, its key prefix in the store and how
+    often each collective API was entered (see [Note: entry rendezvous])."""
 
+    def __init__(self, timeout: float | None = None):
+        self.timeout = timeout_s(timeout)
+        self.prefix = f"shardc/{next(_ids)}"
+        self._entries: dict[str, int] = {}
 
-def enter_collective(sm, name: str) -> None:
-    """Wait (bounded by the shardc timeout) until every rank has entered `name`."""
-    world = dist.get_world_size()
-    if world == 1:
-        return
-    store = dist.distributed_c10d._get_default_store()
-    seq = sm._entries.get(name, 0)
-    key = f"{sm._fault_prefix}/{name}/{seq}"
-    limit = sm.timeout
-    deadline = time.monotonic() + limit
-    count, pause = store.add(key, 1), 0.001
-    while count < world:
-        if time.monotonic() > deadline:
-            store.add(key, -1)
-            raise RuntimeUsageError(
-                f"{name} is a collective: every rank must call it, but only {count} of {world} "
-                f"ranks did within {limit:g}s (rank {dist.get_rank()} waited; set the shardc "
-                f"timeout or ${ENV} to wait longer)")
-        time.sleep(pause)
-        pause = min(0.05, pause * 2)
-        count = store.add(key, 0)
-    sm._entries[name] = seq + 1
+    def enter(self, name: str) -> None:
+        """Wait (bounded by the shardc timeout) until every rank has entered `name`."""
+        world = dist.get_world_size()
+        if world == 1:
+            return
+        store = dist.distributed_c10d._get_default_store()
+        seq = self._entries.get(name, 0)
+        key = f"{self.prefix}/{name}/{seq}"
+        deadline = time.monotonic() + self.timeout
+        count, pause = store.add(key, 1), 0.001
+        while count < world:
+            if time.monotonic() > deadline:
+                store.add(key, -1)
+                raise RuntimeUsageError(
+                    f"{name} is a collective: every rank must call it, but only {count} of {world} "
+                    f"ranks did within {self.timeout:g}s (rank {dist.get_rank()} waited; set the shardc "
+                    f"timeout or ${ENV} to wait longer)")
+            time.sleep(pause)
+            pause = min(0.05, pause * 2)
+            count = store.add(key, 0)
+        self._entries[name] = seq + 1
+
+    def apply_timeout(self, smesh) -> None:
+        """Set the shardc timeout on the default process group and on every group of `smesh`."""
+        from datetime import timedelta
+        for g in [None, *smesh.process_groups()]:
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self.timeout), g)
+
+    def set_timeout(self, seconds: float, smesh) -> None:
+        """Change the shardc timeout (and that of the process groups)."""
+        self.timeout = timeout_s(seconds)
+        self.apply_timeout(smesh)
+
+    def register(self) -> None:
+        """Publish this rank's host and pid, so survivors can tell which peer died."""
+        import socket
+        if dist.get_world_size() > 1:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"{self.prefix}/pid/{dist.get_rank()}", f"{socket.gethostname()}:{os.getpid()}")
+
+    def guard(self, comm: UnitCollectives, unit: str) -> "GuardedComm":
+        return GuardedComm(comm, unit, self.prefix)
 
 
 # -- process-group timeout and failed peers ---------------------------------------------------
 class PeerFailure(RuntimeUsageError):
     """A collective of the training step failed or timed out (a peer died or stopped)."""
-
-
-def apply_timeout(sm) -> None:
-    """Set the shardc timeout on the default process group and on every group shardc made."""
-    from datetime import timedelta
-    c10d = dist.distributed_c10d
-    groups = [None, *[g for g in sm.comm.smesh._groups.values() if g is not None]]
-    dm = sm.comm.smesh.device_mesh
-    groups += [dm.get_group(name) for name in dm.mesh_dim_names or ()]
-    for g in groups:
-        c10d._set_pg_timeout(timedelta(seconds=sm.timeout), g)
-
-
-def set_timeout(sm, seconds: float) -> None:
-    """Change the shardc timeout of `sm` (and of its process groups)."""
-    sm.timeout = timeout_s(seconds)
-    apply_timeout(sm)
-
-
-def register(sm) -> None:
-    """Publish this rank's host and pid, so survivors can tell which peer died."""
-    import socket
-    if dist.get_world_size() > 1:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"{sm._fault_prefix}/pid/{dist.get_rank()}", f"{socket.gethostname()}:{os.getpid()}")
 
 
 def _dead_peers(prefix: str) -> list[str]:
@@ -165,26 +171,25 @@ class GuardedWork:
                 f"{time.monotonic() - self.start:.1f}s: {peer} [{first}]") from None
 
 
-class UnitComm:
-    """A unit's view of `Comm`: the same calls, their work handles guarded (see GuardedWork)."""
+class GuardedComm(UnitCollectives):
+    """A unit's collectives: those of `inner`, each work handle guarded (see GuardedWork)."""
 
-    def __init__(self, comm, unit: str, prefix: str):
-        self._comm, self._unit, self._prefix = comm, unit, prefix
+    def __init__(self, inner: UnitCollectives, unit: str, prefix: str):
+        self.inner, self.unit, self.prefix = inner, unit, prefix
 
-    def __getattr__(self, name):
-        return getattr(self._comm, name)
+    def _guard(self, op: Op, row: Row | None, phase: Phase | None, work):
+        if row is None:
+            return work
+        what = f"{op.value} over {', '.join(row.levels)} ({(phase or row.phase).value}) of unit {self.unit!r}"
+        return GuardedWork(work, what, self.prefix)
 
-    def _guard(self, op: str, phase: str, levels, work):
-        what = f"{op} over {', '.join(self._comm.mesh.ordered(levels)) or '-'} ({phase}) of unit {self._unit!r}"
-        return GuardedWork(work, what, self._prefix)
+    def all_gather(self, row, out, inp, *, phase=None, record=True):
+        return self._guard(Op.ALL_GATHER, row, phase,
+                           self.inner.all_gather(row, out, inp, phase=phase, record=record))
 
-    def all_gather(self, phase, out, inp, levels, order, nbytes, **kw):
-        return self._guard("all_gather", phase, levels,
-                           self._comm.all_gather(phase, out, inp, levels, order, nbytes, **kw))
+    def reduce_scatter(self, row, out, inp, *, scratch=None):
+        return self._guard(Op.REDUCE_SCATTER, row, None,
+                           self.inner.reduce_scatter(row, out, inp, scratch=scratch))
 
-    def reduce_scatter(self, phase, out, inp, levels, order, nbytes, **kw):
-        return self._guard("reduce_scatter", phase, levels,
-                           self._comm.reduce_scatter(phase, out, inp, levels, order, nbytes, **kw))
-
-    def all_reduce(self, phase, t, levels, nbytes):
-        return self._guard("all_reduce", phase, levels, self._comm.all_reduce(phase, t, levels, nbytes))
+    def all_reduce(self, row, t):
+        return self._guard(Op.ALL_REDUCE, row, None, self.inner.all_reduce(row, t))

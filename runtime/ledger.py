@@ -1,6 +1,6 @@
 """Communication ledger — stage: runtime.
 
-Input: one logical record per collective call made by the runtime (flat.py, engine.py),
+Input: one logical record per collective call, made by the communication interface (comm.py),
 each carrying the bytes of the plan row it executes. Output: `comm_ledger()`, a merged,
 sorted `list[LedgerRecord]` (docs/internals.md "Ledger"; merging and order are the
 lowering's, shared with `explain`).
@@ -17,9 +17,6 @@ from shardc.lowering import LedgerRecord, Op, Phase, merged
 
 __all__ = ["Ledger", "LedgerRecord"]
 
-_PHASES = {p.value for p in Phase}
-_OPS = {o.value for o in Op}
-
 
 class Ledger:
     """Accumulates logical collective records; merged on read."""
@@ -27,9 +24,8 @@ class Ledger:
     def __init__(self) -> None:
         self._counts: Counter = Counter()
 
-    def record(self, phase: str, op: str, levels: tuple[str, ...], nbytes: int) -> None:
-        assert phase in _PHASES and op in _OPS, (phase, op)
-        self._counts[(phase, op, tuple(levels), int(nbytes))] += 1
+    def record(self, phase: Phase, op: Op, levels: tuple[str, ...], nbytes: int) -> None:
+        self._counts[(Phase(phase).value, Op(op).value, tuple(levels), int(nbytes))] += 1
 
     def reset(self) -> None:
         self._counts.clear()

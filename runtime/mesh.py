@@ -132,6 +132,13 @@ class ShardMesh:
             pg = self._groups[key] = self._build(key)
         return pg
 
+    def process_groups(self) -> list[dist.ProcessGroup]:
+        """Every process group this mesh has made: its DeviceMesh's per-level groups and the
+        flattened or reordered groups built so far."""
+        dm = self.device_mesh
+        made = [g for g in self._groups.values() if g is not None]
+        return [dm.get_group(name) for name in dm.mesh_dim_names or ()] + made
+
     def _build(self, key: tuple[str, ...]) -> dist.ProcessGroup:
         if len(key) == 1:
             return self.device_mesh.get_group(key[0])

@@ -24,15 +24,19 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
 from shardc.lowering import RankPlan, Schedule, Stage, lower, unit_sizes
 
-from . import buffers, checkpoint, faults, state
+from . import buffers, checkpoint, state
 from .comm import Comm
 from .device import model_device
-from .engine import Engine, UnitState
+from .dtypes import torch_dtype
+from .engine import Engine
 from .errors import RuntimeUsageError
-from .flat import TORCH_DTYPE, FlatGroup
+from .faults import Faults
+from .flat_group import FlatGroup
 from .layout import build_layout
 from .ledger import Ledger, LedgerRecord
 from .optimizer import build_optimizer
+from .storage import FlatStorage
+from .unit import UnitState
 from .units import UnitSpec, param_owners
 from .workspace import Workspace
 
@@ -86,23 +90,22 @@ def _check_units(units: list[UnitSpec], params: dict, aliases: dict) -> list[lis
     return per_unit
 
 
-def _make_group(names, params, gplan, plan, comm, is_root, workspace):
-    """The flat group of `names` with the plan's padded size and rows."""
+def _make_storage(names, params, gplan, plan, is_root) -> FlatStorage:
+    """The stored states of the flat group of `names`, with the plan's padded size."""
     layout = build_layout([(n, tuple(params[n].shape)) for n in names], gplan.trainable, gplan.n)
-    dtype = TORCH_DTYPE[plan.scopes.params.dtype]
+    dtype = torch_dtype(plan.scopes.params.dtype)
     dev = next(iter(params.values())).device
     init = torch.zeros(layout.n, dtype=dtype, device=dev)
     for s in layout.slots:
         init[s.offset:s.offset + s.numel].copy_(params[s.fqn].detach().reshape(-1))
-    return FlatGroup(layout, gplan, plan, comm, init, is_root, workspace)
+    return FlatStorage(layout, plan, init, is_root)
 
 
 class ShardedModule(nn.Module):
     def __init__(self, model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None,
                  hooks: bool = True, schedule: Schedule | None = None, timeout: float | None = None):
         super().__init__()
-        self.timeout = faults.timeout_s(timeout)
-        self._fault_prefix, self._entries = faults.new_prefix(), {}
+        self.faults = Faults(timeout)
         if not dist.is_initialized():
             raise ShardcError("shard_model/shard_module need one process per rank: launch with torchrun "
                               "(e.g. `torchrun --nproc-per-node 4 train.py`) and call "
@@ -123,18 +126,18 @@ class ShardedModule(nn.Module):
         canonical = [dataclasses.replace(u, params=tuple(n)) for u, n in zip(self.unit_specs, per_unit)]
         self.lowering = lower(strategy.mesh, unit_sizes(params, canonical), strategy.prefetch)
         self._warm_groups()
-        faults.apply_timeout(self)
-        faults.register(self)
+        self.faults.apply_timeout(self.comm.smesh)
+        self.faults.register()
         states, workspace = [], Workspace()        # one reduce workspace for every unit
         for i, (spec, names, uplan) in enumerate(zip(self.unit_specs, per_unit, self.lowering.units)):
             plan = RankPlan(strategy.mesh, spec.scopes, self.comm.rank)
             groups, tg = [], []
-            comm = faults.UnitComm(self.comm, spec.name, self._fault_prefix)
+            comm = self.faults.guard(self.comm, spec.name)
             for gplan in uplan.groups:
                 sel = [n for n in names if (n not in self.frozen) == gplan.trainable]
-                g = _make_group(sel, params, gplan, plan, comm, i == 0, workspace)
-                groups.append(g)
-                tg.append([targets[s.fqn] for s in g.layout.slots])
+                st = _make_storage(sel, params, gplan, plan, i == 0)
+                groups.append(FlatGroup(st, gplan, comm, workspace, strategy.mesh.world))
+                tg.append([targets[s.fqn] for s in st.layout.slots])
             states.append(UnitState(i, spec, groups, tg))
         for mod_targets in targets.values():
             for mod, attr in mod_targets:
@@ -148,18 +151,19 @@ class ShardedModule(nn.Module):
         self.hooks = hooks
         if hooks:
             self._install_hooks()
-        buffers.install(self)
-        self._optimizers: list = []
+        self.buffer_sync = buffers.Buffers(model, strategy.buffers, self.faults)
+        self.buffer_sync.install(self)
+        self.optimizers: list[torch.optim.Optimizer] = []     # built by optimizer(), in order
 
     def _placeholders(self, u: UnitState) -> None:
         """Meta tensors stand in for parameters whose unit is not gathered."""
         if all(g.held for g in u.groups):
-            self.runtime._set_views(u)
+            self.runtime.set_views(u)
             return
         for g, targets in zip(u.groups, u.targets):
-            for s, slot_targets in zip(g.layout.slots, targets):
+            for s, slot_targets in zip(g.storage.layout.slots, targets):
                 for mod, attr in slot_targets:
-                    setattr(mod, attr, torch.empty(s.shape, dtype=g.pdtype, device="meta"))
+                    setattr(mod, attr, torch.empty(s.shape, dtype=g.storage.pdtype, device="meta"))
 
     def _warm_groups(self) -> None:
         """Create every process group up front, in the same order on every rank."""
@@ -200,53 +204,57 @@ class ShardedModule(nn.Module):
         """FSDP2's spelling, after which the loop decides: backwards with it False accumulate
         without the step's gradient sync; each backward with it True ends by issuing it (see
         boundary.py's [Note: accumulation]). `recurse` is accepted for FSDP2 compatibility."""
-        self.runtime.requires_sync = bool(requires_gradient_sync)
+        self.runtime.boundary.requires_sync = bool(requires_gradient_sync)
 
     @contextlib.contextmanager
     def no_sync(self):
         """DDP's spelling: backwards inside do not issue the step's gradient sync."""
-        self.runtime.no_sync_depth += 1
+        self.runtime.boundary.no_sync_depth += 1
         try:
             yield
         finally:
-            self.runtime.no_sync_depth -= 1
+            self.runtime.boundary.no_sync_depth -= 1
 
     # -- optimizer and gradients ----------------------------------------------------
     def optimizer(self, cls, param_groups=None, **kw) -> torch.optim.Optimizer:
-        opt = build_optimizer(self.runtime, self._trainable_aliases(), self.frozen, cls,
+        opt = build_optimizer(self.runtime.boundary, self._trainable_aliases(), self.frozen, cls,
                               param_groups, **kw)
-        self._optimizers.append(opt)
+        checkpoint.attach_optimizer_hooks(opt, self.runtime.boundary, self.comm.smesh.device_mesh)
+        self.optimizers.append(opt)
         return opt
 
     def _trainable_aliases(self) -> dict[str, str]:
         return {a: c for a, c in self.aliases.items() if c not in self.frozen}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.runtime.zero_grad()
+        self.runtime.boundary.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         if norm_type != 2.0:
             raise RuntimeUsageError("clip_grad_norm_ supports only the 2-norm")
-        self.runtime.wait_sync("clip_grad_norm_()")
+        boundary = self.runtime.boundary
+        boundary.wait_sync("clip_grad_norm_()")
         clip_rows = {r.levels: r for r in self.lowering.clip_rows}
         by_levels: dict[tuple, list] = {}
-        for g in self.runtime.trainable_groups():
-            by_levels.setdefault(g.plan.os, []).append(g)
+        for g in boundary.trainable_groups():
+            by_levels.setdefault(g.storage.plan.os, []).append(g.storage)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for levels, groups in by_levels.items():
+        guarded = self.faults.guard(self.comm, "<all units>")
+        for levels, storages in by_levels.items():
             sq = torch.zeros(1, dtype=torch.float32, device=self.device)
-            for g in groups:
-                sq += g.os_grad.float().pow(2).sum()
-            row = clip_rows.get(levels)
-            if row is not None:
-                guarded = faults.UnitComm(self.comm, "<all units>", self._fault_prefix)
-                guarded.all_reduce(row.phase.value, sq, row.levels, row.bytes).wait()
+            for st in storages:
+                sq += st.os_grad.float().pow(2).sum()
+            guarded.all_reduce(clip_rows.get(levels), sq).wait()
             total += sq[0]
         norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in self.runtime.trainable_groups():
-            g.os_grad.mul_(coef.to(g.os_grad.dtype))
+        for g in boundary.trainable_groups():
+            g.storage.os_grad.mul_(coef.to(g.storage.os_grad.dtype))
         return norm
+
+    def set_timeout(self, seconds: float) -> None:
+        """Change the shardc timeout (every wait on a peer, and the process groups')."""
+        self.faults.set_timeout(seconds, self.comm.smesh)
 
     # -- ledger, memory, state dicts --------------------------------------------------
     def comm_ledger(self) -> list[LedgerRecord]:
@@ -256,14 +264,14 @@ class ShardedModule(nn.Module):
         self.ledger.reset()
 
     def memory_report(self) -> dict[str, int]:
-        return state.memory_report(self.runtime, self._optimizers[-1] if self._optimizers else None)
+        return state.memory_report(self.runtime, self.optimizers[-1] if self.optimizers else None)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter (original names and shapes, tied aliases included) and buffer.
 
         Collective: every rank must call it (a lone caller gets an error naming it after
         the shardc timeout). With `rank0_only`, ranks other than 0 return {}."""
-        self.runtime.complete_updates()          # deferred update all-gathers (plan pass)
+        self.runtime.boundary.complete_updates()          # deferred update all-gathers (plan pass)
         return state.full_state_dict(self, rank0_only)
 
     def full_optim_state_dict(self, optimizer, rank0_only: bool = False) -> dict:
@@ -271,7 +279,7 @@ class ShardedModule(nn.Module):
         of its parameter's full shape (what a single-process run's optimizer would hold).
 
         Collective, like `full_state_dict`."""
-        self.runtime.complete_updates()
+        self.runtime.boundary.complete_updates()
         return state.full_optim_state_dict(self, optimizer, rank0_only)
 
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -285,14 +293,14 @@ class ShardedModule(nn.Module):
         `get_state_dict(sm, opt)` returns. Local, except under `buffers broadcast` after a
         training forward: then a collective (rank 0's buffers are broadcast first), so call
         it on every rank."""
-        self.runtime.complete_updates()
+        self.runtime.boundary.complete_updates()
         return checkpoint.model_state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load `state_dict()`-shaped (or full-tensor) entries; checks every name and shape
         before changing anything. Collective (re-gathers the params shards)."""
-        self.runtime.complete_updates()
-        faults.enter_collective(self, "load_state_dict()")
+        self.runtime.boundary.complete_updates()
+        self.faults.enter("load_state_dict()")
         checkpoint.load_model_state_dict(self, state_dict, strict)
         return nn.modules.module._IncompatibleKeys([], [])
 
@@ -301,7 +309,7 @@ class ShardedModule(nn.Module):
         `optimizer()` is built): what torch's state-dict helpers map optimizer state by.
         Padding pieces are named `<padding>:<unit>` and have requires_grad=False."""
         seen = set()
-        for opt in self._optimizers:
+        for opt in self.optimizers:
             for piece, p in zip(opt.shardc_pieces, opt.shardc_params):
                 if remove_duplicate and id(p) in seen:
                     continue

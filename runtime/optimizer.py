@@ -8,8 +8,8 @@ whose `.grad` is a view of the grad shard. Step hooks wait for the gradient sync
 the update and run the update re-gather after it; `zero_grad` zeroes the grad shards in
 place and (set_to_none, the default) detaches the grad views, which the next step
 re-attaches only if a backward ran since (so a step without one moves nothing, as in
-PyTorch). Checkpoint hooks (runtime/checkpoint.py) turn `state_dict()` into
-per-parameter, padding-free entries.
+PyTorch). The ShardedModule then attaches the checkpoint hooks (runtime/checkpoint.py)
+that turn `state_dict()` into per-parameter, padding-free entries.
 
 [Note: one piece per parameter on every rank]
 Every rank's optimizer has a piece for every trainable parameter (zero elements where
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .boundary import StepPhase
 from .errors import RuntimeUsageError
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
@@ -48,32 +49,21 @@ class Piece:
     stop: int
 
 
-def slot_ranges(layout, start: int, length: int) -> list[tuple[object, int, int]]:
-    """(slot, lo, hi) for every slot of `layout`: the part of the parameter inside the chunk
-    [start, start+length) of the flat buffer, lo/hi relative to the chunk (lo == hi when
-    they do not meet). The one place a per-parameter range inside a rank's chunk is computed."""
-    out = []
-    for s in layout.slots:
-        lo, hi = max(start, s.offset), min(start + length, s.offset + s.numel)
-        out.append((s, lo - start, hi - start) if lo < hi else (s, 0, 0))
-    return out
-
-
-def _pieces(unit: int, group) -> list[tuple[Piece, int, int]]:
-    """(piece, lo, hi) with lo/hi relative to the OS chunk; every slot, then the padding."""
-    a, b = group.os_start, group.os_start + group.os_len
-    out = [(Piece(s.fqn, unit, a + lo, a + hi), lo, hi)
-           for s, lo, hi in slot_ranges(group.layout, a, group.os_len)]
-    lo, hi = max(a, group.layout.phi), b
+def _pieces(unit: int, st) -> list[tuple[Piece, int, int]]:
+    """(piece, lo, hi) with lo/hi relative to the OS chunk of storage `st`; every slot, then
+    the padding."""
+    a, b = st.os_start, st.os_start + st.os_len
+    out = [(Piece(s.fqn, unit, a + lo, a + hi), lo, hi) for s, lo, hi in st.layout.ranges(a, st.os_len)]
+    lo, hi = max(a, st.layout.phi), b
     if lo < hi:
         out.append((Piece(f"<padding>:{unit}", unit, lo, hi), lo - a, hi - a))
     return out
 
 
-def _check_cls(cls, engine) -> None:
+def _check_cls(cls, boundary) -> None:
     if cls in ELEMENTWISE:
         return
-    sharded = any(g.s_os > 1 for g in engine.trainable_groups())
+    sharded = any(g.storage.s_os > 1 for g in boundary.trainable_groups())
     if sharded:
         raise RuntimeUsageError(
             f"{getattr(cls, '__name__', cls)} is not an element-wise optimizer, so it cannot "
@@ -81,9 +71,10 @@ def _check_cls(cls, engine) -> None:
             f"{', '.join(c.__name__ for c in ELEMENTWISE)} or 'optim replicate'")
 
 
-def build_optimizer(engine, aliases: dict[str, str], frozen: set[str], cls,
+def build_optimizer(boundary, aliases: dict[str, str], frozen: set[str], cls,
                     param_groups=None, **kw) -> torch.optim.Optimizer:
-    _check_cls(cls, engine)
+    """The optimizer over this rank's pieces; `boundary` is the engine's StepBoundary."""
+    _check_cls(cls, boundary)
     wanted: dict[str, int] = {}
     for gi, pg in enumerate(param_groups or []):
         if "params" not in pg:
@@ -103,8 +94,8 @@ def build_optimizer(engine, aliases: dict[str, str], frozen: set[str], cls,
     default = {"params": []}
     pieces: list[Piece] = []
     ordered: list[nn.Parameter] = []
-    views: list[tuple] = []             # (group, lo, hi) per piece: where its grad lives
-    for ui, g in [(u.index, u.trainable) for u in engine.units if u.trainable is not None]:
+    views: list[tuple] = []             # (storage, lo, hi) per piece: where its grad lives
+    for ui, g in [(u.index, u.trainable.storage) for u in boundary.units if u.trainable is not None]:
         for piece, lo, hi in _pieces(ui, g):
             padding = piece.name.startswith("<padding>")
             p = nn.Parameter(g.master[lo:hi], requires_grad=not padding)
@@ -114,14 +105,11 @@ def build_optimizer(engine, aliases: dict[str, str], frozen: set[str], cls,
             ordered.append(p)
             views.append((g, lo, hi))
     opt = cls(groups + [default], **kw)
-    _attach(opt, engine, pieces, ordered, views)
+    _attach(opt, boundary, pieces, ordered, views)
     return opt
 
 
-def _attach(opt, engine, pieces, params, views) -> None:
-    from . import checkpoint
-    from .engine import Phase
-
+def _attach(opt, boundary, pieces, params, views) -> None:
     # fp32 grad shards: the pieces' grads are views of them, made once
     fixed = [g.os_grad[lo:hi] if g.gdtype == torch.float32 else None for g, lo, hi in views]
 
@@ -140,19 +128,19 @@ def _attach(opt, engine, pieces, params, views) -> None:
     fresh = [False]
 
     def pre(optimizer, args, kwargs):
-        engine.wait_sync("opt.step()")
-        fresh[0] = engine.phase is Phase.FRESH
+        boundary.wait_sync("opt.step()")
+        fresh[0] = boundary.phase is StepPhase.FRESH
         if not fresh[0]:                         # a backward ran since zero_grad()
             attach_grads()
 
     def post(optimizer, args, kwargs):
         if any(p.grad is not None for p in params):
-            engine.after_step()
+            boundary.after_step()
         if fresh[0]:                             # no gradients were consumed: still fresh
-            engine.phase = Phase.FRESH
+            boundary.phase = StepPhase.FRESH
 
     def zero_grad(self, set_to_none: bool = True):
-        engine.zero_grad()
+        boundary.zero_grad()
         for p in params:
             p.grad = None
         if not set_to_none:
@@ -163,4 +151,3 @@ def _attach(opt, engine, pieces, params, views) -> None:
     opt.zero_grad = types.MethodType(zero_grad, opt)
     opt.shardc_pieces = pieces
     opt.shardc_params = params
-    checkpoint.attach_optimizer_hooks(opt, engine)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import buffers, faults
 from .checkpoint import OPTIM_CLASS
 
 
@@ -24,13 +23,13 @@ def _nbytes(t: torch.Tensor | None) -> int:
 def memory_report(engine, optimizer) -> dict[str, int]:
     rep = {"params": 0, "params_secondary": 0, "grads": 0, "optim": 0}
     for u in engine.units:
-        for g in u.groups:
-            rep["params"] += _nbytes(g.shard)
-            rep["params_secondary"] += _nbytes(g.secondary)
-            if g.trainable:
-                rep["grads"] += _nbytes(g.grad_shard)
-                if g.master_separate:
-                    rep["optim"] += _nbytes(g.master)
+        for st in (g.storage for g in u.groups):
+            rep["params"] += _nbytes(st.shard)
+            rep["params_secondary"] += _nbytes(st.secondary)
+            if st.trainable:
+                rep["grads"] += _nbytes(st.grad_shard)
+                if st.master_separate:
+                    rep["optim"] += _nbytes(st.master)
     if optimizer is not None:
         for st in optimizer.state.values():
             for v in st.values():
@@ -40,26 +39,24 @@ def memory_report(engine, optimizer) -> dict[str, int]:
     return rep
 
 
-def _gather(sm, g, local: torch.Tensor, levels, order) -> torch.Tensor:
+def _gather(sm, st, local: torch.Tensor, levels, order) -> torch.Tensor:
     """The group's full flat buffer from this rank's chunk over `levels` (unrecorded)."""
-    comm = sm.comm
-    if g.plan.s(levels) == 1:
+    if st.plan.s(levels) == 1:
         return local.clone()
-    out = torch.empty(g.n, dtype=local.dtype, device=local.device)
-    comm.C.all_gather(out, local.contiguous(), comm.smesh, levels, order, algo=comm.algo).wait()
-    return out
+    out = torch.empty(st.n, dtype=local.dtype, device=local.device)
+    return sm.comm.gather(out, local.contiguous(), levels, order)
 
 
 def full_state_dict(sm, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    faults.enter_collective(sm, "full_state_dict()")
-    buffers.settle(sm)
+    sm.faults.enter("full_state_dict()")
+    sm.buffer_sync.settle()
     keep = not rank0_only or dist.get_rank() == 0
     values: dict[str, torch.Tensor] = {}
     for u in sm.runtime.units:
-        for g in u.groups:
-            full = _gather(sm, g, g.shard, g.plan.p, g.plan.order("params"))
+        for st in (g.storage for g in u.groups):
+            full = _gather(sm, st, st.shard, st.plan.p, st.plan.order("params"))
             if keep:
-                for s in g.layout.slots:
+                for s in st.layout.slots:
                     values[s.fqn] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
     if not keep:
         return {}
@@ -71,14 +68,14 @@ def full_state_dict(sm, rank0_only: bool = False) -> dict[str, torch.Tensor]:
 
 def full_optim_state_dict(sm, opt, rank0_only: bool = False) -> dict:
     """{"state": {name: {key: full tensor | scalar}}, "param_groups": [... names ...]}."""
-    faults.enter_collective(sm, "full_optim_state_dict()")
+    sm.faults.enter("full_optim_state_dict()")
     keep = not rank0_only or dist.get_rank() == 0
     by_param = {id(p): piece for piece, p in zip(opt.shardc_pieces, opt.shardc_params)}
     state: dict[str, dict] = {}
     for u in sm.runtime.units:
-        g = u.trainable
-        if g is None:
+        if u.trainable is None:
             continue
+        g = u.trainable.storage
         mine = [(piece, p) for piece, p in zip(opt.shardc_pieces, opt.shardc_params)
                 if piece.unit == u.index]
         keys = sorted({k for _, p in mine for k, v in opt.state.get(p, {}).items()

@@ -144,7 +144,7 @@ def _export(rank, world):
     _train(sm, opt, _data(world)[:K], rank, world)
     full, osd = sm.full_state_dict(), sm.full_optim_state_dict(opt)
     only0 = sm.full_state_dict(rank0_only=True), sm.full_optim_state_dict(opt, rank0_only=True)
-    sm.timeout = 3.0
+    sm.faults.timeout = 3.0                         # the rendezvous only (process groups keep theirs)
     alone = None
     if rank == 0:                                   # the torch.save pattern, done wrong
         try:

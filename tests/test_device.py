@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from shardc.dsl.errors import ShardcError
+from shardc.lowering import Op
 from shardc.runtime import device
 from tests.harness import dist_run
 from tests.test_runtime_util import (ROOT, Tiny, batches, max_rel_err, reference, strategy,
@@ -84,7 +85,7 @@ def test_default_backends():
 
 def test_cpu_collectives_run_without_streams():
     assert device.comm_streams(torch.device("cpu")) is None
-    assert device.launch("all_gather", torch.zeros(2)) is device.NO_STREAM
+    assert device.launch(Op.ALL_GATHER, torch.zeros(2)) is device.NO_STREAM
 
 
 def test_on_stream_orders_and_keeps_tensors_alive():
@@ -92,7 +93,7 @@ def test_on_stream_orders_and_keeps_tensors_alive():
     with device.use_stream_module("cpu", fake):
         t = torch.zeros(3)
         ref = weakref.ref(t)
-        on = device.launch("reduce_scatter", t)
+        on = device.launch(Op.REDUCE_SCATTER, t)
         assert fake.log == [("wait_stream", "comm0", "default")]      # after the issuing stream
         with on.active():
             assert fake.current_stream().name == "comm0"
@@ -107,10 +108,10 @@ def test_on_stream_orders_and_keeps_tensors_alive():
         assert len(fake.log) == 3
         pool = device.comm_streams(torch.device("cpu"))
         kinds = {k: pool.stream(k).name for k in device.STREAM_KINDS}
-        assert len(set(kinds.values())) == 3 and pool.stream("all_gather").name == kinds["all_gather"]
+        assert len(set(kinds.values())) == 3 and pool.stream(Op.ALL_GATHER).name == kinds[Op.ALL_GATHER]
     assert device.comm_streams(torch.device("cpu")) is None            # uninstalled
     with device.use_stream_module("cpu", FakeStreams()), device.use_stream_module("cpu", None):
-        assert device.launch("all_reduce", torch.zeros(1)) is device.NO_STREAM   # turned off
+        assert device.launch(Op.ALL_REDUCE, torch.zeros(1)) is device.NO_STREAM   # turned off
 
 
 # -- gloo ranks -------------------------------------------------------------------------

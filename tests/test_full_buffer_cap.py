@@ -28,7 +28,7 @@ class _Probe(list):
 
     def __init__(self, units):
         super().__init__()
-        self.groups = [g for u in units[1:] for g in u.groups if g.s_p > 1]
+        self.groups = [g.storage for u in units[1:] for g in u.groups if g.storage.s_p > 1]
         self.peak = {"forward": 0, "backward": 0}
         self.direction = "forward"
 

@@ -66,7 +66,7 @@ def _job(rank, world, passes, opt_kind):
     sm.runtime.events.clear()
     losses = train(sm, opt, batches(world, strategy.accumulate), rank, world, strategy.accumulate)
     ledger = [(r.phase, r.op, tuple(r.levels), r.bytes, r.count) for r in sm.comm_ledger()]
-    pending = sorted(sm.runtime._updates)                  # in flight after the last opt.step()
+    pending = sm.runtime.boundary.pending_updates()                  # in flight after the last opt.step()
     events = list(sm.runtime.events)
     sd = {k: v.clone() for k, v in sm.full_state_dict().items()}   # before any forward: must be updated
     with torch.no_grad():
@@ -152,7 +152,8 @@ def _sync_stage_job(rank, world):
         s = strategy(name, "node(2) > gpu(2)", accumulate=2)
         sm = shard_module(copy.deepcopy(model), s, units_for(model, s.scopes))
         got, _, _ = train_sharded(sm, data, rank, world, 2, "sgd", before_step=lambda sm: stages.append(
-            {u.index: u.trainable.sync_state[0] for u in sm.runtime.units if u.trainable}))
+            {u.index: {"reduce_scatter": "rs", "all_reduce": "ar"}[u.trainable.syncing.stage.value]
+             for u in sm.runtime.units if u.trainable}))
         out[name] = stages, max_rel_err(got, want)
     return out
 

@@ -46,7 +46,7 @@ def _reports(rank, world, shape, kind):
         sm = shard_module(copy.deepcopy(model), s, units_for(model, s.scopes))
         train_sharded(sm, batches(1, world, 1), rank, world, 1, kind)
         out[name] = sm.memory_report()
-        groups = [g for u in sm.runtime.units for g in u.groups]
+        groups = [g.storage for u in sm.runtime.units for g in u.groups]
         out[name]["leftover"] = sum(g.full_data.untyped_storage().nbytes() for g in groups
                                     if g.s_p > 1)
         out[name]["leftover"] += sum(g.full.grad is not None for g in groups if g.trainable)

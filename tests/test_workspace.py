@@ -41,7 +41,7 @@ def _window(rank, world):
     sm = shard_module(copy.deepcopy(model), s, units_for(model, s.scopes))
     opt = sm.optimizer(torch.optim.AdamW, lr=1e-3)
     ws = sm.runtime.workspace
-    groups = sm.runtime.trainable_groups()
+    groups = [g.storage for g in sm.runtime.boundary.trainable_groups()]
     bound = 2 * (2 * max(g.n for g in groups) + max(g.grad_shard.numel() for g in groups)) * 4
     out = {"allocs": [], "held": [], "bound": bound}
     for x, y in batches(2, world, 3):

@@ -34,7 +34,7 @@ first gathers, the backward's first re-gather and the last two reductions.
 On the backward that ends the step, with the `early_sync` plan pass, unit i's step sync
 (the SYNC rows) goes out when the next unit's gradients are in, right after the engine
 has waited unit i's reduction; the root's, when the backward ends. A sync's first stage
-is its reduce-scatter, or its all-reduce when it has none (runtime/flat.py
+is its reduce-scatter, or its all-reduce when it has none (runtime/flat_group.py
 `sync_issue`); an all-reduce after a reduce-scatter goes out when the next unit's sync
 is issued, the last two units' at opt.step() (engine.py `_bound_reductions`), which
 waits them all; the cores wait the reduce-scatter before issuing it (`sync_advance`).
@@ -85,7 +85,7 @@ def waits_of(plan, mesh: Mesh, bw, algo: Collectives, costs) -> Waits:
         return out
 
     def sync(i) -> tuple[Parts, Parts | None]:
-        """The reduce-scatter, then the all-reduce; or the all-reduce alone (runtime/flat.py
+        """The reduce-scatter, then the all-reduce; or the all-reduce alone (runtime/flat_group.py
         `sync_issue`)."""
         ops = {r.op for g in plan.units[i].groups for r in g.rows if r.phase is Phase.SYNC}
         ar = w(i, Phase.SYNC, lambda r: r.op is Op.ALL_REDUCE)

@@ -10,7 +10,7 @@ the step's last backward, so all of it waits for the whole backward. With the pa
 engine issues unit i's sync as soon as unit i's backward reduce-scatter is waited — when
 the next unit's reduce-scatter is issued (one in flight, engine.py) — so it overlaps the
 rest of the backward. Issuing a sync issues its first stage: the reduce-scatter over
-OS∖G, or, for a unit with none (OS = G), the all-reduce over the replicas (runtime/flat.py
+OS∖G, or, for a unit with none (OS = G), the all-reduce over the replicas (runtime/flat_group.py
 `sync_issue`); an all-reduce that follows a reduce-scatter goes out when the next unit's
 sync is issued (its reduce-scatter has had that unit's backward to land), the last ones
 at opt.step(). Only the backward the step's sync was planned for does this (the

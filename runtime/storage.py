@@ -1,0 +1,213 @@
+"""Flat storage — stage: runtime. The stored states of one flat group (FSDP2's `_fsdp_param.py`).
+
+Input: a `GroupLayout` (parameter offsets in a padded flat buffer), the unit's `RankPlan`
+(`shardc.lowering`: factors and this rank's chunks) and the full initial values (identical
+on every rank).
+Output: `FlatStorage`: the persistent shards (params N/s_P, the optional secondary copy
+N/s_Q, grads N/s_G, the fp32 master of the OS chunk), the transient full buffer the
+module's parameters are views of while gathered, and the local arithmetic on them. It
+communicates nothing: the collectives that move these tensors are flat_group.py's.
+
+[Note: full buffer and autograd]
+The trainable full buffer is one leaf `nn.Parameter` of N elements; the module's
+parameters are views of it made by one autograd function (`_Views`, one node per unit
+and forward), whose backward runs once the unit's parameter gradients are all in and
+hands them to the callback given to `views` (the engine's): no N-element concatenation, no
+`.grad` on the leaf. The slot sizes and shapes the views are cut by are computed once; a
+frozen group's views are made once (its buffer's storage is refilled in place, so they
+stay views of the gathered values). Between uses the full buffer's storage is resized
+to 0 (FSDP2's trick), so tensors autograd saved in the forward stay valid when the
+backward re-gather refills the same storage. Collectives write through `full_data`
+(`full.data`, which has its own version counter), so refilling never trips autograd's
+in-place checks.
+
+[Note: grad accumulation]
+zero_grad() does not write the grad shard: it marks it `stale` (logically zero), and the
+first backward's gradients are copied in (instead of added to zeros); whatever reads the
+shard before a backward wrote it (`os_grad`, the sync, a backward that gave the group no
+gradient) zeroes it first (`materialize`). With s_G = 1 the gradients are added into the
+shard's slot views (made once) by one `torch._foreach_add_` (`add_slot_grads`); otherwise
+they are laid out flat (`flat_grads`), reduce-scattered, and the chunk is added in
+(`accumulate`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardc.lowering import RankPlan
+
+from . import quant
+from .dtypes import torch_dtype
+from .layout import GroupLayout
+from .workspace import Workspace
+
+
+class FlatStorage:
+    """One flat group's tensors (see the module notes); `trainable` groups also hold grads."""
+
+    def __init__(self, layout: GroupLayout, plan: RankPlan, init: torch.Tensor, is_root: bool):
+        self.layout, self.plan, self.is_root = layout, plan, is_root
+        sc = plan.scopes
+        self.n = layout.n
+        self.trainable = layout.trainable
+        self.pdtype = torch_dtype(sc.params.dtype)
+        self.gdtype = torch_dtype(sc.grads.dtype)
+        self.s_p, self.s_g, self.s_os = plan.s(plan.p), plan.s(plan.g), plan.s(plan.os)
+        self.p_start, self.p_len = plan.chunk("params", self.n)
+        self._sizes = layout.split_sizes                     # made once (see Note)
+        self._shapes = tuple(s.shape for s in layout.slots)
+        self._stable_views: list[torch.Tensor] | None = None
+        full = torch.empty(self.n, dtype=self.pdtype, device=init.device)
+        self.full = nn.Parameter(full) if self.trainable else full
+        self.full_data = self.full.data            # own version counter (see Note)
+        if self.s_p == 1:
+            self.full_data.copy_(init)
+            self.shard = self.full_data
+        else:
+            self.shard = init[self.p_start:self.p_start + self.p_len].to(self.pdtype).clone()
+            self.free_full()
+        self._init_secondary(init.device)
+        if self.trainable:
+            self._init_grads(init)
+
+    def _init_secondary(self, dev: torch.device) -> None:
+        sec = self.plan.scopes.params.secondary
+        self.secondary = None
+        self.sec_quant = None
+        if sec is None or self.is_root:
+            return
+        self.q_start, self.q_len = self.plan.secondary_chunk(self.n)
+        self.sec_quant = sec.quant
+        if self.sec_quant:
+            self.secondary = torch.zeros(quant.shard_payload_bytes(self.q_len, self.sec_quant),
+                                         dtype=torch.uint8, device=dev)
+        else:
+            self.secondary = torch.zeros(self.q_len, dtype=self.pdtype, device=dev)
+
+    def _init_grads(self, init: torch.Tensor) -> None:
+        plan, n = self.plan, self.n
+        g_start, g_len = plan.chunk("grads", n)
+        self.os_start, self.os_len = plan.chunk("optim", n)
+        self.grad_shard = torch.zeros(g_len, dtype=self.gdtype, device=init.device)
+        self.stale = False                 # zero_grad() ran and no backward wrote the shard yet
+        self._gviews = self.plain_views(self.grad_shard) if self.s_g == 1 else None
+        self.os_in_g = self.os_start - g_start
+        self.os_in_p = self.os_start - self.p_start
+        if self.pdtype == torch.float32:
+            self.master = self.shard[self.os_in_p:self.os_in_p + self.os_len]
+            self.master_separate = False
+        else:
+            self.master = init[self.os_start:self.os_start + self.os_len].float().clone()
+            self.master_separate = True
+
+    # -- the full buffer ------------------------------------------------------------------
+    def alloc_full(self) -> None:
+        need = self.full_data.numel() * self.full_data.element_size()
+        if self.full_data.untyped_storage().size() != need:
+            self.full_data.untyped_storage().resize_(need)
+
+    def free_full(self) -> None:
+        self.full_data.untyped_storage().resize_(0)
+
+    def keep_secondary(self) -> None:
+        """After a forward gather: this rank's secondary chunk from the full buffer."""
+        mine = self.full_data[self.q_start:self.q_start + self.q_len]
+        if self.sec_quant:
+            quant.quantize(mine, self.sec_quant, out=self.secondary)
+        else:
+            self.secondary.copy_(mine)
+
+    def views(self, on_grads) -> list[torch.Tensor]:
+        """The parameters as views of the full buffer (autograd-tracked when trainable;
+        `on_grads(grads)` receives their gradients, slot order)."""
+        if self.trainable and self.n:
+            return _Views.apply(self.full, self.plain_views, on_grads)
+        if self._stable_views is None:            # frozen: `full` is a plain tensor (see Note)
+            self._stable_views = self.plain_views(self.full)
+        return self._stable_views
+
+    def plain_views(self, base: torch.Tensor) -> list[torch.Tensor]:
+        if not self.n:
+            return []
+        return [p.view(shape) for p, shape in zip(base.split_with_sizes(self._sizes), self._shapes)]
+
+    # -- gradients (see [Note: grad accumulation]) ------------------------------------------
+    def add_slot_grads(self, grads) -> None:
+        """s_G = 1: one backward's gradients (slot order, None: none) into the shard."""
+        dst = [v for v, g in zip(self._gviews, grads) if g is not None]
+        src = [g for g in grads if g is not None]
+        if self.stale:
+            for v, g in zip(self._gviews, grads):
+                if g is None:
+                    v.zero_()
+            self.grad_shard[self.layout.phi:].zero_()
+            if dst:
+                torch._foreach_copy_(dst, src)
+            self.stale = False
+        elif dst:
+            torch._foreach_add_(dst, src)
+
+    def flat_grads(self, grads, workspace: Workspace) -> torch.Tensor:
+        """One backward's gradients laid out flat (N elements, zeros where none) in a
+        workspace tensor."""
+        flat = workspace.take(self.n, self.gdtype, self.grad_shard.device)
+        dst, src = [], []
+        for piece, g in zip(self.plain_views(flat), grads):
+            if g is None:
+                piece.zero_()
+            else:
+                dst.append(piece)
+                src.append(g)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        flat[self.layout.phi:].zero_()
+        return flat
+
+    def accumulate(self, chunk: torch.Tensor) -> None:
+        """Add a reduced grad chunk (N/s_G) into the shard (copy it when stale)."""
+        if self.stale:
+            self.grad_shard.copy_(chunk)
+            self.stale = False
+        else:
+            self.grad_shard.add_(chunk)
+
+    def materialize(self) -> None:
+        """A stale grad shard (zero_grad() ran, no backward wrote it) becomes zeros."""
+        if self.stale:
+            self.grad_shard.zero_()
+            self.stale = False
+
+    @property
+    def os_grad(self) -> torch.Tensor:
+        self.materialize()
+        return self.grad_shard[self.os_in_g:self.os_in_g + self.os_len]
+
+    # -- optimizer chunk ---------------------------------------------------------------------
+    def master_into_shard(self) -> torch.Tensor:
+        """After an update: the OS chunk written back into the params shard (cast); returns
+        that slice of the shard."""
+        mine = self.shard[self.os_in_p:self.os_in_p + self.os_len]
+        if self.master_separate:
+            mine.copy_(self.master)
+        return mine
+
+    def checkpoint_chunk(self) -> tuple[torch.Tensor, int]:
+        """(source tensor, its start in the flat buffer) a checkpoint reads and writes: the
+        fp32 master (trainable) or the params shard (frozen)."""
+        return (self.master, self.os_start) if self.trainable else (self.shard, self.p_start)
+
+
+class _Views(torch.autograd.Function):
+    """The parameters of a trainable group as views of its full buffer (see Note)."""
+
+    @staticmethod
+    def forward(ctx, full, plain_views, on_grads):
+        ctx.on_grads = on_grads
+        # views of the leaf's version counter, which refills through `full_data` never bump
+        return tuple(plain_views(full.detach()))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.on_grads(grads)
+        return None, None, None
