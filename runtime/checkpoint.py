@@ -6,13 +6,19 @@ Output: `model_state_dict(sm)` / `load_model_state_dict(sm, sd)` behind
 `opt.state_dict()` / `opt.load_state_dict()` speak the same language, so torch's own
 `get_state_dict(sm, opt)`, `dcp.save`, `dcp.load`, `set_state_dict(...)` work unchanged.
 
-[Note: what a checkpoint holds]
-One entry per original (canonical) parameter, keyed by its name, with its global,
-unpadded shape; optimizer states the same way under `state.<name>.<key>` (torch's
-layout); buffers and scalar states (`step`) as plain tensors. Padding, unit boundaries,
-mesh and world size appear nowhere, so any strategy loads any other's checkpoint.
-Trainable parameters are saved from the fp32 master (this rank's OS chunk), frozen ones
-from the params shard (its P chunk).
+[Note: the keys are torch's]
+The model state dict has exactly the keys of the original model's `state_dict()`, in its
+order: every parameter under each of its names (a tied parameter's aliases hold the same
+piece, as torch's hold the same tensor), with its global, unpadded shape, and the
+persistent buffers (non-persistent ones, such as a rotary embedding's `inv_freq`, are not
+state, as in torch). Nothing else: no manifest, no key FSDP2 or a plain model would not
+know. Optimizer states go the same way under `state.<name>.<key>` (torch's layout), with
+torch's param groups (no field of shardc's own: DCP refuses a checkpoint that lacks any key
+the loading side's state dict has, so one would stop FSDP2 -> shardc resumes).
+Missing, unexpected and mis-shaped keys are torch's own error (`incompatible`). Padding,
+unit boundaries, mesh and world size appear nowhere, so any strategy loads any other's
+checkpoint, FSDP2's included. Trainable parameters are saved from the fp32 master (this
+rank's OS chunk), frozen ones from the params shard (its P chunk).
 
 [Note: uneven pieces as DCP chunks]
 A rank's chunk of a unit's flat buffer covers an arbitrary element range [lo, hi) of a
@@ -27,7 +33,6 @@ The pieces are clones: `dcp.load` fills them, and nothing live changes until
 """
 from __future__ import annotations
 
-import json
 from math import prod
 
 import torch
@@ -39,8 +44,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .errors import RuntimeUsageError
 
-MANIFEST = "_shardc_manifest"       # model entry: names and shapes the checkpoint holds
-OPTIM_CLASS = "shardc_optimizer"    # param-group entry: the optimizer class
+OPTIM_CLASS = "shardc_optimizer"    # full_optim_state_dict()'s param-group entry: the optimizer class
 
 
 def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple, tuple, int, int]]:
@@ -124,26 +128,9 @@ def local_piece(value, shape: tuple[int, ...], lo: int, hi: int, what: str) -> t
     return value.detach().reshape(-1)[lo:hi]
 
 
-def manifest(sm) -> str:
-    names = {n: list(s) for n, s in param_shapes(sm).items()}
-    return json.dumps({"params": names, "buffers": [n for n, _ in sm.module.named_buffers()],
-                       "optimizers": [type(o).__name__ for o in sm.optimizers]})
-
-
-def param_shapes(sm) -> dict[str, tuple[int, ...]]:
-    shapes = {}
-    for u in sm.runtime.units:
-        for g in u.groups:
-            shapes.update((s.fqn, s.shape) for s in g.storage.layout.slots)
-    return {n: shapes[n] for n in sm.param_order if n in shapes}
-
-
-# -- model ------------------------------------------------------------------------------
-def model_state_dict(sm) -> dict:
-    """Canonical parameter name -> piece (see Note), buffers, and the manifest. Local,
-    except that under `buffers broadcast` rank 0's buffers are broadcast first if a
-    training forward changed them (runtime/buffers.py)."""
-    sm.buffer_sync.settle("state_dict()")
+def _pieces(sm) -> dict[str, DTensor]:
+    """Canonical parameter name -> this rank's piece of it (see [Note: uneven pieces as DCP
+    chunks]): fp32 master of trainable parameters, params shard of frozen ones."""
     mesh = sm.comm.smesh.device_mesh
     pieces = {}
     for u in sm.runtime.units:
@@ -152,63 +139,73 @@ def model_state_dict(sm) -> dict:
             for s, lo, hi in st.layout.ranges(start, src.numel()):
                 first = start + lo - s.offset if hi > lo else 0
                 pieces[s.fqn] = wrap(src[lo:hi].clone(), s.shape, first, mesh)
-    out = {n: pieces[n] for n in sm.param_order if n in pieces}
-    for name, buf in sm.module.named_buffers():
-        out[name] = buf.detach().clone()
-    out[MANIFEST] = manifest(sm)
-    return out
+    return pieces
 
 
-def _check_manifest(sm, sd: dict, strict: bool) -> None:
-    """Name the first parameter or buffer the checkpoint and this model disagree on."""
-    ours = param_shapes(sm)
-    saved = sd.get(MANIFEST)
-    if isinstance(saved, str):
-        theirs = json.loads(saved)
-        extra = [n for n in theirs["params"] if n not in ours]
-        extra += [n for n in theirs["buffers"] if n not in dict(sm.module.named_buffers())]
-        if extra and strict:
-            raise RuntimeUsageError(f"the checkpoint holds {extra[0]!r}, which this model does "
-                                    f"not have (a checkpoint of another model?)")
-        opts = [type(o).__name__ for o in sm.optimizers]
-        if strict and opts and theirs.get("optimizers") and theirs["optimizers"] != opts:
-            raise RuntimeUsageError(f"the checkpoint holds {', '.join(theirs['optimizers'])} "
-                                    f"optimizer state, but this model's optimizer is "
-                                    f"{', '.join(opts)}; build the same optimizer class to resume")
-        for n, shape in theirs["params"].items():
-            if n in ours and tuple(shape) != tuple(ours[n]):
-                raise RuntimeUsageError(f"{n!r} has shape {tuple(shape)} in the checkpoint, but "
-                                        f"this model's is {tuple(ours[n])}")
-    if strict:
-        names = list(ours) + [n for n, _ in sm.module.named_buffers()]
-        missing = [n for n in names if n not in sd]
-        if missing:
-            raise RuntimeUsageError(f"the checkpoint has no entry for {missing[0]!r} (a "
-                                    f"checkpoint of another model?)")
+# -- model ------------------------------------------------------------------------------
+def model_state_dict(sm) -> dict:
+    """The original model's `state_dict()` keys, in its order (see [Note: the keys are
+    torch's]): each parameter's piece, each persistent buffer. Local, except that under
+    `buffers broadcast` rank 0's buffers are broadcast first if a training forward changed
+    them (runtime/buffers.py)."""
+    sm.buffer_sync.settle("state_dict()")
+    pieces = _pieces(sm)
+    bufs = dict(sm.module.named_buffers(remove_duplicate=False))
+    return {k: pieces[sm.aliases[k]] if k in sm.aliases else bufs[k].detach().clone()
+            for k in sm.state_keys}
 
 
-def load_model_state_dict(sm, sd: dict, strict: bool = True) -> None:
-    """Check every name and shape, then write masters, shards and buffers. Collective over
-    the OS∖P levels (the params shards are re-gathered from the loaded masters)."""
-    _check_manifest(sm, sd, strict)
+def incompatible(cls_name: str, missing, unexpected, sizes=()) -> RuntimeError:
+    """torch's own error for a state dict that does not fit (`nn.Module.load_state_dict`'s
+    text): missing and unexpected keys, and (key, saved shape, this model's shape) triples."""
+    msgs = []
+    if missing:
+        msgs.append("Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
+    if unexpected:
+        msgs.append("Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
+    msgs += [f"size mismatch for {k}: copying a param with shape {torch.Size(a)} from checkpoint, "
+             f"the shape in current model is {torch.Size(b)}." for k, a, b in sizes]
+    return RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(cls_name, "\n\t".join(msgs)))
+
+
+def _fit(sm, sd: dict, strict: bool) -> tuple[list[str], list[str]]:
+    """(missing, unexpected) keys of `sd` against the original model's; under `strict`
+    either is torch's own error, as is any shape that differs (checked before anything
+    changes)."""
+    keys = set(sm.state_keys)
+    missing = [k for k in sm.state_keys if k not in sd]
+    unexpected = [k for k in sd if k not in keys]
+    shapes = {k: tuple(v.shape) for k, v in sm.module.named_buffers(remove_duplicate=False)}
+    for u in sm.runtime.units:
+        for g in u.groups:
+            shapes.update((a, s.shape) for s in g.storage.layout.slots for a in sm.names_of[s.fqn])
+    sizes = [(k, tuple(sd[k].shape), shapes[k]) for k in sm.state_keys
+             if k in sd and isinstance(sd[k], torch.Tensor) and tuple(sd[k].shape) != shapes[k]]
+    if sizes or (strict and (missing or unexpected)):
+        raise incompatible(type(sm.module).__name__, missing if strict else [],
+                           unexpected if strict else [], sizes)
+    return missing, unexpected
+
+
+def load_model_state_dict(sm, sd: dict, strict: bool = True) -> tuple[list[str], list[str]]:
+    """Check every name and shape, then write masters, shards and buffers; returns (missing,
+    unexpected) keys as torch does. Collective over the OS∖P levels (the params shards are
+    re-gathered from the loaded masters)."""
+    missing, unexpected = _fit(sm, sd, strict)
     staged = []
     for u in sm.runtime.units:
         for g in u.groups:
             src, start = g.storage.checkpoint_chunk()
             new = src.detach().clone()
             for s, lo, hi in g.storage.layout.ranges(start, src.numel()):
-                if s.fqn in sd and hi > lo:
+                key = next((a for a in sm.names_of[s.fqn] if a in sd), None)
+                if key is not None and hi > lo:
                     first = start + lo - s.offset
-                    new[lo:hi].copy_(local_piece(sd[s.fqn], s.shape, first, first + hi - lo,
-                                                 repr(s.fqn)))
+                    new[lo:hi].copy_(local_piece(sd[key], s.shape, first, first + hi - lo, repr(key)))
             staged.append((u.index, g, new))
-    bufs = {}
-    for name, buf in sm.module.named_buffers():
-        if name in sd:
-            if tuple(sd[name].shape) != tuple(buf.shape):
-                raise RuntimeUsageError(f"buffer {name!r} has shape {tuple(sd[name].shape)} in "
-                                        f"the checkpoint, but this model's is {tuple(buf.shape)}")
-            bufs[name] = sd[name]
+    keys = set(sm.state_keys)
+    bufs = {name: sd[name] for name, _ in sm.module.named_buffers(remove_duplicate=False)
+            if name in sd and name in keys}
     with torch.no_grad():
         for i, g, new in staged:
             sm.runtime.release(i)
@@ -216,6 +213,7 @@ def load_model_state_dict(sm, sd: dict, strict: bool = True) -> None:
         for name, buf in sm.module.named_buffers():
             if name in bufs:
                 buf.copy_(bufs[name])
+    return missing, unexpected
 
 
 def _commit(g, new: torch.Tensor) -> None:
@@ -259,8 +257,7 @@ def attach_optimizer_hooks(opt, boundary, mesh) -> None:
             if pid in keep:
                 _, shape, lo, hi = live[pid]
                 state[pid] = {k: _saved(v, shape, lo, mesh) for k, v in st.items()}
-        pgs = [dict(g, params=[p for p in g["params"] if p in keep], **{OPTIM_CLASS: cls})
-               for g in sd["param_groups"]]
+        pgs = [dict(g, params=[p for p in g["params"] if p in keep]) for g in sd["param_groups"]]
         return {"state": state, "param_groups": pgs}
 
     def load_hook(optimizer, sd):

@@ -121,6 +121,8 @@ class ShardedModule(nn.Module):
         self.comm = Comm(strategy.mesh, strategy.collectives, self.ledger, mesh, self.device.type)
         _broadcast_from_rank0(model)
         params, self.aliases, targets, self.param_order = _param_maps(model)
+        self.state_keys = tuple(model.state_dict(keep_vars=True))    # torch's keys, before any change
+        self.names_of = {c: [n for n in self.param_order if self.aliases[n] == c] for c in params}
         self.frozen = {n for n, p in params.items() if not p.requires_grad}
         per_unit = _check_units(self.unit_specs, params, self.aliases)
         canonical = [dataclasses.replace(u, params=tuple(n)) for u, n in zip(self.unit_specs, per_unit)]
@@ -267,7 +269,8 @@ class ShardedModule(nn.Module):
         return state.memory_report(self.runtime, self.optimizers[-1] if self.optimizers else None)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """Every parameter (original names and shapes, tied aliases included) and buffer.
+        """The original model's `state_dict()` keys as full tensors: every parameter (original
+        names and shapes, tied aliases included) and persistent buffer.
 
         Collective: every rank must call it (a lone caller gets an error naming it after
         the shardc timeout). With `rank0_only`, ranks other than 0 return {}."""
@@ -288,9 +291,9 @@ class ShardedModule(nn.Module):
         self.load_state_dict(sd)
 
     def state_dict(self, *args, **kwargs) -> dict:
-        """One entry per original parameter (global, unpadded shape; this rank's piece of
-        it, see runtime/checkpoint.py), buffers and a manifest: what `dcp.save` writes and
-        `get_state_dict(sm, opt)` returns. Local, except under `buffers broadcast` after a
+        """The original model's `state_dict()` keys: each parameter (global, unpadded
+        shape; this rank's piece of it, see runtime/checkpoint.py) and persistent buffer:
+        what `dcp.save` writes and `get_state_dict(sm, opt)` returns. Local, except under `buffers broadcast` after a
         training forward: then a collective (rank 0's buffers are broadcast first), so call
         it on every rank."""
         self.runtime.boundary.complete_updates()
@@ -301,8 +304,8 @@ class ShardedModule(nn.Module):
         before changing anything. Collective (re-gathers the params shards)."""
         self.runtime.boundary.complete_updates()
         self.faults.enter("load_state_dict()")
-        checkpoint.load_model_state_dict(self, state_dict, strict)
-        return nn.modules.module._IncompatibleKeys([], [])
+        missing, unexpected = checkpoint.load_model_state_dict(self, state_dict, strict)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """This rank's optimizer pieces under their original parameter names (empty until

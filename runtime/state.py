@@ -2,8 +2,8 @@
 
 Input: a `ShardedModule` (its engine's flat groups, its optimizer).
 Output: `memory_report()` measured from the tensors actually held (docs/internals.md
-"Memory"), `full_state_dict()` (original names and shapes, tied aliases included,
-buffers), `full_optim_state_dict()` (torch's optimizer layout keyed by names, full
+"Memory"), `full_state_dict()` (the original model's `state_dict()` keys: parameters
+under every name, tied aliases included, and persistent buffers), `full_optim_state_dict()` (torch's optimizer layout keyed by names, full
 shapes); `load_full_state_dict()` is `load_state_dict()` on full tensors. Sharded, strategy-independent state dicts for DCP
 live in runtime/checkpoint.py. The gathers made here are not training collectives and
 are not recorded in the ledger (like the initial broadcast).
@@ -60,10 +60,9 @@ def full_state_dict(sm, rank0_only: bool = False) -> dict[str, torch.Tensor]:
                     values[s.fqn] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
     if not keep:
         return {}
-    out = {name: values[sm.aliases[name]] for name in sm.param_order}
-    for name, buf in sm.module.named_buffers():
-        out[name] = buf.detach().clone()
-    return out
+    bufs = dict(sm.module.named_buffers(remove_duplicate=False))
+    return {k: values[sm.aliases[k]] if k in sm.aliases else bufs[k].detach().clone()
+            for k in sm.state_keys}
 
 
 def full_optim_state_dict(sm, opt, rank0_only: bool = False) -> dict:

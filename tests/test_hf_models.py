@@ -73,6 +73,7 @@ def _job(rank, world, cases):
     for kind, opt_kind in cases:
         model = make_model(kind, seed=0 if rank == 0 else 100 + rank)   # rank 0's weights must win
         assert model.config.use_cache
+        keys = list(model.state_dict())              # torch's keys: tied aliases, persistent buffers only
         sm = shardc.compile(model, STRATEGY, example_inputs=(torch.zeros(B, T, dtype=torch.long),))
         assert sm.plan.capture == "export" and "fx failed" in sm.plan.notes[0]
         assert [u.name for u in sm.plan.units] == UNITS[kind]
@@ -82,6 +83,7 @@ def _job(rank, world, cases):
         losses = train(sm, sm.optimizer(cls, **kw), rank, world, True)
         with torch.no_grad():
             sm(torch.zeros(1, T, dtype=torch.long))        # a no-grad forward after training must work too
+        assert list(sm.state_dict()) == keys and list(sm.full_state_dict()) == keys
         out.append((losses, {k: v.clone() for k, v in sm.full_state_dict().items()}))
     return out
 
