@@ -31,11 +31,11 @@ import itertools
 from dataclasses import dataclass, replace
 
 from shardc.dsl.ir import Collectives, DType, GradsSpec, Mesh, OptimSpec, ParamsSpec, Scopes, Strategy
+from shardc.dsl.quantities import duration
 from shardc.dsl.unparse import unparse
 
 from shardc.analysis.costmodel.report import Explained, explain
 from shardc.analysis.costmodel.sizes import UnitSize
-from shardc.analysis.costmodel.timing import duration
 
 # Which scopes a level joins, for each of its four choices.
 CHOICES = ((), ("optim",), ("grads", "optim"), ("params", "grads", "optim"))

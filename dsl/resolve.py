@@ -26,13 +26,12 @@ from shardc.dsl.diagnostics import Diagnostic, Note, did_you_mean, error, short
 from shardc.dsl.ir import (BufferSync, Collectives, DType, GradsSpec, Mesh, OptimSpec, Override, ParamsSpec,
                            Scopes, Secondary, Span, Strategy, UnitsKind, UnitsSpec)
 from shardc.dsl.mesh import check_ir_mesh, parse_int, resolve_mesh
-from shardc.dsl.sizes import BYTE_UNITS
+from shardc.dsl.quantities import BUCKET_UNITS
 
 ALLOWED = {("params", "comm"): ("int8", "bf16", "fp32"), ("params", "dtype"): ("fp32", "bf16", "fp16"),
            ("grads", "comm"): ("int4", "int8", "bf16", "fp32"), ("grads", "dtype"): ("fp32", "bf16")}
 NO_COLLECTIVE = {"params": "`params replicate` never all-gathers",
                  "grads": "`grads replicate` never reduce-scatters"}
-BUCKET_UNITS = {u: BYTE_UNITS[u] for u in ("B", "KB", "MB", "GB", "KiB", "MiB", "GiB")}   # bucket ≤ 1 TiB
 MAX_BUCKET = 2**40
 _SCOPE_WORDS = {"params", "grads", "optim", "override", "{", "}"}   # a broken one hides a scope
 

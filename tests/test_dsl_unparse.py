@@ -19,7 +19,8 @@ from shardc.dsl.ir import (DEPENDENCY, BufferSync, Collectives, DType, GradsSpec
                            Secondary, Strategy, UnitsKind, UnitsSpec)
 from shardc.dsl.mesh import MAX_DIGITS
 from shardc.dsl.parser import keywords
-from shardc.dsl.resolve import ALLOWED, BUCKET_UNITS, MAX_BUCKET
+from shardc.dsl.quantities import BUCKET_UNITS
+from shardc.dsl.resolve import ALLOWED, MAX_BUCKET
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples" / "strategies").glob("*.shard"))
 assert len(EXAMPLES) == 12, EXAMPLES     # the twelve named strategies; an empty glob must not skip

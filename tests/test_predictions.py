@@ -18,8 +18,8 @@ TINY = "examples/llama.py:llama_tiny"
 
 def _links(*spec):
     from shardc.analysis.costmodel.network import parse_links
-    from shardc.analysis.costmodel.timing import AlphaBeta, parse_rate, parse_seconds
-    return parse_links(spec, AlphaBeta(), parse_rate, parse_seconds)
+    from shardc.analysis.costmodel.timing import AlphaBeta
+    return parse_links(spec, AlphaBeta())
 
 
 def test_three_level_links_and_algorithms():
@@ -250,7 +250,7 @@ def test_link_and_profile_are_exclusive(tmp_path):
 def test_printed_times_read_in_their_own_unit():
     # `plan` and `explain` print µs below 1 ms, ms below 10 s, seconds above (Lins' 30B
     # on one node plans steps of 756 s, unreadable as 755920.3 ms).
-    from shardc.analysis.costmodel.timing import duration
+    from shardc.dsl.quantities import duration
     assert [duration(x) for x in (0.0, 2e-5, 1.1015, 9.99, 755.92)] == \
         ["0.0 ms", "20.0 us", "1101.5 ms", "9990.0 ms", "755.92 s"]
 

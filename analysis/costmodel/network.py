@@ -45,6 +45,7 @@ from math import prod
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Mesh
+from shardc.dsl.quantities import parse_rate, parse_seconds
 from shardc.lowering import HO_PIECES
 
 from shardc.analysis.costmodel.links import FACTOR, flat_ring
@@ -149,7 +150,7 @@ class LevelLinks:
                                   lambda l: self.key(mesh, l))
 
 
-def parse_links(specs, fallback, parse_rate, parse_seconds) -> LevelLinks:
+def parse_links(specs, fallback) -> LevelLinks:
     """`["node=25GB/s", "gpu=200GB/s@5us", "lane=gpu"]` -> LevelLinks (latency after `@`,
     else the fallback's latency for that level's tier; a level name after `=`: that
     level's links, [Note: shared links])."""

@@ -37,12 +37,12 @@ from math import prod
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Level, Mesh
+from shardc.dsl.quantities import flop_rate
 
 from shardc.lowering import HO_PIECES
 from shardc.analysis.costmodel.network import in_node_link
 from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
 from shardc.analysis.costmodel.profile_merge import merge
-from shardc.analysis.costmodel.timing import flop_rate
 
 
 @dataclass(frozen=True, slots=True)

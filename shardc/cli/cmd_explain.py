@@ -14,6 +14,7 @@ import json
 from shardc.analysis.costmodel.memory import OPTIMIZERS
 from shardc.cli import predict_args
 from shardc.dsl.errors import ShardcError
+from shardc.dsl.quantities import duration, flop_rate, human_bytes, parse_rate, parse_seconds
 from shardc.lowering.passes import parse_passes
 from shardc.dsl.ir import Collectives
 
@@ -77,7 +78,6 @@ def run(args) -> int:
     else:
         render(e, traced=graph is not None)
         counted = "6·params·tokens" if graph is None else "FLOPs counted on the traced graph"
-        from shardc.analysis.costmodel.timing import flop_rate
         print(f"time model: {bw}; compute {args.tokens} tokens per micro-batch at {flop_rate(rate)} ({counted})")
     return 0
 
@@ -85,8 +85,6 @@ def run(args) -> int:
 def render(e, traced: bool = True) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from shardc.analysis.costmodel.timing import duration
 
     s = e.strategy
     con = Console()
@@ -156,7 +154,7 @@ def add_bandwidth_arguments(p) -> None:
 
 def bandwidth_from_args(args):
     from shardc.analysis.costmodel.profile import Profile
-    from shardc.analysis.costmodel.timing import AlphaBeta, parse_rate, parse_seconds
+    from shardc.analysis.costmodel.timing import AlphaBeta
     if args.bandwidth:
         return Profile.load(*args.bandwidth)
     return AlphaBeta(intra=parse_rate(args.intra), inter=parse_rate(args.inter),
@@ -178,9 +176,3 @@ def flops_from_args(args, bw=None) -> float:
         raise ShardcError(f"--tokens must be at least 1, got {args.tokens}")
     return f
 
-
-def human_bytes(n: float) -> str:
-    """Whole bytes below 1 KiB, else binary units with three significant digits (1.5 GiB;
-    `timing.scaled`)."""
-    from shardc.analysis.costmodel.timing import scaled
-    return f"{n:.0f} B" if abs(n) < 1024 else scaled(n / 1024, ("KiB", "MiB", "GiB", "TiB"), 1024)

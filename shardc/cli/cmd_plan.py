@@ -8,30 +8,16 @@ top K fitting strategies in a table (or `--json`), and the best one written as a
 from __future__ import annotations
 
 import json
-import re
 
 from shardc.analysis.costmodel.memory import OPTIMIZERS
-from shardc.dsl.sizes import byte_scale
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import DType
+from shardc.dsl.quantities import duration, human_bytes, parse_memory
 
 from shardc.cli import predict_args
 from shardc.cli.cmd_explain import (
-    add_bandwidth_arguments, bandwidth_from_args, flops_from_args, human_bytes,
+    add_bandwidth_arguments, bandwidth_from_args, flops_from_args,
 )
-
-def parse_memory(text: str) -> float:
-    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2) if m else ""
-    if not m or byte_scale(unit) is None:
-        raise ShardcError(f"cannot read memory size {text!r}; write e.g. 80GiB or 40GB")
-    if float(m.group(1)) <= 0:
-        raise ShardcError(f"memory size {text!r} must be positive; write e.g. 80GiB or 40GB")
-    if not unit:
-        raise ShardcError(f"memory size {text!r} has no unit; write e.g. {m.group(1)}GiB or {m.group(1)}GB "
-                          f"(B, KB/KiB, MB/MiB, GB/GiB or TB/TiB)")
-    return float(m.group(1)) * byte_scale(unit)
-
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, metavar="PATH:FACTORY", help="model factory, e.g. examples/llama.py:llama_7b")
@@ -138,7 +124,6 @@ def render(cands, fit, args, budget) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from shardc.analysis.costmodel.timing import duration
 
     con = Console(width=max(Console().width, 150))
     mesh = cands[0].report.strategy.mesh

@@ -28,13 +28,12 @@ import argparse
 import itertools
 import json
 import os
-import re
 import sys
 import time
 
 from shardc.cli import profile_compute
 from shardc.cli.argtypes import positive_int
-from shardc.dsl.sizes import byte_scale
+from shardc.dsl.quantities import parse_bytes
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -61,10 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or byte_scale(m.group(2)) is None:
+    n = parse_bytes(text)
+    if n is None:
         raise argparse.ArgumentTypeError(f"expected a size such as 4096, 64KiB or 16MB, got {text!r}")
-    n = int(float(m.group(1)) * byte_scale(m.group(2)))
+    n = int(n)
     if n < 4:
         raise argparse.ArgumentTypeError(f"a message size must be at least 4 bytes, got {text!r}")
     return n

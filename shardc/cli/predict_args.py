@@ -63,8 +63,7 @@ def links(args, fallback, mesh):
     if getattr(args, "bandwidth", None):
         raise ShardcError("--link and --bandwidth both describe the links; give a measured profile or --link, not both")
     from shardc.analysis.costmodel.network import parse_links
-    from shardc.analysis.costmodel.timing import parse_rate, parse_seconds
-    out = parse_links(args.link, fallback, parse_rate, parse_seconds)
+    out = parse_links(args.link, fallback)
     out.check(mesh)
     return out
 
