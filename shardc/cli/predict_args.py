@@ -12,6 +12,7 @@ import sys
 
 from shardc.cli.argtypes import positive_int
 from shardc.dsl.errors import ShardcError
+from shardc.dsl.quantities import parse_memory
 
 
 def add_prediction_arguments(g) -> None:
@@ -49,7 +50,6 @@ def overhead(args):
     """`--overhead` in bytes, or None for the cost model's stated default."""
     if args.overhead is None:
         return None
-    from shardc.cli.cmd_plan import parse_memory
     return 0 if str(args.overhead).strip() in ("0", "0B") else int(parse_memory(args.overhead))
 
 
