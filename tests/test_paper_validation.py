@@ -49,8 +49,8 @@ def _lins_model(size: str, tail: str = "", mesh: str = LINS_MESH):
     base = _strategy(mesh, tail=tail)
     model = build_model(f"examples/llama.py:llama_{size}", device="meta")
     units = find_units(model, base)
-    from shardc.analysis.costmodel.sizes import unit_sizes
-    return unit_sizes(model, units), trace(model, units, batch=1, seq=4096, dtype="bf16")
+    from shardc.analysis.costmodel.sizes import model_unit_sizes
+    return model_unit_sizes(model, units), trace(model, units, batch=1, seq=4096, dtype="bf16")
 
 
 def _links(node_bw: float = LINS_NODE_BW):

@@ -19,7 +19,7 @@ from shardc.analysis.costmodel.activations import peak_memory
 from shardc.analysis.costmodel.ledger import ledger_dicts, ledger_of
 from shardc.analysis.costmodel.links import inter_intra, link_bytes
 from shardc.analysis.costmodel.memory import memory_of, optimizer_state_bytes
-from shardc.analysis.costmodel.sizes import UnitSize, dense_flops, unit_sizes
+from shardc.analysis.costmodel.sizes import UnitSize, dense_flops, model_unit_sizes
 from shardc.analysis.costmodel.timing import AlphaBeta, StepTime, choose_collectives, step_time
 
 
@@ -43,7 +43,7 @@ class Explained:
 def model_units(strategy: Strategy, model) -> list[UnitSize]:
     """The model's units under `strategy` (the compiler's unit finder) with their sizes."""
     from shardc.compiler.units import find_units
-    return unit_sizes(model, find_units(model, strategy))
+    return model_unit_sizes(model, find_units(model, strategy))
 
 
 def explain(strategy: Strategy, units, *, micro_batches: int | None = None, optimizer: str = "adamw",
