@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from shardc.dsl.ir import Collectives, DType, GradsSpec, Mesh, OptimSpec, ParamsSpec, Scopes, Strategy
 from shardc.dsl.quantities import duration
 from shardc.dsl.unparse import unparse
+from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 
 from shardc.analysis.costmodel.report import Explained, explain
 from shardc.analysis.costmodel.sizes import UnitSize
@@ -94,7 +95,7 @@ OBJECTIVES = {   # [Note: objective]
 
 
 def plan(base: Strategy, units: list[UnitSize], budget: float, *, bandwidth=None, micro_batches=None,
-         optimizer: str = "adamw", optimizer_kwargs=None, dtype: DType = DType.FP32,
+         optimizer: str = DEFAULT_OPTIMIZER, optimizer_kwargs=None, dtype: DType = DType.FP32,
          tokens: int = 4096, flops: float = 150e12, graph=None, checkpoint: bool = False,
          peak_flops: float = 312e12, objective: str = "time", overhead: int | None = None) -> list[Candidate]:
     """All candidates: the fitting ones first, ranked by `objective` ([Note: objective]);

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Strategy
 from shardc.lowering import lower
+from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 
 from shardc.analysis.costmodel.activations import peak_memory
 from shardc.analysis.costmodel.ledger import ledger_dicts, ledger_of
@@ -46,7 +47,7 @@ def model_units(strategy: Strategy, model) -> list[UnitSize]:
     return model_unit_sizes(model, find_units(model, strategy))
 
 
-def explain(strategy: Strategy, units, *, micro_batches: int | None = None, optimizer: str = "adamw",
+def explain(strategy: Strategy, units, *, micro_batches: int | None = None, optimizer: str = DEFAULT_OPTIMIZER,
             optimizer_kwargs: dict | None = None, clip_grad_norm: bool = False, bandwidth=None,
             tokens: int = 4096, flops: float = 150e12, graph=None, checkpoint: bool = False,
             peak_flops: float = 312e12, overhead: int | None = None, passes=None) -> Explained:

@@ -15,6 +15,7 @@ from shardc.analysis.costmodel.memory import OPTIMIZERS
 from shardc.cli import predict_args
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.quantities import duration, flop_rate, human_bytes, parse_rate, parse_seconds
+from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 from shardc.lowering.passes import parse_passes
 from shardc.dsl.ir import Collectives
 
@@ -30,7 +31,8 @@ def add_arguments(p) -> None:
     p.add_argument("--world", type=int, help="world size (resolves `*` in the mesh)")
     p.add_argument("--mesh", help='mesh override, e.g. "node(8) > gpu(8)"')
     p.add_argument("--micro-batches", type=int, help="micro-batches per step (default: the strategy's accumulate)")
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer class (default adamw)")
+    p.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=OPTIMIZERS,
+                   help=f"optimizer class (default {DEFAULT_OPTIMIZER})")
     p.add_argument("--momentum", type=float, default=0.0, help="SGD/RMSprop momentum (states exist when non-zero)")
     p.add_argument("--collectives", choices=("auto", "ring", "hierarchical", "ho-ring"),
                    help="override the strategy's `collectives` (how multi-level groups are counted)")

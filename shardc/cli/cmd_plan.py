@@ -13,6 +13,7 @@ from shardc.analysis.costmodel.memory import OPTIMIZERS
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import DType
 from shardc.dsl.quantities import duration, human_bytes, parse_memory
+from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 
 from shardc.cli import predict_args
 from shardc.cli.cmd_explain import (
@@ -25,7 +26,7 @@ def add_arguments(p) -> None:
     p.add_argument("--world", type=int, help="world size (resolves `*` in the mesh)")
     p.add_argument("--memory", required=True, help="memory per rank the peak must fit, e.g. 80GiB")
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default 4)")
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    p.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=OPTIMIZERS)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="params/grads dtype and comm (bf16 = mixed precision, fp32 master in the optimizer)")
     p.add_argument("--objective", default="time", choices=("time", "comm"),
