@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from shardc.dsl.ir import Collectives, DType, GradsSpec, Mesh, OptimSpec, ParamsSpec, Scopes, Strategy
+from shardc.dsl.ir import STATES, Collectives, DType, GradsSpec, Mesh, OptimSpec, ParamsSpec, Scopes, Strategy
 from shardc.dsl.quantities import duration
 from shardc.dsl.unparse import unparse
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
@@ -38,8 +38,9 @@ from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 from shardc.analysis.costmodel.report import Explained, explain
 from shardc.analysis.costmodel.sizes import UnitSize
 
-# Which scopes a level joins, for each of its four choices.
-CHOICES = ((), ("optim",), ("grads", "optim"), ("params", "grads", "optim"))
+# Which scopes a level joins, for each of its four choices: a tail of STATES (the
+# dependency rule), from none to all three.
+CHOICES = tuple(STATES[i:] for i in range(len(STATES), -1, -1))
 
 
 def enumerate_scopes(mesh: Mesh, dtype: DType = DType.FP32) -> list[Scopes]:
@@ -47,7 +48,7 @@ def enumerate_scopes(mesh: Mesh, dtype: DType = DType.FP32) -> list[Scopes]:
     out = []
     for pick in itertools.product(range(len(CHOICES)), repeat=len(mesh.names)):
         sets = {k: tuple(l for l, c in zip(mesh.names, pick) if k in CHOICES[c])
-                for k in ("params", "grads", "optim")}
+                for k in STATES}
         out.append(Scopes(ParamsSpec(sets["params"], comm=dtype, dtype=dtype),
                           GradsSpec(sets["grads"], comm=dtype, dtype=dtype),
                           OptimSpec(sets["optim"])))

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from shardc.dsl import ast, checks
 from shardc.dsl.diagnostics import Diagnostic, Note, did_you_mean, error, short
-from shardc.dsl.ir import (BufferSync, Collectives, DType, GradsSpec, Mesh, OptimSpec, Override, ParamsSpec,
-                           Scopes, Secondary, Span, Strategy, UnitsKind, UnitsSpec)
+from shardc.dsl.ir import (STATES, BufferSync, Collectives, DType, GradsSpec, Mesh, OptimSpec, Override,
+                           ParamsSpec, Scopes, Secondary, Span, Strategy, UnitsKind, UnitsSpec)
 from shardc.dsl.mesh import check_ir_mesh, parse_int, resolve_mesh
 from shardc.dsl.quantities import BUCKET_UNITS
 
@@ -33,7 +33,7 @@ ALLOWED = {("params", "comm"): ("int8", "bf16", "fp32"), ("params", "dtype"): ("
 NO_COLLECTIVE = {"params": "`params replicate` never all-gathers",
                  "grads": "`grads replicate` never reduce-scatters"}
 MAX_BUCKET = 2**40
-_SCOPE_WORDS = {"params", "grads", "optim", "override", "{", "}"}   # a broken one hides a scope
+_SCOPE_WORDS = {*STATES, "override", "{", "}"}   # a broken one hides a scope
 
 
 @dataclass
@@ -66,7 +66,7 @@ def resolve(program: ast.Program, world_size: int | None, override: MeshOverride
     options = _options(top, ctx)
     if names is not None and not any(_hides_scope(w) for w in program.skipped):
         for b in [bound] + [b for _, b in ovs]:
-            if all(b[k][0] is not None for k in ("params", "grads", "optim")):
+            if all(b[k][0] is not None for k in STATES):
                 checks.dependency(b, diags)
     if not parse_failed and not any(d.is_error for d in diags) and mesh is not None:
         checks.warnings(mesh, [bound] + [b for _, b in ovs], options, top, diags)
@@ -161,7 +161,7 @@ def _scopes(stmts: dict, inherited: dict, ctx: _Ctx) -> tuple[Scopes, dict]:
             bound[key] = (build(stmts[key], ctx), stmts[key])
         bound.setdefault(key, ({"params": ParamsSpec(), "grads": GradsSpec(), "optim": OptimSpec()}[key], None))
     valid = all(spec is not None for spec, _ in bound.values())
-    scopes = Scopes(*(bound[k][0] for k in ("params", "grads", "optim"))) if valid else Scopes()
+    scopes = Scopes(*(bound[k][0] for k in STATES)) if valid else Scopes()
     return scopes, bound
 
 
@@ -243,7 +243,7 @@ def _override(stmt: ast.Statement, top_bound: dict, ctx: _Ctx) -> tuple[Override
                                "put `params`, `grads` or `optim` lines inside the braces, or remove it"))
     scopes, bound = _scopes(inner, top_bound, ctx)
     bound = dict(bound, _label=f"override {short(stmt.args[0].text, 40)}", _own=set(inner))
-    own = {k: getattr(scopes, k) for k in ("params", "grads", "optim") if k in inner}
+    own = {k: getattr(scopes, k) for k in STATES if k in inner}
     return Override(pattern, line=stmt.span.line, **own), bound
 
 

@@ -27,13 +27,12 @@ from __future__ import annotations
 import re
 
 from shardc.dsl.errors import ShardcError
-from shardc.dsl.ir import BufferSync, DType, Mesh, Scopes, Strategy, UnitsKind
+from shardc.dsl.ir import STATES, BufferSync, DType, Mesh, Scopes, Strategy, UnitsKind
 from shardc.dsl.mesh import MAX_DIGITS
 from shardc.dsl.quantities import whole_bytes
 
 __all__ = ["unparse", "scope_text", "state_clause", "state_text"]
 
-STATES = ("params", "grads", "optim")
 _WIDTH = max(len(s) for s in STATES)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

@@ -11,7 +11,7 @@ import json
 
 from shardc.analysis.costmodel.memory import OPTIMIZERS
 from shardc.dsl.errors import ShardcError
-from shardc.dsl.ir import DType
+from shardc.dsl.ir import STATES, DType
 from shardc.dsl.quantities import duration, human_bytes, parse_memory
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 
@@ -114,7 +114,7 @@ def describe(c) -> str:
 
 def row(c) -> dict:
     sc, r = c.scopes, c.report
-    return {"params": list(sc.params.levels), "grads": list(sc.grads.levels), "optim": list(sc.optim.levels),
+    return {**{k: list(getattr(sc, k).levels) for k in STATES},
             "collectives": r.algo.value, "memory": c.memory, "model_states": r.memory["total"],
             "inter": round(r.inter), "intra": round(r.intra), "step_seconds": c.step_time,
             "comm_seconds": c.comm_time, "comm_by_phase": dict(r.time.comm), "peak": c.report.peak, "mfu": r.rates["mfu"],
@@ -135,7 +135,7 @@ def render(cands, fit, args, budget) -> None:
     short = lambda levels: ",".join(levels) if levels else "replicate"
     by = "estimated step time" if args.objective == "time" else "summed communication time"
     t = Table(title=f"top {min(args.top, len(fit))} by {by} (levels each state is sharded over)")
-    for col in ("#", "params", "grads", "optim", "collectives", "memory/rank", "inter/rank", "intra/rank", "step"):
+    for col in ("#", *STATES, "collectives", "memory/rank", "inter/rank", "intra/rank", "step"):
         t.add_column(col, justify="right" if col in ("#", "memory/rank", "inter/rank", "intra/rank", "step") else "left",
                      no_wrap=True)
     for i, c in enumerate(fit[:args.top], 1):
