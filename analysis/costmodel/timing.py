@@ -49,7 +49,7 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Mesh, Strategy
 
 from shardc.analysis.costmodel.ledger import counted_rows
-from shardc.lowering import PHASE_ORDER, lower
+from shardc.lowering import PHASE_ORDER, Op, lower
 from shardc.analysis.costmodel.network import collective_seconds, in_node_link
 from shardc.analysis.costmodel.network import stage_sizes as _stage_sizes
 from shardc.analysis.costmodel.pipeline import step, update_wait, waits_of
@@ -78,7 +78,7 @@ class AlphaBeta:
         """The level whose links carry `level`'s traffic ([Note: one in-node link])."""
         return in_node_link(mesh, level)
 
-    def seconds(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
+    def seconds(self, op: Op, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
         return collective_seconds(op, levels, nbytes, mesh, algo, lambda l: self.link(mesh, l),
                                   lambda l: self.key(mesh, l))
 
@@ -101,9 +101,9 @@ def phase_costs(rows, mesh: Mesh, bw, algo: Collectives) -> tuple[dict, dict]:
     out, busy = {p: 0.0 for p in PHASE_ORDER}, {p: 0.0 for p in PHASE_ORDER}
     cost = getattr(bw, "cost", None)
     for r, n in rows:
-        op, phase = r.op.value, r.phase.value
-        t, k = cost(op, r.levels, r.bytes, mesh, algo, r.comm.value) if cost else \
-            (bw.seconds(op, r.levels, r.bytes, mesh, algo), 0.0)
+        phase = r.phase.value
+        t, k = cost(r.op, r.levels, r.bytes, mesh, algo, r.comm.value) if cost else \
+            (bw.seconds(r.op, r.levels, r.bytes, mesh, algo), 0.0)
         out[phase] += n * t
         busy[phase] += n * k
     return out, busy
