@@ -58,7 +58,7 @@ def resolve(program: ast.Program, world_size: int | None, override: MeshOverride
                            "a strategy needs at least `mesh ...` and the state scopes"))
         return None, diags
     top, overrides = _index(program.statements, diags)
-    mesh = _mesh(top.get("mesh"), world_size, override, diags, parse_failed)
+    mesh = _mesh(top.get("mesh"), world_size, override, diags, parse_failed, program.file)
     names = mesh.names if mesh else _declared(top.get("mesh"), override)
     ctx = _Ctx(names, diags, " (the mesh comes from the override)" if override else "")
     scopes, bound = _scopes(top, {}, ctx)
@@ -115,7 +115,7 @@ def _declared(mesh_stmt, override) -> tuple[str, ...] | None:
     return tuple(lv.name.text for lv in mesh_stmt.mesh.levels) if mesh_stmt else None
 
 
-def _mesh(stmt, world_size, override: MeshOverride | None, diags, parse_failed) -> Mesh | None:
+def _mesh(stmt, world_size, override: MeshOverride | None, diags, parse_failed, file: str) -> Mesh | None:
     if override is not None and override.mesh is not None:
         before = len(diags)
         check_ir_mesh(override.mesh, world_size, diags)
@@ -127,7 +127,8 @@ def _mesh(stmt, world_size, override: MeshOverride | None, diags, parse_failed) 
     if stmt is None:
         if parse_failed:                # the mesh line may be the one that did not parse
             return None
-        diags.append(error(None, "the strategy has no `mesh` statement",
+        # a whole-file problem points at the file's start, as rustc's missing `main` does
+        diags.append(error(Span(file, 1, 1, 1, 1), "the strategy has no `mesh` statement",
                            "add one, e.g. `mesh node(*) > gpu(local)`, or pass a mesh override"))
         return None
     return resolve_mesh(stmt.mesh, world_size, diags)
