@@ -30,15 +30,17 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from shardc.dsl.ir import Collectives, DType, GradsSpec, Mesh, OptimSpec, ParamsSpec, Scopes, Strategy
+from shardc.dsl.ir import STATES, Collectives, DType, GradsSpec, Mesh, OptimSpec, ParamsSpec, Scopes, Strategy
+from shardc.dsl.quantities import duration
 from shardc.dsl.unparse import unparse
+from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 
 from shardc.analysis.costmodel.report import Explained, explain
 from shardc.analysis.costmodel.sizes import UnitSize
-from shardc.analysis.costmodel.timing import duration
 
-# Which scopes a level joins, for each of its four choices.
-CHOICES = ((), ("optim",), ("grads", "optim"), ("params", "grads", "optim"))
+# Which scopes a level joins, for each of its four choices: a tail of STATES (the
+# dependency rule), from none to all three.
+CHOICES = tuple(STATES[i:] for i in range(len(STATES), -1, -1))
 
 
 def enumerate_scopes(mesh: Mesh, dtype: DType = DType.FP32) -> list[Scopes]:
@@ -46,7 +48,7 @@ def enumerate_scopes(mesh: Mesh, dtype: DType = DType.FP32) -> list[Scopes]:
     out = []
     for pick in itertools.product(range(len(CHOICES)), repeat=len(mesh.names)):
         sets = {k: tuple(l for l, c in zip(mesh.names, pick) if k in CHOICES[c])
-                for k in ("params", "grads", "optim")}
+                for k in STATES}
         out.append(Scopes(ParamsSpec(sets["params"], comm=dtype, dtype=dtype),
                           GradsSpec(sets["grads"], comm=dtype, dtype=dtype),
                           OptimSpec(sets["optim"])))
@@ -94,7 +96,7 @@ OBJECTIVES = {   # [Note: objective]
 
 
 def plan(base: Strategy, units: list[UnitSize], budget: float, *, bandwidth=None, micro_batches=None,
-         optimizer: str = "adamw", optimizer_kwargs=None, dtype: DType = DType.FP32,
+         optimizer: str = DEFAULT_OPTIMIZER, optimizer_kwargs=None, dtype: DType = DType.FP32,
          tokens: int = 4096, flops: float = 150e12, graph=None, checkpoint: bool = False,
          peak_flops: float = 312e12, objective: str = "time", overhead: int | None = None) -> list[Candidate]:
     """All candidates: the fitting ones first, ranked by `objective` ([Note: objective]);

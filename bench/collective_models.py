@@ -30,6 +30,7 @@ from shardc.analysis.costmodel.network import LevelLinks
 from shardc.analysis.costmodel.profile import Profile
 from shardc.analysis.costmodel.timing import AlphaBeta
 from shardc.dsl.ir import Collectives, Level, Mesh
+from shardc.lowering import Op
 
 
 def _fp32(e: dict) -> bool:
@@ -40,10 +41,10 @@ def _fit_link(entries: list[dict], level: str, mesh: Mesh) -> tuple[float, float
     """(latency per ring step, bytes/s per rank) of `level` from its one-level ring
     all-gathers: t = (p-1)·latency + bytes per rank / rate, least squares."""
     sizes = [(level, mesh.size(level))]
-    pts = [(flat_ring("all_gather", sizes, e["bytes"])[level], e["seconds"]) for e in entries
-           if e["op"] == "all_gather" and e["levels"] == [level] and _fp32(e)]
+    pts = [(flat_ring(Op.ALL_GATHER, sizes, e["bytes"])[level], e["seconds"]) for e in entries
+           if Op(e["op"]) is Op.ALL_GATHER and e["levels"] == [level] and _fp32(e)]
     slope, intercept = statistics.linear_regression([b for b, _ in pts], [t for _, t in pts])
-    steps = FACTOR["all_gather"] * (mesh.size(level) - 1)
+    steps = FACTOR[Op.ALL_GATHER] * (mesh.size(level) - 1)
     return max(0.0, intercept) / steps, 1.0 / slope
 
 
@@ -59,18 +60,18 @@ def _one_level_profile(doc: dict) -> Profile:
 def ratios(doc: dict) -> dict:
     """{(model, op, algo, bytes): model / measured} for one profile document."""
     mesh = Mesh(tuple(Level(m["name"], int(m["size"])) for m in doc["mesh"]))
-    two = [e for e in doc["entries"] if len(e["levels"]) == 2 and _fp32(e) and e["op"] != "all_to_all"]
+    two = [e for e in doc["entries"] if len(e["levels"]) == 2 and _fp32(e) and Op(e["op"]) is not Op.ALL_TO_ALL]
     composed = _one_level_profile(doc)
     links = LevelLinks(tuple((l, w, a) for l in mesh.names for a, w in [_fit_link(doc["entries"], l, mesh)]),
                        AlphaBeta())
     out = {}
     for e in two:
-        algo, levels = Collectives(e["algo"]), tuple(e["levels"])
+        algo, levels, op = Collectives(e["algo"]), tuple(e["levels"]), Op(e["op"])
         if algo is not Collectives.RING:
             out[("composed", e["op"], e["algo"], e["bytes"])] = (
-                composed.seconds(e["op"], levels, e["bytes"], mesh, algo) / e["seconds"])
-        op = "all_to_all" if (e["op"], algo) == ("reduce_scatter", Collectives.RING) else e["op"]
-        out[("links", e["op"], e["algo"], e["bytes"])] = links.seconds(op, levels, e["bytes"], mesh, algo) / e["seconds"]
+                composed.seconds(op, levels, e["bytes"], mesh, algo) / e["seconds"])
+        wire = Op.ALL_TO_ALL if (op, algo) == (Op.REDUCE_SCATTER, Collectives.RING) else op
+        out[("links", e["op"], e["algo"], e["bytes"])] = links.seconds(wire, levels, e["bytes"], mesh, algo) / e["seconds"]
     return out
 
 

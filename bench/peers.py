@@ -29,7 +29,7 @@ from models import block_modules, n_params
 WORLD = ("node", "gpu")
 
 
-def unit_sizes(model) -> list[int]:
+def unit_numels(model) -> list[int]:
     """[Φ_root, Φ_block1, ...] in elements (tied parameters counted once)."""
     blocks = [n_params(b) for b in block_modules(model)]
     return [n_params(model) - sum(blocks)] + blocks
@@ -53,7 +53,7 @@ def ddp_ledger(sizes: list[int]) -> list[Rec]:
 
 
 def peer_ledger(system: str, model, per_node: int, M: int) -> list[Rec]:
-    sizes = unit_sizes(model)
+    sizes = unit_numels(model)
     if system == "ddp":
         return ddp_ledger(sizes)
     return fsdp2_ledger(sizes, per_node, M, hybrid=system == "fsdp2:hsdp")

@@ -5,38 +5,39 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench/results}
+DATE=$(date -u +%F)   # result names: KIND_LINK_MODEL_DATE[_RUN] (docs/BENCHMARKS.md, "Result files")
 mkdir -p "$OUT"
 SYSTEMS=fsdp2:full,fsdp2:hsdp,ddp,shardc:zero3,shardc:zero3@hierarchical,shardc:zero1,shardc:zero2,shardc:mics,shardc:hsdp_zero2,shardc:paro_nig,shardc:paro_iig,shardc:paro_igg,shardc:ddp,shardc:zeropp
 
 # 1. the main comparison: 2 nodes x 4 ranks, 250 Mbit/s between nodes
 time python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 250mbit --model bench \
     --micro-batch 2 --accumulate 4 --steps 3 --warmup 1 --systems "$SYSTEMS" \
-    --json "$OUT/systems_250mbit.json" --logdir "$OUT/logs_250mbit"
+    --json "$OUT/systems_250mbit_bench_$DATE.json" --logdir "$OUT/logs_250mbit"
 
 # 2. collectives over the whole cluster: flat ring vs hierarchical vs HO-Ring
 python bench/cluster_bench.py --collectives --nodes 2 --per-node 4 --inter-rate 250mbit \
-    --sizes 64KB,1MB,8MB,32MB --json "$OUT/collectives_250mbit.json" --logdir "$OUT/logs_coll"
+    --sizes 64KB,1MB,8MB,32MB --json "$OUT/collectives_250mbit_$DATE.json" --logdir "$OUT/logs_coll"
 python bench/cluster_bench.py --collectives --per-rank-links --nodes 2 --per-node 4 --inter-rate 250mbit \
-    --sizes 8MB,32MB --json "$OUT/collectives_250mbit_per_rank.json" --logdir "$OUT/logs_coll_pr"
+    --sizes 8MB,32MB --json "$OUT/collectives_250mbit_${DATE}_per-rank-links.json" --logdir "$OUT/logs_coll_pr"
 
 # 3. the communication share of the zero3 step: the same step with the link unshaped
 python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 100gbit --model bench \
     --micro-batch 2 --accumulate 4 --steps 3 --warmup 1 --systems shardc:zero3,fsdp2:full \
-    --json "$OUT/systems_unshaped.json" --logdir "$OUT/logs_unshaped"
+    --json "$OUT/systems_100gbit_bench_$DATE.json" --logdir "$OUT/logs_unshaped"
 
-python bench/plot.py systems "$OUT/systems_250mbit.json" docs/bench_systems.png
-python bench/plot.py collectives "$OUT/collectives_250mbit.json" docs/bench_collectives.png
-python bench/plot.py table "$OUT/systems_250mbit.json"
+python bench/plot.py systems "$OUT/systems_250mbit_bench_$DATE.json" docs/bench_systems.png
+python bench/plot.py collectives "$OUT/collectives_250mbit_$DATE.json" docs/bench_collectives.png
+python bench/plot.py table "$OUT/systems_250mbit_bench_$DATE.json"
 
 # 4. predicted vs measured (docs/explain.md): `shardc profile` inside the cluster (collectives,
 #    quantized ones, the compute rate), the named strategies' steps (3 alternating rounds of
 #    6 timed steps: [Note: rounds] in bench/report.py; the profile: 3 runs x 3 sweeps per
 #    entry), then the table
 python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 250mbit --model bench \
-    --micro-batch 2 --steps 3 --warmup 1 --rounds 3 --bandwidth-profile "$OUT/profile_250mbit.json" \
-    --json "$OUT/profile_250mbit_run.json" --logdir "$OUT/logs_profile"
+    --micro-batch 2 --steps 3 --warmup 1 --rounds 3 --bandwidth-profile "$OUT/profile_250mbit_bench_${DATE}_predicted.json" \
+    --json /tmp/profile_run.json --logdir "$OUT/logs_profile"
 python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 250mbit --model bench \
     --micro-batch 2 --accumulate 4 --steps 6 --warmup 1 --rounds 3 \
     --systems shardc:zero1,shardc:paro_nig,shardc:hsdp_zero2,shardc:mics,shardc:paro_iig,shardc:zeropp,shardc:zero3 \
-    --json "$OUT/systems_250mbit_predict.json" --logdir "$OUT/logs_predict"
-python bench/predict.py "$OUT/profile_250mbit.json" "$OUT/systems_250mbit_predict.json" --md "$OUT/predict_250mbit.md"
+    --json "$OUT/systems_250mbit_bench_${DATE}_predicted.json" --logdir "$OUT/logs_predict"
+python bench/predict.py "$OUT/profile_250mbit_bench_${DATE}_predicted.json" "$OUT/systems_250mbit_bench_${DATE}_predicted.json" --md "$OUT/predict_250mbit_bench_${DATE}_predicted.md"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from shardc.dsl import ast
 from shardc.dsl.diagnostics import Diagnostic, Note, error, warning
-from shardc.dsl.ir import DEPENDENCY, Collectives, Mesh, Scopes
+from shardc.dsl.ir import DEPENDENCY, STATES, Collectives, Mesh, Scopes
 
 RULE_HINT = ("a rank must hold the gradients and optimizer states of every parameter chunk it owns: "
              "levels(params) ⊆ levels(grads) ⊆ levels(optim)")
@@ -31,7 +31,7 @@ def dependency(bound: dict, diags: list[Diagnostic]) -> None:
     """Check params ⊆ grads ⊆ optim; for an override, only pairs it touches."""
     label = bound.get("_label")
     own = bound.get("_own")
-    scopes = Scopes(*(bound[k][0] for k in ("params", "grads", "optim")))
+    scopes = Scopes(*(bound[k][0] for k in STATES))
     for inner, outer in DEPENDENCY:
         (ispec, istmt), (ospec, ostmt) = bound[inner], bound[outer]
         if own is not None and inner not in own and outer not in own:
@@ -51,7 +51,7 @@ def dependency(bound: dict, diags: list[Diagnostic]) -> None:
 def warnings(mesh: Mesh, bounds: list[dict], options: dict, top: dict, diags: list[Diagnostic]) -> None:
     for b in bounds:
         own = b.get("_own")
-        for key in ("params", "grads", "optim"):
+        for key in STATES:
             spec, stmt = b[key]
             if stmt is None or (own is not None and key not in own):
                 continue
@@ -82,7 +82,7 @@ def _ho_ring(bounds, options, top, diags) -> None:
         return
     widest = 0
     for b in bounds:
-        for key in ("params", "grads", "optim"):
+        for key in STATES:
             spec = b[key][0]
             widest = max(widest, len(spec.levels))
             if key == "params" and spec.secondary is not None:

@@ -21,7 +21,7 @@ chunk a contiguous slice of the grad chunk, itself a slice of the params chunk.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from math import prod
 
 
@@ -159,9 +159,12 @@ class Scopes:
         return tuple(l for l in getattr(self, inner).levels if l not in getattr(self, outer).levels)
 
 
+# The model states a strategy scopes, in dependency order: the fields of `Scopes`.
+STATES = tuple(f.name for f in fields(Scopes))
+
 # [Note: dependency rule] levels(params) ⊆ levels(grads) ⊆ levels(optim), checked pair by
 # pair (`Scopes.missing`): by the DSL per statement block, by the lowering per unit.
-DEPENDENCY = (("params", "grads"), ("grads", "optim"))
+DEPENDENCY = tuple(zip(STATES, STATES[1:]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +177,7 @@ class Override:
     line: int = 0
 
     def sets(self) -> tuple[str, ...]:
-        return tuple(k for k in ("params", "grads", "optim") if getattr(self, k) is not None)
+        return tuple(k for k in STATES if getattr(self, k) is not None)
 
 
 class UnitsKind(CodeEnum):

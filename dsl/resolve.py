@@ -23,18 +23,17 @@ from dataclasses import dataclass
 
 from shardc.dsl import ast, checks
 from shardc.dsl.diagnostics import Diagnostic, Note, did_you_mean, error, short
-from shardc.dsl.ir import (BufferSync, Collectives, DType, GradsSpec, Mesh, OptimSpec, Override, ParamsSpec,
-                           Scopes, Secondary, Span, Strategy, UnitsKind, UnitsSpec)
+from shardc.dsl.ir import (STATES, BufferSync, Collectives, DType, GradsSpec, Mesh, OptimSpec, Override,
+                           ParamsSpec, Scopes, Secondary, Span, Strategy, UnitsKind, UnitsSpec)
 from shardc.dsl.mesh import check_ir_mesh, parse_int, resolve_mesh
-from shardc.dsl.sizes import BYTE_UNITS
+from shardc.dsl.quantities import BUCKET_UNITS
 
 ALLOWED = {("params", "comm"): ("int8", "bf16", "fp32"), ("params", "dtype"): ("fp32", "bf16", "fp16"),
            ("grads", "comm"): ("int4", "int8", "bf16", "fp32"), ("grads", "dtype"): ("fp32", "bf16")}
 NO_COLLECTIVE = {"params": "`params replicate` never all-gathers",
                  "grads": "`grads replicate` never reduce-scatters"}
-BUCKET_UNITS = {u: BYTE_UNITS[u] for u in ("B", "KB", "MB", "GB", "KiB", "MiB", "GiB")}   # bucket ≤ 1 TiB
 MAX_BUCKET = 2**40
-_SCOPE_WORDS = {"params", "grads", "optim", "override", "{", "}"}   # a broken one hides a scope
+_SCOPE_WORDS = {*STATES, "override", "{", "}"}   # a broken one hides a scope
 
 
 @dataclass
@@ -59,7 +58,7 @@ def resolve(program: ast.Program, world_size: int | None, override: MeshOverride
                            "a strategy needs at least `mesh ...` and the state scopes"))
         return None, diags
     top, overrides = _index(program.statements, diags)
-    mesh = _mesh(top.get("mesh"), world_size, override, diags, parse_failed)
+    mesh = _mesh(top.get("mesh"), world_size, override, diags, parse_failed, program.file)
     names = mesh.names if mesh else _declared(top.get("mesh"), override)
     ctx = _Ctx(names, diags, " (the mesh comes from the override)" if override else "")
     scopes, bound = _scopes(top, {}, ctx)
@@ -67,7 +66,7 @@ def resolve(program: ast.Program, world_size: int | None, override: MeshOverride
     options = _options(top, ctx)
     if names is not None and not any(_hides_scope(w) for w in program.skipped):
         for b in [bound] + [b for _, b in ovs]:
-            if all(b[k][0] is not None for k in ("params", "grads", "optim")):
+            if all(b[k][0] is not None for k in STATES):
                 checks.dependency(b, diags)
     if not parse_failed and not any(d.is_error for d in diags) and mesh is not None:
         checks.warnings(mesh, [bound] + [b for _, b in ovs], options, top, diags)
@@ -116,7 +115,7 @@ def _declared(mesh_stmt, override) -> tuple[str, ...] | None:
     return tuple(lv.name.text for lv in mesh_stmt.mesh.levels) if mesh_stmt else None
 
 
-def _mesh(stmt, world_size, override: MeshOverride | None, diags, parse_failed) -> Mesh | None:
+def _mesh(stmt, world_size, override: MeshOverride | None, diags, parse_failed, file: str) -> Mesh | None:
     if override is not None and override.mesh is not None:
         before = len(diags)
         check_ir_mesh(override.mesh, world_size, diags)
@@ -128,7 +127,8 @@ def _mesh(stmt, world_size, override: MeshOverride | None, diags, parse_failed) 
     if stmt is None:
         if parse_failed:                # the mesh line may be the one that did not parse
             return None
-        diags.append(error(None, "the strategy has no `mesh` statement",
+        # a whole-file problem points at the file's start, as rustc's missing `main` does
+        diags.append(error(Span(file, 1, 1, 1, 1), "the strategy has no `mesh` statement",
                            "add one, e.g. `mesh node(*) > gpu(local)`, or pass a mesh override"))
         return None
     return resolve_mesh(stmt.mesh, world_size, diags)
@@ -162,7 +162,7 @@ def _scopes(stmts: dict, inherited: dict, ctx: _Ctx) -> tuple[Scopes, dict]:
             bound[key] = (build(stmts[key], ctx), stmts[key])
         bound.setdefault(key, ({"params": ParamsSpec(), "grads": GradsSpec(), "optim": OptimSpec()}[key], None))
     valid = all(spec is not None for spec, _ in bound.values())
-    scopes = Scopes(*(bound[k][0] for k in ("params", "grads", "optim"))) if valid else Scopes()
+    scopes = Scopes(*(bound[k][0] for k in STATES)) if valid else Scopes()
     return scopes, bound
 
 
@@ -244,7 +244,7 @@ def _override(stmt: ast.Statement, top_bound: dict, ctx: _Ctx) -> tuple[Override
                                "put `params`, `grads` or `optim` lines inside the braces, or remove it"))
     scopes, bound = _scopes(inner, top_bound, ctx)
     bound = dict(bound, _label=f"override {short(stmt.args[0].text, 40)}", _own=set(inner))
-    own = {k: getattr(scopes, k) for k in ("params", "grads", "optim") if k in inner}
+    own = {k: getattr(scopes, k) for k in STATES if k in inner}
     return Override(pattern, line=stmt.span.line, **own), bound
 
 

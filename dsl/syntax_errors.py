@@ -17,10 +17,10 @@ from __future__ import annotations
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
 from shardc.dsl.diagnostics import Diagnostic, did_you_mean, error, short
-from shardc.dsl.ir import Span
+from shardc.dsl.ir import STATES, Span
 
-STATEMENTS = ("strategy", "mesh", "params", "grads", "optim", "accumulate", "prefetch",
-              "collectives", "units", "bucket", "buffers", "override")
+STATEMENTS = ("strategy", "mesh", *STATES, "accumulate", "prefetch", "collectives", "units", "bucket",
+              "buffers", "override")
 _NAMES = {"NAME": "a name", "INT": "a number", "STRING": "a quoted string",
           "_NL": "end of line", "$END": "end of file", "STAR": "`*`", "LOCAL": "`local`",
           "WORLD": "`world`", "HO_RING": "`ho-ring`"}
@@ -87,10 +87,10 @@ def _bad_token(e: UnexpectedToken, lines, file, literals) -> Diagnostic:
         inside = "OVERRIDE" not in expected
         where = " in an `override` block" if inside else ""
         if tok.type == "NAME":
-            options = ("params", "grads", "optim") if inside else STATEMENTS
+            options = STATES if inside else STATEMENTS
             return error(span, f"unknown statement `{text}`{where}",
                          did_you_mean(text, options) or f"statements are: {', '.join(options)}")
-        if inside and text in STATEMENTS and text not in ("params", "grads", "optim"):
+        if inside and text in STATEMENTS and text not in STATES:
             return error(span, f"`{text}` cannot appear in an `override` block",
                          "an override sets only `params`, `grads` and `optim`; put it at the top level")
         if "_NL" not in expected:

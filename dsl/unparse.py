@@ -27,13 +27,12 @@ from __future__ import annotations
 import re
 
 from shardc.dsl.errors import ShardcError
-from shardc.dsl.ir import BufferSync, DType, Mesh, Scopes, Strategy, UnitsKind
+from shardc.dsl.ir import STATES, BufferSync, DType, Mesh, Scopes, Strategy, UnitsKind
 from shardc.dsl.mesh import MAX_DIGITS
-from shardc.dsl.resolve import BUCKET_UNITS
+from shardc.dsl.quantities import whole_bytes
 
 __all__ = ["unparse", "scope_text", "state_clause", "state_text"]
 
-STATES = ("params", "grads", "optim")
 _WIDTH = max(len(s) for s in STATES)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -100,11 +99,11 @@ def _size(n: int) -> str:
     """Bytes in the largest unit that divides them exactly (`25MB`, `2MiB`, `100B`; 0: `0`)."""
     if n == 0:
         return "0"
-    unit = max((u for u, m in BUCKET_UNITS.items() if n % m == 0), key=BUCKET_UNITS.get)
-    if len(str(n // BUCKET_UNITS[unit])) > MAX_DIGITS:
+    count, unit = whole_bytes(n)
+    if len(str(count)) > MAX_DIGITS:
         raise ShardcError(f"bucket size {n} cannot be written in a .shard file: a number has at most "
                           f"{MAX_DIGITS} digits and no size unit divides it")
-    return f"{n // BUCKET_UNITS[unit]}{unit}"
+    return f"{count}{unit}"
 
 
 def _check_names(names, what: str) -> None:

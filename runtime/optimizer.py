@@ -33,12 +33,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardc.lowering.optimizers import OPTIMIZER_KINDS
+
 from .boundary import StepPhase
 from .errors import RuntimeUsageError
 
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
-               torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam,
-               torch.optim.ASGD, torch.optim.Rprop, torch.optim.Adadelta)
+ELEMENTWISE = tuple(getattr(torch.optim, n) for n, k in OPTIMIZER_KINDS.items() if k.elementwise)
 
 
 @dataclass(frozen=True, slots=True)

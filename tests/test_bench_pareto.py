@@ -28,7 +28,7 @@ def test_frontier_keeps_only_undominated_points():
 
 def test_pareto_plot_renders_shipped_results(tmp_path):
     import json
-    with open(os.path.join(ROOT, "bench", "results", "systems_250mbit.json")) as f:
+    with open(os.path.join(ROOT, "bench", "results", "systems_250mbit_bench_2026-11-22.json")) as f:
         doc = json.load(f)
     out = tmp_path / "pareto.png"
     _plot().plot_pareto([doc, doc], str(out))

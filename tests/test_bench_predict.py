@@ -33,8 +33,8 @@ def _inputs():
     phi = models.n_params(models.build_model("bench"))
     meta = build_model(os.path.join(ROOT, "bench", "models.py") + ":bench", device="meta")
     units = find_units(meta, load_strategy("mesh gpu(1)\nparams replicate\n"))
-    from shardc.analysis.costmodel.sizes import unit_sizes
-    sizes = [u.trainable for u in unit_sizes(meta, units)]
+    from shardc.analysis.costmodel.sizes import model_unit_sizes
+    sizes = [u.trainable for u in model_unit_sizes(meta, units)]
     graph = trace(meta, units, batch=2, seq=64, dtype="fp32")
     return phi, graph.executed_flops(), sizes, graph.unit_forward_flops
 

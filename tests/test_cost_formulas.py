@@ -18,6 +18,7 @@ from shardc.analysis.costmodel import (
     predict_memory,
 )
 from shardc.analysis.costmodel.links import record_links
+from shardc.lowering import Op
 
 M2 = Mesh((Level("node", 2), Level("gpu", 4)))
 M3 = Mesh((Level("node", 2), Level("gpu", 2), Level("gcd", 2)))
@@ -157,23 +158,23 @@ def test_clip_and_counts():
 
 def test_ring_versus_hierarchical_link_bytes():
     # One all-gather of V = 6400 bytes over node(2) > gpu(4) (p = 8).
-    ring = record_links("all_gather", W2, 6400, M2, Collectives.RING)
+    ring = record_links(Op.ALL_GATHER, W2, 6400, M2, Collectives.RING)
     # ring edges: 2 cross nodes (one per node boundary incl. wrap), 6 stay inside;
     # each carries 7/8·V; averaged over 8 ranks: node 2/8·7/8·6400 = 1400, gpu 6/8·7/8·6400 = 4200.
     assert ring == pytest.approx({"node": 1400.0, "gpu": 4200.0})
-    hier = record_links("all_gather", W2, 6400, M2, Collectives.HIERARCHICAL)
+    hier = record_links(Op.ALL_GATHER, W2, 6400, M2, Collectives.HIERARCHICAL)
     # stages: gpu 3/4·6400 = 4800; node 1/2·6400/4 = 800.
     assert hier == pytest.approx({"node": 800.0, "gpu": 4800.0})
-    assert record_links("all_gather", W2, 6400, M2, Collectives.HO_RING) == hier
-    assert record_links("all_reduce", ("node",), 100, M2, Collectives.RING) == pytest.approx({"node": 100.0})
+    assert record_links(Op.ALL_GATHER, W2, 6400, M2, Collectives.HO_RING) == hier
+    assert record_links(Op.ALL_REDUCE, ("node",), 100, M2, Collectives.RING) == pytest.approx({"node": 100.0})
     # all_to_all over 8: V/8 to 7 peers; 4 peers are on the other node: 4·800 = 3200, 3·800 = 2400.
-    assert record_links("all_to_all", W2, 6400, M2, Collectives.RING) == pytest.approx({"node": 3200.0, "gpu": 2400.0})
+    assert record_links(Op.ALL_TO_ALL, W2, 6400, M2, Collectives.RING) == pytest.approx({"node": 3200.0, "gpu": 2400.0})
     # the runtime's qgZ all_to_all ignores the algorithm: one flat all-to-all
-    assert record_links("all_to_all", W2, 6400, M2, Collectives.HIERARCHICAL) == pytest.approx({"node": 3200.0, "gpu": 2400.0})
+    assert record_links(Op.ALL_TO_ALL, W2, 6400, M2, Collectives.HIERARCHICAL) == pytest.approx({"node": 3200.0, "gpu": 2400.0})
     # three levels, ring: p = 8, edges crossing node 2, gpu 2·1 = 2, gcd 4·1 = 4 -> ·7/8·V/8
-    r3 = record_links("reduce_scatter", ("node", "gpu", "gcd"), 800, M3, Collectives.RING)
+    r3 = record_links(Op.REDUCE_SCATTER, ("node", "gpu", "gcd"), 800, M3, Collectives.RING)
     assert r3 == pytest.approx({"node": 175.0, "gpu": 175.0, "gcd": 350.0})
-    h3 = record_links("reduce_scatter", ("node", "gpu", "gcd"), 800, M3, Collectives.HIERARCHICAL)
+    h3 = record_links(Op.REDUCE_SCATTER, ("node", "gpu", "gcd"), 800, M3, Collectives.HIERARCHICAL)
     assert h3 == pytest.approx({"gcd": 400.0, "gpu": 200.0, "node": 100.0})   # 1/2 of 800, 400, 200
 
 
@@ -197,19 +198,19 @@ def test_paro_table2_inter_volumes():
 def test_alpha_beta_times_and_choice():
     ab = AlphaBeta(intra=1e9, inter=1e8, intra_lat=1e-6, inter_lat=1e-5)
     # one level (gpu, p = 4), V = 4e6: 3·(1e-6 + 4e6/(4·1e9))
-    assert ab.seconds("all_gather", ("gpu",), 4e6, M2, Collectives.RING) == pytest.approx(3 * (1e-6 + 1e-3))
-    assert ab.seconds("all_reduce", ("gpu",), 4e6, M2, Collectives.RING) == pytest.approx(6 * (1e-6 + 1e-3))
+    assert ab.seconds(Op.ALL_GATHER, ("gpu",), 4e6, M2, Collectives.RING) == pytest.approx(3 * (1e-6 + 1e-3))
+    assert ab.seconds(Op.ALL_REDUCE, ("gpu",), 4e6, M2, Collectives.RING) == pytest.approx(6 * (1e-6 + 1e-3))
     # flat ring over 8 ranks: 7 steps at the slowest latency; each level's links carry their
     # share of the ring (2 of its 8 edges cross nodes: 2/8·7/8·V per rank on node links,
     # 6/8·7/8·V on gpu links), all links at once, so the slower level sets the time.
     wire = max(2 / 8 * 7 / 8 * 8e6 / 1e8, 6 / 8 * 7 / 8 * 8e6 / 1e9)
-    assert ab.seconds("all_gather", W2, 8e6, M2, Collectives.RING) == pytest.approx(7 * 1e-5 + wire)
+    assert ab.seconds(Op.ALL_GATHER, W2, 8e6, M2, Collectives.RING) == pytest.approx(7 * 1e-5 + wire)
     # hierarchical: gpu stage 3·(1e-6 + 8e6/(4e9)) + node stage 1·(1e-5 + 2e6/(2·1e8))
     hier = 3 * (1e-6 + 2e-3) + (1e-5 + 1e-2)
-    assert ab.seconds("all_gather", W2, 8e6, M2, Collectives.HIERARCHICAL) == pytest.approx(hier)
+    assert ab.seconds(Op.ALL_GATHER, W2, 8e6, M2, Collectives.HIERARCHICAL) == pytest.approx(hier)
     # ho-ring: 4 chunks, each stage pays 4 latencies; slowest stage + the other / 4
     gpu, node = 3 * (4e-6 + 2e-3), 4e-5 + 1e-2
-    assert ab.seconds("all_gather", W2, 8e6, M2, Collectives.HO_RING) == pytest.approx(node + gpu / 4)
+    assert ab.seconds(Op.ALL_GATHER, W2, 8e6, M2, Collectives.HO_RING) == pytest.approx(node + gpu / 4)
     z3 = strat(M2, W2, W2, W2)
     assert choose_collectives(z3, [10**7, 10**7], bandwidth=ab) == Collectives.HO_RING
     assert choose_collectives(z3, [10, 10], bandwidth=ab) == Collectives.HIERARCHICAL   # latency-bound
@@ -227,18 +228,18 @@ def test_profile_interpolation(tmp_path):
     ]}))
     prof = Profile.load(str(f))
     # 1e7 is halfway (in log bytes) between 1e6 (1 GB/s) and 1e8 (10 GB/s): 5.5 GB/s.
-    assert prof.seconds("all_gather", ("gpu",), 1e7, M2, Collectives.RING) == pytest.approx(1e7 / 5.5e9)
-    assert prof.seconds("all_gather", ("gpu",), 1e9, M2, Collectives.RING) == pytest.approx(1e9 / 1e10)  # clamped
+    assert prof.seconds(Op.ALL_GATHER, ("gpu",), 1e7, M2, Collectives.RING) == pytest.approx(1e7 / 5.5e9)
+    assert prof.seconds(Op.ALL_GATHER, ("gpu",), 1e9, M2, Collectives.RING) == pytest.approx(1e9 / 1e10)  # clamped
     # hierarchical composed from one-level entries: gpu stage on 8e6, node stage on 2e6 (1e8 B/s).
     gpu_bw = 1e9 + (9e9) * (0.903089987 / 2)          # log10(8e6) − 6 = 0.903, half the span
     expect = 8e6 / gpu_bw + 2e6 / 1e8
-    assert prof.seconds("all_gather", W2, 8e6, M2, Collectives.HIERARCHICAL) == pytest.approx(expect, rel=1e-6)
+    assert prof.seconds(Op.ALL_GATHER, W2, 8e6, M2, Collectives.HIERARCHICAL) == pytest.approx(expect, rel=1e-6)
     # qgZ's all_to_all is not profiled: it is timed as the ring reduce-scatter it replaces... if present
     from shardc.dsl.errors import ShardcError
     with pytest.raises(ShardcError, match="no reduce_scatter entry over gpu"):
-        prof.seconds("all_to_all", ("gpu",), 10, M2, Collectives.HIERARCHICAL)
+        prof.seconds(Op.ALL_TO_ALL, ("gpu",), 10, M2, Collectives.HIERARCHICAL)
     with pytest.raises(ShardcError, match="no reduce_scatter entry"):
-        prof.seconds("reduce_scatter", ("gpu",), 10, M2, Collectives.RING)
+        prof.seconds(Op.REDUCE_SCATTER, ("gpu",), 10, M2, Collectives.RING)
     # auto picks among the algorithms the profile has: only `ring` was measured over node+gpu
     ring2 = [{"op": op, "levels": ["node", "gpu"], "algo": "ring", "bytes": 1e6, "seconds": 1e-3, "busbw": 0}
              for op in ("all_gather", "reduce_scatter")]
@@ -247,7 +248,7 @@ def test_profile_interpolation(tmp_path):
     assert choose_collectives(z3, [10**6], bandwidth=Profile.load(str(f))) == Collectives.RING
     rs = {"op": "reduce_scatter", "levels": ["gpu"], "algo": "ring", "bytes": 1e6, "seconds": 2e-3, "busbw": 0}
     f.write_text(json.dumps({"mesh": [], "entries": [rs]}))
-    assert Profile.load(str(f)).seconds("all_to_all", ("gpu",), 1e6, M2, Collectives.HO_RING) == pytest.approx(2e-3)
+    assert Profile.load(str(f)).seconds(Op.ALL_TO_ALL, ("gpu",), 1e6, M2, Collectives.HO_RING) == pytest.approx(2e-3)
 
 
 def test_profile_cpu_share_and_quantized_entries(tmp_path):
@@ -261,9 +262,9 @@ def test_profile_cpu_share_and_quantized_entries(tmp_path):
         "compute": {"flops": 1e9, "seconds": 0.5, "cpu_seconds": 0.125, "flops_per_s": 2e9}}))
     prof = Profile.load(str(f))
     assert prof.flops == 2e9 and prof.cpu_share == 4.0
-    assert prof.cost("all_gather", ("gpu",), 1e6, M2, Collectives.RING) == pytest.approx((1e-2, 4e-3))
-    assert prof.cost("all_gather", ("gpu",), 1e6, M2, Collectives.RING, "int8") == pytest.approx((4e-2, 4e-2))
-    assert prof.cost("all_gather", ("gpu",), 1e6, M2, Collectives.RING, "int4") == pytest.approx((1e-2, 4e-3))
+    assert prof.cost(Op.ALL_GATHER, ("gpu",), 1e6, M2, Collectives.RING) == pytest.approx((1e-2, 4e-3))
+    assert prof.cost(Op.ALL_GATHER, ("gpu",), 1e6, M2, Collectives.RING, "int8") == pytest.approx((4e-2, 4e-2))
+    assert prof.cost(Op.ALL_GATHER, ("gpu",), 1e6, M2, Collectives.RING, "int4") == pytest.approx((1e-2, 4e-3))
 
 
 def test_step_time_places_the_syncs_on_the_last_backward():
@@ -276,7 +277,7 @@ def test_step_time_places_the_syncs_on_the_last_backward():
     ab = AlphaBeta(intra=1e9, inter=1e8, intra_lat=0.0, inter_lat=0.0)
     s = strat(M2, accumulate=1, algo=Collectives.RING)
     us = units(s, 2_000_000, 1_000_000, 3_000_000, 4_000_000)       # root, u1, u2, u3 (fp32)
-    a = {n: ab.seconds("all_reduce", W2, 4 * n, M2, Collectives.RING) for n in (2e6, 1e6, 3e6, 4e6)}
+    a = {n: ab.seconds(Op.ALL_REDUCE, W2, 4 * n, M2, Collectives.RING) for n in (2e6, 1e6, 3e6, 4e6)}
 
     def total(c, passes=None):
         return step_time(s, us, ab, micro_batches=1, flops=1.0, mb_flops=c, passes=passes).total

@@ -52,10 +52,7 @@ def test_every_diagnostic_locates_and_helps(name):
     assert blocks and all(b.startswith("error: ") for b in blocks)
     for block in blocks:
         loc = re.search(r"--> tests/corpus/(\w+)\.shard:(\d+):(\d+)", block)
-        if loc is None:      # only whole-file problems may lack a location
-            assert "no `mesh` statement" in block
-            continue
-        assert loc.group(1) == name
+        assert loc is not None and loc.group(1) == name
         assert "= help: " in block
         line, col = int(loc.group(2)), int(loc.group(3))
         source = (ROOT / "tests" / "corpus" / f"{name}.shard").read_text(errors="replace").split("\n")

@@ -14,7 +14,7 @@ import pytest
 
 import shardc
 from shardc.cli import cmd_check
-from shardc.dsl.ir import DType
+from shardc.dsl.ir import STATES, DType
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "strategies"
 W, G = ("node", "gpu"), ("gpu",)
@@ -57,7 +57,7 @@ def test_example_resolves_to_table(name):
     assert (s.params.levels, s.grads.levels, s.optim.levels) == TABLE[name]
     assert s.name == name and s.warnings == ()
     assert s.mesh.world == 8
-    for state, levels in zip(("params", "grads", "optim"), TABLE[name]):
+    for state, levels in zip(STATES, TABLE[name]):
         assert s.factor(getattr(s, state).levels) == FACTOR[levels]
         assert getattr(s, state).line == s.line_of(state) > 0
 
@@ -87,7 +87,7 @@ def test_example_passes_check_json(name, capsys):
     data = json.loads(out.out)
     assert list(data) == ["name", "mesh", "params", "grads", "optim", "accumulate", "prefetch",
                           "collectives", "buffers", "units", "bucket", "overrides", "warnings"]
-    for state, levels in zip(("params", "grads", "optim"), TABLE[name]):
+    for state, levels in zip(STATES, TABLE[name]):
         assert data[state]["levels"] == list(levels)
         assert data[state]["factor"] == FACTOR[levels]
     assert data["warnings"] == []

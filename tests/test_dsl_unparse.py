@@ -15,11 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardc.dsl import ShardcError, load_strategy, unparse
-from shardc.dsl.ir import (DEPENDENCY, BufferSync, Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec, Scopes,
+from shardc.dsl.ir import (DEPENDENCY, STATES, BufferSync, Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec, Scopes,
                            Secondary, Strategy, UnitsKind, UnitsSpec)
 from shardc.dsl.mesh import MAX_DIGITS
 from shardc.dsl.parser import keywords
-from shardc.dsl.resolve import ALLOWED, BUCKET_UNITS, MAX_BUCKET
+from shardc.dsl.quantities import BUCKET_UNITS
+from shardc.dsl.resolve import ALLOWED, MAX_BUCKET
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples" / "strategies").glob("*.shard"))
 assert len(EXAMPLES) == 12, EXAMPLES     # the twelve named strategies; an empty glob must not skip
@@ -105,10 +106,10 @@ def partial_override(draw, pattern: str, mesh: Mesh, top: Scopes) -> Override:
     """An override block setting a random subset of the three states of valid scopes; when
     that subset stacked on `top` would break the dependency rule, the block sets all three."""
     sc = draw(scopes(mesh))
-    kept = draw(st.sets(st.sampled_from(("params", "grads", "optim")), min_size=1))
+    kept = draw(st.sets(st.sampled_from(STATES), min_size=1))
     stacked = replace(top, **{k: getattr(sc, k) for k in kept})
     if any(stacked.missing(inner, outer) for inner, outer in DEPENDENCY):
-        kept = {"params", "grads", "optim"}
+        kept = set(STATES)
     return Override(pattern, **{k: getattr(sc, k) for k in kept})
 
 

@@ -183,11 +183,10 @@ def test_a_latency_without_a_unit_is_refused(capsys, flag):
 def test_bytes_and_rates_read_without_exponents():
     # Three significant digits per binary unit; a count that rounds to 1000 of a unit goes
     # up one (a 1,048,592,384-byte gather printed as "1e+03 MiB" before).
-    from shardc.cli.cmd_explain import human_bytes
+    from shardc.dsl.quantities import flop_rate, human_bytes
     assert human_bytes(1023) == "1023 B" and human_bytes(1024) == "1 KiB"
     assert human_bytes(1_048_592_384) == "0.977 GiB" and human_bytes(999.4 * 2**20) == "999 MiB"
     assert human_bytes(1.5 * 2**30) == "1.5 GiB" and human_bytes(5000 * 2**40) == "5000 TiB"
-    from shardc.analysis.costmodel.timing import flop_rate
     assert flop_rate(17.6e9) == "17.6 GFLOP/s" and flop_rate(999.6e9) == "1 TFLOP/s" and flop_rate(2e14) == "200 TFLOP/s"
     assert flop_rate(2.5e15) == "2.5 PFLOP/s" and flop_rate(1.5e18) == "1500 PFLOP/s"
 

@@ -51,11 +51,18 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def imports(name: str, path: Path) -> set[str]:
-    """The `shardc...` modules `path` imports (absolute names)."""
+def imports(name: str, path: Path, typing: bool = True, names: bool = False) -> set[str]:
+    """The `shardc...` modules `path` imports (absolute names); `typing=False` leaves out
+    those under `if TYPE_CHECKING:` (annotations only, never run); `names=True` adds
+    `pkg.x` for every `from pkg import x` (a submodule when such a module exists)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    if not typing:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+                node.body = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -63,8 +70,8 @@ def imports(name: str, path: Path) -> set[str]:
             if node.level:
                 base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
             found.add(base)
-            if base == "shardc":
-                found |= {f"shardc.{a.name}" for a in node.names}
+            if base == "shardc" or names:
+                found |= {f"{base}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
             arg = node.args[0] if node.args else None
             if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
@@ -104,3 +111,47 @@ def test_the_scan_sees_lazy_and_dynamic_imports():
     cli = modules()["shardc.cli"]
     assert "shardc.cli.cmd" in imports("shardc.cli", cli)           # f"shardc.cli.cmd_{name}"
     assert "shardc.analysis.costmodel.timing" in imports("shardc.compiler.api", modules()["shardc.compiler.api"])
+
+
+def cycles() -> list[set[str]]:
+    """Modules that import each other, directly or round a loop (strongly connected
+    components of more than one module), counting imports that run: package `__init__`s
+    (which import their submodules, and which `from pkg import sub` names) and
+    `TYPE_CHECKING` imports aside; `from pkg import sub` is an import of `sub`."""
+    mods = modules()
+    packages = {n for n, p in mods.items() if p.name == "__init__.py"}
+    graph = {n: {d for d in imports(n, p, typing=False, names=True) if d in mods and d not in packages and d != n}
+             for n, p in mods.items() if n not in packages}
+    reach = {n: set() for n in graph}
+    for n in graph:
+        todo = list(graph[n])
+        while todo:
+            d = todo.pop()
+            if d not in reach[n]:
+                reach[n].add(d)
+                todo += graph[d]
+    loops = {frozenset({n} | {d for d in reach[n] if n in reach[d]}) for n in graph if n in reach[n]}
+    return [set(c) for c in loops]
+
+
+def test_no_import_cycles():
+    """A module that needs another's helper and is needed by it (the CLI's
+    cmd_plan -> cmd_explain -> predict_args -> cmd_plan, over `parse_memory`) means the
+    helper has no home: it belongs in a module both read."""
+    assert cycles() == []
+
+
+def test_the_cycle_scan_sees_a_loop(tmp_path, monkeypatch):
+    """Guards `cycles()`: a loop through a lazy import and a `from pkg import sub` is
+    found; a `TYPE_CHECKING` import joins no loop."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from shardc.pkg.b import g\n")
+    (pkg / "b.py").write_text("from shardc.pkg import c\n")
+    (pkg / "c.py").write_text("from shardc.pkg.a import f\n")
+    (pkg / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from shardc.pkg.a import f\n")
+    fake = {"shardc.pkg": pkg / "__init__.py", "shardc.pkg.a": pkg / "a.py", "shardc.pkg.b": pkg / "b.py",
+            "shardc.pkg.c": pkg / "c.py", "shardc.pkg.d": pkg / "d.py"}
+    monkeypatch.setitem(globals(), "modules", lambda: fake)
+    assert cycles() == [{"shardc.pkg.a", "shardc.pkg.b", "shardc.pkg.c"}]

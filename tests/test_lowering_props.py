@@ -9,7 +9,7 @@ from math import ceil, prod
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardc.dsl.ir import DType, GradsSpec, Level, Mesh, OptimSpec, ParamsSpec, Scopes, Secondary
+from shardc.dsl.ir import STATES, DType, GradsSpec, Level, Mesh, OptimSpec, ParamsSpec, Scopes, Secondary
 from shardc.lowering import RankPlan, UnitSize, lower
 
 DTYPE_BITS = {DType.FP32: 32, DType.BF16: 16, DType.FP16: 16, DType.INT8: 8, DType.INT4: 4}
@@ -82,7 +82,7 @@ def test_padding_chunks_and_rows(case):
     mesh, unit = case
     plan = lower(mesh, [unit]).units[0]
     sc = unit.scopes
-    s = {k: prod(mesh.size(l) for l in getattr(sc, k).levels) for k in ("params", "grads", "optim")}
+    s = {k: prod(mesh.size(l) for l in getattr(sc, k).levels) for k in STATES}
     s_q = prod(mesh.size(l) for l in sc.params.secondary.levels) if sc.params.secondary else 1
     assert [g.phi for g in plan.groups] == [x for x in (unit.trainable, unit.frozen) if x]
     for g in plan.groups:
@@ -96,7 +96,7 @@ def test_padding_chunks_and_rows(case):
             continue
         for rank in range(mesh.world):                                        # chunk nesting
             rp = RankPlan(mesh, sc, rank)
-            (p0, pl), (g0, gl), (o0, ol) = (rp.chunk(k, g.n) for k in ("params", "grads", "optim"))
+            (p0, pl), (g0, gl), (o0, ol) = (rp.chunk(k, g.n) for k in STATES)
             assert (pl, gl, ol) == (g.n // s["params"], g.n // s["grads"], g.n // s["optim"])
             assert p0 <= g0 and g0 + gl <= p0 + pl
             assert g0 <= o0 and o0 + ol <= g0 + gl

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 from shardc.analysis.costmodel.network import LevelLinks
 from shardc.analysis.costmodel.timing import AlphaBeta
 from shardc.dsl.ir import Collectives, Level, Mesh
+from shardc.lowering import Op
 
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-FACTOR = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "all_to_all": 1}   # ring passes over V
+OPS = (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE, Op.ALL_TO_ALL)
+FACTOR = {Op.ALL_GATHER: 1, Op.REDUCE_SCATTER: 1, Op.ALL_REDUCE: 2, Op.ALL_TO_ALL: 1}   # ring passes over V
 # A fallback no case should read: any leak of it moves the time by orders of magnitude.
 DECOY = AlphaBeta(intra=1e3, inter=1e2, intra_lat=1.0, inter_lat=3.0)
 

@@ -17,6 +17,7 @@ import functools
 import pytest
 
 from shardc.dsl.ir import Collectives
+from shardc.lowering import Op
 from tests.papers import DEEPSPEED, strategy as _strategy
 
 LINS_MESH = "node(128) > gpu(2) > lane(4)"      # lane(4) expresses Lins' s = 4 of 8 GPUs
@@ -49,8 +50,8 @@ def _lins_model(size: str, tail: str = "", mesh: str = LINS_MESH):
     base = _strategy(mesh, tail=tail)
     model = build_model(f"examples/llama.py:llama_{size}", device="meta")
     units = find_units(model, base)
-    from shardc.analysis.costmodel.sizes import unit_sizes
-    return unit_sizes(model, units), trace(model, units, batch=1, seq=4096, dtype="bf16")
+    from shardc.analysis.costmodel.sizes import model_unit_sizes
+    return model_unit_sizes(model, units), trace(model, units, batch=1, seq=4096, dtype="bf16")
 
 
 def _links(node_bw: float = LINS_NODE_BW):
@@ -95,7 +96,7 @@ def test_paro_ho_ring_gain():
     from shardc.analysis.costmodel.timing import AlphaBeta
     mesh = load_strategy("strategy a\nmesh node(2) > gpu(8)\n").mesh
     bw = LevelLinks((("node", 7e9, None), ("gpu", 150e9, None)), AlphaBeta())
-    ring, ho = (bw.seconds("all_gather", ("node", "gpu"), 100e9, mesh, a)
+    ring, ho = (bw.seconds(Op.ALL_GATHER, ("node", "gpu"), 100e9, mesh, a)
                 for a in (Collectives.RING, Collectives.HO_RING))
     assert 1 - ho / ring == pytest.approx(1 - 309 / 459, rel=0.20)
 

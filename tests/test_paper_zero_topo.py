@@ -64,7 +64,7 @@ def _topo_units(name: str):
     """The strategy, its per-submodule unit sizes and the traced graph (meta device)."""
     from shardc import load_strategy
     from shardc.analysis.costmodel.flops import trace
-    from shardc.analysis.costmodel.sizes import unit_sizes
+    from shardc.analysis.costmodel.sizes import model_unit_sizes
     from shardc.cli.loader import build_model
     from shardc.compiler.units import find_units
     p, opts, g = TOPO[name]
@@ -72,7 +72,7 @@ def _topo_units(name: str):
                       f"grads {g} dtype bf16\noptim shard over world\naccumulate 16\n{DEEPSPEED}")
     model = build_model("examples/gpt_neox.py:neox_20b", device="meta")
     units = find_units(model, s)
-    return s, unit_sizes(model, units), trace(model, units, batch=1, seq=2048, dtype="bf16")
+    return s, model_unit_sizes(model, units), trace(model, units, batch=1, seq=2048, dtype="bf16")
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from shardc.analysis.costmodel import AlphaBeta, UnitSize
 from shardc.dsl import load_strategy
 from shardc.dsl.ir import Collectives
+from shardc.lowering import Op
 
 ZERO3 = """strategy z3
 mesh node(2) > gpu(4)
@@ -39,8 +40,8 @@ def _setup(text=ZERO3):
     s = load_strategy(text)
     us = [UnitSize("<root>" if i == 0 else f"b{i}", n, 0, s.scopes, root=i == 0) for i, n in enumerate(SIZES)]
     sec = lambda op, n: AB.seconds(op, ("node", "gpu"), 4 * n, s.mesh, Collectives.RING)
-    return s, us, {"g0": sec("all_gather", SIZES[0]), "g": sec("all_gather", SIZES[1]),
-                   "r0": sec("reduce_scatter", SIZES[0]), "r": sec("reduce_scatter", SIZES[1])}
+    return s, us, {"g0": sec(Op.ALL_GATHER, SIZES[0]), "g": sec(Op.ALL_GATHER, SIZES[1]),
+                   "r0": sec(Op.REDUCE_SCATTER, SIZES[0]), "r": sec(Op.REDUCE_SCATTER, SIZES[1])}
 
 
 def _step(s, us, c, check=True, passes=None):
@@ -95,8 +96,8 @@ def test_update_and_sync_on_a_compute_bound_step():
     # since the root's compute came first — and the root's after them: r2 + r1 + r0 show.
     s, us, _ = _setup(ZERO1)
     sec = lambda op, n: AB.seconds(op, ("node", "gpu"), 4 * n, s.mesh, Collectives.RING)
-    u = [sec("all_gather", n) for n in SIZES]
-    r = [sec("reduce_scatter", n) for n in SIZES]
+    u = [sec(Op.ALL_GATHER, n) for n in SIZES]
+    r = [sec(Op.REDUCE_SCATTER, n) for n in SIZES]
     c = 1000.0
     assert _step(s, us, c, check=False) == pytest.approx(c + sum(u) / 4 + r[2] + r[1] + r[0], rel=1e-12)
     # without the plan passes every sync goes out after the backward and opt.step() waits
@@ -117,9 +118,9 @@ def test_a_sync_all_reduce_goes_out_one_unit_late():
     text = ZERO1.replace("optim  shard over world", "optim  shard over gpu")
     s, us, _ = _setup(text)
     sec = lambda op, lv, n: AB.seconds(op, lv, n, s.mesh, Collectives.RING)
-    rs = [sec("reduce_scatter", ("gpu",), 4 * n) for n in SIZES]
-    ar = [sec("all_reduce", ("node",), n) for n in SIZES]
-    u = [sec("all_gather", ("gpu",), 4 * n) for n in SIZES]
+    rs = [sec(Op.REDUCE_SCATTER, ("gpu",), 4 * n) for n in SIZES]
+    ar = [sec(Op.ALL_REDUCE, ("node",), n) for n in SIZES]
+    u = [sec(Op.ALL_GATHER, ("gpu",), 4 * n) for n in SIZES]
     assert (rs[2], rs[2] + rs[1], rs[2] + rs[1] + rs[0], ar[3]) == pytest.approx((0.024, 0.048, 0.054, 0.08))
     c = 1000.0
     assert _step(s, us, c, check=False) == pytest.approx(c + sum(u) / 4 + sum(ar), rel=1e-12)
@@ -161,7 +162,7 @@ def test_the_step_lies_between_its_busiest_link_and_everything_in_turn(case):
     per_link: dict[str, float] = {}
     for r, n in rows:
         if r.phase.value != "update":
-            sec = ab.seconds(r.op.value, r.levels, r.bytes, s.mesh, s.collectives)
+            sec = ab.seconds(r.op, r.levels, r.bytes, s.mesh, s.collectives)
             per_link[r.levels[0]] = per_link.get(r.levels[0], 0.0) + n * sec
     lower_bound = max([s.accumulate * c] + list(per_link.values()))
     assert lower_bound * (1 - 1e-9) <= t.total <= (s.accumulate * c + sum(t.comm.values())) * (1 + 1e-9)

@@ -11,6 +11,7 @@ import pytest
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives
+from shardc.lowering import Op
 from tests.test_plan import run_cmd
 
 TINY = "examples/llama.py:llama_tiny"
@@ -18,8 +19,8 @@ TINY = "examples/llama.py:llama_tiny"
 
 def _links(*spec):
     from shardc.analysis.costmodel.network import parse_links
-    from shardc.analysis.costmodel.timing import AlphaBeta, parse_rate, parse_seconds
-    return parse_links(spec, AlphaBeta(), parse_rate, parse_seconds)
+    from shardc.analysis.costmodel.timing import AlphaBeta
+    return parse_links(spec, AlphaBeta())
 
 
 def test_three_level_links_and_algorithms():
@@ -30,10 +31,10 @@ def test_three_level_links_and_algorithms():
     # flat ring over 8: 7 steps at the slowest latency; per rank, node links carry 2/8·7/8·V,
     # gpu links 2/8·7/8·V, gcd links 4/8·7/8·V (links.flat_ring's edge counts), all at once.
     wire = max(2 / 8 * 7 / 8 * v / 25e9, 2 / 8 * 7 / 8 * v / 200e9, 4 / 8 * 7 / 8 * v / 50e9)
-    assert bw.seconds("all_gather", lv, v, mesh, Collectives.RING) == pytest.approx(7 * 20e-6 + wire)
+    assert bw.seconds(Op.ALL_GATHER, lv, v, mesh, Collectives.RING) == pytest.approx(7 * 20e-6 + wire)
     # hierarchical: one stage per level on V / (inner sizes), one after the other.
     gcd, gpu, node = (1e-6 + v / 2 / 50e9), (5e-6 + v / 2 / 2 / 200e9), (20e-6 + v / 4 / 2 / 25e9)
-    assert bw.seconds("all_gather", lv, v, mesh, Collectives.HIERARCHICAL) == pytest.approx(gcd + gpu + node)
+    assert bw.seconds(Op.ALL_GATHER, lv, v, mesh, Collectives.HIERARCHICAL) == pytest.approx(gcd + gpu + node)
     with pytest.raises(ShardcError, match="LEVEL=BANDWIDTH"):
         _links("node:25GB/s")
     with pytest.raises(ShardcError, match="not on the mesh"):
@@ -48,8 +49,8 @@ def test_ho_ring_against_flat_ring_on_paro_setting():
     v, lv = 100e9, ("node", "gpu")
     ring = 15 * 20e-6 + max(2 / 16 * 15 / 16 * v / 7e9, 14 / 16 * 15 / 16 * v / 150e9)
     inter, intra = 1 * (4 * 20e-6 + v / 8 / 2 / 7e9), 7 * (4 * 5e-6 + v / 8 / 150e9)
-    assert bw.seconds("all_gather", lv, v, mesh, Collectives.RING) == pytest.approx(ring)
-    assert bw.seconds("all_gather", lv, v, mesh, Collectives.HO_RING) == pytest.approx(max(inter, intra) + min(inter, intra) / 4)
+    assert bw.seconds(Op.ALL_GATHER, lv, v, mesh, Collectives.RING) == pytest.approx(ring)
+    assert bw.seconds(Op.ALL_GATHER, lv, v, mesh, Collectives.HO_RING) == pytest.approx(max(inter, intra) + min(inter, intra) / 4)
 
 
 def test_levels_on_one_link():
@@ -61,17 +62,17 @@ def test_levels_on_one_link():
     one = _links("node=25GB/s@20us", "gpu=200GB/s@5us", "lane=gpu")
     v = 8e9
     ring8 = 7 * 5e-6 + 7 / 8 * v / 200e9
-    assert one.seconds("all_gather", ("gpu", "lane"), v, mesh, Collectives.RING) == pytest.approx(ring8)
+    assert one.seconds(Op.ALL_GATHER, ("gpu", "lane"), v, mesh, Collectives.RING) == pytest.approx(ring8)
     # apart, the ring's bytes split 2:6 over the two links (links.flat_ring's edge counts)
-    assert apart.seconds("all_gather", ("gpu", "lane"), v, mesh, Collectives.RING) == pytest.approx(
+    assert apart.seconds(Op.ALL_GATHER, ("gpu", "lane"), v, mesh, Collectives.RING) == pytest.approx(
         7 * 5e-6 + 6 / 8 * 7 / 8 * v / 200e9)
-    assert one.seconds("all_gather", ("lane",), v, mesh, Collectives.RING) == pytest.approx(3 * 5e-6 + 3 / 4 * v / 200e9)
+    assert one.seconds(Op.ALL_GATHER, ("lane",), v, mesh, Collectives.RING) == pytest.approx(3 * 5e-6 + 3 / 4 * v / 200e9)
     # ho-ring: gpu's and lane's stages run one after the other on their one link
     node = 4 * 20e-6 + v / 8 / 2 / 25e9
     gpu, lane = 4 * 5e-6 + v / 4 / 2 / 200e9, 3 * (4 * 5e-6 + v / 4 / 200e9)
     inside = gpu + lane
     lv = ("node", "gpu", "lane")
-    assert one.seconds("all_gather", lv, v, mesh, Collectives.HO_RING) == pytest.approx(
+    assert one.seconds(Op.ALL_GATHER, lv, v, mesh, Collectives.HO_RING) == pytest.approx(
         max(node, inside) + min(node, inside) / 4)
     assert str(one).startswith("per-level links: node 25 GB/s + 20 us, gpu 200 GB/s + 5 us, lane on gpu's links")
     with pytest.raises(ShardcError, match="'lane' must be a level with links of its own"):
@@ -127,17 +128,17 @@ def test_the_two_tier_default_has_one_in_node_link():
     v, intra = 8e9, 100e9
     ring8 = 7 * 5e-6 + 7 / 8 * v / intra
     for bw in (AlphaBeta(), _links("node=25GB/s")):
-        assert bw.seconds("all_gather", ("gpu", "lane"), v, mesh, Collectives.RING) == pytest.approx(ring8)
-        assert bw.seconds("all_gather", ("lane",), v, mesh, Collectives.RING) == pytest.approx(3 * 5e-6 + 3 / 4 * v / intra)
+        assert bw.seconds(Op.ALL_GATHER, ("gpu", "lane"), v, mesh, Collectives.RING) == pytest.approx(ring8)
+        assert bw.seconds(Op.ALL_GATHER, ("lane",), v, mesh, Collectives.RING) == pytest.approx(3 * 5e-6 + 3 / 4 * v / intra)
     # ho-ring on the default: the node stage at `inter`, gpu's and lane's stages in turn on one link
     node = 4 * 20e-6 + v / 8 / 2 / 12.5e9
     inside = 4 * 5e-6 + v / 4 / 2 / intra + 3 * (4 * 5e-6 + v / 4 / intra)
-    assert AlphaBeta().seconds("all_gather", ("node", "gpu", "lane"), v, mesh, Collectives.HO_RING) == pytest.approx(
+    assert AlphaBeta().seconds(Op.ALL_GATHER, ("node", "gpu", "lane"), v, mesh, Collectives.HO_RING) == pytest.approx(
         max(node, inside) + min(node, inside) / 4)
     # lane, not named, goes through gpu's named link; named, it has its own
-    on_gpu = _links("gpu=200GB/s@5us").seconds("all_gather", ("gpu", "lane"), v, mesh, Collectives.RING)
+    on_gpu = _links("gpu=200GB/s@5us").seconds(Op.ALL_GATHER, ("gpu", "lane"), v, mesh, Collectives.RING)
     assert on_gpu == pytest.approx(7 * 5e-6 + 7 / 8 * v / 200e9)
-    apart = _links("gpu=100GB/s@5us", "lane=100GB/s").seconds("all_gather", ("gpu", "lane"), v, mesh, Collectives.RING)
+    apart = _links("gpu=100GB/s@5us", "lane=100GB/s").seconds(Op.ALL_GATHER, ("gpu", "lane"), v, mesh, Collectives.RING)
     assert apart == pytest.approx(7 * 5e-6 + 6 / 8 * 7 / 8 * v / intra)
 
 
@@ -250,7 +251,7 @@ def test_link_and_profile_are_exclusive(tmp_path):
 def test_printed_times_read_in_their_own_unit():
     # `plan` and `explain` print µs below 1 ms, ms below 10 s, seconds above (Lins' 30B
     # on one node plans steps of 756 s, unreadable as 755920.3 ms).
-    from shardc.analysis.costmodel.timing import duration
+    from shardc.dsl.quantities import duration
     assert [duration(x) for x in (0.0, 2e-5, 1.1015, 9.99, 755.92)] == \
         ["0.0 ms", "20.0 us", "1101.5 ms", "9990.0 ms", "755.92 s"]
 
@@ -262,12 +263,12 @@ def test_a_profile_composes_in_node_stages_on_one_link():
     from shardc.analysis.costmodel.profile import Profile
     mesh = load_strategy("strategy a\nmesh node(2) > gpu(2) > lane(4)\n").mesh
     rates = {"node": 10e9, "gpu": 10e9, "lane": 20e9}       # constant bandwidth: seconds = bytes / rate
-    p = Profile({("all_gather", (l,), "ring", "fp32"): ((1e3, 1e3 / w, 0.0), (1e12, 1e12 / w, 0.0))
+    p = Profile({(Op.ALL_GATHER, (l,), "ring", "fp32"): ((1e3, 1e3 / w, 0.0), (1e12, 1e12 / w, 0.0))
                  for l, w in rates.items()})
     v = 8e9
     node, gpu, lane = v / 8 / 10e9, v / 4 / 10e9, v / 20e9  # stage payloads V / (inner sizes)
     inside = gpu + lane                                      # > node: the in-node link is the slowest
-    assert p.seconds("all_gather", ("node", "gpu", "lane"), v, mesh, Collectives.HO_RING) == pytest.approx(
+    assert p.seconds(Op.ALL_GATHER, ("node", "gpu", "lane"), v, mesh, Collectives.HO_RING) == pytest.approx(
         max(node, inside) + min(node, inside) / 4)
     assert (p.key(mesh, "lane"), p.key(mesh, "gpu"), p.key(mesh, "node")) == ("gpu", "gpu", "node")
 
@@ -282,14 +283,14 @@ def test_a_profile_composes_ho_ring_from_its_pieces():
     mesh = load_strategy("strategy a\nmesh node(2) > gpu(4)\n").mesh
     link = {"node": (2e-3, 5e6), "gpu": (5e-4, 3e8)}
     sizes = (1e6, 4e6, 16e6)
-    p = Profile({("all_gather", (l,), "ring", "fp32"): tuple((b, a + b / w, 0.0) for b in sizes)
+    p = Profile({(Op.ALL_GATHER, (l,), "ring", "fp32"): tuple((b, a + b / w, 0.0) for b in sizes)
                  for l, (a, w) in link.items()})
     t = lambda l, b: link[l][0] + b / link[l][1]
     v = 16e6                                    # node stage payload v/4, gpu stage v
     node, gpu = 4 * t("node", v / 4 / 4), 4 * t("gpu", v / 4)
-    assert p.seconds("all_gather", ("node", "gpu"), v, mesh, Collectives.HO_RING) == pytest.approx(
+    assert p.seconds(Op.ALL_GATHER, ("node", "gpu"), v, mesh, Collectives.HO_RING) == pytest.approx(
         max(node, gpu) + min(node, gpu) / 4)
-    assert p.seconds("all_gather", ("node", "gpu"), v, mesh, Collectives.HIERARCHICAL) == pytest.approx(
+    assert p.seconds(Op.ALL_GATHER, ("node", "gpu"), v, mesh, Collectives.HIERARCHICAL) == pytest.approx(
         t("node", v / 4) + t("gpu", v))
 
 
@@ -299,7 +300,7 @@ def test_a_profile_below_its_smallest_size_keeps_the_latency():
     from shardc.analysis.costmodel.profile import Profile
     mesh = load_strategy("strategy a\nmesh node(2) > gpu(4)\n").mesh
     a, w = 2e-3, 5e6
-    p = Profile({("all_gather", ("node",), "ring", "fp32"): tuple((b, a + b / w, 0.0) for b in (1e6, 2e6, 8e6))})
-    assert p.seconds("all_gather", ("node",), 2.5e5, mesh, Collectives.RING) == pytest.approx(a + 2.5e5 / w)
-    one = Profile({("all_gather", ("node",), "ring", "fp32"): ((1e6, 0.2, 0.0),)})   # one point: no latency known
-    assert one.seconds("all_gather", ("node",), 2.5e5, mesh, Collectives.RING) == pytest.approx(0.05)
+    p = Profile({(Op.ALL_GATHER, ("node",), "ring", "fp32"): tuple((b, a + b / w, 0.0) for b in (1e6, 2e6, 8e6))})
+    assert p.seconds(Op.ALL_GATHER, ("node",), 2.5e5, mesh, Collectives.RING) == pytest.approx(a + 2.5e5 / w)
+    one = Profile({(Op.ALL_GATHER, ("node",), "ring", "fp32"): ((1e6, 0.2, 0.0),)})   # one point: no latency known
+    assert one.seconds(Op.ALL_GATHER, ("node",), 2.5e5, mesh, Collectives.RING) == pytest.approx(0.05)

@@ -17,12 +17,13 @@ import torch.nn.functional as F
 
 from examples.gpt import GPT, GPTConfig
 from shardc.dsl.errors import ShardcError
+from shardc.dsl.ir import STATES
 from shardc.lowering import Schedule, Stage
 from tests.harness import dist_run
 
 pytestmark = pytest.mark.distributed
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
-TEXT = "\n".join(["mesh node(2) > gpu(2)", *(f"{state} shard over world" for state in ("params", "grads", "optim")),
+TEXT = "\n".join(["mesh node(2) > gpu(2)", *(f"{state} shard over world" for state in STATES),
                   "prefetch 1", ""])
 KINDS = ("issue_gather", "run", "backward")
 NO_PREFETCH_FORWARD = {  # the emitted prefetch-1 stages -> each unit issues its own gather just before it runs

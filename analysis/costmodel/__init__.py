@@ -12,7 +12,7 @@ its submodule (and through `ledger`, torch and the runtime) on first use.
 from importlib import import_module
 
 _WHERE = {
-    "UnitSize": "sizes", "unit_sizes": "sizes",
+    "UnitSize": "sizes", "model_unit_sizes": "sizes",
     "LedgerRecord": "ledger", "predict_ledger": "ledger",
     "optimizer_state_bytes": "memory", "predict_memory": "memory",
     "inter_intra": "links", "link_bytes": "links",

@@ -42,7 +42,7 @@ def crossover_bytes(strategy: Strategy, bandwidth=None) -> int:
     for g in plan.groups:
         for r in g.rows:
             def t(v):
-                return bw.seconds(r.op.value, r.levels, v, mesh, algo)
+                return bw.seconds(r.op, r.levels, v, mesh, algo)
             a = t(0.0)
             slope = (t(float(PROBE_BYTES)) - a) / PROBE_BYTES
             if a > 0 and slope > 0:

@@ -27,15 +27,16 @@ from __future__ import annotations
 from math import prod
 
 from shardc.dsl.ir import Collectives, Mesh
+from shardc.lowering import Op
 
-FACTOR = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "all_to_all": 1, "broadcast": 1}
+FACTOR = {Op.ALL_GATHER: 1, Op.REDUCE_SCATTER: 1, Op.ALL_REDUCE: 2, Op.ALL_TO_ALL: 1, Op.BROADCAST: 1}
 
 
 def _sizes(mesh: Mesh, levels) -> list[tuple[str, int]]:
     return [(l, mesh.size(l)) for l in mesh.ordered(levels) if mesh.size(l) > 1]
 
 
-def flat_ring(op: str, sizes: list[tuple[str, int]], v: float) -> dict[str, float]:
+def flat_ring(op: Op, sizes: list[tuple[str, int]], v: float) -> dict[str, float]:
     """Per-rank bytes per level for one flat collective over the flattened group."""
     p = prod(s for _, s in sizes)
     out: dict[str, float] = {}
@@ -44,7 +45,7 @@ def flat_ring(op: str, sizes: list[tuple[str, int]], v: float) -> dict[str, floa
     outer = 1
     for i, (name, s) in enumerate(sizes):
         inner = prod(x for _, x in sizes[i + 1:])
-        if op == "all_to_all":
+        if op is Op.ALL_TO_ALL:
             out[name] = (s - 1) * inner * v / p
         else:
             edges = outer * (s - 1) + (1 if i == 0 else 0)
@@ -53,7 +54,7 @@ def flat_ring(op: str, sizes: list[tuple[str, int]], v: float) -> dict[str, floa
     return out
 
 
-def staged(op: str, sizes: list[tuple[str, int]], v: float) -> dict[str, float]:
+def staged(op: Op, sizes: list[tuple[str, int]], v: float) -> dict[str, float]:
     """Per-rank bytes per level for the hierarchical (level-by-level) algorithm."""
     out: dict[str, float] = {}
     for i, (name, s) in enumerate(sizes):
@@ -71,21 +72,22 @@ def _chain(sizes: list[tuple[str, int]], v: float) -> dict[str, float]:
     return out
 
 
-def record_links(op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> dict[str, float]:
+def record_links(op: Op, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> dict[str, float]:
     """Per-rank bytes per level of one collective of `nbytes` over `levels`."""
     sizes = _sizes(mesh, levels)
-    if len(sizes) > 1 and op != "all_to_all" and algo in (Collectives.HIERARCHICAL, Collectives.HO_RING, Collectives.AUTO):
+    if len(sizes) > 1 and op is not Op.ALL_TO_ALL and algo in (Collectives.HIERARCHICAL, Collectives.HO_RING, Collectives.AUTO):
         return staged(op, sizes, nbytes)
-    if op == "broadcast":   # a chain of p − 1 edges, each carrying the whole V
+    if op is Op.BROADCAST:   # a chain of p − 1 edges, each carrying the whole V
         return _chain(sizes, nbytes)
     return flat_ring(op, sizes, nbytes)
 
 
 def link_bytes(records, mesh: Mesh, algo: Collectives = Collectives.RING) -> dict[str, float]:
-    """Per-rank bytes sent over each level's links in one step (every level listed)."""
+    """Per-rank bytes sent over each level's links in one step (every level listed);
+    `records` are ledger records, which spell their op (`Op` values)."""
     out = {name: 0.0 for name in mesh.names}
     for r in records:
-        for level, b in record_links(r.op, r.levels, r.bytes, mesh, algo).items():
+        for level, b in record_links(Op(r.op), r.levels, r.bytes, mesh, algo).items():
             out[level] += b * r.count
     return out
 

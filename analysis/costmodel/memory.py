@@ -15,25 +15,23 @@ units. It is an estimate the runtime does not report.
 """
 from __future__ import annotations
 
+from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Mesh
 from shardc.lowering import Lowering, lower
+from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_KINDS, optimizer_kind
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop")   # the classes K_state is known for
+# The classes K_state is known for, as the command line spells them.
+OPTIMIZERS = tuple(k.name.lower() for k in OPTIMIZER_KINDS.values() if k.state_bytes is not None)
 
 
-def optimizer_state_bytes(optimizer: str = "adamw", **kw) -> int:
-    """K_state: bytes of optimizer state per element (fp32 moments), by class name."""
-    name = optimizer.lower()
-    if name in ("adam", "adamw"):
-        return 8 + (4 if kw.get("amsgrad") else 0)
-    if name == "sgd":
-        return 4 if kw.get("momentum", 0) else 0
-    if name == "adagrad":
-        return 4
-    if name == "rmsprop":
-        return 4 + (4 if kw.get("momentum", 0) else 0) + (4 if kw.get("centered") else 0)
-    from shardc.dsl.errors import ShardcError
-    raise ShardcError(f"unknown optimizer {optimizer!r}; the cost model knows {', '.join(OPTIMIZERS)}")
+def optimizer_state_bytes(optimizer: str = DEFAULT_OPTIMIZER, **kw) -> int:
+    """K_state: bytes of optimizer state per element (fp32 moments), by class name
+    (`shardc.lowering.optimizers`, [Note: K_state])."""
+    kind = optimizer_kind(optimizer)
+    k_state = None if kind is None else kind.k_state(**kw)
+    if k_state is None:
+        raise ShardcError(f"unknown optimizer {optimizer!r}; the cost model knows {', '.join(OPTIMIZERS)}")
+    return k_state
 
 
 def memory_of(plan: Lowering, *, k_state: int, prefetch: int = 1) -> dict[str, int]:
@@ -48,7 +46,7 @@ def memory_of(plan: Lowering, *, k_state: int, prefetch: int = 1) -> dict[str, i
     return mem
 
 
-def predict_memory(mesh: Mesh, units, *, optimizer: str = "adamw",
+def predict_memory(mesh: Mesh, units, *, optimizer: str = DEFAULT_OPTIMIZER,
                    optimizer_kwargs: dict | None = None, prefetch: int = 1) -> dict[str, int]:
     """Bytes per rank of each model state, as `memory_report()` measures it."""
     k_state = optimizer_state_bytes(optimizer, **(optimizer_kwargs or {}))

@@ -45,7 +45,8 @@ from math import prod
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Mesh
-from shardc.lowering import HO_PIECES
+from shardc.dsl.quantities import parse_rate, parse_seconds
+from shardc.lowering import HO_PIECES, Op
 
 from shardc.analysis.costmodel.links import FACTOR, flat_ring
 
@@ -77,7 +78,7 @@ def combine(stages: list[tuple[str, float]], algo: Collectives) -> float:
     return sum(on.values())
 
 
-def collective_seconds(op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives, link,
+def collective_seconds(op: Op, levels, nbytes: float, mesh: Mesh, algo: Collectives, link,
                        key=None) -> float:
     """Seconds of one collective; `link(level) -> (latency s, bytes/s)`; `key(level)`: the
     link a level's traffic goes through (default its own; [Note: shared links])."""
@@ -85,7 +86,7 @@ def collective_seconds(op: str, levels, nbytes: float, mesh: Mesh, algo: Collect
     sizes = stage_sizes(mesh, levels)
     if not sizes:
         return 0.0
-    if len(sizes) == 1 or algo == Collectives.RING or op == "all_to_all":
+    if len(sizes) == 1 or algo == Collectives.RING or op is Op.ALL_TO_ALL:
         p = prod(s for _, s in sizes)
         on: dict[str, list] = {}
         for l, b in flat_ring(op, sizes, nbytes).items():
@@ -144,12 +145,12 @@ class LevelLinks:
             if owner == level or owner in dict(self.shared):
                 raise ShardcError(f"--link {level}={owner}: {owner!r} must be a level with links of its own")
 
-    def seconds(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
+    def seconds(self, op: Op, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
         return collective_seconds(op, levels, nbytes, mesh, algo, lambda l: self.link(mesh, l),
                                   lambda l: self.key(mesh, l))
 
 
-def parse_links(specs, fallback, parse_rate, parse_seconds) -> LevelLinks:
+def parse_links(specs, fallback) -> LevelLinks:
     """`["node=25GB/s", "gpu=200GB/s@5us", "lane=gpu"]` -> LevelLinks (latency after `@`,
     else the fallback's latency for that level's tier; a level name after `=`: that
     level's links, [Note: shared links])."""

@@ -37,18 +37,18 @@ from math import prod
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Level, Mesh
+from shardc.dsl.quantities import flop_rate
 
-from shardc.lowering import HO_PIECES
+from shardc.lowering import HO_PIECES, Op
 from shardc.analysis.costmodel.network import in_node_link
 from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
 from shardc.analysis.costmodel.profile_merge import merge
-from shardc.analysis.costmodel.timing import flop_rate
 
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    """Measured collectives: `{(op, levels, algo): ((bytes, seconds, cpu seconds), ...)}`
-    sorted by bytes, and the measured compute record (`compute`, or None)."""
+    """Measured collectives: `{(Op, levels, algo, comm): ((bytes, seconds, cpu seconds), ...)}`
+    sorted by bytes (the file spells the op: its value), and the measured compute record (`compute`, or None)."""
     entries: dict
     compute: dict | None = None
     files: int = 1                       # > 1: merged, the median of each entry
@@ -75,7 +75,7 @@ class Profile:
             data = merge(docs, list(paths))
             table: dict = {}
             for e in data["entries"]:
-                key = (e["op"], tuple(e["levels"]), e.get("algo", "ring"), e.get("comm", "fp32"))
+                key = (Op(e["op"]), tuple(e["levels"]), e.get("algo", "ring"), e.get("comm", "fp32"))
                 cpu = e.get("cpu_seconds")
                 table.setdefault(key, []).append((float(e["bytes"]), float(e["seconds"]),
                                                   0.0 if cpu is None else float(cpu)))
@@ -105,7 +105,7 @@ class Profile:
         c = self.compute or {}
         return c["seconds"] / c["cpu_seconds"] if c.get("cpu_seconds") else 0.0
 
-    def _lookup(self, op: str, levels: tuple[str, ...], algo: str, nbytes: float, comm: str = "fp32"):
+    def _lookup(self, op: Op, levels: tuple[str, ...], algo: str, nbytes: float, comm: str = "fp32"):
         """(seconds, occupied seconds) of one measured group at `nbytes` (payload bytes), or
         None. A quantized collective uses its own entries when profiled (codec work
         included), else the fp32 ones at its payload size."""
@@ -129,10 +129,10 @@ class Profile:
         share its one in-node link too ([Note: one in-node link])."""
         return in_node_link(mesh, level)
 
-    def seconds(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
+    def seconds(self, op: Op, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
         return self.cost(op, levels, nbytes, mesh, algo)[0]
 
-    def cost(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives,
+    def cost(self, op: Op, levels, nbytes: float, mesh: Mesh, algo: Collectives,
              comm: str = "fp32") -> tuple[float, float]:
         """(seconds, seconds that occupy the cores) of one collective whose payload is
         `nbytes` in wire dtype `comm` ([Note: CPU share of a collective])."""
@@ -140,10 +140,10 @@ class Profile:
         if not sizes:
             return 0.0, 0.0
         names = tuple(l for l, _ in sizes)
-        if op == "all_to_all":   # qgZ: one flat all-to-all; `shardc profile` does not time it, and a
+        if op is Op.ALL_TO_ALL:   # qgZ: one flat all-to-all; `shardc profile` does not time it, and a
             algo = Collectives.RING          # ring reduce-scatter sends the same (p−1)/p·V per rank
             t = self._lookup(op, names, "ring", nbytes, comm)
-            op = "reduce_scatter" if t is None else op
+            op = Op.REDUCE_SCATTER if t is None else op
         t = self._lookup(op, names, algo.value, nbytes, comm)
         if t is not None:
             return t
@@ -160,7 +160,7 @@ class Profile:
                 busy += pieces * st[1]
             else:
                 return _combine(stages, algo), busy
-        raise ShardcError(f"the bandwidth profile has no {op} entry over {', '.join(names)} "
+        raise ShardcError(f"the bandwidth profile has no {op.value} entry over {', '.join(names)} "
                           f"({algo.value}); profile that group or pass --intra/--inter")
 
 

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Strategy
 from shardc.lowering import lower
+from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 
 from shardc.analysis.costmodel.activations import peak_memory
 from shardc.analysis.costmodel.ledger import ledger_dicts, ledger_of
 from shardc.analysis.costmodel.links import inter_intra, link_bytes
 from shardc.analysis.costmodel.memory import memory_of, optimizer_state_bytes
-from shardc.analysis.costmodel.sizes import UnitSize, dense_flops, unit_sizes
+from shardc.analysis.costmodel.sizes import UnitSize, dense_flops, model_unit_sizes
 from shardc.analysis.costmodel.timing import AlphaBeta, StepTime, choose_collectives, step_time
 
 
@@ -43,10 +44,10 @@ class Explained:
 def model_units(strategy: Strategy, model) -> list[UnitSize]:
     """The model's units under `strategy` (the compiler's unit finder) with their sizes."""
     from shardc.compiler.units import find_units
-    return unit_sizes(model, find_units(model, strategy))
+    return model_unit_sizes(model, find_units(model, strategy))
 
 
-def explain(strategy: Strategy, units, *, micro_batches: int | None = None, optimizer: str = "adamw",
+def explain(strategy: Strategy, units, *, micro_batches: int | None = None, optimizer: str = DEFAULT_OPTIMIZER,
             optimizer_kwargs: dict | None = None, clip_grad_norm: bool = False, bandwidth=None,
             tokens: int = 4096, flops: float = 150e12, graph=None, checkpoint: bool = False,
             peak_flops: float = 312e12, overhead: int | None = None, passes=None) -> Explained:

@@ -8,10 +8,9 @@ or touches parameter data.
 """
 from __future__ import annotations
 
-from shardc.lowering import UnitSize
-from shardc.lowering import unit_sizes as count_units
+from shardc.lowering import UnitSize, unit_sizes
 
-__all__ = ["UnitSize", "unit_sizes", "dense_flops"]
+__all__ = ["UnitSize", "model_unit_sizes", "dense_flops"]
 
 
 def dense_flops(units, tokens: int) -> int:
@@ -20,11 +19,12 @@ def dense_flops(units, tokens: int) -> int:
     return 6 * sum(u.trainable + u.frozen for u in units) * tokens
 
 
-def unit_sizes(model, units) -> list[UnitSize]:
+def model_unit_sizes(model, units) -> list[UnitSize]:
     """Sizes of `units` (UnitSpecs, root first) read from `model`'s parameters.
 
     Parameters are looked up by canonical FQN (tied aliases are excluded by the unit
     finder, so each element is counted once); only `numel()` and `requires_grad` are
-    read, so a meta-device model works.
+    read, so a meta-device model works. (`shardc.lowering.unit_sizes` does the counting,
+    from a name -> parameter mapping.)
     """
-    return count_units(dict(model.named_parameters()), units)
+    return unit_sizes(dict(model.named_parameters()), units)

@@ -43,15 +43,13 @@ The measured bandwidth model, `Profile`, and its notes live in profile.py.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Mesh, Strategy
-from shardc.dsl.sizes import prefix_scale
 
 from shardc.analysis.costmodel.ledger import counted_rows
-from shardc.lowering import PHASE_ORDER, lower
+from shardc.lowering import PHASE_ORDER, Op, lower
 from shardc.analysis.costmodel.network import collective_seconds, in_node_link
 from shardc.analysis.costmodel.network import stage_sizes as _stage_sizes
 from shardc.analysis.costmodel.pipeline import step, update_wait, waits_of
@@ -80,7 +78,7 @@ class AlphaBeta:
         """The level whose links carry `level`'s traffic ([Note: one in-node link])."""
         return in_node_link(mesh, level)
 
-    def seconds(self, op: str, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
+    def seconds(self, op: Op, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> float:
         return collective_seconds(op, levels, nbytes, mesh, algo, lambda l: self.link(mesh, l),
                                   lambda l: self.key(mesh, l))
 
@@ -103,9 +101,9 @@ def phase_costs(rows, mesh: Mesh, bw, algo: Collectives) -> tuple[dict, dict]:
     out, busy = {p: 0.0 for p in PHASE_ORDER}, {p: 0.0 for p in PHASE_ORDER}
     cost = getattr(bw, "cost", None)
     for r, n in rows:
-        op, phase = r.op.value, r.phase.value
-        t, k = cost(op, r.levels, r.bytes, mesh, algo, r.comm.value) if cost else \
-            (bw.seconds(op, r.levels, r.bytes, mesh, algo), 0.0)
+        phase = r.phase.value
+        t, k = cost(r.op, r.levels, r.bytes, mesh, algo, r.comm.value) if cost else \
+            (bw.seconds(r.op, r.levels, r.bytes, mesh, algo), 0.0)
         out[phase] += n * t
         busy[phase] += n * k
     return out, busy
@@ -187,63 +185,3 @@ def choose_collectives(strategy: Strategy, unit_numels, *, bandwidth=None,
     if best is None:
         raise missing
     return best
-
-
-def _number(m) -> float:
-    """The number a `parse_*` regex matched first, or -1 when there is none."""
-    try:
-        return float(m.group(1)) if m else -1.0
-    except ValueError:
-        return -1.0
-
-
-def parse_rate(text: str) -> float:
-    """'100GB/s', '25Gbit/s', '12.5e9' -> bytes per second. A number without a unit is
-    bytes per second, so one below 1 MB/s (`--link node=25`) is refused as a missing unit."""
-    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]i?)?(B|bit|b)?(/s)?\s*", str(text))
-    value = _number(m)
-    if value <= 0:
-        raise ShardcError(f"cannot read bandwidth {text!r}; write e.g. 100GB/s or 25Gbit/s")
-    if not (m.group(2) or m.group(3)) and value < 1e6:
-        raise ShardcError(f"bandwidth {text.strip()!r} has no unit, so it reads as {value:g} bytes/s; "
-                          f"write e.g. {value:g}GB/s or {value:g}Gbit/s")
-    scale = prefix_scale(m.group(2) or "")
-    bits = m.group(3) in ("bit", "b")
-    return value * scale / (8 if bits else 1)
-
-
-def duration(seconds: float) -> str:
-    """Seconds as people read them: '12.3 us' below 1 ms, '1101.5 ms' below 10 s, '755.92 s'
-    above (the planner's and `explain`'s printed times; JSON keeps seconds)."""
-    if seconds != 0 and abs(seconds) < 1e-3:
-        return f"{seconds * 1e6:.1f} us"
-    return f"{seconds * 1e3:.1f} ms" if abs(seconds) < 10 else f"{seconds:.2f} s"
-
-
-def scaled(value: float, units: tuple[str, ...], step: float) -> str:
-    """`value` (in `units[0]`) with three significant digits in the first unit where it
-    rounds below 1000, each unit `step` times the one before; whole in the last unit
-    beyond it (no exponents: 1000 MiB is '0.977 GiB', not '1e+03 MiB')."""
-    for unit in units[:-1]:
-        if abs(value) < 999.5:
-            return f"{value:.3g} {unit}"
-        value /= step
-    return f"{value:.3g} {units[-1]}" if abs(value) < 999.5 else f"{value:.0f} {units[-1]}"
-
-
-def flop_rate(flops: float) -> str:
-    """FLOP/s as people read them: '17.6 GFLOP/s', '200 TFLOP/s'."""
-    return scaled(flops / 1e9, ("GFLOP/s", "TFLOP/s", "PFLOP/s"), 1000)
-
-
-def parse_seconds(text: str) -> float:
-    """'5us', '0.1ms', '2e-5' -> seconds. A number without a unit is seconds, so one of
-    a second or more per ring step (`@20`) is refused as a missing unit."""
-    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(s|ms|us|ns)?\s*", str(text))
-    value = _number(m)
-    if value < 0:
-        raise ShardcError(f"cannot read latency {text!r}; write e.g. 5us or 0.1ms")
-    if m.group(2) is None and value >= 1:
-        raise ShardcError(f"latency {text.strip()!r} has no unit, so it reads as {value:g} s per ring step; "
-                          f"write e.g. {value:g}us or {value:g}ms")
-    return value * {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, None: 1}[m.group(2)]

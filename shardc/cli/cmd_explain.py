@@ -14,6 +14,8 @@ import json
 from shardc.analysis.costmodel.memory import OPTIMIZERS
 from shardc.cli import predict_args
 from shardc.dsl.errors import ShardcError
+from shardc.dsl.quantities import duration, flop_rate, human_bytes, parse_rate, parse_seconds
+from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 from shardc.lowering.passes import parse_passes
 from shardc.dsl.ir import Collectives
 
@@ -29,7 +31,8 @@ def add_arguments(p) -> None:
     p.add_argument("--world", type=int, help="world size (resolves `*` in the mesh)")
     p.add_argument("--mesh", help='mesh override, e.g. "node(8) > gpu(8)"')
     p.add_argument("--micro-batches", type=int, help="micro-batches per step (default: the strategy's accumulate)")
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer class (default adamw)")
+    p.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=OPTIMIZERS,
+                   help=f"optimizer class (default {DEFAULT_OPTIMIZER})")
     p.add_argument("--momentum", type=float, default=0.0, help="SGD/RMSprop momentum (states exist when non-zero)")
     p.add_argument("--collectives", choices=("auto", "ring", "hierarchical", "ho-ring"),
                    help="override the strategy's `collectives` (how multi-level groups are counted)")
@@ -77,7 +80,6 @@ def run(args) -> int:
     else:
         render(e, traced=graph is not None)
         counted = "6·params·tokens" if graph is None else "FLOPs counted on the traced graph"
-        from shardc.analysis.costmodel.timing import flop_rate
         print(f"time model: {bw}; compute {args.tokens} tokens per micro-batch at {flop_rate(rate)} ({counted})")
     return 0
 
@@ -85,8 +87,6 @@ def run(args) -> int:
 def render(e, traced: bool = True) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from shardc.analysis.costmodel.timing import duration
 
     s = e.strategy
     con = Console()
@@ -156,7 +156,7 @@ def add_bandwidth_arguments(p) -> None:
 
 def bandwidth_from_args(args):
     from shardc.analysis.costmodel.profile import Profile
-    from shardc.analysis.costmodel.timing import AlphaBeta, parse_rate, parse_seconds
+    from shardc.analysis.costmodel.timing import AlphaBeta
     if args.bandwidth:
         return Profile.load(*args.bandwidth)
     return AlphaBeta(intra=parse_rate(args.intra), inter=parse_rate(args.inter),
@@ -178,9 +178,3 @@ def flops_from_args(args, bw=None) -> float:
         raise ShardcError(f"--tokens must be at least 1, got {args.tokens}")
     return f
 
-
-def human_bytes(n: float) -> str:
-    """Whole bytes below 1 KiB, else binary units with three significant digits (1.5 GiB;
-    `timing.scaled`)."""
-    from shardc.analysis.costmodel.timing import scaled
-    return f"{n:.0f} B" if abs(n) < 1024 else scaled(n / 1024, ("KiB", "MiB", "GiB", "TiB"), 1024)

@@ -8,30 +8,17 @@ top K fitting strategies in a table (or `--json`), and the best one written as a
 from __future__ import annotations
 
 import json
-import re
 
 from shardc.analysis.costmodel.memory import OPTIMIZERS
-from shardc.dsl.sizes import byte_scale
 from shardc.dsl.errors import ShardcError
-from shardc.dsl.ir import DType
+from shardc.dsl.ir import STATES, DType
+from shardc.dsl.quantities import duration, human_bytes, parse_memory
+from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 
 from shardc.cli import predict_args
 from shardc.cli.cmd_explain import (
-    add_bandwidth_arguments, bandwidth_from_args, flops_from_args, human_bytes,
+    add_bandwidth_arguments, bandwidth_from_args, flops_from_args,
 )
-
-def parse_memory(text: str) -> float:
-    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2) if m else ""
-    if not m or byte_scale(unit) is None:
-        raise ShardcError(f"cannot read memory size {text!r}; write e.g. 80GiB or 40GB")
-    if float(m.group(1)) <= 0:
-        raise ShardcError(f"memory size {text!r} must be positive; write e.g. 80GiB or 40GB")
-    if not unit:
-        raise ShardcError(f"memory size {text!r} has no unit; write e.g. {m.group(1)}GiB or {m.group(1)}GB "
-                          f"(B, KB/KiB, MB/MiB, GB/GiB or TB/TiB)")
-    return float(m.group(1)) * byte_scale(unit)
-
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, metavar="PATH:FACTORY", help="model factory, e.g. examples/llama.py:llama_7b")
@@ -39,7 +26,7 @@ def add_arguments(p) -> None:
     p.add_argument("--world", type=int, help="world size (resolves `*` in the mesh)")
     p.add_argument("--memory", required=True, help="memory per rank the peak must fit, e.g. 80GiB")
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default 4)")
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    p.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=OPTIMIZERS)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="params/grads dtype and comm (bf16 = mixed precision, fp32 master in the optimizer)")
     p.add_argument("--objective", default="time", choices=("time", "comm"),
@@ -127,7 +114,7 @@ def describe(c) -> str:
 
 def row(c) -> dict:
     sc, r = c.scopes, c.report
-    return {"params": list(sc.params.levels), "grads": list(sc.grads.levels), "optim": list(sc.optim.levels),
+    return {**{k: list(getattr(sc, k).levels) for k in STATES},
             "collectives": r.algo.value, "memory": c.memory, "model_states": r.memory["total"],
             "inter": round(r.inter), "intra": round(r.intra), "step_seconds": c.step_time,
             "comm_seconds": c.comm_time, "comm_by_phase": dict(r.time.comm), "peak": c.report.peak, "mfu": r.rates["mfu"],
@@ -138,7 +125,6 @@ def render(cands, fit, args, budget) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from shardc.analysis.costmodel.timing import duration
 
     con = Console(width=max(Console().width, 150))
     mesh = cands[0].report.strategy.mesh
@@ -149,7 +135,7 @@ def render(cands, fit, args, budget) -> None:
     short = lambda levels: ",".join(levels) if levels else "replicate"
     by = "estimated step time" if args.objective == "time" else "summed communication time"
     t = Table(title=f"top {min(args.top, len(fit))} by {by} (levels each state is sharded over)")
-    for col in ("#", "params", "grads", "optim", "collectives", "memory/rank", "inter/rank", "intra/rank", "step"):
+    for col in ("#", *STATES, "collectives", "memory/rank", "inter/rank", "intra/rank", "step"):
         t.add_column(col, justify="right" if col in ("#", "memory/rank", "inter/rank", "intra/rank", "step") else "left",
                      no_wrap=True)
     for i, c in enumerate(fit[:args.top], 1):

@@ -28,15 +28,16 @@ import argparse
 import itertools
 import json
 import os
-import re
 import sys
 import time
 
+from shardc.analysis.costmodel.links import FACTOR
 from shardc.cli import profile_compute
 from shardc.cli.argtypes import positive_int
-from shardc.dsl.sizes import byte_scale
+from shardc.dsl.quantities import parse_bytes
+from shardc.lowering import Op
 
-OPS = ("all_gather", "reduce_scatter", "all_reduce")
+OPS = tuple(op.value for op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE))   # as --ops and the file spell them
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,10 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or byte_scale(m.group(2)) is None:
+    n = parse_bytes(text)
+    if n is None:
         raise argparse.ArgumentTypeError(f"expected a size such as 4096, 64KiB or 16MB, got {text!r}")
-    n = int(float(m.group(1)) * byte_scale(m.group(2)))
+    n = int(n)
     if n < 4:
         raise argparse.ArgumentTypeError(f"a message size must be at least 4 bytes, got {text!r}")
     return n
@@ -100,15 +101,15 @@ def level_sets(mesh) -> list[tuple[str, ...]]:
     return [c for k in range(1, len(names) + 1) for c in itertools.combinations(names, k)]
 
 
-def _bus_factor(op: str, s: int) -> float:
-    return (s - 1) / s * (2 if op == "all_reduce" else 1)
+def _bus_factor(op: Op, s: int) -> float:
+    return (s - 1) / s * FACTOR[op]
 
 
 def _launch(op, sm, levels, algo, bufs, C, comm):
     full, shard = bufs
-    if op == "all_gather":
+    if op is Op.ALL_GATHER:
         return C.all_gather(full, shard, sm, levels, algo=algo, comm=comm)
-    if op == "reduce_scatter":
+    if op is Op.REDUCE_SCATTER:
         return C.reduce_scatter(shard, full, sm, levels, algo=algo, comm=comm)
     return C.all_reduce(full, sm, levels, algo=algo)
 
@@ -158,15 +159,15 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _plan(mesh, args) -> list[tuple[str, tuple[str, ...], str, int, str]]:
+def _plan(mesh, args) -> list[tuple[Op, tuple[str, ...], str, int, str]]:
     """(op, levels, algo, logical bytes, comm) to time; quantized: all_gather and the
     reduce-scatter (one flat all_to_all, so ring only), no all_reduce."""
     jobs = []
     for levels in level_sets(mesh):
         algos = ["ring"] if len(levels) == 1 else args.algos
-        for comm, op, algo, size in itertools.product(args.comm, args.ops, algos, args.sizes):
+        for comm, op, algo, size in itertools.product(args.comm, map(Op, args.ops), algos, args.sizes):
             quantized = comm != "fp32"
-            if quantized and (op == "all_reduce" or (op == "reduce_scatter" and algo != "ring")):
+            if quantized and (op is Op.ALL_REDUCE or (op is Op.REDUCE_SCATTER and algo != "ring")):
                 continue
             jobs.append((op, levels, algo, size, comm))
     return jobs
@@ -188,7 +189,8 @@ def _entry(job, mesh, runs: list[float], cpus: list[float]) -> dict:
     s, dt = mesh.factor(levels), DType(comm)
     wire = payload_bytes(_numel(size, s), s, dt)   # what the ledger records for this collective
     sec = median(runs)
-    return {"op": "all_to_all" if dt.quantized and op == "reduce_scatter" else op, "levels": list(levels),
+    wire_op = Op.ALL_TO_ALL if dt.quantized and op is Op.REDUCE_SCATTER else op
+    return {"op": wire_op.value, "levels": list(levels),
             "algo": algo, "comm": comm, "bytes": wire, "seconds": sec,
             "cpu_seconds": sum(cpus) / len(cpus) if cpus else None, "busbw": wire / sec * _bus_factor(op, s)}
 
@@ -237,7 +239,7 @@ def _profile(mesh, args, device: str) -> None:
         task = bar.add_task("", total=len(jobs) * args.sweeps)
         for sweep in range(args.sweeps):
             for j, (op, levels, algo, size, comm) in enumerate(jobs):
-                bar.update(task, description=f"{op} over {'+'.join(levels)} ({algo}, {comm}, {size} B)"
+                bar.update(task, description=f"{op.value} over {'+'.join(levels)} ({algo}, {comm}, {size} B)"
                                              + (f", sweep {sweep + 1}/{args.sweeps}" if args.sweeps > 1 else ""))
                 s = mesh.factor(levels)
                 got, cpu = _time_one(op, sm, levels, Collectives(algo), _numel(size, s), args, device, DType(comm))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardc.dsl.errors import ShardcError
+from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 
 NAMED_DIR = Path(__file__).resolve().parents[2] / "examples" / "strategies"
 
@@ -31,7 +32,7 @@ def named_points(mesh, units_of, accumulate: int, optimizer: str, optimizer_kwar
     return out
 
 
-def plot_among_named(e, model_spec: str, out: str, *, optimizer: str = "adamw", optimizer_kwargs=None) -> None:
+def plot_among_named(e, model_spec: str, out: str, *, optimizer: str = DEFAULT_OPTIMIZER, optimizer_kwargs=None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

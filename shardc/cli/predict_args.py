@@ -12,6 +12,7 @@ import sys
 
 from shardc.cli.argtypes import positive_int
 from shardc.dsl.errors import ShardcError
+from shardc.dsl.quantities import parse_memory
 
 
 def add_prediction_arguments(g) -> None:
@@ -49,7 +50,6 @@ def overhead(args):
     """`--overhead` in bytes, or None for the cost model's stated default."""
     if args.overhead is None:
         return None
-    from shardc.cli.cmd_plan import parse_memory
     return 0 if str(args.overhead).strip() in ("0", "0B") else int(parse_memory(args.overhead))
 
 
@@ -63,8 +63,7 @@ def links(args, fallback, mesh):
     if getattr(args, "bandwidth", None):
         raise ShardcError("--link and --bandwidth both describe the links; give a measured profile or --link, not both")
     from shardc.analysis.costmodel.network import parse_links
-    from shardc.analysis.costmodel.timing import parse_rate, parse_seconds
-    out = parse_links(args.link, fallback, parse_rate, parse_seconds)
+    out = parse_links(args.link, fallback)
     out.check(mesh)
     return out
 

@@ -1,0 +1,58 @@
+"""bench/results holds the runs the docs cite, under one naming scheme (docs/BENCHMARKS.md,
+"Result files"): every file is named KIND_LINK_MODEL_DATE[_RUN].EXT and cited by a page,
+a test or another kept result, and every result the pages cite exists."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+KINDS = ("systems", "collectives", "profile", "predict", "collective-models", "torch-profile", "profile-raw")
+NAME = re.compile(rf"({'|'.join(KINDS)})_(\d+[mg]bit)(_bench)?_(\d{{4}}-\d\d-\d\d)(_[a-z0-9-]+)?\.(json|md|txt|jsonl\.gz)")
+PAGES = [ROOT / "docs" / "BENCHMARKS.md", ROOT / "docs" / "explain.md", ROOT / "README.md"]
+CITATION = re.compile(r"[\w{},*-]+_\d+[mg]bit[\w{},*.-]*[\w}*]")
+OUTPUTS = ("gpu_trace",)       # written by bench scripts when they run, not shipped
+
+
+def expand(token: str) -> list[str]:
+    """`a_{x,y}.md` -> [`a_x.md`, `a_y.md`] (the docs' brace shorthand)."""
+    m = re.search(r"\{([^{}]*)\}", token)
+    if not m:
+        return [token]
+    return [e for alt in m.group(1).split(",") for e in expand(token[:m.start()] + alt + token[m.end():])]
+
+
+def citations(text: str) -> set[str]:
+    return {e for tok in CITATION.findall(text) for e in expand(tok)}
+
+
+def shipped() -> list[str]:
+    return sorted(p.name for p in RESULTS.iterdir())
+
+
+def test_every_result_is_named_by_the_scheme():
+    assert [n for n in shipped() if not NAME.fullmatch(n)] == []
+
+
+def test_every_result_is_cited():
+    tests = [p for p in sorted((ROOT / "tests").glob("*.py")) if p.name != Path(__file__).name]
+    sources = PAGES + tests + sorted(RESULTS.glob("*.md"))
+    cited = {(c, p.name) for p in sources for c in citations(p.read_text())}
+    uncited = [n for n in shipped() if not any(Path(n).match(c) for c, where in cited if where != n)]
+    assert uncited == []
+
+
+def test_every_cited_result_exists():
+    names = shipped()
+    missing = [c for p in PAGES for c in citations(p.read_text())
+               if not any(Path(n).match(c) for n in names) and not c.startswith(OUTPUTS)]
+    assert missing == []
+
+
+def test_the_citation_scan_sees_braces_and_globs():
+    found = citations("tables `predict_250mbit_bench_2026-11-24_{s1,s2}-on-pooled2.md`, "
+                      "`bench/results/torch-profile_250mbit_bench_2026-11-23_{before,after}-issue12-*.txt`.")
+    assert found == {"predict_250mbit_bench_2026-11-24_s1-on-pooled2.md", "predict_250mbit_bench_2026-11-24_s2-on-pooled2.md",
+                     "torch-profile_250mbit_bench_2026-11-23_before-issue12-*.txt",
+                     "torch-profile_250mbit_bench_2026-11-23_after-issue12-*.txt"}
