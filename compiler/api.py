@@ -16,14 +16,15 @@ import os
 
 from torch import nn
 
+from shardc.analysis.costmodel.bucketing import resolve_bucket
 from shardc.compiler.capture import capture as capture_graph
 from shardc.compiler.codegen import emit
 from shardc.compiler.passes import run_passes
 from shardc.compiler.plan import Plan, build_plan
-from shardc.compiler.units import find_units, resolve_bucket
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Strategy
 from shardc.lowering import unit_sizes
+from shardc.units import find_units
 
 __all__ = ["compile_model", "compile_source", "resolve_strategy", "load_emitted", "NO_PROCESS_GROUP"]
 

@@ -130,7 +130,7 @@ def _bucket_line(s: Strategy) -> str:
     size = f"{s.bucket:,} bytes" if s.bucket else "0 (no units merged)"
     line = s.line_of("bucket")
     why = f"{os.path.basename(s.file)}:{line}" if line else "chosen by the cost model, no `bucket` line"
-    return f"bucket {size}  ({why}; compiler/units.py resolve_bucket)"
+    return f"bucket {size}  ({why}; analysis/costmodel/bucketing.py resolve_bucket)"
 
 
 def _header(plan: Plan, model_class: str) -> list[str]:

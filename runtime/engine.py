@@ -45,11 +45,11 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from shardc.lowering import Schedule
+from shardc.units import UnitSpec
 
 from .boundary import Phase, StepBoundary
 from .errors import RuntimeUsageError
 from .flat import FlatGroup
-from .units import UnitSpec
 
 
 @dataclass

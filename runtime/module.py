@@ -23,6 +23,7 @@ from torch import nn
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
 from shardc.lowering import RankPlan, Schedule, Stage, lower, unit_sizes
+from shardc.units import UnitSpec, canonical_names, unit_members
 
 from . import buffers, checkpoint, faults, state
 from .comm import Comm
@@ -33,7 +34,6 @@ from .flat import TORCH_DTYPE, FlatGroup
 from .layout import build_layout
 from .ledger import Ledger, LedgerRecord
 from .optimizer import build_optimizer
-from .units import UnitSpec, param_owners
 from .workspace import Workspace
 
 
@@ -46,9 +46,9 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
 
 
 def _param_maps(model: nn.Module):
-    """canonical FQN -> parameter, alias FQN -> canonical (`param_owners`), canonical ->
+    """canonical FQN -> parameter, alias FQN -> canonical (`canonical_names`), canonical ->
     [(module, attr)], and every FQN in registration order."""
-    aliases = {n: names[0] for names in param_owners(model).values() for n in names}
+    aliases = canonical_names(model)
     targets, order = {}, []
     for mname, mod in model.named_modules(remove_duplicate=False):
         for attr, p in list(mod._parameters.items()):
@@ -61,29 +61,6 @@ def _param_maps(model: nn.Module):
                 lst.append((mod, attr))
     params = {aliases[f]: p for f, p in model.named_parameters(remove_duplicate=False)}
     return params, aliases, targets, order
-
-
-def _check_units(units: list[UnitSpec], params: dict, aliases: dict) -> list[list[str]]:
-    if not units or units[0].name != "<root>":
-        raise ShardcError("the unit list must start with the root unit '<root>'")
-    seen, per_unit = {}, []
-    for u in units:
-        names = []
-        for name in u.params:
-            canon = aliases.get(name)
-            if canon is None:
-                raise ShardcError(f"unit {u.name!r} lists {name!r}, which is not a parameter of the model")
-            if canon in seen and seen[canon] != u.name:
-                raise ShardcError(f"parameter {canon!r} is in units {seen[canon]!r} and {u.name!r}; "
-                                  f"tied parameters must share one unit")
-            if canon not in seen:
-                seen[canon] = u.name
-                names.append(canon)
-        per_unit.append(names)
-    missing = [n for n in params if n not in seen]
-    if missing:
-        raise ShardcError(f"parameter {missing[0]!r} is in no unit (every parameter needs one)")
-    return per_unit
 
 
 def _make_group(names, params, gplan, plan, comm, is_root, workspace):
@@ -119,7 +96,7 @@ class ShardedModule(nn.Module):
         _broadcast_from_rank0(model)
         params, self.aliases, targets, self.param_order = _param_maps(model)
         self.frozen = {n for n, p in params.items() if not p.requires_grad}
-        per_unit = _check_units(self.unit_specs, params, self.aliases)
+        per_unit = unit_members(self.unit_specs, self.aliases)      # [Note: unit membership]
         canonical = [dataclasses.replace(u, params=tuple(n)) for u, n in zip(self.unit_specs, per_unit)]
         self.lowering = lower(strategy.mesh, unit_sizes(params, canonical), strategy.prefetch)
         self._warm_groups()

@@ -1,4 +1,6 @@
 """compiler/passes: each pass on small hand-built graphs (node counts, order, no-op)."""
+import dataclasses
+
 import pytest
 import torch.fx as fx
 from torch import nn
@@ -7,8 +9,8 @@ from shardc.compiler.capture import CaptureInfo
 from shardc.compiler.passes import PASSES, annotate_units, check, insert_collectives, run_passes, schedule_overlap
 from shardc.compiler.passes.meta import Op, PassError, info
 from shardc.compiler.plan import build_plan
-from shardc.compiler.units import find_units
 from shardc.dsl.ir import GradsSpec, Level, Mesh, OptimSpec, ParamsSpec, Scopes, Strategy
+from shardc.units import find_units
 
 MESH = Mesh((Level("node", 2), Level("gpu", 2)))
 SHARDED = Scopes(ParamsSpec(("gpu",), line=3), GradsSpec(("gpu",), line=4), OptimSpec(("node", "gpu"), line=5))
@@ -39,7 +41,7 @@ def toy_graph(s, mode="fx"):
     g.output(x)
     gm = fx.GraphModule(model, g)
     units = find_units(model, s)
-    gm.meta["shardc"] = CaptureInfo(mode, tuple(units))
+    gm.meta["shardc"] = CaptureInfo(mode, tuple(units), tuple(n for n, _ in model.named_parameters()))
     return gm, model
 
 
@@ -142,7 +144,7 @@ def test_check_rejects_param_in_no_unit_and_unreleased_gather():
     s = strategy(prefetch=0)
     gm, _ = toy_graph(s)
     units = gm.meta["shardc"].units
-    gm.meta["shardc"] = CaptureInfo("fx", (units[0].__class__(units[0].name, (), units[0].scopes),) + units[1:])
+    gm.meta["shardc"] = dataclasses.replace(gm.meta["shardc"], units=(dataclasses.replace(units[0], params=()),) + units[1:])
     insert_collectives(annotate_units(gm, s), s)
     with pytest.raises(PassError, match="is in no unit"):
         check(gm, s)

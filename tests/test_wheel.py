@@ -22,7 +22,7 @@ from pathlib import Path
 from tests.harness import HANG_S
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("shardc", "dsl", "compiler", "analysis", "runtime", "lowering", "grammars")
+PACKAGES = ("shardc", "dsl", "compiler", "analysis", "runtime", "units", "lowering", "grammars")
 
 
 def _copy_sources(dst: Path) -> None:

@@ -41,9 +41,11 @@ class Explained:
 
 
 def model_units(strategy: Strategy, model) -> list[UnitSize]:
-    """The model's units under `strategy` (the compiler's unit finder) with their sizes."""
-    from shardc.compiler.units import find_units
-    return unit_sizes(model, find_units(model, strategy))
+    """The model's units under `strategy` (the unit finder, with the bucket size the
+    compiler resolves) with their sizes."""
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
+    from shardc.units import find_units
+    return unit_sizes(model, find_units(model, resolve_bucket(model, strategy)))
 
 
 def explain(strategy: Strategy, units, *, micro_batches: int | None = None, optimizer: str = "adamw",

@@ -1,32 +1,17 @@
 """Pass 4: check (scheduled graph -> the same graph, or a PassError).
 
 Input: a graph after `schedule_overlap`. Output: the graph unchanged. Invariants:
-- every parameter of the graph's module lies in exactly one unit (tied aliases count
-  once), and no unit lists a name twice;
+- the unit table obeys the unit-membership rule (`shardc.units.unit_members`, [Note: unit
+  membership], the rule `shard_module` applies too) over the model's parameters: every
+  parameter lies in exactly one unit (tied aliases count once);
 - every issued gather is waited and released (fx: the RUN_UNIT that follows it
   releases; export: a RELEASE marker), and `begin_forward` is closed by `end_forward`;
 - no gather is issued after its first use: issue < wait < first node of the unit.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 from shardc.compiler.passes.meta import Op, PassError, capture_info, info, units_of
-
-
-def _check_params(gm, units) -> None:
-    listed = Counter(p for u in units for p in u.params)
-    dup = [n for n, c in listed.items() if c > 1]
-    if dup:
-        raise PassError(f"parameter {dup[0]} is listed in more than one unit")
-    canonical = dict(capture_info(gm).aliases)
-    names = {canonical.get(n, n) for n, _ in gm.named_parameters(remove_duplicate=False)}
-    sig = gm.meta.get("shardc_signature")
-    if sig is not None:
-        names |= {canonical.get(n, n) for n in sig.inputs_to_parameters.values()}
-    missing = sorted(n for n in names if n not in listed)
-    if missing:
-        raise PassError(f"parameter {missing[0]} is in no unit")
+from shardc.units import unit_members
 
 
 def _check_schedule(gm, units) -> None:
@@ -61,6 +46,6 @@ def _check_schedule(gm, units) -> None:
 
 def check(gm, strategy):
     units = units_of(gm)
-    _check_params(gm, units)
+    unit_members(units, capture_info(gm).canonical, PassError)
     _check_schedule(gm, units)
     return gm

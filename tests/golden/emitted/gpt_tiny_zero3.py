@@ -7,7 +7,7 @@ grads       shard over world  (s=4, zero3.shard:5)
 optim       shard over world  (s=4, zero3.shard:6)
 accumulate 1, prefetch 1, collectives hierarchical, capture fx
 plan passes early_sync, defer_update (shardc.lowering.passes)
-bucket 0 (no units merged)  (chosen by the cost model, no `bucket` line; compiler/units.py resolve_bucket)
+bucket 0 (no units merged)  (chosen by the cost model, no `bucket` line; analysis/costmodel/bucketing.py resolve_bucket)
 
 units (forward order):
     #  name                         params     elements  params | grads | optim
@@ -23,7 +23,8 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import (Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec,  # noqa: F401
                            BufferSync, Scopes, Secondary, Strategy, UnitsKind, UnitsSpec)
 from shardc.lowering import Schedule, Stage
-from shardc.runtime import UnitSpec, shard_module
+from shardc.runtime import shard_module
+from shardc.units import UnitSpec
 
 STRATEGY = Strategy(name='zero3',
                     mesh=Mesh(levels=(Level(name='node', size=2), Level(name='gpu', size=2))),
