@@ -1,17 +1,16 @@
-"""The compiler pipeline end to end (`shardc.compile`, `shardc compile`).
+"""The compiler pipeline end to end (`shardc compile`; `shardc.compile` runs its text).
 
 Input: a model, a strategy (an `ir.Strategy`, a path or the text), optional example
 inputs, a capture mode and a mesh override. Output: `compile_source` gives the emitted
-module's text and its Plan; `compile_model` runs the same pipeline in memory, executes
-the text and returns `shard_model(model)` (a `ShardedModule`).
+module's text and its Plan; `shardc.api.compile_model` (the public API's layer, which
+may import the runtime) executes that text and returns `shard_model(model)`.
 
-Pipeline: strategy -> bucket size resolved (cost model) -> units -> collectives resolved (cost model) -> capture -> passes
--> Plan -> codegen. `shardc compile` writes exactly the text `compile_model` executes.
+Pipeline: strategy -> bucket size resolved (cost model) -> units -> collectives resolved
+(cost model) -> capture -> graph passes -> Plan (with the lowering) -> codegen.
 """
 from __future__ import annotations
 
 import dataclasses
-import linecache
 import os
 
 from torch import nn
@@ -26,12 +25,7 @@ from shardc.dsl.ir import Collectives, Strategy
 from shardc.lowering import unit_sizes
 from shardc.units import find_units
 
-__all__ = ["compile_model", "compile_source", "resolve_strategy", "load_emitted", "NO_PROCESS_GROUP"]
-
-NO_PROCESS_GROUP = ("shardc.compile returns a distributed module, so it runs in one process per rank: "
-                    "launch your script with torchrun (e.g. `torchrun --nproc-per-node 4 train.py`) and call "
-                    "torch.distributed.init_process_group() before it; `shardc compile ... -o out.py` "
-                    "writes the module without a process group")
+__all__ = ["compile_source", "resolve_strategy"]
 
 
 def resolve_strategy(strategy, mesh=None, world_size: int | None = None) -> Strategy:
@@ -75,31 +69,3 @@ def compile_source(model: nn.Module, strategy, example_inputs=None, capture: str
     gm = run_passes(gm, strategy)
     plan = build_plan(gm, strategy, model, passes)
     return emit(plan, gm, type(model).__name__), plan
-
-
-def load_emitted(source: str, name: str) -> dict:
-    """Execute emitted source as a module namespace (kept in linecache for tracebacks)."""
-    filename = f"<shardc-emitted {name}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace = {"__name__": f"shardc_emitted_{name}"}
-    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 — our own generated code
-    return namespace
-
-
-def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str = "auto", mesh=None,
-                  timeout: float | None = None, passes=None):
-    """`shardc.compile`: the same pipeline as `shardc compile`, run in memory. `timeout`
-    (seconds) overrides $SHARDC_TIMEOUT for every wait on a peer (runtime/faults.py);
-    `passes` names the plan passes to run (None: all, `()`: none)."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ShardcError(NO_PROCESS_GROUP)
-    source, plan = compile_source(model, strategy, example_inputs, capture, mesh, passes=passes)
-    namespace = load_emitted(source, plan.strategy.name)
-    sm = namespace["shard_model"](model)
-    if timeout is not None:
-        from shardc.runtime.faults import set_timeout
-        set_timeout(sm, timeout)
-    sm.plan = plan
-    sm.source = source
-    return sm
