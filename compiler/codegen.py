@@ -201,6 +201,7 @@ def emit(plan: Plan, gm, model_class: str) -> str:
         rows=_row_lines(plan, c),
         sync_early=repr(plan.lowering.schedule.sync_early) if plan.lowering.schedule.sync_early else "",
         update_deferred=repr(plan.lowering.schedule.update_deferred) if plan.lowering.schedule.update_deferred else "",
+        plan_passes=repr(tuple(plan.passes)),
         forward_params=", ".join(("sm",) + tuple(params)),
         body=body,
     )

@@ -3,8 +3,9 @@ strategy -> a running ShardedModule).
 
 Input: what `shardc.compile` takes. Output: a `ShardedModule`: the compiler pipeline
 (`shardc.compiler.api.compile_source`) gives the emitted module's text and its Plan; this
-layer executes the text (`load_emitted`) and calls its `shard_model`, then applies the
-timeout (the runtime's `set_timeout`). `shardc compile` writes exactly the text
+layer executes the text (`load_emitted`) and calls its `shard_model` with the Plan's
+`Lowering`, so the runtime runs the plan the compiler made (it lowers nothing again),
+then applies the timeout (the runtime's `set_timeout`). `shardc compile` writes exactly the text
 `compile_model` executes. It lives above the compiler because it needs the runtime.
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str 
         raise ShardcError(NO_PROCESS_GROUP)
     source, plan = compile_source(model, strategy, example_inputs, capture, mesh, passes=passes)
     namespace = load_emitted(source, plan.strategy.name)
-    sm = namespace["shard_model"](model)
+    sm = namespace["shard_model"](model, lowering=plan.lowering)     # the plan the compiler made, not lowered again
     if timeout is not None:
         from shardc.runtime.faults import set_timeout
         set_timeout(sm, timeout)
