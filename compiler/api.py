@@ -3,10 +3,17 @@
 Input: a model, a strategy (an `ir.Strategy`, a path or the text), optional example
 inputs, a capture mode and a mesh override. Output: `compile_source` gives the emitted
 module's text and its Plan; `shardc.api.compile_model` (the public API's layer, which
-may import the runtime) executes that text and returns `shard_model(model)`.
+may import the runtime) executes that text and returns `shard_model(model,
+lowering=plan.lowering)`.
 
 Pipeline: strategy -> bucket size resolved (cost model) -> units -> collectives resolved
 (cost model) -> capture -> graph passes -> Plan (with the lowering) -> codegen.
+
+[Note: stage names]
+The compiler's stages go by name (`units`, `capture`, `graph passes`, `plan`, `codegen`;
+the graph passes are numbered 1-4 among themselves); the numbered stages 1-3 are the
+strategy pipeline's: parse (text -> AST) and resolve (AST -> Strategy) in dsl/, lower
+(Strategy + unit sizes -> Lowering) in lowering/, which the `plan` stage calls.
 """
 from __future__ import annotations
 
@@ -59,7 +66,7 @@ def _resolve_collectives(strategy: Strategy, model: nn.Module, units) -> Strateg
 def compile_source(model: nn.Module, strategy, example_inputs=None, capture: str = "auto",
                    mesh=None, world_size: int | None = None, passes=None) -> tuple[str, Plan]:
     """The emitted module's source text and the Plan it came from; `passes` names the
-    plan passes to run (None: all of `shardc.lowering.passes.PASSES`)."""
+    plan passes to run (None: all of `shardc.lowering.passes.PLAN_PASSES`)."""
     if not isinstance(model, nn.Module):
         raise ShardcError(f"shardc.compile needs an nn.Module, got {type(model).__name__}")
     strategy = resolve_bucket(model, resolve_strategy(strategy, mesh, world_size))

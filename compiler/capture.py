@@ -1,4 +1,4 @@
-"""Capture — compiler stage 1 (model -> torch.fx graph with unit regions).
+"""Capture — compiler stage `capture` (model -> torch.fx graph with unit regions).
 
 Input: an `nn.Module`, its unit table (`find_units`), optional example inputs, a mode.
 Output: a `torch.fx.GraphModule` whose `meta["shardc"]` is a `CaptureInfo` (mode, the

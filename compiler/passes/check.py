@@ -1,4 +1,4 @@
-"""Pass 4: check (scheduled graph -> the same graph, or a PassError).
+"""Graph pass 4: check (scheduled graph -> the same graph, or a PassError).
 
 Input: a graph after `schedule_overlap`. Output: the graph unchanged. Invariants:
 - the unit table obeys the unit-membership rule (`shardc.units.unit_members`, [Note: unit
@@ -10,7 +10,7 @@ Input: a graph after `schedule_overlap`. Output: the graph unchanged. Invariants
 """
 from __future__ import annotations
 
-from shardc.compiler.passes.meta import Op, PassError, capture_info, info, units_of
+from shardc.compiler.passes.meta import Call, PassError, capture_info, info, units_of
 from shardc.units import unit_members
 
 
@@ -18,22 +18,22 @@ def _check_schedule(gm, units) -> None:
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     ops = [(info(n).op, info(n).unit, n) for n in nodes if info(n) is not None]
-    begins = [n for op, _, n in ops if op is Op.BEGIN_FORWARD]
-    ends = [n for op, _, n in ops if op is Op.END_FORWARD]
+    begins = [n for op, _, n in ops if op is Call.BEGIN_FORWARD]
+    ends = [n for op, _, n in ops if op is Call.END_FORWARD]
     if len(begins) != 1 or len(ends) != 1 or pos[begins[0]] > pos[ends[0]]:
         raise PassError("the forward must open with one begin_forward and close with one end_forward")
-    releasing = Op.RUN_UNIT if capture_info(gm).mode == "fx" else Op.RELEASE
+    releasing = Call.RUN_UNIT if capture_info(gm).mode == "fx" else Call.RELEASE
     pending: dict[int, list[str]] = {}
     for op, unit, n in ops:
-        if op is Op.ISSUE_GATHER:
+        if op is Call.ISSUE_GATHER:
             if pending.get(unit):
                 raise PassError(f"unit {units[unit].name}: gather issued twice before it is used")
             pending[unit] = ["issued"]
-        elif op is Op.WAIT_GATHER:
+        elif op is Call.WAIT_GATHER:
             if pending.get(unit) != ["issued"]:
                 raise PassError(f"unit {units[unit].name}: waited on a gather that was not issued before")
             pending[unit].append("waited")
-        elif op is Op.RUN_UNIT or (op is Op.COMPUTE and unit):
+        elif op is Call.RUN_UNIT or (op is Call.COMPUTE and unit):
             if unit in pending and pending[unit] == ["issued"]:
                 raise PassError(f"unit {units[unit].name}: used before its gather was waited on")
         if op is releasing and unit in pending:
