@@ -44,7 +44,8 @@ def gpt2_small():
 
 
 def time_one(factory, strategy: str, repeat: int) -> dict:
-    from shardc.compiler.api import compile_source, load_emitted
+    from shardc.api import load_emitted
+    from shardc.compiler.api import compile_source
     src_t, shard_t = [], []
     for _ in range(repeat):
         torch.manual_seed(0)

@@ -1,36 +1,38 @@
-"""The compiler pipeline end to end (`shardc.compile`, `shardc compile`).
+"""The compiler pipeline end to end (`shardc compile`; `shardc.compile` runs its text).
 
 Input: a model, a strategy (an `ir.Strategy`, a path or the text), optional example
 inputs, a capture mode and a mesh override. Output: `compile_source` gives the emitted
-module's text and its Plan; `compile_model` runs the same pipeline in memory, executes
-the text and returns `shard_model(model)` (a `ShardedModule`).
+module's text and its Plan; `shardc.api.compile_model` (the public API's layer, which
+may import the runtime) executes that text and returns `shard_model(model,
+lowering=plan.lowering)`.
 
-Pipeline: strategy -> bucket size resolved (cost model) -> units -> collectives resolved (cost model) -> capture -> passes
--> Plan -> codegen. `shardc compile` writes exactly the text `compile_model` executes.
+Pipeline: strategy -> bucket size resolved (cost model) -> units -> collectives resolved
+(cost model) -> capture -> graph passes -> Plan (with the lowering) -> codegen.
+
+[Note: stage names]
+The compiler's stages go by name (`units`, `capture`, `graph passes`, `plan`, `codegen`;
+the graph passes are numbered 1-4 among themselves); the numbered stages 1-3 are the
+strategy pipeline's: parse (text -> AST) and resolve (AST -> Strategy) in dsl/, lower
+(Strategy + unit sizes -> Lowering) in lowering/, which the `plan` stage calls.
 """
 from __future__ import annotations
 
 import dataclasses
-import linecache
 import os
 
 from torch import nn
 
+from shardc.analysis.costmodel.bucketing import resolve_bucket
 from shardc.compiler.capture import capture as capture_graph
 from shardc.compiler.codegen import emit
 from shardc.compiler.passes import run_passes
 from shardc.compiler.plan import Plan, build_plan
-from shardc.compiler.units import find_units, resolve_bucket
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Strategy
 from shardc.lowering import unit_sizes
+from shardc.units import find_units
 
-__all__ = ["compile_model", "compile_source", "resolve_strategy", "load_emitted", "NO_PROCESS_GROUP"]
-
-NO_PROCESS_GROUP = ("shardc.compile returns a distributed module, so it runs in one process per rank: "
-                    "launch your script with torchrun (e.g. `torchrun --nproc-per-node 4 train.py`) and call "
-                    "torch.distributed.init_process_group() before it; `shardc compile ... -o out.py` "
-                    "writes the module without a process group")
+__all__ = ["compile_source", "resolve_strategy"]
 
 
 def resolve_strategy(strategy, mesh=None, world_size: int | None = None) -> Strategy:
@@ -64,7 +66,7 @@ def _resolve_collectives(strategy: Strategy, model: nn.Module, units) -> Strateg
 def compile_source(model: nn.Module, strategy, example_inputs=None, capture: str = "auto",
                    mesh=None, world_size: int | None = None, passes=None) -> tuple[str, Plan]:
     """The emitted module's source text and the Plan it came from; `passes` names the
-    plan passes to run (None: all of `shardc.lowering.passes.PASSES`)."""
+    plan passes to run (None: all of `shardc.lowering.passes.PLAN_PASSES`)."""
     if not isinstance(model, nn.Module):
         raise ShardcError(f"shardc.compile needs an nn.Module, got {type(model).__name__}")
     strategy = resolve_bucket(model, resolve_strategy(strategy, mesh, world_size))
@@ -74,30 +76,3 @@ def compile_source(model: nn.Module, strategy, example_inputs=None, capture: str
     gm = run_passes(gm, strategy)
     plan = build_plan(gm, strategy, model, passes)
     return emit(plan, gm, type(model).__name__), plan
-
-
-def load_emitted(source: str, name: str) -> dict:
-    """Execute emitted source as a module namespace (kept in linecache for tracebacks)."""
-    filename = f"<shardc-emitted {name}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace = {"__name__": f"shardc_emitted_{name}"}
-    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 — our own generated code
-    return namespace
-
-
-def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str = "auto", mesh=None,
-                  timeout: float | None = None, passes=None):
-    """`shardc.compile`: the same pipeline as `shardc compile`, run in memory. `timeout`
-    (seconds) overrides $SHARDC_TIMEOUT for every wait on a peer (runtime/faults.py);
-    `passes` names the plan passes to run (None: all, `()`: none)."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ShardcError(NO_PROCESS_GROUP)
-    source, plan = compile_source(model, strategy, example_inputs, capture, mesh, passes=passes)
-    namespace = load_emitted(source, plan.strategy.name)
-    sm = namespace["shard_model"](model)
-    if timeout is not None:
-        sm.set_timeout(timeout)
-    sm.plan = plan
-    sm.source = source
-    return sm

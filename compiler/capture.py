@@ -1,8 +1,8 @@
-"""Capture — compiler stage 1 (model -> torch.fx graph with unit regions).
+"""Capture — compiler stage `capture` (model -> torch.fx graph with unit regions).
 
 Input: an `nn.Module`, its unit table (`find_units`), optional example inputs, a mode.
 Output: a `torch.fx.GraphModule` whose `meta["shardc"]` is a `CaptureInfo` (mode, the
-unit table reordered into forward execution order, notes).
+unit table reordered into forward execution order, the model's parameter names, notes).
 
 [Note: two capture modes]
 `fx`: `torch.fx` symbolic trace in which every unit module is a leaf, so each unit is
@@ -30,6 +30,7 @@ import re
 import logging
 import os
 import traceback
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,7 @@ import torch.fx as fx
 from torch import nn
 
 from shardc.dsl.errors import ShardcError
-from shardc.compiler.units import param_owners, reorder
+from shardc.units import param_owners, reorder
 
 __all__ = ["CaptureInfo", "capture", "MODES"]
 
@@ -50,8 +51,14 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 class CaptureInfo:
     mode: str                    # "fx" | "export"
     units: tuple                 # UnitSpec, root first, forward execution order
+    params: tuple[str, ...]      # the model's canonical parameter FQNs, registration order
     notes: tuple[str, ...] = ()
     aliases: tuple[tuple[str, str], ...] = ()   # (tied alias, canonical name)
+
+    @property
+    def canonical(self) -> dict[str, str]:
+        """Every FQN a parameter of the model is reachable under -> its canonical name."""
+        return {**{p: p for p in self.params}, **dict(self.aliases)}
 
 
 class _UnitTracer(fx.Tracer):
@@ -120,12 +127,15 @@ def _capture_fx(model: nn.Module, units) -> fx.GraphModule:
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
     leaves = _leaves(units)
     first_run = [n.target for n in graph.nodes if n.op == "call_module" and n.target in leaves]
-    gm.meta["shardc"] = CaptureInfo("fx", tuple(reorder(list(units), _dedup(first_run))), (), _aliases(model))
+    gm.meta["shardc"] = _info("fx", model, units, first_run)
     return gm
 
 
-def _aliases(model: nn.Module) -> tuple[tuple[str, str], ...]:
-    return tuple((a, names[0]) for names in param_owners(model).values() for a in names[1:])
+def _info(mode: str, model: nn.Module, units, first_run: list[str]) -> CaptureInfo:
+    """The capture's record: units in the order their modules first run, the model's names."""
+    owners = param_owners(model).values()
+    return CaptureInfo(mode, tuple(reorder(list(units), _dedup(first_run))), tuple(names[0] for names in owners),
+                       aliases=tuple((a, names[0]) for names in owners for a in names[1:]))
 
 
 def _dedup(xs):
@@ -218,8 +228,7 @@ def _capture_export(model: nn.Module, units, example_inputs) -> fx.GraphModule:
         unit = unit_of_stack(n.meta.get("nn_module_stack"), leaves)
         if unit is not None:
             first_run.append(unit)
-    gm.meta["shardc"] = CaptureInfo("export", tuple(reorder(list(units), _dedup(first_run))), (), _aliases(model))
-    gm.meta["shardc_signature"] = ep.graph_signature
+    gm.meta["shardc"] = _info("export", model, units, first_run)
     return gm
 
 
@@ -268,6 +277,5 @@ def capture(model: nn.Module, units, example_inputs=None, mode: str = "auto") ->
         except ShardcError as export_error:
             raise ShardcError(f"neither capture mode worked — {fx_error}; and {export_error}") from None
         info = gm.meta["shardc"]
-        gm.meta["shardc"] = CaptureInfo(info.mode, info.units, info.notes + (f"fx failed, used export: {fx_error}",),
-                                        info.aliases)
+        gm.meta["shardc"] = dataclasses.replace(info, notes=info.notes + (f"fx failed, used export: {fx_error}",))
         return gm

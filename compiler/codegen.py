@@ -1,4 +1,4 @@
-"""Codegen — compiler stage 4 (Plan + scheduled graph -> Python source).
+"""Codegen — compiler stage `codegen` (Plan + scheduled graph -> Python source).
 
 Input: a `Plan`, the scheduled GraphModule it came from, the model's class name.
 Output: the text of a standalone Python module (deterministic: same inputs, same
@@ -18,8 +18,10 @@ hooks (`hooks=True`). The header says which.
 [Note: the emitted plan]
 Both kinds print the lowered plan (`shardc.lowering`): UNITS as literals, every
 collective row of every unit with the strategy line that causes it (comments: what the
-ledger will record), and SCHEDULE, the `Schedule` the runtime follows, passed to
-`shard_module(..., schedule=SCHEDULE)`. SCHEDULE holds exactly what the engine reads.
+ledger will record), PLAN_PASSES (the plan passes that ran: `shard_model` lowers UNITS
+with exactly these unless handed the Plan's `Lowering`, which `shardc.compile` hands over)
+and SCHEDULE, the `Schedule` the runtime follows, `shard_model`'s default `schedule=`
+passed to `shard_module`. SCHEDULE holds exactly what the engine reads.
 On the hooks path that is the forward and the backward stages. With fx capture the
 forward stages are the emitted forward's `rt.issue_gather` calls (placed by the
 `schedule_overlap` pass from the same plan), so SCHEDULE has `forward=()` and holds the
@@ -36,9 +38,9 @@ from functools import lru_cache
 import jinja2
 
 from shardc.compiler.emit_graph import graph_code
-from shardc.compiler.passes.meta import Op, info
+from shardc.compiler.passes.meta import Call, info
 from shardc.compiler.plan import Plan
-from shardc.dsl.ir import Scopes, Strategy
+from shardc.dsl.ir import STATES, Scopes, Strategy
 from shardc.dsl.unparse import state_clause, state_text
 from shardc.lowering import Phase
 
@@ -82,16 +84,16 @@ class _Commenter:
 
     def __call__(self, node) -> str:
         meta = info(node)
-        if meta is None or meta.op is Op.COMPUTE:
+        if meta is None or meta.op is Call.COMPUTE:
             return ""
         s, unit = self.plan.strategy, self.plan.units[meta.unit]
         sc = unit.scopes
-        if meta.op in (Op.BEGIN_FORWARD, Op.END_FORWARD):
+        if meta.op in (Call.BEGIN_FORWARD, Call.END_FORWARD):
             return self.stmt(sc, "params") + (" (root unit)" if meta.line else "") if meta.line else ""
-        if meta.op is Op.ISSUE_GATHER:
+        if meta.op is Call.ISSUE_GATHER:
             pre = f"; {statement(s, s.line_of('prefetch'), f'prefetch {s.prefetch}')}" if s.prefetch else ""
             return self.stmt(sc, "params") + pre
-        if meta.op in (Op.WAIT_GATHER, Op.RELEASE):
+        if meta.op in (Call.WAIT_GATHER, Call.RELEASE):
             return self.stmt(sc, "params")
         return self._backward(meta.unit)
 
@@ -130,14 +132,14 @@ def _bucket_line(s: Strategy) -> str:
     size = f"{s.bucket:,} bytes" if s.bucket else "0 (no units merged)"
     line = s.line_of("bucket")
     why = f"{os.path.basename(s.file)}:{line}" if line else "chosen by the cost model, no `bucket` line"
-    return f"bucket {size}  ({why}; compiler/units.py resolve_bucket)"
+    return f"bucket {size}  ({why}; analysis/costmodel/bucketing.py resolve_bucket)"
 
 
 def _header(plan: Plan, model_class: str) -> list[str]:
     s = plan.strategy
     lines = [f"{model_class} sharded under strategy `{s.name}` ({os.path.basename(s.file)}), emitted by shardc.",
              "", f"mesh        {s.mesh}   (world {s.mesh.world})"]
-    for state in ("params", "grads", "optim"):
+    for state in STATES:
         spec = getattr(s.scopes, state)
         where = f"{os.path.basename(s.file)}:{spec.line}" if spec.line else "default"
         lines.append(f"{state:<11} {state_clause(spec, s.mesh)}  (s={s.factor(spec.levels)}, {where})")
@@ -150,7 +152,7 @@ def _header(plan: Plan, model_class: str) -> list[str]:
                   "(hooks=True), which follow SCHEDULE below (units in the exported graph's order)."]
     lines += ["", "units (forward order):", f"  {'#':>3}  {'name':<28} {'params':>6} {'elements':>12}  params | grads | optim"]
     for i, u in enumerate(plan.units):
-        lv = " | ".join(",".join(getattr(u.scopes, st).levels) or "-" for st in ("params", "grads", "optim"))
+        lv = " | ".join(",".join(getattr(u.scopes, st).levels) or "-" for st in STATES)
         lines.append(f"  {i:>3}  {u.name:<28} {len(u.params):>6} {plan.unit_numels[i]:>12,}  {lv}")
     lines += [f"note: {n}" for n in plan.notes]
     return lines
@@ -201,6 +203,7 @@ def emit(plan: Plan, gm, model_class: str) -> str:
         rows=_row_lines(plan, c),
         sync_early=repr(plan.lowering.schedule.sync_early) if plan.lowering.schedule.sync_early else "",
         update_deferred=repr(plan.lowering.schedule.update_deferred) if plan.lowering.schedule.update_deferred else "",
+        plan_passes=repr(tuple(plan.passes)),
         forward_params=", ".join(("sm",) + tuple(params)),
         body=body,
     )

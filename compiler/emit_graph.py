@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx.node import Node, _get_qualified_name
 
-from shardc.compiler.passes.meta import Op, info
+from shardc.compiler.passes.meta import Call, info
 from shardc.dsl.errors import ShardcError
 
 __all__ = ["Line", "GraphCode", "graph_code"]
@@ -135,7 +135,7 @@ def graph_code(gm, comment) -> GraphCode:
     params, lines = [], []
     for n in gm.graph.nodes:
         name, meta = pr.names[n], info(n)
-        op = meta.op if meta is not None else Op.COMPUTE
+        op = meta.op if meta is not None else Call.COMPUTE
         if n.op == "placeholder":
             if str(n.target).startswith("*"):
                 raise ShardcError("forward(*args, **kwargs) cannot be emitted; give the model explicit arguments")
@@ -149,10 +149,10 @@ def graph_code(gm, comment) -> GraphCode:
     return GraphCode(tuple(params), tuple(lines), tuple(sorted(pr.imports)))
 
 
-def _node_code(pr: _Printer, n: Node, op: Op, meta) -> str:
-    if op in (Op.BEGIN_FORWARD, Op.ISSUE_GATHER, Op.WAIT_GATHER, Op.RELEASE, Op.END_FORWARD):
+def _node_code(pr: _Printer, n: Node, op: Call, meta) -> str:
+    if op in (Call.BEGIN_FORWARD, Call.ISSUE_GATHER, Call.WAIT_GATHER, Call.RELEASE, Call.END_FORWARD):
         return pr.call(f"rt.{op.value}", n.args, n.kwargs)
-    if op is Op.RUN_UNIT:
+    if op is Call.RUN_UNIT:
         return pr.call("rt.run_unit", (meta.unit, _Raw(module_expr(n.target)), *n.args), n.kwargs)
     if n.op == "call_module":
         return pr.call(module_expr(n.target), n.args, n.kwargs)

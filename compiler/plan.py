@@ -1,9 +1,10 @@
-"""Plan IR — compiler stage 3 (scheduled graph -> **Plan**).
+"""Plan IR — compiler stage `plan` (scheduled graph + the lowering -> **Plan**).
 
 Input: a GraphModule that went through every pass, the Strategy, the model.
 Output: a `Plan`: the strategy, the unit table in forward order with each unit's
-element counts, the lowered plan (`shardc.lowering.Lowering`: groups, rows, the
-schedule the runtime follows), the graph's runtime calls (one `Step` per call, in
+element counts, the lowered plan (`shardc.lowering.Lowering`, built here by stage 3 of
+the pipeline, `lower`: groups, rows, the schedule the runtime follows; `shardc.compile`
+hands this very object to the runtime), the graph's runtime calls (one `Step` per call, in
 program order, each naming the strategy line that caused it) and the model's parameter
 structure. Codegen reads only this.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from shardc.compiler.passes.meta import Op, capture_info, info
+from shardc.compiler.passes.meta import Call, capture_info, info
 from shardc.dsl.ir import Strategy
 from shardc.lowering import Lowering, lower, unit_sizes
 from shardc.lowering.passes import pass_names
@@ -23,7 +24,7 @@ __all__ = ["Step", "Plan", "build_plan"]
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    op: Op                 # BEGIN_FORWARD | ISSUE_GATHER | WAIT_GATHER | RUN_UNIT | RELEASE | END_FORWARD
+    op: Call                 # BEGIN_FORWARD | ISSUE_GATHER | WAIT_GATHER | RUN_UNIT | RELEASE | END_FORWARD
     unit: int
     line: int = 0          # strategy line that caused it (0: none)
 
@@ -49,7 +50,7 @@ class Plan:
 def build_plan(gm, strategy: Strategy, model: nn.Module, passes=None) -> Plan:
     ci = capture_info(gm)
     steps = tuple(Step(info(n).op, info(n).unit, info(n).line) for n in gm.graph.nodes
-                  if info(n) is not None and info(n).op is not Op.COMPUTE)
+                  if info(n) is not None and info(n).op is not Call.COMPUTE)
     sizes = unit_sizes(dict(model.named_parameters()), ci.units)
     lowering = lower(strategy.mesh, sizes, strategy.prefetch, passes)
     structure = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())

@@ -1,4 +1,5 @@
-"""shardc.lowering — stage 3: a Strategy and its units lowered to the one plan.
+"""shardc.lowering — stage 3 of the pipeline (after the DSL's parse, 1, and resolve, 2): a
+Strategy and its units lowered to the one plan.
 
 Input: a resolved `Strategy` (from `shardc.dsl`) and per-unit element counts.
 Output: a `Lowering` (per-unit scopes, factors, padded flat groups, their collectives

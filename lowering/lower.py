@@ -52,7 +52,7 @@ def lower_unit(mesh: Mesh, u: UnitSize) -> UnitPlan:
 
 def lower(mesh: Mesh, units, prefetch: int = 1, passes=None) -> Lowering:
     """The plan over `units` (UnitSizes, forward order, root first) on `mesh` with `prefetch`,
-    rewritten by the plan passes named in `passes` (None: all of `passes.PASSES`)."""
+    rewritten by the plan passes named in `passes` (None: all of `passes.PLAN_PASSES`)."""
     plans = tuple(lower_unit(mesh, u) for u in units)
     clip = clip_rows(mesh, [p.scopes.optim.levels for p in plans
                                      if any(g.trainable for g in p.groups)])

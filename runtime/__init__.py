@@ -20,7 +20,7 @@ from .errors import RuntimeUsageError
 from .ledger import LedgerRecord
 from .module import ShardedModule, shard_module
 from .optimizer import ELEMENTWISE
-from .units import UnitSpec
+from shardc.units import UnitSpec     # re-exported: emitted modules before shardc.units imported it here
 
 from .mesh import ShardMesh
 

@@ -1,7 +1,8 @@
 """ShardedModule and shard_module — stage: runtime (entry point of emitted code).
 
 Input: an nn.Module, a resolved `Strategy`, the compiler's `UnitSpec` list (root first,
-then forward order), optionally a `ShardMesh`.
+then forward order), optionally a `ShardMesh`, and the plan of those units (the
+compiler's `Lowering`; without one it is lowered here, once, with the named plan passes).
 Output: a `ShardedModule` whose parameters live in per-unit flat shards, with the
 optimizer, clipping, ledger, memory report and state-dict methods of docs/internals.md.
 
@@ -22,7 +23,8 @@ from torch import nn
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
-from shardc.lowering import RankPlan, Schedule, Stage, lower, unit_sizes
+from shardc.lowering import Lowering, RankPlan, Schedule, Stage, lower, unit_sizes
+from shardc.units import UnitSpec, canonical_names, unit_members
 
 from . import buffers, checkpoint, state
 from .comm import Comm
@@ -37,7 +39,6 @@ from .ledger import Ledger, LedgerRecord
 from .optimizer import build_optimizer
 from .storage import FlatStorage
 from .unit import UnitState
-from .units import UnitSpec, param_owners
 from .workspace import Workspace
 
 
@@ -50,9 +51,9 @@ def _broadcast_from_rank0(model: nn.Module) -> None:
 
 
 def _param_maps(model: nn.Module):
-    """canonical FQN -> parameter, alias FQN -> canonical (`param_owners`), canonical ->
+    """canonical FQN -> parameter, alias FQN -> canonical (`canonical_names`), canonical ->
     [(module, attr)], and every FQN in registration order."""
-    aliases = {n: names[0] for names in param_owners(model).values() for n in names}
+    aliases = canonical_names(model)
     targets, order = {}, []
     for mname, mod in model.named_modules(remove_duplicate=False):
         for attr, p in list(mod._parameters.items()):
@@ -65,29 +66,6 @@ def _param_maps(model: nn.Module):
                 lst.append((mod, attr))
     params = {aliases[f]: p for f, p in model.named_parameters(remove_duplicate=False)}
     return params, aliases, targets, order
-
-
-def _check_units(units: list[UnitSpec], params: dict, aliases: dict) -> list[list[str]]:
-    if not units or units[0].name != "<root>":
-        raise ShardcError("the unit list must start with the root unit '<root>'")
-    seen, per_unit = {}, []
-    for u in units:
-        names = []
-        for name in u.params:
-            canon = aliases.get(name)
-            if canon is None:
-                raise ShardcError(f"unit {u.name!r} lists {name!r}, which is not a parameter of the model")
-            if canon in seen and seen[canon] != u.name:
-                raise ShardcError(f"parameter {canon!r} is in units {seen[canon]!r} and {u.name!r}; "
-                                  f"tied parameters must share one unit")
-            if canon not in seen:
-                seen[canon] = u.name
-                names.append(canon)
-        per_unit.append(names)
-    missing = [n for n in params if n not in seen]
-    if missing:
-        raise ShardcError(f"parameter {missing[0]!r} is in no unit (every parameter needs one)")
-    return per_unit
 
 
 def _make_storage(names, params, gplan, plan, is_root) -> FlatStorage:
@@ -103,7 +81,8 @@ def _make_storage(names, params, gplan, plan, is_root) -> FlatStorage:
 
 class ShardedModule(nn.Module):
     def __init__(self, model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None,
-                 hooks: bool = True, schedule: Schedule | None = None, timeout: float | None = None):
+                 hooks: bool = True, schedule: Schedule | None = None, timeout: float | None = None,
+                 passes=None, lowering: Lowering | None = None):
         super().__init__()
         self.faults = Faults(timeout)
         if not dist.is_initialized():
@@ -124,9 +103,12 @@ class ShardedModule(nn.Module):
         self.state_keys = tuple(model.state_dict(keep_vars=True))    # torch's keys, before any change
         self.names_of = {c: [n for n in self.param_order if self.aliases[n] == c] for c in params}
         self.frozen = {n for n, p in params.items() if not p.requires_grad}
-        per_unit = _check_units(self.unit_specs, params, self.aliases)
+        per_unit = unit_members(self.unit_specs, self.aliases)      # [Note: unit membership]
         canonical = [dataclasses.replace(u, params=tuple(n)) for u, n in zip(self.unit_specs, per_unit)]
-        self.lowering = lower(strategy.mesh, unit_sizes(params, canonical), strategy.prefetch)
+        lowered = _lowered(lowering, passes, strategy, unit_sizes(params, canonical))
+        # the one plan: what each unit does and the schedule the engine follows
+        self.lowering = dataclasses.replace(
+            lowered, schedule=_checked(schedule, lowered.schedule, len(self.unit_specs), hooks))
         self._warm_groups()
         self.faults.apply_timeout(self.comm.smesh)
         self.faults.register()
@@ -144,8 +126,7 @@ class ShardedModule(nn.Module):
         for mod_targets in targets.values():
             for mod, attr in mod_targets:
                 del mod._parameters[attr]
-        self.schedule = _checked(schedule, self.lowering.schedule, len(states), hooks)
-        self.runtime = Engine(states, strategy.accumulate, self.schedule, drive_forward=hooks)
+        self.runtime = Engine(states, strategy.accumulate, self.lowering.schedule, drive_forward=hooks)
         for u in states:
             self._placeholders(u)
             if u.trainable is not None:
@@ -191,6 +172,11 @@ class ShardedModule(nn.Module):
 
                 m.register_forward_pre_hook(pre)
                 m.register_forward_hook(post)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule the engine follows (`self.lowering.schedule`)."""
+        return self.lowering.schedule
 
     # -- forward ------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -324,6 +310,23 @@ class ShardedModule(nn.Module):
         return {name: "module" for name, _ in [("", None), *self.module.named_children()]}
 
 
+def _lowered(lowering: Lowering | None, passes, strategy: Strategy, sizes) -> Lowering:
+    """The plan of these units: `lowering` as given (the compiler's; it must plan exactly
+    these units: names, scopes, element counts), else lowered here with `passes`."""
+    if lowering is None:
+        return lower(strategy.mesh, sizes, strategy.prefetch, passes)
+    want = [(s.name, s.scopes, tuple((t, phi) for phi, t in ((s.trainable, True), (s.frozen, False)) if phi))
+            for s in sizes]
+    got = [(u.name, u.scopes, tuple((g.trainable, g.phi) for g in u.groups)) for u in lowering.units]
+    if len(got) != len(want):
+        raise ShardcError(f"the lowering given to shard_module plans {len(got)} units, the unit list has {len(want)}")
+    bad = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), None)
+    if bad is not None:
+        raise ShardcError(f"the lowering given to shard_module does not plan unit {bad} ({want[bad][0]!r}) "
+                          f"of these units: its name, scopes or element counts differ")
+    return lowering
+
+
 def _checked(schedule: Schedule | None, lowered: Schedule, n: int, hooks: bool) -> Schedule:
     """The schedule the engine reads (default: the lowering's): it names existing units;
     without hooks the caller's forward issues the forward gathers, so the engine keeps only
@@ -342,13 +345,16 @@ def _checked(schedule: Schedule | None, lowered: Schedule, n: int, hooks: bool) 
 
 def shard_module(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None,
                  hooks: bool = True, schedule: Schedule | None = None,
-                 timeout: float | None = None) -> ShardedModule:
+                 timeout: float | None = None, passes=None, lowering: Lowering | None = None) -> ShardedModule:
     """Shard `model` per `strategy` over its `units` (root first); see docs/internals.md.
 
-    `schedule` (default: the lowering's) says which gathers are issued before each unit
-    runs, forward and backward; with `hooks=False` the caller's forward issues the forward
-    gathers itself (emitted code), so the schedule must have no forward stages (the engine
-    follows only the backward stages). `timeout` (seconds; default $SHARDC_TIMEOUT or 600)
-    bounds every wait on a peer."""
+    `lowering`: the plan of these units (the compiler's `Lowering`, which `shardc.compile`
+    hands over); without one it is lowered here, once, with the plan passes named in
+    `passes` (None: all). `schedule` (default: the lowering's) says which gathers are issued
+    before each unit runs, forward and backward; it replaces the lowering's, so
+    `sm.lowering.schedule` is what the engine follows (`sm.schedule`). With `hooks=False`
+    the caller's forward issues the forward gathers itself (emitted code), so the schedule
+    must have no forward stages (the engine follows only the backward stages). `timeout`
+    (seconds; default $SHARDC_TIMEOUT or 600) bounds every wait on a peer."""
     return ShardedModule(model, strategy, units, mesh=mesh, hooks=hooks, schedule=schedule,
-                         timeout=timeout)
+                         timeout=timeout, passes=passes, lowering=lowering)

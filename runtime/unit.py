@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from shardc.units import UnitSpec
+
 from .flat_group import FlatGroup
-from .units import UnitSpec
 
 
 @dataclass

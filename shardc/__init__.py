@@ -22,6 +22,6 @@ def compile(model, strategy, example_inputs=None, capture="auto", mesh=None, tim
     `timeout` (seconds; default $SHARDC_TIMEOUT or 600) bounds every wait on a peer (see
     docs/checkpoints.md); `passes` names the plan passes to run (None: all, `()`: none;
     see `shardc.lowering.passes`)."""
-    from shardc.compiler.api import compile_model
+    from shardc.api import compile_model
     return compile_model(model, strategy, example_inputs=example_inputs, capture=capture, mesh=mesh,
                          timeout=timeout, passes=passes)

@@ -24,15 +24,17 @@ FIX = os.path.join(ROOT, "tests", "golden", "predict")
 def _inputs():
     """Φ (parameters), executed FLOPs of one micro-batch (2 sequences of 64) of the bench
     model, its units' parameters and forward FLOPs (root first)."""
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
     from shardc.analysis.costmodel.flops import trace
     from shardc.cli.loader import build_model
-    from shardc.compiler.units import find_units
     from shardc.dsl import load_strategy
+    from shardc.units import find_units
 
     models = _bench("models")
     phi = models.n_params(models.build_model("bench"))
     meta = build_model(os.path.join(ROOT, "bench", "models.py") + ":bench", device="meta")
-    units = find_units(meta, load_strategy("mesh gpu(1)\nparams replicate\n"))
+    one = load_strategy("mesh gpu(1)\nparams replicate\n")
+    units = find_units(meta, resolve_bucket(meta, one))
     from shardc.analysis.costmodel.sizes import model_unit_sizes
     sizes = [u.trainable for u in model_unit_sizes(meta, units)]
     graph = trace(meta, units, batch=2, seq=64, dtype="fp32")

@@ -10,15 +10,16 @@ import torch
 from torch import nn
 
 from shardc.compiler.capture import capture
-from shardc.compiler.units import find_units
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import GradsSpec, Level, Mesh, OptimSpec, ParamsSpec, Scopes, Strategy, UnitsKind, UnitsSpec
+from shardc.units import find_units
 from examples.gpt import example_inputs, tiny
 from tests.harness import HANG_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S = Strategy("t", Mesh((Level("gpu", 2),)), Scopes(ParamsSpec(("gpu",), line=2), GradsSpec(("gpu",), line=3),
-                                                  OptimSpec(("gpu",), line=4)), file="t.shard")
+                                                  OptimSpec(("gpu",), line=4)),
+             bucket=0, file="t.shard")          # bucket 0: one unit per module (the finder needs a size)
 
 
 def test_fx_units_are_leaf_calls():
@@ -193,7 +194,7 @@ def test_cli_writes_the_module(tmp_path):
     assert r.returncode == 0, r.stderr
     src = out.read_text()
     compile(src, str(out), "exec")
-    assert "def shard_model(model):" in src and "rt.run_unit(1, " in src
+    assert "def shard_model(model, mesh=None, schedule=SCHEDULE, timeout=None, lowering=None):" in src and "rt.run_unit(1, " in src
 
 
 def test_cli_unwritable_output_is_one_line(tmp_path):

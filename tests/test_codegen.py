@@ -5,7 +5,8 @@ import re
 import pytest
 import torch
 
-from shardc.compiler.api import compile_source, load_emitted
+from shardc.api import load_emitted
+from shardc.compiler.api import compile_source
 from shardc.dsl.errors import ShardcError
 from examples.gpt import GPT, GPTConfig, tiny
 from tests import regen_emitted

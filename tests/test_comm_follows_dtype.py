@@ -31,6 +31,7 @@ ROOT_TINY, BLOCK_TINY = 3656, 3332
 
 def test_resolved_comm_is_the_dtype():
     from shardc import load_strategy
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
     from shardc.dsl.ir import DType
     s = load_strategy(BF16)
     assert s.scopes.params.comm is DType.BF16 and s.scopes.grads.comm is DType.BF16
@@ -65,13 +66,14 @@ def test_explain_json_counts_bf16_payloads(tmp_path):
 def _step(rank, world, text):
     import torch
     from shardc import load_strategy
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
     from shardc.cli.loader import load_factory
-    from shardc.compiler.units import find_units
     from shardc.runtime import shard_module
+    from shardc.units import find_units
     s = load_strategy(text)
     torch.manual_seed(0)
     model = load_factory(os.path.join(ROOT, "examples/llama.py") + ":llama_tiny")()
-    sm = shard_module(model, s, find_units(model, s))
+    sm = shard_module(model, s, find_units(model, resolve_bucket(model, s)))
     opt = sm.optimizer(torch.optim.AdamW, lr=1e-3)
     g = torch.Generator().manual_seed(rank)
     for _ in range(2):

@@ -66,14 +66,15 @@ def _model(frozen: bool):
 def _measure(rank, world, cases):
     """On every rank: one optimizer step (2 micro-batches, clip) per case; rank 0's figures."""
     import torch
-    from shardc.compiler.units import find_units
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
     from shardc.runtime import shard_module
+    from shardc.units import find_units
 
     out = []
     for name, mesh, frozen in cases:
         s = _strategy(name, mesh)
         model = _model(frozen)
-        sm = shard_module(model, s, find_units(model, s))
+        sm = shard_module(model, s, find_units(model, resolve_bucket(model, s)))
         opt = sm.optimizer(torch.optim.AdamW, lr=1e-3)
         g = torch.Generator().manual_seed(rank)
         for _ in range(2):

@@ -9,10 +9,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardc import load_strategy
+from shardc.analysis.costmodel.bucketing import resolve_bucket
 from shardc.analysis.costmodel.flops import grouped_mm_flop, trace
 from shardc.cli import main as cli_main
 from shardc.cli.loader import build_model
-from shardc.compiler.units import find_units
+from shardc.units import find_units
 
 H, FFN, LAYERS, HEADS, KV, VOCAB, EXPERTS, TOP_K = 64, 96, 2, 4, 2, 128, 4, 2
 FACTORY = f"""
@@ -83,7 +84,7 @@ def model(tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_the_trace_counts_the_active_experts(model, dtype):
     m, _ = model
-    units = find_units(m, load_strategy("strategy a\nmesh gpu(2)\n"))
+    units = find_units(m, resolve_bucket(m, load_strategy("strategy a\nmesh gpu(2)\n")))
     g = trace(m, units, batch=2, seq=16, dtype=dtype)
     matmul, attention = model_flops_by_hand(32, 16)
     assert g.forward_flops == matmul + attention
@@ -93,7 +94,7 @@ def test_the_trace_counts_the_active_experts(model, dtype):
 
 def test_fp32_saves_more_than_bf16(model):
     m, _ = model
-    units = find_units(m, load_strategy("strategy a\nmesh gpu(2)\n"))
+    units = find_units(m, resolve_bucket(m, load_strategy("strategy a\nmesh gpu(2)\n")))
     bf16, fp32 = (trace(m, units, batch=1, seq=16, dtype=dt) for dt in ("bf16", "fp32"))
     assert bf16.forward_flops == fp32.forward_flops
     assert bf16.saved[1] < fp32.saved[1] <= 2 * bf16.saved[1]

@@ -44,12 +44,13 @@ WORLD, NODE = ("node", "gpu", "lane"), ("gpu", "lane")
 
 @functools.lru_cache(maxsize=None)
 def _lins_model(size: str, tail: str = "", mesh: str = LINS_MESH):
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
     from shardc.analysis.costmodel.flops import trace
     from shardc.cli.loader import build_model
-    from shardc.compiler.units import find_units
+    from shardc.units import find_units
     base = _strategy(mesh, tail=tail)
     model = build_model(f"examples/llama.py:llama_{size}", device="meta")
-    units = find_units(model, base)
+    units = find_units(model, resolve_bucket(model, base))
     from shardc.analysis.costmodel.sizes import model_unit_sizes
     return model_unit_sizes(model, units), trace(model, units, batch=1, seq=4096, dtype="bf16")
 

@@ -63,15 +63,16 @@ TOPO = {"zero3": ("shard over world", "", "shard over world"),
 def _topo_units(name: str):
     """The strategy, its per-submodule unit sizes and the traced graph (meta device)."""
     from shardc import load_strategy
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
     from shardc.analysis.costmodel.flops import trace
     from shardc.analysis.costmodel.sizes import model_unit_sizes
     from shardc.cli.loader import build_model
-    from shardc.compiler.units import find_units
+    from shardc.units import find_units
     p, opts, g = TOPO[name]
     s = load_strategy(f"strategy {name}\nmesh {TOPO_MESH}\nparams {p}{opts} dtype bf16\n"
                       f"grads {g} dtype bf16\noptim shard over world\naccumulate 16\n{DEEPSPEED}")
     model = build_model("examples/gpt_neox.py:neox_20b", device="meta")
-    units = find_units(model, s)
+    units = find_units(model, resolve_bucket(model, s))
     return s, model_unit_sizes(model, units), trace(model, units, batch=1, seq=2048, dtype="bf16")
 
 

@@ -23,7 +23,7 @@ import shardc
 from examples.gpt import GPT, TINY
 from shardc.compiler.api import compile_source
 from shardc.dsl.errors import ShardcError
-from shardc.lowering.passes import PASSES, pass_names
+from shardc.lowering.passes import PLAN_PASSES, pass_names
 from tests.harness import dist_run
 from tests.test_compile_parity import (_assert_close, _reference, _text, batches, eval_loss, make_model, make_opt,
                                       train)
@@ -34,9 +34,9 @@ ON, OFF = None, ()
 
 
 def test_pass_list_and_names():
-    assert tuple(PASSES) == ("early_sync", "defer_update")
+    assert tuple(PLAN_PASSES) == ("early_sync", "defer_update")
     assert pass_names(None) == ("early_sync", "defer_update") and pass_names(()) == ()
-    assert pass_names(["defer_update", "early_sync"]) == ("early_sync", "defer_update")   # PASSES order
+    assert pass_names(["defer_update", "early_sync"]) == ("early_sync", "defer_update")   # PLAN_PASSES order
     with pytest.raises(ShardcError, match="unknown plan pass 'early_synk'; the passes are: early_sync, defer_update"):
         pass_names(["early_synk"])
 

@@ -166,11 +166,12 @@ def test_explain_on_a_split_node_with_the_two_tier_default(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def tiny_graph():
     from shardc import load_strategy
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
     from shardc.analysis.costmodel.flops import trace
     from shardc.cli.loader import build_model
-    from shardc.compiler.units import find_units
-    s = load_strategy("strategy a\nmesh gpu(2)\n")
+    from shardc.units import find_units
     m = build_model(TINY, device="meta")
+    s = resolve_bucket(m, load_strategy("strategy a\nmesh gpu(2)\n"))
     return trace(m, find_units(m, s), batch=2, seq=8, dtype="bf16"), trace(m, find_units(m, s), batch=1, seq=8)
 
 

@@ -66,7 +66,8 @@ def _step(sm, x):
 
 
 def _gpt(rank, world, capture, edit):
-    from shardc.compiler.api import compile_source, load_emitted
+    from shardc.api import load_emitted
+    from shardc.compiler.api import compile_source
     torch.manual_seed(0)
     model = GPT(CFG)
     x = torch.randint(0, CFG.vocab_size, (2, 8))

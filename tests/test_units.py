@@ -1,19 +1,23 @@
-"""compiler/units.py: which parameters each unit gathers, under every `units` form."""
+"""shardc.units (units/): which parameters each unit gathers, under every `units` form, and
+the membership rule every unit table obeys."""
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
-from shardc.compiler.units import ROOT, find_units, reorder
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import (GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec, Scopes, Strategy,
                            UnitsKind, UnitsSpec)
+from shardc.units import ROOT, canonical_names, find_units, reorder, unit_members
 from examples.gpt import GPT, TINY, GPTConfig
 
 MESH = Mesh((Level("node", 2), Level("gpu", 2)))
 ZERO3 = Scopes(ParamsSpec(("node", "gpu"), line=3), GradsSpec(("node", "gpu"), line=4), OptimSpec(("node", "gpu"), line=5))
 
 
-def strat(units=UnitsSpec(), bucket=None, overrides=()):
+def strat(units=UnitsSpec(), bucket=0, overrides=()):
+    """bucket 0 by default: the finder merges nothing (the cost model's size is tested in test_bucket_auto)."""
     return Strategy("t", MESH, ZERO3, units=units, bucket=bucket, overrides=overrides, file="t.shard")
 
 
@@ -106,3 +110,37 @@ def test_meta_model_and_reorder():
     units = find_units(m, strat())
     again = reorder(units, ["transformer.h.1", "transformer.h.0"])
     assert [u.name for u in again] == [ROOT, "transformer.h.1", "transformer.h.0"]
+
+
+def test_the_bucket_size_must_be_decided_first():
+    with pytest.raises(ValueError, match="resolve_bucket"):
+        find_units(GPT(TINY), strat(bucket=None))
+
+
+def test_membership_rule():
+    # [Note: unit membership], the one rule the compiler's check pass and shard_module apply
+    m = GPT(TINY)
+    units = find_units(m, strat())
+    canon = canonical_names(m)
+    assert canon["lm_head.weight"] == "transformer.wte.weight"
+    assert unit_members(units, canon) == [u.params for u in units]
+    with_alias = [dataclasses.replace(units[0], params=units[0].params + ("lm_head.weight",)), *units[1:]]
+    assert unit_members(with_alias, canon)[0] == units[0].params          # the alias is its canonical name
+
+    def breach(table):
+        with pytest.raises(ShardcError) as e:
+            unit_members(table, canon)
+        return str(e.value)
+
+    assert breach(units[1:]) == "the unit list must start with the root unit '<root>'"
+    assert breach([dataclasses.replace(units[0], params=("nope",)), *units[1:]]) == \
+        "unit '<root>' lists 'nope', which is not a parameter of the model"
+    tied = [*units[:2], dataclasses.replace(units[2], params=units[2].params + ("lm_head.weight",))]
+    assert breach(tied) == ("parameter 'transformer.wte.weight' is in units '<root>' and 'transformer.h.1'; "
+                            "tied parameters must share one unit")
+    twice = [*units[:2], dataclasses.replace(units[2], params=units[2].params + (units[1].params[0],))]
+    assert breach(twice) == ("parameter 'transformer.h.0.ln_1.weight' is listed in more than one unit "
+                             "('transformer.h.0' and 'transformer.h.1')")
+    assert breach(units[:2]) == "parameter 'transformer.h.1.ln_1.weight' is in no unit (every parameter needs one)"
+    with pytest.raises(KeyError, match="in no unit"):                     # the caller's error class
+        unit_members(units[:2], canon, KeyError)

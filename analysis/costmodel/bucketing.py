@@ -3,7 +3,8 @@
 Input: a Strategy (its mesh, scopes, prefetch, collectives), the parameter bytes of its
 units as unit discovery found them (root first, unbucketed) and a bandwidth model
 (default `AlphaBeta()`, as for `collectives auto`). Output: `bucket_bytes`, the size the
-compiler fuses consecutive units up to (`compiler/units.py`), 0 when fusing does not pay.
+unit table merges consecutive units up to (`shardc.units`, units/bucket.py), 0 when fusing
+does not pay; `resolve_bucket` writes it into a strategy with no `bucket` line.
 
 [Note: when bucketing pays]
 Every unit issues its own collectives (the rows `shardc.lowering` gives a unit under
@@ -14,7 +15,7 @@ collective is mostly latency, so the bucket size is V* (the largest over the uni
 rows). What fusing costs is the pipeline: with `prefetch k` the plan keeps k gathers in
 flight while one unit computes, and a coarser unit list exposes more of the first
 gather and holds bigger buffers. So the size is the largest S <= V* at which the
-compiler's merge still leaves at least k + 2 non-root buckets (one computing, k in
+unit table's merge still leaves at least k + 2 non-root buckets (one computing, k in
 flight, one being released), written as the bytes of the largest bucket it makes (the
 same merge). When that merges no two units (none below V*, or at most k + 2 units): 0,
 no bucketing. The answer depends on the model's
@@ -27,6 +28,8 @@ from dataclasses import replace
 
 from shardc.dsl.ir import Collectives, Strategy
 from shardc.lowering import UnitSize, lower_unit
+from shardc.units import bucket_runs, find_units
+from shardc.units import unit_bytes as param_bytes
 
 PROBE_BYTES = 1 << 30     # the size the per-byte slope is read at
 
@@ -50,26 +53,8 @@ def crossover_bytes(strategy: Strategy, bandwidth=None) -> int:
     return int(best)
 
 
-def bucket_runs(sizes: list[int], size: int, keys=None) -> list[list[int]]:
-    """The greedy merge the compiler buckets units by (compiler/units.py), as index runs of
-    `sizes`: consecutive entries below `size` with equal `keys` (the units' scopes) while
-    the total stays <= `size`; an entry of `size` or more stands alone."""
-    keys = [None] * len(sizes) if keys is None else keys
-    out, run, total = [], [], 0
-    for i, (b, k) in enumerate(zip(sizes, keys)):
-        if run and (keys[run[0]] != k or total + b > size):
-            out.append(run)
-            run, total = [], 0
-        if b < size:
-            run.append(i)
-            total += b
-        else:
-            out.append([i])
-    return out + ([run] if run else [])
-
-
 def _buckets(sizes: list[int], size: int) -> list[int]:
-    """The bucket totals `bucket_runs` makes of `sizes`."""
+    """The bucket totals the unit table's merge (`bucket_runs`) makes of `sizes`."""
     return [sum(sizes[i] for i in run) for run in bucket_runs(sizes, size)]
 
 
@@ -88,3 +73,12 @@ def bucket_bytes(strategy: Strategy, unit_bytes: list[int], bandwidth=None) -> i
         lo, hi = (mid, hi) if len(_buckets(rest, mid)) >= keep else (lo, mid - 1)
     buckets = _buckets(rest, lo) if lo else rest
     return max(buckets) if len(buckets) < len(rest) else 0
+
+
+def resolve_bucket(model, strategy: Strategy, bandwidth=None) -> Strategy:
+    """`strategy` with its bucket size decided: no `bucket` line (None) -> `bucket_bytes`
+    over this model's unbucketed units, 0 when bucketing does not pay (see Note)."""
+    if strategy.bucket is not None:
+        return strategy
+    units = find_units(model, replace(strategy, bucket=0))
+    return replace(strategy, bucket=bucket_bytes(strategy, param_bytes(model, units), bandwidth))

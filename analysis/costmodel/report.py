@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Strategy
-from shardc.lowering import lower
+from shardc.lowering import Lowering, lower
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 
 from shardc.analysis.costmodel.activations import peak_memory
@@ -39,12 +39,15 @@ class Explained:
     peak: dict | None = None        # activations.peak_memory: the peak per rank and what dominates it
     rates: dict | None = None       # tokens_per_s (per rank), mfu, model_flops (per micro-batch)
     shared: dict | None = None      # level -> the level whose links carry its traffic, where another's
+    plan: Lowering | None = None    # the lowered plan the figures add up (its schedule: what the run follows)
 
 
 def model_units(strategy: Strategy, model) -> list[UnitSize]:
-    """The model's units under `strategy` (the compiler's unit finder) with their sizes."""
-    from shardc.compiler.units import find_units
-    return model_unit_sizes(model, find_units(model, strategy))
+    """The model's units under `strategy` (the unit finder, with the bucket size the
+    compiler resolves) with their sizes."""
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
+    from shardc.units import find_units
+    return model_unit_sizes(model, find_units(model, resolve_bucket(model, strategy)))
 
 
 def explain(strategy: Strategy, units, *, micro_batches: int | None = None, optimizer: str = DEFAULT_OPTIMIZER,
@@ -76,7 +79,7 @@ def explain(strategy: Strategy, units, *, micro_batches: int | None = None, opti
              "model_flops": model_flops}
     return Explained(strategy, units, m, memory, tuple(records), algo, links, inter, intra, t,
                      peak_memory(memory, graph, checkpoint, *(() if overhead is None else (overhead,))), rates,
-                     shared_links(bw, strategy.mesh))
+                     shared_links(bw, strategy.mesh), plan)
 
 
 def shared_links(bw, mesh) -> dict:

@@ -1,4 +1,4 @@
-"""Pass 1: annotate units (captured graph -> graph with `NodeInfo(unit)` on every node).
+"""Graph pass 1: annotate units (captured graph -> graph with `NodeInfo(unit)` on every node).
 
 Input: a GraphModule from `capture` (its `meta["shardc"]` holds the unit table in forward
 order). Output: the same graph, each node's `meta["shardc"] = NodeInfo(unit=i)`: the
@@ -7,7 +7,7 @@ region it lies in (export: outermost unit on `nn_module_stack`); 0 for the root 
 """
 from __future__ import annotations
 
-from shardc.compiler.passes.meta import NodeInfo, Op, capture_mode, units_of
+from shardc.compiler.passes.meta import Call, NodeInfo, capture_mode, units_of
 
 
 def _module_index(units) -> dict[str, int]:
@@ -20,7 +20,7 @@ def annotate_units(gm, strategy):
     for node in gm.graph.nodes:
         if fx_mode:
             unit = index.get(node.target, 0) if node.op == "call_module" else 0
-            node.meta["shardc"] = NodeInfo(unit, Op.RUN_UNIT if unit else Op.COMPUTE)
+            node.meta["shardc"] = NodeInfo(unit, Call.RUN_UNIT if unit else Call.COMPUTE)
         else:
             unit = 0
             for path, _ in (node.meta.get("nn_module_stack") or {}).values():

@@ -1,4 +1,4 @@
-"""Pass 2: insert collectives (annotated graph -> graph with runtime marker nodes).
+"""Graph pass 2: insert collectives (annotated graph -> graph with runtime marker nodes).
 
 Input: a graph annotated by `annotate_units`. Output: the same graph with
 - `begin_forward()` after the inputs (gathers the root unit) and `end_forward(out)`
@@ -13,10 +13,10 @@ scopes the unit (the `grads` line for RUN_UNIT when grads are sharded).
 """
 from __future__ import annotations
 
-from shardc.compiler.passes.meta import TARGET, NodeInfo, Op, capture_mode, info, sharded, units_of
+from shardc.compiler.passes.meta import TARGET, Call, NodeInfo, capture_mode, info, sharded, units_of
 
 
-def _marker(graph, op: Op, unit: int, line: int, args=()):
+def _marker(graph, op: Call, unit: int, line: int, args=()):
     node = graph.call_function(TARGET[op], tuple(args))
     node.meta["shardc"] = NodeInfo(unit, op, line)
     return node
@@ -46,8 +46,8 @@ def _gather_before(graph, node, unit, strategy, units):
         return
     line = spec.scopes.params.line
     with graph.inserting_before(node):
-        _marker(graph, Op.ISSUE_GATHER, unit, line, (unit,))
-        _marker(graph, Op.WAIT_GATHER, unit, line, (unit,))
+        _marker(graph, Call.ISSUE_GATHER, unit, line, (unit,))
+        _marker(graph, Call.WAIT_GATHER, unit, line, (unit,))
 
 
 def insert_collectives(gm, strategy):
@@ -59,14 +59,14 @@ def insert_collectives(gm, strategy):
     anchor = placeholders[-1] if placeholders else None
     ctx = graph.inserting_after(anchor) if anchor is not None else graph.inserting_before(nodes[0])
     with ctx:
-        _marker(graph, Op.BEGIN_FORWARD, 0, root_line)
+        _marker(graph, Call.BEGIN_FORWARD, 0, root_line)
     if capture_mode(gm) == "fx":
         seen: set[int] = set()
         for node in nodes:
-            if info(node) is not None and info(node).op is Op.RUN_UNIT:
+            if info(node) is not None and info(node).op is Call.RUN_UNIT:
                 spec = units[info(node).unit]
                 g_line = spec.scopes.grads.line if strategy.mesh.factor(spec.scopes.grads.levels) > 1 else 0
-                node.meta["shardc"] = NodeInfo(info(node).unit, Op.RUN_UNIT, g_line or (
+                node.meta["shardc"] = NodeInfo(info(node).unit, Call.RUN_UNIT, g_line or (
                     spec.scopes.params.line if sharded(spec, strategy) else 0))
                 if info(node).unit not in seen:          # a multi-call unit is gathered once
                     _gather_before(graph, node, info(node).unit, strategy, units)
@@ -75,9 +75,9 @@ def insert_collectives(gm, strategy):
         for unit, first, last in _regions(graph):
             _gather_before(graph, first, unit, strategy, units)
             with graph.inserting_after(last):
-                _marker(graph, Op.RELEASE, unit, units[unit].scopes.params.line, (unit,))
+                _marker(graph, Call.RELEASE, unit, units[unit].scopes.params.line, (unit,))
     with graph.inserting_before(output):
-        end = _marker(graph, Op.END_FORWARD, 0, root_line, (output.args[0],))
+        end = _marker(graph, Call.END_FORWARD, 0, root_line, (output.args[0],))
     output.args = (end,)
     graph.lint()
     gm.recompile()

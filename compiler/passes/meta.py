@@ -1,4 +1,5 @@
-"""Shared vocabulary of the compiler passes (stage: captured graph -> annotated graph).
+"""Shared vocabulary of the graph passes (compiler stage `graph passes`: captured graph ->
+scheduled graph).
 
 Input/output: `torch.fx` nodes. Every pass writes its result into `node.meta["shardc"]`
 as a `NodeInfo`; the runtime calls the passes insert are `call_function` nodes whose
@@ -19,14 +20,16 @@ from dataclasses import dataclass
 from shardc.dsl.errors import ShardcError
 from shardc.lowering import factors
 
-__all__ = ["Op", "NodeInfo", "MARKERS", "info", "units_of", "capture_mode", "sharded", "PassError"]
+__all__ = ["Call", "NodeInfo", "MARKERS", "info", "units_of", "capture_mode", "sharded", "PassError"]
 
 
 class PassError(ShardcError):
     """An invariant of the pass pipeline does not hold (a compiler bug or an unsupported graph)."""
 
 
-class Op(enum.Enum):
+class Call(enum.Enum):
+    """What a graph node calls: model code (COMPUTE) or a runtime primitive that codegen
+    emits as `rt.<value>(...)` (not the lowering's collective kind, `shardc.lowering.Op`)."""
     COMPUTE = "compute"
     BEGIN_FORWARD = "begin_forward"
     ISSUE_GATHER = "issue_gather"
@@ -36,13 +39,13 @@ class Op(enum.Enum):
     END_FORWARD = "end_forward"
 
     def __repr__(self) -> str:
-        return f"Op.{self.name}"
+        return f"Call.{self.name}"
 
 
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
     unit: int                 # index into the unit table (0 = root)
-    op: Op = Op.COMPUTE
+    op: Call = Call.COMPUTE
     line: int = 0             # strategy line that caused this node (0: none)
 
 
@@ -67,8 +70,8 @@ def end_forward(out):
     return out
 
 
-MARKERS = {begin_forward: Op.BEGIN_FORWARD, issue_gather: Op.ISSUE_GATHER, wait_gather: Op.WAIT_GATHER,
-           release: Op.RELEASE, end_forward: Op.END_FORWARD}
+MARKERS = {begin_forward: Call.BEGIN_FORWARD, issue_gather: Call.ISSUE_GATHER, wait_gather: Call.WAIT_GATHER,
+           release: Call.RELEASE, end_forward: Call.END_FORWARD}
 TARGET = {op: fn for fn, op in MARKERS.items()}
 
 
@@ -96,5 +99,5 @@ def sharded(unit, strategy) -> bool:
     return bool(unit.params) and factors(unit.scopes, strategy.mesh).p > 1
 
 
-def marker_nodes(graph, op: Op) -> list:
+def marker_nodes(graph, op: Call) -> list:
     return [n for n in graph.nodes if info(n) is not None and info(n).op is op]

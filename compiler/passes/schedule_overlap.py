@@ -1,4 +1,4 @@
-"""Pass 3: schedule overlap (graph with markers -> graph with gathers issued per the plan).
+"""Graph pass 3: schedule overlap (graph with markers -> graph with gathers issued per the plan).
 
 Input: a graph from `insert_collectives` (each gather's issue right before its wait).
 Output: the same graph with every `issue_gather` moved to where the lowering's forward
@@ -9,7 +9,7 @@ that unit's wait (or its first node when it has none). Waits stay at first use.
 """
 from __future__ import annotations
 
-from shardc.compiler.passes.meta import Op, info, marker_nodes, sharded, units_of
+from shardc.compiler.passes.meta import Call, info, marker_nodes, sharded, units_of
 from shardc.lowering import schedule
 
 
@@ -17,13 +17,13 @@ def schedule_overlap(gm, strategy):
     units = units_of(gm)
     sched = schedule([sharded(u, strategy) for u in units], strategy.prefetch)
     graph = gm.graph
-    issues = {info(n).unit: n for n in marker_nodes(graph, Op.ISSUE_GATHER)}
-    waits = {info(n).unit: n for n in marker_nodes(graph, Op.WAIT_GATHER)}
+    issues = {info(n).unit: n for n in marker_nodes(graph, Call.ISSUE_GATHER)}
+    waits = {info(n).unit: n for n in marker_nodes(graph, Call.WAIT_GATHER)}
     first = {}
     for n in graph.nodes:
-        if info(n) is not None and info(n).op is Op.RUN_UNIT:
+        if info(n) is not None and info(n).op is Call.RUN_UNIT:
             first.setdefault(info(n).unit, n)
-    anchor = marker_nodes(graph, Op.BEGIN_FORWARD)[0]
+    anchor = marker_nodes(graph, Call.BEGIN_FORWARD)[0]
     for stage in sched.forward:
         for j in stage.issue:
             if j not in issues or j == stage.unit and stage.unit != 0:

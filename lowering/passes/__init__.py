@@ -4,7 +4,7 @@ Input: the `Lowering` that `lower` built from the strategy. Output: the same pla
 its `Schedule` optimised; rows, sizes and bytes are never changed by a pass, so the
 ledger and memory that `explain` adds up stay the same with any pass on or off.
 
-`PASSES` is the one place the passes and their order are listed; `lower(..., passes=)`,
+`PLAN_PASSES` is the one place the passes and their order are listed; `lower(..., passes=)`,
 `shardc.compile(..., passes=)`, `explain(..., passes=)` and `shardc compile/explain --passes`
 pick a subset by name.
 """
@@ -15,20 +15,20 @@ from shardc.dsl.errors import ShardcError
 from .defer_update import defer_update
 from .early_sync import early_sync
 
-__all__ = ["PASSES", "run_plan_passes", "defer_update", "early_sync", "pass_names", "parse_passes"]
+__all__ = ["PLAN_PASSES", "run_plan_passes", "defer_update", "early_sync", "pass_names", "parse_passes"]
 
-PASSES = {"early_sync": early_sync, "defer_update": defer_update}
+PLAN_PASSES = {"early_sync": early_sync, "defer_update": defer_update}
 
 
 def pass_names(names) -> tuple[str, ...]:
-    """The passes `names` selects (None: all of them), checked, in `PASSES` order."""
+    """The passes `names` selects (None: all of them), checked, in `PLAN_PASSES` order."""
     if names is None:
-        return tuple(PASSES)
+        return tuple(PLAN_PASSES)
     names = tuple(names)
-    unknown = [n for n in names if n not in PASSES]
+    unknown = [n for n in names if n not in PLAN_PASSES]
     if unknown:
-        raise ShardcError(f"unknown plan pass {unknown[0]!r}; the passes are: {', '.join(PASSES)}")
-    return tuple(n for n in PASSES if n in names)
+        raise ShardcError(f"unknown plan pass {unknown[0]!r}; the passes are: {', '.join(PLAN_PASSES)}")
+    return tuple(n for n in PLAN_PASSES if n in names)
 
 
 def parse_passes(text: str | None) -> tuple[str, ...] | None:
@@ -38,5 +38,5 @@ def parse_passes(text: str | None) -> tuple[str, ...] | None:
 
 def run_plan_passes(lowering, names=None):
     for name in pass_names(names):
-        lowering = PASSES[name](lowering)
+        lowering = PLAN_PASSES[name](lowering)
     return lowering

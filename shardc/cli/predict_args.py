@@ -76,12 +76,13 @@ def graph(args, strategy, spec: str, dtype: str):
     seq = args.seq or args.tokens
     if seq < 1 or args.tokens % seq:
         raise ShardcError(f"--tokens {args.tokens} must be a whole number of --seq {seq} sequences")
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
     from shardc.analysis.costmodel.flops import trace
     from shardc.cli.loader import build_model
-    from shardc.compiler.units import find_units
+    from shardc.units import find_units
     model = build_model(spec, device="meta")
     try:
-        return trace(model, find_units(model, strategy), batch=args.tokens // seq, seq=seq, dtype=dtype)
+        return trace(model, find_units(model, resolve_bucket(model, strategy)), batch=args.tokens // seq, seq=seq, dtype=dtype)
     except Exception as e:  # noqa: BLE001 — a model the meta trace cannot run: say so, go on without it
         print(f"note: cannot trace {spec} on the meta device ({type(e).__name__}: {e}); compute is "
               f"estimated as 6·params·tokens and activations are not counted", file=sys.stderr)

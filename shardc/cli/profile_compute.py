@@ -39,18 +39,20 @@ def measure(args, device: str) -> dict:
     import torch
     import torch.distributed as dist
 
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
     from shardc.analysis.costmodel.flops import sample_input, trace
     from shardc.cli.loader import build_model
-    from shardc.compiler.units import find_units
     from shardc.dsl import load_strategy
     from shardc.dsl.errors import ShardcError
+    from shardc.units import find_units
 
     seq = args.seq or args.tokens
     if args.tokens < 1 or seq < 1 or args.tokens % seq:
         raise ShardcError(f"--tokens {args.tokens} must be a whole number of --seq {seq} sequences")
     batch = args.tokens // seq
     meta = build_model(args.model, device="meta")
-    units = find_units(meta, load_strategy("mesh gpu(1)\nparams replicate\n"))   # the total does not depend on them
+    one = load_strategy("mesh gpu(1)\nparams replicate\n")
+    units = find_units(meta, resolve_bucket(meta, one))   # the total does not depend on them
     flops = trace(meta, units, batch=batch, seq=seq, dtype="fp32").executed_flops()
     model = build_model(args.model, device=device)
     x = torch.zeros_like(sample_input(meta, batch, seq), device=device)

@@ -7,7 +7,7 @@ grads       shard over gpu  (s=2, paro_iig.shard:6)
 optim       shard over world  (s=4, paro_iig.shard:7)
 accumulate 4, prefetch 1, collectives ring, capture fx
 plan passes early_sync, defer_update (shardc.lowering.passes)
-bucket 0 (no units merged)  (chosen by the cost model, no `bucket` line; compiler/units.py resolve_bucket)
+bucket 0 (no units merged)  (chosen by the cost model, no `bucket` line; analysis/costmodel/bucketing.py resolve_bucket)
 
 units (forward order):
     #  name                         params     elements  params | grads | optim
@@ -23,7 +23,8 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import (Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec,  # noqa: F401
                            BufferSync, Scopes, Secondary, Strategy, UnitsKind, UnitsSpec)
 from shardc.lowering import Schedule, Stage
-from shardc.runtime import UnitSpec, shard_module
+from shardc.runtime import shard_module
+from shardc.units import UnitSpec
 
 STRATEGY = Strategy(name='paro_iig',
                     mesh=Mesh(levels=(Level(name='node', size=2), Level(name='gpu', size=2))),
@@ -134,6 +135,10 @@ PARAMS = (
 #   2 trainable update   all_gather     node                 25,216 B per step      paro_iig.shard:7 optim shard over world
 #   *           update   all_reduce     node,gpu                  4 B per clip      clip_grad_norm_ (optim chunks' squared norm)
 
+# The plan passes the compiler ran (shardc.lowering.passes): shard_model lowers UNITS with
+# exactly these when it is not handed the compiler's plan.
+PLAN_PASSES = ('early_sync', 'defer_update')
+
 # The schedule that runs. Forward: the rt.issue_gather calls in forward() below (the plan's
 # forward stages). Backward: before each unit's backward starts, the runtime issues these gathers.
 SCHEDULE = Schedule(
@@ -185,9 +190,16 @@ def check_structure(model):
         raise ShardcError(f"shard_model: parameter {got[len(PARAMS)][0]} is not in the compiled model")
 
 
-def shard_model(model):
-    """Shard `model` (the compiled structure) over the mesh; needs the default process group."""
+def shard_model(model, mesh=None, schedule=SCHEDULE, timeout=None, lowering=None):
+    """Shard `model` (the compiled structure) over the mesh; needs the default process group.
+
+    `mesh`: a shardc.runtime.ShardMesh (default: built from STRATEGY's mesh); `schedule`:
+    the Schedule the engine follows (default: SCHEDULE above); `timeout`: seconds for every wait
+    on a peer (default: $SHARDC_TIMEOUT or 600); `lowering`: the plan of UNITS as the
+    compiler lowered it (shardc.compile hands it over), else it is lowered once from
+    UNITS, STRATEGY and PLAN_PASSES."""
     check_structure(model)
-    sm = shard_module(model, STRATEGY, UNITS, hooks=False, schedule=SCHEDULE)
+    sm = shard_module(model, STRATEGY, UNITS, mesh=mesh, hooks=False, schedule=schedule, timeout=timeout,
+                      passes=PLAN_PASSES, lowering=lowering)
     sm.forward = types.MethodType(forward, sm)
     return sm

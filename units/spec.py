@@ -1,9 +1,11 @@
-"""Unit specs — the compiler's unit table as the runtime receives it (docs/internals.md).
+"""Unit specs — stage: units (the unit table the compiler, the cost model and the runtime read).
 
-Input: produced by `shardc.compiler.units.find_units`. Output: consumed by
+Input: produced by `find_units` (units/find.py). Output: consumed by capture (reordered
+into forward execution order), the lowering (`unit_sizes`), the cost model and
 `shard_module(model, strategy, units)`. Index 0 is the root unit ("<root>"); units 1..
-are in forward execution order. Also the one owner of a parameter's canonical name
-(`param_owners`), which the compiler's unit finder and the runtime both read.
+are in forward execution order once capture has run. Also the one owner of a
+parameter's canonical name (`param_owners`, `canonical_names`), which the unit finder,
+the membership rule and the runtime all read.
 """
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ from torch import nn
 
 from shardc.dsl.ir import Scopes
 
+__all__ = ["ROOT", "UnitSpec", "param_owners", "canonical_names"]
+
+ROOT = "<root>"
+
 
 def param_owners(model: nn.Module) -> dict[int, list[str]]:
     """id(Parameter) -> every FQN it is reachable under; the first, in registration order,
@@ -21,6 +27,11 @@ def param_owners(model: nn.Module) -> dict[int, list[str]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name)
     return owners
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every FQN a parameter is reachable under -> its canonical name (registration order)."""
+    return {n: names[0] for names in param_owners(model).values() for n in names}
 
 
 @dataclass(frozen=True, slots=True)

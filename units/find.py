@@ -1,10 +1,12 @@
-"""Unit discovery — compiler stage between the Strategy and capture.
+"""Unit discovery — stage: units (Strategy + model -> the unit table).
 
-Input: an `nn.Module` (any device, `meta` included) and a `Strategy`.
+Input: an `nn.Module` (any device, `meta` included) and a `Strategy` whose bucket size is
+decided (a `bucket` line, or the cost model's answer:
+`shardc.analysis.costmodel.bucketing.resolve_bucket`).
 Output: `list[UnitSpec]` — index 0 the root unit "<root>", then one unit per matched
-module (or bucket), in module registration order (capture later reorders them into
-forward execution order), each with its scopes resolved by `shardc.lowering.unit_scopes`
-(overrides applied, dependency rule checked per unit).
+module (or bucket, units/bucket.py), in module registration order (capture later
+reorders them into forward execution order), each with its scopes resolved by
+`shardc.lowering.unit_scopes` (overrides applied, dependency rule checked per unit).
 
 [Note: which modules become units]
 `units auto`: every child of an `nn.ModuleList`/`nn.Sequential` whose children are two
@@ -12,21 +14,13 @@ or more modules of one class holding parameters (the transformer blocks). `units
 "pat", ...`: fnmatch over module FQNs. `units type Name`: class name. When matches
 nest, the outermost wins. Parameters of no unit go to the root unit.
 
-[Note: bucket]
-`bucket SIZE` merges consecutive non-root units with equal scopes while their parameter
-bytes stay <= SIZE (units of SIZE or more stay alone); `bucket 0` never merges. With no
-`bucket` line the cost model picks SIZE (`resolve_bucket`, analysis/costmodel/
-bucketing.py "[Note: when bucketing pays]") from the unbucketed units' sizes; the
-compiler writes the resolved size into the strategy it emits, so the emitted module
-shows it.
-
 [Note: tied parameters]
 A Parameter object reachable under several names (GPT-2's `lm_head.weight is
 transformer.wte.weight`) has one canonical name, the first `named_parameters` yields
-(`runtime.units.param_owners`, which the runtime reads too);
-the others are aliases that no unit lists. It lands in the unit of its first
-occurrence when every use lies inside that unit, otherwise in the root unit, so one
-gather covers every module that reads it.
+(`param_owners`, units/spec.py, which the runtime reads too); the others are aliases
+that no unit lists. It lands in the unit of its first occurrence when every use lies
+inside that unit, otherwise in the root unit, so one gather covers every module that
+reads it.
 """
 from __future__ import annotations
 
@@ -37,20 +31,10 @@ from torch import nn
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Scopes, Strategy, UnitsKind
 from shardc.lowering import unit_scopes, unused_override
-from shardc.runtime.units import param_owners
+from shardc.units.bucket import merge
+from shardc.units.spec import ROOT, UnitSpec, param_owners
 
-__all__ = ["find_units", "resolve_bucket", "unit_spec_class", "param_owners", "ROOT"]
-
-ROOT = "<root>"
-
-
-def unit_spec_class():
-    """`shardc.runtime.UnitSpec` (imported lazily: the runtime may load torch.distributed)."""
-    import shardc.runtime as rt
-    if hasattr(rt, "UnitSpec"):
-        return rt.UnitSpec
-    from shardc.runtime.units import UnitSpec
-    return UnitSpec
+__all__ = ["find_units", "unit_bytes", "reorder"]
 
 
 def _where(strategy: Strategy, line: int) -> str:
@@ -120,54 +104,24 @@ def _scopes_for(unit: str, modules: tuple[str, ...], strategy: Strategy, used: s
     return scopes
 
 
-def _nbytes(model: nn.Module, names) -> int:
+def unit_bytes(model: nn.Module, units) -> list[int]:
+    """Each unit's parameter bytes (in the model's dtypes; a meta model will do)."""
     params = dict(model.named_parameters())
-    return sum(params[n].numel() * params[n].element_size() for n in names)
+    return [sum(params[n].numel() * params[n].element_size() for n in u.params) for u in units]
 
 
-def _bucket(units: list, model: nn.Module, size: int) -> list:
-    """Merge consecutive non-root units with equal scopes while the total stays <= size
-    (the merge rule is the cost model's `bucket_runs`, which also sizes the buckets)."""
-    from shardc.analysis.costmodel.bucketing import bucket_runs
-    UnitSpec = unit_spec_class()
-    rest = units[1:]
-    out = [units[0]]
-    for idx in bucket_runs([_nbytes(model, u.params) for u in rest], size, [u.scopes for u in rest]):
-        run = [rest[i] for i in idx]
-        if len(run) == 1:
-            out.append(run[0])
-        else:
-            name = f"{run[0].name}..{run[-1].name.split('.')[-1]}"
-            out.append(UnitSpec(name, sum((u.params for u in run), ()), run[0].scopes,
-                                sum((u.modules for u in run), ())))
-    return out
-
-
-def resolve_bucket(model: nn.Module, strategy: Strategy) -> Strategy:
-    """`strategy` with its bucket size decided: no `bucket` line (None) -> the cost
-    model's size for this model's units, 0 when bucketing does not pay (see Note)."""
-    if strategy.bucket is not None:
-        return strategy
-    return _with_bucket(model, strategy, _unbucketed(model, strategy))
-
-
-def _with_bucket(model: nn.Module, strategy: Strategy, units: list) -> Strategy:
-    from dataclasses import replace
-
-    from shardc.analysis.costmodel.bucketing import bucket_bytes
-    return replace(strategy, bucket=bucket_bytes(strategy, [_nbytes(model, u.params) for u in units]))
-
-
-def find_units(model: nn.Module, strategy: Strategy) -> list:
+def find_units(model: nn.Module, strategy: Strategy) -> list[UnitSpec]:
     """The unit table of `model` under `strategy` (root first, registration order),
-    bucketed by the strategy's (or the cost model's) bucket size."""
+    merged by the strategy's bucket size (0: no merging). The size must be decided: a
+    strategy with no `bucket` line asks the cost model first (`resolve_bucket`)."""
+    if strategy.bucket is None:
+        raise ValueError("find_units needs the bucket size decided (the strategy has no `bucket` line): "
+                         "resolve it first with shardc.analysis.costmodel.bucketing.resolve_bucket")
     units = _unbucketed(model, strategy)
-    size = strategy.bucket if strategy.bucket is not None else _with_bucket(model, strategy, units).bucket
-    return _bucket(units, model, size) if size else units
+    return merge(units, unit_bytes(model, units), strategy.bucket) if strategy.bucket else units
 
 
-def _unbucketed(model: nn.Module, strategy: Strategy) -> list:
-    UnitSpec = unit_spec_class()
+def _unbucketed(model: nn.Module, strategy: Strategy) -> list[UnitSpec]:
     modules = _matched_modules(model, strategy)
     params = _assign(model, modules)
     used: set[int] = set()
@@ -178,7 +132,7 @@ def _unbucketed(model: nn.Module, strategy: Strategy) -> list:
     return units
 
 
-def reorder(units: list, first_run: list[str]) -> list:
+def reorder(units: list[UnitSpec], first_run: list[str]) -> list[UnitSpec]:
     """Root first, then units in the order their modules first run (unrun units last)."""
     rank = {m: i for i, m in enumerate(first_run)}
     rest = units[1:]

@@ -1,0 +1,51 @@
+"""The public API's compile-and-run (`shardc.compile`) — stage: public API (model +
+strategy -> a running ShardedModule).
+
+Input: what `shardc.compile` takes. Output: a `ShardedModule`: the compiler pipeline
+(`shardc.compiler.api.compile_source`) gives the emitted module's text and its Plan; this
+layer executes the text (`load_emitted`) and calls its `shard_model` with the Plan's
+`Lowering`, so the runtime runs the plan the compiler made (it lowers nothing again), and
+the timeout. `shardc compile` writes exactly the text
+`compile_model` executes. It lives above the compiler because it needs the runtime.
+"""
+from __future__ import annotations
+
+import linecache
+
+from torch import nn
+
+from shardc.compiler.api import compile_source
+from shardc.dsl.errors import ShardcError
+
+__all__ = ["compile_model", "load_emitted", "NO_PROCESS_GROUP"]
+
+NO_PROCESS_GROUP = ("shardc.compile returns a distributed module, so it runs in one process per rank: "
+                    "launch your script with torchrun (e.g. `torchrun --nproc-per-node 4 train.py`) and call "
+                    "torch.distributed.init_process_group() before it; `shardc compile ... -o out.py` "
+                    "writes the module without a process group")
+
+
+def load_emitted(source: str, name: str) -> dict:
+    """Execute emitted source as a module namespace (kept in linecache for tracebacks)."""
+    filename = f"<shardc-emitted {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"__name__": f"shardc_emitted_{name}"}
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 — our own generated code
+    return namespace
+
+
+def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str = "auto", mesh=None,
+                  timeout: float | None = None, passes=None):
+    """`shardc.compile`: the same pipeline as `shardc compile`, run in memory. `timeout`
+    (seconds) overrides $SHARDC_TIMEOUT for every wait on a peer (runtime/faults.py);
+    `passes` names the plan passes to run (None: all, `()`: none)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ShardcError(NO_PROCESS_GROUP)
+    source, plan = compile_source(model, strategy, example_inputs, capture, mesh, passes=passes)
+    namespace = load_emitted(source, plan.strategy.name)
+    # the plan the compiler made, not lowered again
+    sm = namespace["shard_model"](model, lowering=plan.lowering, timeout=timeout)
+    sm.plan = plan
+    sm.source = source
+    return sm
