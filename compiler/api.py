@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from math import prod
 
 from torch import nn
 
@@ -28,15 +29,22 @@ from shardc.compiler.codegen import emit
 from shardc.compiler.passes import run_passes
 from shardc.compiler.plan import Plan, build_plan
 from shardc.dsl.errors import ShardcError
-from shardc.dsl.ir import Collectives, Strategy
+from shardc.dsl.ir import Collectives, MeshDims, Strategy
+from shardc.dsl.unparse import unparse
 from shardc.lowering import unit_sizes
-from shardc.units import find_units
+from shardc.units import find_units, local_params
 
 __all__ = ["compile_source", "resolve_strategy"]
 
 
 def resolve_strategy(strategy, mesh=None, world_size: int | None = None) -> Strategy:
-    """An `ir.Strategy` from a Strategy, a path or text (mesh override applied)."""
+    """An `ir.Strategy` from a Strategy, a path or text (mesh override applied; a DeviceMesh
+    binds the strategy's levels to its dims, dsl/mesh.py [Note: binding to a DeviceMesh])."""
+    mesh = _mesh_dims(mesh)
+    if isinstance(mesh, MeshDims):
+        world_size = prod(mesh.sizes)
+        if isinstance(strategy, Strategy):
+            strategy = unparse(strategy)
     if isinstance(strategy, Strategy):
         if mesh is None:
             return strategy
@@ -54,12 +62,20 @@ def resolve_strategy(strategy, mesh=None, world_size: int | None = None) -> Stra
     return load_strategy(os.fspath(strategy), world_size=world_size, mesh=mesh)
 
 
+def _mesh_dims(mesh):
+    """A DeviceMesh as the dims the strategy binds to; anything else as it is."""
+    from torch.distributed.device_mesh import DeviceMesh
+    if isinstance(mesh, DeviceMesh):
+        return MeshDims(tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.shape))
+    return mesh
+
+
 def _resolve_collectives(strategy: Strategy, model: nn.Module, units) -> Strategy:
     """`collectives auto` -> the cost model's choice for these unit sizes."""
     if strategy.collectives is not Collectives.AUTO:
         return strategy
     from shardc.analysis.costmodel.timing import choose_collectives
-    sizes = unit_sizes(dict(model.named_parameters()), units)
+    sizes = unit_sizes(local_params(model), units)
     return dataclasses.replace(strategy, collectives=choose_collectives(strategy, sizes))
 
 

@@ -18,6 +18,7 @@ from shardc.compiler.passes.meta import Call, capture_info, info
 from shardc.dsl.ir import Strategy
 from shardc.lowering import Lowering, lower, unit_sizes
 from shardc.lowering.passes import pass_names
+from shardc.units import local_params
 
 __all__ = ["Step", "Plan", "build_plan"]
 
@@ -51,7 +52,7 @@ def build_plan(gm, strategy: Strategy, model: nn.Module, passes=None) -> Plan:
     ci = capture_info(gm)
     steps = tuple(Step(info(n).op, info(n).unit, info(n).line) for n in gm.graph.nodes
                   if info(n) is not None and info(n).op is not Call.COMPUTE)
-    sizes = unit_sizes(dict(model.named_parameters()), ci.units)
+    sizes = unit_sizes(local_params(model), ci.units)
     lowering = lower(strategy.mesh, sizes, strategy.prefetch, passes)
     structure = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
     return Plan(strategy, tuple(ci.units), tuple(u.trainable for u in sizes), tuple(u.frozen for u in sizes),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from shardc.dsl.diagnostics import Diagnostic, Severity, StrategyError, render_all
 from shardc.dsl.errors import ShardcError
-from shardc.dsl.ir import Mesh, Span, Strategy
+from shardc.dsl.ir import Mesh, MeshDims, Span, Strategy
 from shardc.dsl.unparse import unparse
 
 __all__ = ["load_strategy", "parse_mesh_text", "unparse", "StrategyError", "Diagnostic", "Severity", "ShardcError"]
@@ -20,14 +20,14 @@ __all__ = ["load_strategy", "parse_mesh_text", "unparse", "StrategyError", "Diag
 MAX_BYTES = 100_000     # a strategy is a dozen lines; refuse megabytes of text
 
 
-def load_strategy(path_or_text, world_size: int | None = None, mesh: str | Mesh | None = None) -> Strategy:
+def load_strategy(path_or_text, world_size: int | None = None, mesh: str | Mesh | MeshDims | None = None) -> Strategy:
     """Parse, resolve and check a strategy (a path, or the text itself)."""
     text, file, default_name = _read(path_or_text)
     return load_text(text, file, default_name, world_size=world_size, mesh=mesh)
 
 
 def load_text(text: str, file: str = "<string>", default_name: str = "strategy", *,
-              world_size: int | None = None, mesh: str | Mesh | None = None) -> Strategy:
+              world_size: int | None = None, mesh: str | Mesh | MeshDims | None = None) -> Strategy:
     from shardc.dsl.parser import parse_program
     from shardc.dsl.resolve import MeshOverride, resolve
 
@@ -72,8 +72,11 @@ def _mesh_override(mesh):
 
     if isinstance(mesh, Mesh):
         return MeshOverride(mesh=mesh), []
+    if isinstance(mesh, MeshDims):
+        return MeshOverride(dims=mesh), []
     if not isinstance(mesh, str):
-        raise ShardcError(f"mesh must be a string such as 'node(2) > gpu(4)' or an ir.Mesh, got {type(mesh).__name__}")
+        raise ShardcError(f"mesh must be a string such as 'node(2) > gpu(4)', a DeviceMesh or an ir.Mesh, "
+                          f"got {type(mesh).__name__}")
     tree, diags = parse_mesh(mesh)
     return MeshOverride(tree=tree), diags
 

@@ -109,6 +109,17 @@ class Mesh:
 
 
 @dataclass(frozen=True, slots=True)
+class MeshDims:
+    """The dims of a DeviceMesh a strategy binds to (`mesh=` a DeviceMesh): names and sizes,
+    outermost first. The strategy's levels bind to them by name (dsl/mesh.py `bind_mesh`)."""
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return ", ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes))
+
+
+@dataclass(frozen=True, slots=True)
 class Secondary:
     """ZeRO++ hpZ: a secondary params shard kept after the forward gather."""
     levels: tuple[str, ...]

@@ -7,6 +7,14 @@ Checks: unique level names, sizes positive and not absurd, at most one `*`, `*`
 inferred from the world size (which it must divide), product equal to the world size
 when that is known. `local` is LOCAL_WORLD_SIZE, else the visible CUDA devices, else 1;
 the two fallbacks are assumptions and say so in a warning.
+
+[Note: binding to a DeviceMesh]
+With `mesh=` a DeviceMesh (its dims as `MeshDims`), the strategy's levels bind to the
+dims by name, outermost first: every level must be a dim, every dim a level, in the same
+order; a level's size is the dim's (`*` and `local` resolve to it, never to the world size
+or LOCAL_WORLD_SIZE, so a shipped strategy such as `node(*) > gpu(local)` runs on any
+sub-mesh); a written size must equal the dim's. Each mismatch is one error naming both
+sides.
 """
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ from math import prod
 
 from shardc.dsl import ast
 from shardc.dsl.diagnostics import Diagnostic, Note, error, short, warning
-from shardc.dsl.ir import Level, Mesh
+from shardc.dsl.ir import Level, Mesh, MeshDims
 
 MAX_SIZE = 1 << 20          # no mesh level has more than a million members
 MAX_LEVELS = 16             # hardware hierarchies have a handful of levels (node > gpu > die ...)
@@ -129,6 +137,39 @@ def _cuda_devices() -> int:
         return int(torch.cuda.device_count())
     except Exception:  # noqa: BLE001 - no torch / broken driver: assume no GPU
         return 0
+
+
+def bind_mesh(m: ast.MeshAst | None, dims: MeshDims, diags: list[Diagnostic], file: str) -> Mesh | None:
+    """The strategy's mesh bound to a DeviceMesh's dims (see [Note: binding to a DeviceMesh]);
+    None when an error was added. No mesh statement: the dims are the mesh."""
+    sizes = dict(zip(dims.names, dims.sizes))
+    if m is None:
+        return Mesh(tuple(Level(n, s) for n, s in sizes.items()))
+    before = _n_errors(diags)
+    _unique_names(m, diags)
+    names = tuple(lv.name.text for lv in m.levels)
+    for lv in m.levels:
+        n = lv.name.text
+        if n not in sizes:
+            diags.append(error(lv.name.span, f"level `{short(n)}` is not a dim of the DeviceMesh, whose dims "
+                               f"are {dims}", "name the levels after the DeviceMesh's dims "
+                               "(mesh_dim_names), or pass the sub-mesh of these levels"))
+        elif lv.size.text not in ("*", "local") and lv.size.text != str(sizes[n]):
+            diags.append(error(lv.size.span, f"level `{short(n)}` has size {lv.size.text} here, but the "
+                               f"DeviceMesh's dim `{short(n)}` has {sizes[n]}",
+                               "write `*` or the DeviceMesh's size"))
+    extra = [n for n in dims.names if n not in names]
+    if extra:
+        diags.append(error(m.span, f"the DeviceMesh has dim `{short(extra[0])}`, which the mesh statement "
+                           f"does not declare (DeviceMesh dims: {dims})",
+                           "pass the sub-mesh of the data-parallel dims, e.g. world_mesh[\"node\", \"gpu\"]"))
+    elif _n_errors(diags) == before and names != dims.names:
+        diags.append(error(m.span, f"the mesh statement lists its levels as {', '.join(names)}, but the "
+                           f"DeviceMesh's dims are ordered {', '.join(dims.names)}",
+                           "list the levels outermost first, as the DeviceMesh's dims are"))
+    if _n_errors(diags) > before:
+        return None
+    return Mesh(tuple(Level(n, sizes[n]) for n in names))
 
 
 def check_ir_mesh(mesh: Mesh, world_size: int | None, diags) -> None:

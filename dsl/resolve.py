@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 from shardc.dsl import ast, checks
 from shardc.dsl.diagnostics import Diagnostic, Note, did_you_mean, error, short
-from shardc.dsl.ir import (STATES, BufferSync, Collectives, DType, GradsSpec, Mesh, OptimSpec, Override,
-                           ParamsSpec, Scopes, Secondary, Span, Strategy, UnitsKind, UnitsSpec)
-from shardc.dsl.mesh import check_ir_mesh, parse_int, resolve_mesh
+from shardc.dsl.ir import (STATES, BufferSync, Collectives, DType, GradsSpec, Mesh, MeshDims, OptimSpec,
+                           Override, ParamsSpec, Scopes, Secondary, Span, Strategy, UnitsKind, UnitsSpec)
+from shardc.dsl.mesh import bind_mesh, check_ir_mesh, parse_int, resolve_mesh
 from shardc.dsl.quantities import BUCKET_UNITS
 
 ALLOWED = {("params", "comm"): ("int8", "bf16", "fp32"), ("params", "dtype"): ("fp32", "bf16", "fp16"),
@@ -38,9 +38,11 @@ _SCOPE_WORDS = {*STATES, "override", "{", "}"}   # a broken one hides a scope
 
 @dataclass
 class MeshOverride:
-    """A `mesh=` override: parsed text (with its AST) or a ready `ir.Mesh`."""
+    """A `mesh=` override: parsed text (with its AST), a ready `ir.Mesh`, or the dims of a
+    DeviceMesh the strategy's own mesh binds to."""
     tree: ast.MeshAst | None = None
     mesh: Mesh | None = None
+    dims: MeshDims | None = None
 
 
 @dataclass
@@ -60,7 +62,8 @@ def resolve(program: ast.Program, world_size: int | None, override: MeshOverride
     top, overrides = _index(program.statements, diags)
     mesh = _mesh(top.get("mesh"), world_size, override, diags, parse_failed, program.file)
     names = mesh.names if mesh else _declared(top.get("mesh"), override)
-    ctx = _Ctx(names, diags, " (the mesh comes from the override)" if override else "")
+    origin = "" if override is None or override.dims is not None else " (the mesh comes from the override)"
+    ctx = _Ctx(names, diags, origin)
     scopes, bound = _scopes(top, {}, ctx)
     ovs = [_override(o, bound, ctx) for o in overrides]
     options = _options(top, ctx)
@@ -107,6 +110,8 @@ def _duplicate(s: ast.Statement, first: ast.Statement, what: str) -> Diagnostic:
 
 
 def _declared(mesh_stmt, override) -> tuple[str, ...] | None:
+    if override is not None and override.dims is not None:     # the statement's names bind to the dims
+        return tuple(lv.name.text for lv in mesh_stmt.mesh.levels) if mesh_stmt else override.dims.names
     if override is not None:
         m = override.mesh or override.tree
         if isinstance(m, Mesh):
@@ -116,6 +121,8 @@ def _declared(mesh_stmt, override) -> tuple[str, ...] | None:
 
 
 def _mesh(stmt, world_size, override: MeshOverride | None, diags, parse_failed, file: str) -> Mesh | None:
+    if override is not None and override.dims is not None:
+        return bind_mesh(stmt.mesh if stmt is not None else None, override.dims, diags, file)
     if override is not None and override.mesh is not None:
         before = len(diags)
         check_ir_mesh(override.mesh, world_size, diags)

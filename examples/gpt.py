@@ -7,6 +7,9 @@ Python control flow in the blocks).
 
 Factories: `tiny()` (tests), `small()` (examples, explain), `gpt(**cfg)`.
 `example_inputs()` gives the `shardc compile` CLI a token batch to capture with.
+`tensor_parallel(model, tp_mesh)` splits every block's attention (by heads) and MLP over a
+tensor-parallel mesh with torch's `parallelize_module` (the torchtitan plan: the first
+linear of each Colwise, the last Rowwise).
 """
 from __future__ import annotations
 
@@ -42,13 +45,13 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
         hd = C // self.n_head
-        q = q.view(B, T, self.n_head, hd).transpose(1, 2)
-        k = k.view(B, T, self.n_head, hd).transpose(1, 2)
-        v = v.view(B, T, self.n_head, hd).transpose(1, 2)
+        # c_attn's rows are head-major (each head's q, k, v together), so a tensor-parallel
+        # rank that holds a contiguous block of rows holds whole heads (`tensor_parallel`)
+        qkv = self.c_attn(x).view(B, T, -1, 3, hd).transpose(1, 2)     # (B, heads here, T, 3, hd)
+        q, k, v = qkv.unbind(3)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -121,3 +124,16 @@ def example_inputs(model: GPT | None = None):
     """A token batch for capture: (int64[2, block_size],)."""
     cfg = model.cfg if model is not None else SMALL
     return (torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=torch.Generator().manual_seed(0)),)
+
+
+def tensor_parallel(model: GPT, tp_mesh) -> GPT:
+    """Megatron-style TP on every block (torch's `parallelize_module`): c_attn and c_fc
+    ColwiseParallel (heads and hidden units split), c_proj RowwiseParallel (its output summed
+    over tp). Embeddings, norms and the head stay replicated. `n_head` and 4*n_embd must be
+    divisible by the tp size."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+            "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
+    for block in model.transformer.h:
+        parallelize_module(block, tp_mesh, plan)
+    return model

@@ -1,8 +1,8 @@
 """Buffers — stage: runtime. DDP's rule for the model's (unsharded) buffers.
 
 Input: a `ShardedModule` and its strategy's `buffers` mode (`BufferSync`).
-Output: `broadcast(module)` (rank 0's buffers to every rank, one broadcast per dtype,
-not recorded in the ledger) and `Buffers`, whose `install(sm)` runs it under `buffers
+Output: `broadcast(module, group)` (the mesh's rank 0's buffers to every rank of the
+mesh, one broadcast per dtype, not recorded in the ledger) and `Buffers`, whose `install(sm)` runs it under `buffers
 broadcast` before every forward in training mode (a forward pre-hook on the
 ShardedModule, so emitted forwards get it too), and whose `settle()` the state-dict and
 export paths call so that what they return is rank 0's. `buffers local` keeps only the broadcast
@@ -24,15 +24,18 @@ from torch import nn
 from shardc.dsl.ir import BufferSync
 
 
-def broadcast(module: nn.Module) -> None:
-    """Every rank takes rank 0's buffers (a collective over the default group)."""
+def broadcast(module: nn.Module, group) -> None:
+    """Every rank of `group` (the mesh's ranks; None: one rank) takes the buffers of the
+    group's first rank."""
+    if group is None:
+        return
     by_dtype: dict[tuple, list[torch.Tensor]] = {}
     for b in module.buffers():
         by_dtype.setdefault((b.dtype, b.device), []).append(b)
     with torch.no_grad():
         for bufs in by_dtype.values():
             flat = torch.cat([b.reshape(-1) for b in bufs])
-            dist.broadcast(flat, src=0)
+            dist.broadcast(flat, group=group, group_src=0)
             off = 0
             for b in bufs:
                 b.copy_(flat[off:off + b.numel()].view_as(b))
@@ -42,8 +45,8 @@ def broadcast(module: nn.Module) -> None:
 class Buffers:
     """The buffers of one ShardedModule's model under its `buffers` mode (see Note)."""
 
-    def __init__(self, module: nn.Module, mode: BufferSync, faults):
-        self.module, self.mode, self.faults = module, mode, faults
+    def __init__(self, module: nn.Module, mode: BufferSync, faults, group):
+        self.module, self.mode, self.faults, self.group = module, mode, faults, group
         self.dirty = False                 # a training forward ran since the last broadcast
 
     def settle(self, caller: str | None = None) -> None:
@@ -53,7 +56,7 @@ class Buffers:
         if self.dirty:
             if caller is not None:
                 self.faults.enter(caller)
-            broadcast(self.module)
+            broadcast(self.module, self.group)
             self.dirty = False
 
     def install(self, owner: nn.Module) -> None:

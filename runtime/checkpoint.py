@@ -96,10 +96,16 @@ class _Flat(torch.Tensor):
         raise ValueError(f"no local chunk of {index.fqn!r} at offset {tuple(index.offset)}")
 
 
-def wrap(local: torch.Tensor, shape: tuple[int, ...], lo: int, device_mesh) -> DTensor:
-    """A DTensor of global `shape` whose local data are its flat elements [lo, lo+len)."""
+def wrap(local: torch.Tensor, shape: tuple[int, ...], lo: int, device_mesh, tp=None) -> DTensor:
+    """A DTensor of global `shape` whose local data are its flat elements [lo, lo+len); for
+    a DTensor parameter (`tp`, a TPParam) `shape` is its local shard's, placed at the
+    shard's offset in the parameter's global shape."""
     flat = local.detach().reshape(-1).as_subclass(_Flat)
-    flat._shardc_boxes = [(o, s, a - lo, b - lo) for o, s, a, b in boxes(shape, lo, lo + flat.numel())]
+    bx = boxes(shape, lo, lo + flat.numel())
+    if tp is not None:
+        bx = [(tuple(o + t for o, t in zip(off, tp.offset)), size, a, b) for off, size, a, b in bx]
+        shape = tp.shape
+    flat._shardc_boxes = [(o, s, a - lo, b - lo) for o, s, a, b in bx]
     flat._shardc_shape = torch.Size(shape)
     stride = torch.empty(shape, device="meta").stride()
     spec = DTensorSpec(device_mesh, (Replicate(),) * device_mesh.ndim,
@@ -107,9 +113,11 @@ def wrap(local: torch.Tensor, shape: tuple[int, ...], lo: int, device_mesh) -> D
     return DTensor(flat, spec, requires_grad=False)
 
 
-def local_piece(value, shape: tuple[int, ...], lo: int, hi: int, what: str) -> torch.Tensor:
-    """This rank's flat elements [lo, hi) of `what` from a loaded value: a piece made by
-    `wrap` for the same range, or a full tensor of the parameter's shape."""
+def local_piece(value, shape: tuple[int, ...], lo: int, hi: int, what: str, tp=None) -> torch.Tensor:
+    """This rank's flat elements [lo, hi) of `what` (of local `shape`; a DTensor parameter's
+    local shard when `tp` is its TPParam) from a loaded value: a piece made by `wrap` for
+    the same range, or a full tensor of the parameter's global shape."""
+    local_shape, shape = shape, (tp.shape if tp is not None else shape)
     if isinstance(value, DTensor) and isinstance(value._local_tensor, _Flat):
         local = value._local_tensor.as_subclass(torch.Tensor)
         if tuple(value.shape) != tuple(shape):
@@ -125,7 +133,9 @@ def local_piece(value, shape: tuple[int, ...], lo: int, hi: int, what: str) -> t
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise RuntimeUsageError(f"{what} is {got} in the checkpoint, but this model's shape "
                                 f"is {tuple(shape)}")
-    return value.detach().reshape(-1)[lo:hi]
+    if tp is not None:
+        value = tp.local_of(value)
+    return value.detach().reshape(local_shape).reshape(-1)[lo:hi]
 
 
 def _pieces(sm) -> dict[str, DTensor]:
@@ -138,7 +148,7 @@ def _pieces(sm) -> dict[str, DTensor]:
             src, start = st.checkpoint_chunk()
             for s, lo, hi in st.layout.ranges(start, src.numel()):
                 first = start + lo - s.offset if hi > lo else 0
-                pieces[s.fqn] = wrap(src[lo:hi].clone(), s.shape, first, mesh)
+                pieces[s.fqn] = wrap(src[lo:hi].clone(), s.shape, first, mesh, sm.tp.get(s.fqn))
     return pieces
 
 
@@ -178,7 +188,8 @@ def _fit(sm, sd: dict, strict: bool) -> tuple[list[str], list[str]]:
     shapes = {k: tuple(v.shape) for k, v in sm.module.named_buffers(remove_duplicate=False)}
     for u in sm.runtime.units:
         for g in u.groups:
-            shapes.update((a, s.shape) for s in g.storage.layout.slots for a in sm.names_of[s.fqn])
+            shapes.update((a, sm.tp[s.fqn].shape if s.fqn in sm.tp else s.shape)
+                          for s in g.storage.layout.slots for a in sm.names_of[s.fqn])
     sizes = [(k, tuple(sd[k].shape), shapes[k]) for k in sm.state_keys
              if k in sd and isinstance(sd[k], torch.Tensor) and tuple(sd[k].shape) != shapes[k]]
     if sizes or (strict and (missing or unexpected)):
@@ -201,7 +212,8 @@ def load_model_state_dict(sm, sd: dict, strict: bool = True) -> tuple[list[str],
                 key = next((a for a in sm.names_of[s.fqn] if a in sd), None)
                 if key is not None and hi > lo:
                     first = start + lo - s.offset
-                    new[lo:hi].copy_(local_piece(sd[key], s.shape, first, first + hi - lo, repr(key)))
+                    new[lo:hi].copy_(local_piece(sd[key], s.shape, first, first + hi - lo, repr(key),
+                                                 sm.tp.get(s.fqn)))
             staged.append((u.index, g, new))
     keys = set(sm.state_keys)
     bufs = {name: sd[name] for name, _ in sm.module.named_buffers(remove_duplicate=False)
@@ -226,23 +238,25 @@ def _commit(g, new: torch.Tensor) -> None:
 
 
 # -- optimizer ----------------------------------------------------------------------------
-def _piece_info(opt, boundary) -> list[tuple[str, tuple, int, int]]:
-    """(name, parameter shape, lo, hi) per optimizer piece, lo/hi within the parameter."""
+def _piece_info(opt, boundary, tp) -> list[tuple[str, tuple, int, int, object]]:
+    """(name, parameter shape on this rank, lo, hi, its TPParam or None) per optimizer
+    piece, lo/hi within the parameter."""
     out = []
     for piece in opt.shardc_pieces:
         slot = boundary.units[piece.unit].trainable.storage.layout.slot(piece.name)
+        t = tp.get(piece.name)
         if slot is None or piece.start == piece.stop:
-            out.append((piece.name, slot.shape if slot else (), 0, 0))
+            out.append((piece.name, slot.shape if slot else (), 0, 0, t))
         else:
-            out.append((piece.name, slot.shape, piece.start - slot.offset, piece.stop - slot.offset))
+            out.append((piece.name, slot.shape, piece.start - slot.offset, piece.stop - slot.offset, t))
     return out
 
 
-def attach_optimizer_hooks(opt, boundary, mesh) -> None:
+def attach_optimizer_hooks(opt, boundary, mesh, tp) -> None:
     """`opt.state_dict()` keeps only real parameters (padding dropped), each state tensor a
     parameter-shaped piece over DeviceMesh `mesh`; `opt.load_state_dict()` takes that,
     torch's FQN-keyed form from `set_state_dict`, or full parameter-shaped tensors."""
-    info = _piece_info(opt, boundary)
+    info = _piece_info(opt, boundary, tp)
     cls = type(opt).__name__
 
     def order():
@@ -251,12 +265,12 @@ def attach_optimizer_hooks(opt, boundary, mesh) -> None:
 
     def save_hook(optimizer, sd):
         live = order()
-        keep = {pid for pid, (name, _, _, _) in enumerate(live) if not name.startswith("<padding>")}
+        keep = {pid for pid, (name, *_) in enumerate(live) if not name.startswith("<padding>")}
         state = {}
         for pid, st in sd["state"].items():
             if pid in keep:
-                _, shape, lo, hi = live[pid]
-                state[pid] = {k: _saved(v, shape, lo, mesh) for k, v in st.items()}
+                _, shape, lo, hi, t = live[pid]
+                state[pid] = {k: _saved(v, shape, lo, mesh, t) for k, v in st.items()}
         pgs = [dict(g, params=[p for p in g["params"] if p in keep]) for g in sd["param_groups"]]
         return {"state": state, "param_groups": pgs}
 
@@ -267,10 +281,10 @@ def attach_optimizer_hooks(opt, boundary, mesh) -> None:
     opt.register_load_state_dict_pre_hook(load_hook)
 
 
-def _saved(v, shape, lo, mesh):
+def _saved(v, shape, lo, mesh, tp):
     """A state value as saved: tensors are copies (pieces for element-wise states)."""
     if isinstance(v, torch.Tensor) and v.dim() > 0:
-        return wrap(v.clone(), shape, lo, mesh)
+        return wrap(v.clone(), shape, lo, mesh, tp)
     return _copy(v)
 
 
@@ -295,7 +309,7 @@ def _to_torch_layout(opt, sd, live, cls) -> dict:
         by_name[name] = st
     live_params = [p for g in opt.param_groups for p in g["params"]]
     state = {}
-    for pid, ((name, shape, lo, hi), p) in enumerate(zip(live, live_params)):
+    for pid, ((name, shape, lo, hi, t), p) in enumerate(zip(live, live_params)):
         if name.startswith("<padding>"):
             if p in opt.state:
                 state[pid] = {k: _copy(v) for k, v in opt.state[p].items()}
@@ -305,7 +319,7 @@ def _to_torch_layout(opt, sd, live, cls) -> dict:
             if by_name:
                 raise RuntimeUsageError(f"the checkpoint has no optimizer state for {name!r}")
             continue
-        state[pid] = {k: local_piece(v, shape, lo, hi, f"optimizer state {k!r} of {name!r}").clone()
+        state[pid] = {k: local_piece(v, shape, lo, hi, f"optimizer state {k!r} of {name!r}", t).clone()
                       if isinstance(v, torch.Tensor) and v.dim() > 0 else _copy(v) for k, v in st.items()}
     out_groups, pid = [], 0
     for g, live_g in zip(pgs, opt.param_groups):

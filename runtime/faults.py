@@ -58,15 +58,21 @@ class Faults:
         self.timeout = timeout_s(timeout)
         self.prefix = f"shardc/{next(_ids)}"
         self._entries: dict[str, int] = {}
+        self._members: tuple[int, ...] = ()
+
+    def bind(self, smesh) -> None:
+        """The ranks that meet at an entry: every rank of the mesh (a sub-mesh of a bigger
+        DeviceMesh meets apart from its tensor-parallel peers' sub-meshes)."""
+        self._members = tuple(sorted(int(r) for r in smesh.device_mesh.mesh.flatten().tolist()))
 
     def enter(self, name: str) -> None:
-        """Wait (bounded by the shardc timeout) until every rank has entered `name`."""
-        world = dist.get_world_size()
+        """Wait (bounded by the shardc timeout) until every rank of the mesh has entered `name`."""
+        world = len(self._members) or dist.get_world_size()
         if world == 1:
             return
         store = dist.distributed_c10d._get_default_store()
         seq = self._entries.get(name, 0)
-        key = f"{self.prefix}/{name}/{seq}"
+        key = f"{self.prefix}/{self._members[:1]}/{name}/{seq}"
         deadline = time.monotonic() + self.timeout
         count, pause = store.add(key, 1), 0.001
         while count < world:

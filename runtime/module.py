@@ -20,15 +20,17 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
 from shardc.lowering import Lowering, RankPlan, Schedule, Stage, lower, unit_sizes
-from shardc.units import UnitSpec, canonical_names, unit_members
+from shardc.units import UnitSpec, canonical_names, local_params, unit_members
 
-from . import buffers, checkpoint, state
+from . import buffers, checkpoint, clip, state
 from .comm import Comm
 from .device import model_device
+from .dtensor_params import check_root_dims, local_tensor, tp_params
 from .dtypes import torch_dtype
 from .engine import Engine
 from .errors import RuntimeUsageError
@@ -36,18 +38,32 @@ from .faults import Faults
 from .flat_group import FlatGroup
 from .layout import build_layout
 from .ledger import Ledger, LedgerRecord
+from .mesh import ShardMesh
 from .optimizer import build_optimizer
 from .storage import FlatStorage
 from .unit import UnitState
 from .workspace import Workspace
 
 
-def _broadcast_from_rank0(model: nn.Module) -> None:
-    """All ranks start from rank 0's values (not recorded in the ledger)."""
+def _broadcast_from_rank0(model: nn.Module, group) -> None:
+    """Every rank of the mesh (`group`) starts from the values of its first rank (not recorded
+    in the ledger); a tensor-parallel parameter's local shard, never the whole."""
+    if group is None:
+        return
     with torch.no_grad():
         for t in model.parameters():
-            dist.broadcast(t.data, src=0)
-    buffers.broadcast(model)
+            dist.broadcast(local_tensor(t), group=group, group_src=0)
+    buffers.broadcast(model, group)
+
+
+def _shard_mesh(mesh, strategy: Strategy, dev: torch.device) -> ShardMesh:
+    """The mesh the units shard over: `mesh` a DeviceMesh (the world's or a sub-mesh, its dims
+    the strategy's levels), a ShardMesh, or None (a mesh of the whole world)."""
+    if isinstance(mesh, ShardMesh):
+        return mesh
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise ShardcError(f"mesh must be a DeviceMesh (or None for the whole world), not {type(mesh).__name__}")
+    return ShardMesh(strategy.mesh, dev.type, mesh)
 
 
 def _param_maps(model: nn.Module):
@@ -68,14 +84,15 @@ def _param_maps(model: nn.Module):
     return params, aliases, targets, order
 
 
-def _make_storage(names, params, gplan, plan, is_root) -> FlatStorage:
-    """The stored states of the flat group of `names`, with the plan's padded size."""
-    layout = build_layout([(n, tuple(params[n].shape)) for n in names], gplan.trainable, gplan.n)
+def _make_storage(names, local, gplan, plan, is_root) -> FlatStorage:
+    """The stored states of the flat group of `names` (`local`: each parameter's data on this
+    rank, a DTensor's local shard), with the plan's padded size."""
+    layout = build_layout([(n, tuple(local[n].shape)) for n in names], gplan.trainable, gplan.n)
     dtype = torch_dtype(plan.scopes.params.dtype)
-    dev = next(iter(params.values())).device
+    dev = next(iter(local.values())).device
     init = torch.zeros(layout.n, dtype=dtype, device=dev)
     for s in layout.slots:
-        init[s.offset:s.offset + s.numel].copy_(params[s.fqn].detach().reshape(-1))
+        init[s.offset:s.offset + s.numel].copy_(local[s.fqn].detach().reshape(-1))
     return FlatStorage(layout, plan, init, is_root)
 
 
@@ -89,23 +106,24 @@ class ShardedModule(nn.Module):
             raise ShardcError("shard_model/shard_module need one process per rank: launch with torchrun "
                               "(e.g. `torchrun --nproc-per-node 4 train.py`) and call "
                               "torch.distributed.init_process_group() first")
-        if dist.get_world_size() != strategy.mesh.world:
-            raise ShardcError(f"mesh {strategy.mesh} has {strategy.mesh.world} ranks but the world "
-                              f"size is {dist.get_world_size()}")
         self.module = model
         self.strategy = strategy
         self.unit_specs = list(units)
         self.ledger = Ledger()
         self.device = model_device(model)
-        self.comm = Comm(strategy.mesh, strategy.collectives, self.ledger, mesh, self.device.type)
-        _broadcast_from_rank0(model)
+        self.comm = Comm(strategy.mesh, strategy.collectives, self.ledger, _shard_mesh(mesh, strategy, self.device))
+        self.faults.bind(self.comm.smesh)
         params, self.aliases, targets, self.param_order = _param_maps(model)
         self.state_keys = tuple(model.state_dict(keep_vars=True))    # torch's keys, before any change
         self.names_of = {c: [n for n in self.param_order if self.aliases[n] == c] for c in params}
         self.frozen = {n for n, p in params.items() if not p.requires_grad}
+        self.tp = tp_params(params, strategy.mesh.names)          # DTensor parameters (TP, SP)
+        check_root_dims(self.comm.smesh.device_mesh, self.tp)
+        _broadcast_from_rank0(model, self.comm.smesh.dp_group())
+        local = local_params(model)                                  # a DTensor's local shard
         per_unit = unit_members(self.unit_specs, self.aliases)      # [Note: unit membership]
         canonical = [dataclasses.replace(u, params=tuple(n)) for u, n in zip(self.unit_specs, per_unit)]
-        lowered = _lowered(lowering, passes, strategy, unit_sizes(params, canonical))
+        lowered = _lowered(lowering, passes, strategy, unit_sizes(local, canonical))
         # the one plan: what each unit does and the schedule the engine follows
         self.lowering = dataclasses.replace(
             lowered, schedule=_checked(schedule, lowered.schedule, len(self.unit_specs), hooks))
@@ -119,10 +137,10 @@ class ShardedModule(nn.Module):
             comm = self.faults.guard(self.comm, spec.name)
             for gplan in uplan.groups:
                 sel = [n for n in names if (n not in self.frozen) == gplan.trainable]
-                st = _make_storage(sel, params, gplan, plan, i == 0)
+                st = _make_storage(sel, local, gplan, plan, i == 0)
                 groups.append(FlatGroup(st, gplan, comm, workspace, strategy.mesh.world))
                 tg.append([targets[s.fqn] for s in st.layout.slots])
-            states.append(UnitState(i, spec, groups, tg))
+            states.append(UnitState(i, spec, groups, tg, self._wrappers(groups)))
         for mod_targets in targets.values():
             for mod, attr in mod_targets:
                 del mod._parameters[attr]
@@ -134,9 +152,15 @@ class ShardedModule(nn.Module):
         self.hooks = hooks
         if hooks:
             self._install_hooks()
-        self.buffer_sync = buffers.Buffers(model, strategy.buffers, self.faults)
+        self.buffer_sync = buffers.Buffers(model, strategy.buffers, self.faults, self.comm.smesh.dp_group())
         self.buffer_sync.install(self)
         self.optimizers: list[torch.optim.Optimizer] = []     # built by optimizer(), in order
+
+    def _wrappers(self, groups) -> list[list]:
+        """Per group, per slot: how a view becomes the module's parameter (a DTensor
+        parameter's view is wrapped back into a DTensor; None: the view itself)."""
+        return [[self.tp[s.fqn].wrap if s.fqn in self.tp else None for s in g.storage.layout.slots]
+                for g in groups]
 
     def _placeholders(self, u: UnitState) -> None:
         """Meta tensors stand in for parameters whose unit is not gathered."""
@@ -207,7 +231,8 @@ class ShardedModule(nn.Module):
     def optimizer(self, cls, param_groups=None, **kw) -> torch.optim.Optimizer:
         opt = build_optimizer(self.runtime.boundary, self._trainable_aliases(), self.frozen, cls,
                               param_groups, **kw)
-        checkpoint.attach_optimizer_hooks(opt, self.runtime.boundary, self.comm.smesh.device_mesh)
+        checkpoint.attach_optimizer_hooks(opt, self.runtime.boundary, self.comm.smesh.device_mesh,
+                                          self.tp)
         self.optimizers.append(opt)
         return opt
 
@@ -222,23 +247,8 @@ class ShardedModule(nn.Module):
             raise RuntimeUsageError("clip_grad_norm_ supports only the 2-norm")
         boundary = self.runtime.boundary
         boundary.wait_sync("clip_grad_norm_()")
-        clip_rows = {r.levels: r for r in self.lowering.clip_rows}
-        by_levels: dict[tuple, list] = {}
-        for g in boundary.trainable_groups():
-            by_levels.setdefault(g.storage.plan.os, []).append(g.storage)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        guarded = self.faults.guard(self.comm, "<all units>")
-        for levels, storages in by_levels.items():
-            sq = torch.zeros(1, dtype=torch.float32, device=self.device)
-            for st in storages:
-                sq += st.os_grad.float().pow(2).sum()
-            guarded.all_reduce(clip_rows.get(levels), sq).wait()
-            total += sq[0]
-        norm = total.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in boundary.trainable_groups():
-            g.storage.os_grad.mul_(coef.to(g.storage.os_grad.dtype))
-        return norm
+        return clip.clip_grad_norm_(boundary.trainable_groups(), self.lowering.clip_rows,
+                                    self.faults.guard(self.comm, "<all units>"), self.tp, max_norm, self.device)
 
     def set_timeout(self, seconds: float) -> None:
         """Change the shardc timeout (every wait on a peer, and the process groups')."""

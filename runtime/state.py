@@ -47,6 +47,13 @@ def _gather(sm, st, local: torch.Tensor, levels, order) -> torch.Tensor:
     return sm.comm.gather(out, local.contiguous(), levels, order)
 
 
+def _global(sm, slot, local: torch.Tensor) -> torch.Tensor:
+    """A parameter-shaped tensor on this rank as the global tensor: a DTensor parameter's
+    local shard all-gathered over its tp mesh (every tp rank calls it), else itself."""
+    tp = sm.tp.get(slot.fqn)
+    return tp.full(local.contiguous()) if tp is not None else local
+
+
 def full_state_dict(sm, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     sm.faults.enter("full_state_dict()")
     sm.buffer_sync.settle()
@@ -55,9 +62,10 @@ def full_state_dict(sm, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     for u in sm.runtime.units:
         for st in (g.storage for g in u.groups):
             full = _gather(sm, st, st.shard, st.plan.p, st.plan.order("params"))
-            if keep:
-                for s in st.layout.slots:
-                    values[s.fqn] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+            for s in st.layout.slots:
+                value = _global(sm, s, full[s.offset:s.offset + s.numel].view(s.shape))
+                if keep:
+                    values[s.fqn] = value.clone()
     if not keep:
         return {}
     bufs = dict(sm.module.named_buffers(remove_duplicate=False))
@@ -87,13 +95,14 @@ def full_optim_state_dict(sm, opt, rank0_only: bool = False) -> dict:
                     local[piece.start - g.os_start:piece.stop - g.os_start].copy_(v)
             full = _gather(sm, g, local, g.plan.os, g.plan.order("optim"))
             for s in g.layout.slots:
-                state.setdefault(s.fqn, {})[key] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+                value = _global(sm, s, full[s.offset:s.offset + s.numel].view(s.shape))
+                state.setdefault(s.fqn, {})[key] = value.clone()
         for piece, p in mine:
             for k, v in opt.state.get(p, {}).items():
                 if not (isinstance(v, torch.Tensor) and v.dim() > 0) and piece.stop > piece.start \
                         and not piece.name.startswith("<padding>"):
                     state.setdefault(piece.name, {})[k] = v.clone() if isinstance(v, torch.Tensor) else v
-    state = _agree_scalars(state)
+    state = _agree_scalars(state, sm.comm.smesh.dp_group())
     if not keep:
         return {}
     groups = []
@@ -105,13 +114,15 @@ def full_optim_state_dict(sm, opt, rank0_only: bool = False) -> dict:
             "param_groups": groups}
 
 
-def _agree_scalars(state: dict) -> dict:
+def _agree_scalars(state: dict, group) -> dict:
     """Scalar states (step counts) of parameters this rank holds no piece of come from the
     ranks that do (all-gathered objects; every piece steps together)."""
-    got = [None] * dist.get_world_size()
+    if group is None:
+        return state
+    got = [None] * dist.get_world_size(group)
     scalars = {n: {k: v for k, v in st.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
                for n, st in state.items()}
-    dist.all_gather_object(got, scalars)
+    dist.all_gather_object(got, scalars, group=group)
     for other in got:
         for n, st in other.items():
             for k, v in st.items():

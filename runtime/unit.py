@@ -21,6 +21,7 @@ class UnitState:
     spec: UnitSpec
     groups: list[FlatGroup]
     targets: list[list[list[tuple[torch.nn.Module, str]]]]   # group -> slot -> (module, attr)
+    wrappers: list[list]                  # group -> slot -> view -> parameter (DTensor), or None
     reduced: bool = False
     running: bool = False
     calls: int = 0

@@ -34,6 +34,11 @@ def load_emitted(source: str, name: str) -> dict:
     return namespace
 
 
+def _is_device_mesh(mesh) -> bool:
+    from torch.distributed.device_mesh import DeviceMesh
+    return isinstance(mesh, DeviceMesh)
+
+
 def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str = "auto", mesh=None,
                   timeout: float | None = None, passes=None):
     """`shardc.compile`: the same pipeline as `shardc compile`, run in memory. `timeout`
@@ -45,7 +50,8 @@ def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str 
     source, plan = compile_source(model, strategy, example_inputs, capture, mesh, passes=passes)
     namespace = load_emitted(source, plan.strategy.name)
     # the plan the compiler made, not lowered again
-    sm = namespace["shard_model"](model, lowering=plan.lowering, timeout=timeout)
+    sm = namespace["shard_model"](model, lowering=plan.lowering, timeout=timeout,
+                                  mesh=mesh if _is_device_mesh(mesh) else None)
     sm.plan = plan
     sm.source = source
     return sm

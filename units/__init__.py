@@ -11,7 +11,7 @@ it, never the other way.
 from shardc.units.bucket import bucket_runs, merge
 from shardc.units.find import find_units, reorder, unit_bytes
 from shardc.units.members import unit_members
-from shardc.units.spec import ROOT, UnitSpec, canonical_names, param_owners
+from shardc.units.spec import ROOT, UnitSpec, canonical_names, local_params, param_owners
 
-__all__ = ["ROOT", "UnitSpec", "bucket_runs", "canonical_names", "find_units", "merge", "param_owners", "reorder",
+__all__ = ["ROOT", "UnitSpec", "bucket_runs", "canonical_names", "find_units", "local_params", "merge", "param_owners", "reorder",
            "unit_bytes", "unit_members"]

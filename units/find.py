@@ -32,7 +32,7 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Scopes, Strategy, UnitsKind
 from shardc.lowering import unit_scopes, unused_override
 from shardc.units.bucket import merge
-from shardc.units.spec import ROOT, UnitSpec, param_owners
+from shardc.units.spec import ROOT, UnitSpec, local_params, param_owners
 
 __all__ = ["find_units", "unit_bytes", "reorder"]
 
@@ -105,8 +105,8 @@ def _scopes_for(unit: str, modules: tuple[str, ...], strategy: Strategy, used: s
 
 
 def unit_bytes(model: nn.Module, units) -> list[int]:
-    """Each unit's parameter bytes (in the model's dtypes; a meta model will do)."""
-    params = dict(model.named_parameters())
+    """Each unit's parameter bytes on this rank (in the model's dtypes; a meta model will do)."""
+    params = local_params(model)
     return [sum(params[n].numel() * params[n].element_size() for n in u.params) for u in units]
 
 

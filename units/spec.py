@@ -5,17 +5,20 @@ into forward execution order), the lowering (`unit_sizes`), the cost model and
 `shard_module(model, strategy, units)`. Index 0 is the root unit ("<root>"); units 1..
 are in forward execution order once capture has run. Also the one owner of a
 parameter's canonical name (`param_owners`, `canonical_names`), which the unit finder,
-the membership rule and the runtime all read.
+the membership rule and the runtime all read, and of what a parameter counts on this rank
+(`local_params`: a DTensor's local shard).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardc.dsl.ir import Scopes
 
-__all__ = ["ROOT", "UnitSpec", "param_owners", "canonical_names"]
+__all__ = ["ROOT", "UnitSpec", "param_owners", "canonical_names", "local_params"]
 
 ROOT = "<root>"
 
@@ -40,3 +43,16 @@ class UnitSpec:
     params: tuple[str, ...]           # canonical parameter FQNs in this unit (tied aliases excluded)
     scopes: Scopes                    # resolved per unit (overrides applied)
     modules: tuple[str, ...] = ()     # module FQNs whose forward runs this unit (empty for root)
+
+
+def local_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter (canonical name) as this rank holds it, what unit sizes count: a
+    DTensor's local shard (tensor parallelism: shardc shards the local shard), with the
+    parameter's `requires_grad`; any other parameter itself."""
+    out = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            with torch.no_grad():
+                p = p.to_local().detach().requires_grad_(p.requires_grad)
+        out[name] = p
+    return out

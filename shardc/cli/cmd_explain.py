@@ -28,6 +28,7 @@ from shardc.dsl.ir import Collectives
 def add_arguments(p) -> None:
     p.add_argument("file", help="strategy file (.shard)")
     p.add_argument("--model", required=True, metavar="PATH:FACTORY", help="model factory, e.g. examples/llama.py:llama_7b")
+    predict_args.add_tp_argument(p)
     p.add_argument("--world", type=int, help="world size (resolves `*` in the mesh)")
     p.add_argument("--mesh", help='mesh override, e.g. "node(8) > gpu(8)"')
     p.add_argument("--micro-batches", type=int, help="micro-batches per step (default: the strategy's accumulate)")
@@ -63,7 +64,7 @@ def run(args) -> int:
     strategy = load(args.file, args.world, args.mesh)
     if args.collectives:
         strategy = dataclasses.replace(strategy, collectives=Collectives(args.collectives))
-    units = load_model_units(strategy, args.model)
+    units = load_model_units(strategy, args.model, args.tp)
     kw = {"momentum": args.momentum}
     bw = predict_args.links(args, bandwidth_from_args(args), strategy.mesh)
     rate = predict_args.achievable(args, flops_from_args(args, bw))

@@ -22,6 +22,7 @@ from shardc.cli.cmd_explain import (
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, metavar="PATH:FACTORY", help="model factory, e.g. examples/llama.py:llama_7b")
+    predict_args.add_tp_argument(p)
     p.add_argument("--mesh", required=True, help='mesh, e.g. "node(8) > gpu(8)" (`*` needs --world)')
     p.add_argument("--world", type=int, help="world size (resolves `*` in the mesh)")
     p.add_argument("--memory", required=True, help="memory per rank the peak must fit, e.g. 80GiB")
@@ -58,7 +59,7 @@ def run(args) -> int:
     if args.top < 1:
         raise ShardcError(f"--top must be at least 1, got {args.top}")
     base = base_strategy(args.mesh, args.world)
-    units = load_model_units(base, args.model)
+    units = load_model_units(base, args.model, args.tp)
     bw = predict_args.links(args, bandwidth_from_args(args), base.mesh)
     cands = plan(base, units, budget, bandwidth=bw,
                  micro_batches=args.micro_batches, optimizer=args.optimizer, dtype=DType(args.precision),

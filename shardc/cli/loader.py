@@ -97,8 +97,21 @@ def build_model(spec: str, device: str | None = None) -> nn.Module:
     return model
 
 
-def load_model_units(strategy, spec: str):
-    """Build `spec` (PATH.py:FACTORY) on the meta device and size its units (`UnitSize`s)."""
-    from shardc.analysis.costmodel import report
+def meta_model(spec: str, strategy, tp: int = 1) -> nn.Module:
+    """`spec` built on the meta device; with `tp` > 1 cut to one tensor-parallel rank's
+    shapes under the plan `--tp` assumes (analysis/costmodel/tp.py)."""
     model = build_model(spec, device="meta")
-    return report.model_units(strategy, model)
+    if tp > 1:
+        from dataclasses import replace
+
+        from shardc.analysis.costmodel.tp import split_for_tp
+        from shardc.units import find_units
+        split_for_tp(model, find_units(model, replace(strategy, bucket=0)), tp)
+    return model
+
+
+def load_model_units(strategy, spec: str, tp: int = 1):
+    """Build `spec` (PATH.py:FACTORY) on the meta device (one tp rank's shapes) and size
+    its units (`UnitSize`s)."""
+    from shardc.analysis.costmodel import report
+    return report.model_units(strategy, meta_model(spec, strategy, tp))

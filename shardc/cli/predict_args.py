@@ -32,6 +32,12 @@ def add_prediction_arguments(g) -> None:
                    help="skip tracing the model: compute = 6·params·tokens, activations not counted")
 
 
+def add_tp_argument(p) -> None:
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                   help="tensor-parallel degree: every block's attention and MLP linears split over N "
+                        "ranks (the torchtitan plan); states and bytes are a local shard's")
+
+
 def achievable(args, fallback: float) -> float:
     if args.tflops is None:
         return fallback
@@ -78,9 +84,9 @@ def graph(args, strategy, spec: str, dtype: str):
         raise ShardcError(f"--tokens {args.tokens} must be a whole number of --seq {seq} sequences")
     from shardc.analysis.costmodel.bucketing import resolve_bucket
     from shardc.analysis.costmodel.flops import trace
-    from shardc.cli.loader import build_model
+    from shardc.cli.loader import meta_model
     from shardc.units import find_units
-    model = build_model(spec, device="meta")
+    model = meta_model(spec, strategy, args.tp)
     try:
         return trace(model, find_units(model, resolve_bucket(model, strategy)), batch=args.tokens // seq, seq=seq, dtype=dtype)
     except Exception as e:  # noqa: BLE001 — a model the meta trace cannot run: say so, go on without it

@@ -181,7 +181,8 @@ def check_structure(model):
 def shard_model(model, mesh=None, schedule=SCHEDULE, timeout=None, lowering=None):
     """Shard `model` (the compiled structure) over the mesh; needs the default process group.
 
-    `mesh`: a shardc.runtime.ShardMesh (default: built from STRATEGY's mesh); `schedule`:
+    `mesh`: a DeviceMesh whose dims are STRATEGY's mesh levels (the world's, or a sub-mesh
+    such as world_mesh["node", "gpu"]; default: a mesh of the whole world); `schedule`:
     the Schedule the engine follows (default: SCHEDULE above); `timeout`: seconds for every wait
     on a peer (default: $SHARDC_TIMEOUT or 600); `lowering`: the plan of UNITS as the
     compiler lowered it (shardc.compile hands it over), else it is lowered once from
