@@ -44,7 +44,10 @@ CONFIGS = {"tiny": dataclasses.replace(gpt.TINY, vocab_size=256, block_size=32),
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--strategy", required=True, help="a .shard file")
-    p.add_argument("--mesh", default=None, help='mesh override, e.g. "node(2) > gpu(2)"')
+    p.add_argument("--mesh", default=None, help='mesh override, e.g. "node(2) > gpu(2)"; with --tp, the '
+                   'data-parallel mesh (the world is its ranks times --tp)')
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: every block's attention (by heads) "
+                   "and MLP split over this many ranks (torch's parallelize_module); needs --mesh")
     p.add_argument("--model", choices=sorted(CONFIGS), default="small")
     p.add_argument("--steps", type=int, default=int(os.environ.get("SHARDC_EXAMPLE_STEPS", 20)))
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
@@ -182,6 +185,26 @@ def maybe_die(step: int, rank: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def data_parallel(args, model, dev):
+    """(strategy, DeviceMesh or None, this rank's data-parallel index, data-parallel ranks).
+    With --tp N the world is a DeviceMesh of the --mesh levels and a `tp` dim of N (innermost:
+    a node's consecutive ranks); the model's blocks are split over tp and shardc shards over
+    the rest, so the N ranks of a tp group read the same batch."""
+    world = dist.get_world_size()
+    if args.tp == 1:
+        return shardc.load_strategy(args.strategy, world_size=world, mesh=args.mesh), None, dist.get_rank(), world
+    if args.mesh is None or world % args.tp:
+        raise shardc.ShardcError(f"--tp {args.tp} needs the data-parallel mesh as --mesh (e.g. --mesh "
+                                 f"\"node(2) > gpu(2)\" for 8 ranks and --tp 2) and a world size it divides "
+                                 f"(world {world})")
+    from torch.distributed.device_mesh import init_device_mesh
+    dp = shardc.load_strategy(args.strategy, world_size=world // args.tp, mesh=args.mesh)
+    world_mesh = init_device_mesh(dev.type, (*[lv.size for lv in dp.mesh.levels], args.tp),
+                                  mesh_dim_names=(*dp.mesh.names, "tp"))
+    gpt.tensor_parallel(model, world_mesh["tp"])
+    return dp, world_mesh[dp.mesh.names], dist.get_rank() // args.tp, world // args.tp
+
+
 def init_process_group(backend: str) -> None:
     """`dist.init_process_group`, with fresh rendezvous keys after a torchrun restart.
 
@@ -234,13 +257,14 @@ def train(args) -> dict:
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = gpt.GPT(cfg).to(dev)
     data = load_corpus()
-    strategy = shardc.load_strategy(args.strategy, world_size=world, mesh=args.mesh)
+    strategy, mesh, dp_rank, dp_world = data_parallel(args, model, dev)
     if rank == 0:
         for warning in strategy.warnings:           # the checker's advice (e.g. a degenerate level)
             print(warning, file=sys.stderr, flush=True)
-    x0 = get_batch(data, cfg, args.batch, 0, 0, rank, world)[0].to(dev)
+    x0 = get_batch(data, cfg, args.batch, 0, 0, dp_rank, dp_world)[0].to(dev)
     t_compile = time.perf_counter()
-    sm = shardc.compile(model, strategy, example_inputs=(x0,), capture=args.capture)
+    sm = shardc.compile(model, strategy if mesh is None else args.strategy, example_inputs=(x0,),
+                        capture=args.capture, mesh=mesh)
     strategy = sm.plan.strategy                     # `collectives auto` resolved by the cost model
     if rank == 0:
         print(f"compiled in {time.perf_counter() - t_compile:.1f} s: {len(sm.plan.units)} units, "
@@ -253,7 +277,7 @@ def train(args) -> dict:
     for step in range(first, args.steps):
         total = torch.zeros((), device=dev)
         for micro in range(M):
-            x, y = (t.to(dev) for t in get_batch(data, cfg, args.batch, step, micro, rank, world))
+            x, y = (t.to(dev) for t in get_batch(data, cfg, args.batch, step, micro, dp_rank, dp_world))
             loss = F.cross_entropy(sm(x).flatten(0, 1), y.flatten()) / M
             maybe_die(step, rank)
             loss.backward()
@@ -272,7 +296,7 @@ def train(args) -> dict:
         final = sm.full_state_dict(rank0_only=True)
         if rank == 0:
             torch.save(final, args.save_final)
-    tokens = max(len(losses), 1) * M * args.batch * cfg.block_size * world
+    tokens = max(len(losses), 1) * M * args.batch * cfg.block_size * dp_world
     report(sm, strategy, tokens, seconds, world, losses)
     return dict(losses=losses, tokens_per_s=tokens / seconds, memory=sm.memory_report(),
                 comm=comm_by_level(sm.comm_ledger()))

@@ -50,3 +50,14 @@ def test_train_gpt_shows_the_strategys_warnings():
     first = want.strip().splitlines()[0]
     assert first.startswith("warning:") and first in results[0]["stderr"]
     assert all(first not in r["stderr"] for r in results[1:])          # rank 0 only
+
+
+def test_train_gpt_with_tensor_parallelism():
+    """The README's TP command: 8 ranks as (node 2, gpu 2) x tp 2; each tp pair reads one batch."""
+    argv = ["--strategy", os.path.join(ROOT, "examples", "strategies", "paro_iig.shard"),
+            "--mesh", "node(2) > gpu(2)", "--tp", "2", "--model", "tiny", "--steps", "6", "--quiet", "--lr", "1e-2"]
+    results = dist_run(8, _job, argv)
+    losses = results[0]["losses"]
+    assert len(losses) == 6 and all(r["losses"] == losses for r in results)
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert set(results[0]["comm"]) >= {"gpu", "node"}          # shardc's collectives: the dp levels only
