@@ -13,7 +13,8 @@ optimizer, state (memory report, full state dicts), checkpoint (strategy-indepen
 state dicts), buffers (`buffers broadcast|local`), faults (timeouts, failed peers,
 guarded collectives), ledger, comm (the communication interface: plan rows issued on
 mesh/collectives and recorded), dtypes (the DType -> torch.dtype table), device (the
-model's device, the backend per device type, communication streams), module (entry point).
+model's device, the backend per device type, communication streams), compile (what
+torch.compile must run eagerly; compile-then-shard), module (entry point).
 `sm.module` keeps no registered parameters: read values with `full_state_dict()`.
 """
 from .errors import RuntimeUsageError

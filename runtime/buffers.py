@@ -23,6 +23,8 @@ from torch import nn
 
 from shardc.dsl.ir import BufferSync
 
+from .compile import eager
+
 
 def broadcast(module: nn.Module, group) -> None:
     """Every rank of `group` (the mesh's ranks; None: one rank) takes the buffers of the
@@ -64,6 +66,7 @@ class Buffers:
         if self.mode is not BufferSync.BROADCAST or not any(True for _ in self.module.buffers()):
             return
 
+        @eager                           # a collective: never traced (runtime/compile.py)
         def before_forward(module, args):
             if module.training:
                 self.settle()

@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_leaves
 from shardc.lowering import Phase, Schedule
 
 from .boundary import StepBoundary
+from .compile import eager, eager_frame
 from .flat_group import FlatGroup
 from .unit import UnitState
 
@@ -84,6 +85,7 @@ class Engine:
         self._setters = [_setters(u) for u in units]     # made once: per group, per slot
 
     # -- forward primitives ----------------------------------------------------------
+    @eager
     def begin_forward(self) -> None:
         self.boundary.check_forward(torch.is_grad_enabled())
         for u in self.units:
@@ -100,12 +102,14 @@ class Engine:
         for j in self._issues[direction].get(i, ()):      # one lookup per unit (built once)
             self.issue_gather(j, direction)
 
+    @eager
     def issue_gather(self, i: int, phase: Phase = Phase.FORWARD) -> None:
         self.boundary.complete_update(i)
         issued = [g.issue_gather(phase) for g in self.units[i].groups]
         if any(issued):
             self.events.append(("issue_gather", i))
 
+    @eager
     def wait_gather(self, i: int, phase: Phase = Phase.FORWARD) -> None:
         u = self.units[i]
         if any(not g.held and g.gathering is None for g in u.groups):
@@ -115,10 +119,12 @@ class Engine:
                 g.wait_gather()
             self.events.append(("wait_gather", i))
 
+    @eager
     def release(self, i: int) -> None:
         if any([g.release() for g in self.units[i].groups]):
             self.events.append(("release", i))
 
+    @eager
     def pre_forward(self, i: int) -> None:
         u = self.units[i]
         if self._queued:                 # activation recomputation inside the backward
@@ -151,12 +157,14 @@ class Engine:
         if i != 0:
             self.release(i)
 
+    @eager_frame
     def run_unit(self, i: int, fn, *args, **kwargs):
         """Run one module of unit i (the emitted forward's call)."""
         if not self.units[i].running:
             self.pre_forward(i)
         return self.module_done(i, fn(*args, **kwargs))
 
+    @eager
     def module_done(self, i: int, out):
         """One module of unit i ran (emitted call or forward hook): arm its backward; a unit
         of k modules (a bucket) is gathered on its first call and released after its k-th."""
@@ -167,6 +175,7 @@ class Engine:
             self.finish_forward(i)
         return out
 
+    @eager
     def end_forward(self, out):
         tensors = _grad_tensors(out) if torch.is_grad_enabled() else []
         if tensors:

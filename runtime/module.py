@@ -29,6 +29,7 @@ from shardc.units import UnitSpec, canonical_names, local_params, unit_members
 
 from . import buffers, checkpoint, clip, state
 from .comm import Comm
+from .compile import compile_like, eager
 from .device import model_device
 from .dtensor_params import check_root_dims, local_tensor, tp_params
 from .dtypes import torch_dtype
@@ -187,10 +188,12 @@ class ShardedModule(nn.Module):
             for name in mods:
                 m = self.module.get_submodule(name)
 
+                @eager
                 def pre(mod, args, u=u):
                     if not u.running:
                         rt.pre_forward(u.index)
 
+                @eager
                 def post(mod, args, out, u=u):
                     rt.module_done(u.index, out)
 
@@ -201,6 +204,11 @@ class ShardedModule(nn.Module):
     def schedule(self) -> Schedule:
         """The schedule the engine follows (`self.lowering.schedule`)."""
         return self.lowering.schedule
+
+    def compile(self, *args, **kwargs) -> None:
+        """`nn.Module.compile`: compile this module's calls in place with torch.compile's
+        arguments (runtime/compile.py, [Note: the root unit on the hooks path])."""
+        compile_like(self, lambda fn: torch.compile(fn, *args, **kwargs))
 
     # -- forward ------------------------------------------------------------------
     def forward(self, *args, **kwargs):

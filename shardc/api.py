@@ -16,6 +16,7 @@ from torch import nn
 
 from shardc.compiler.api import compile_source
 from shardc.dsl.errors import ShardcError
+from shardc.runtime.compile import split_compiled
 
 __all__ = ["compile_model", "load_emitted", "NO_PROCESS_GROUP"]
 
@@ -47,7 +48,8 @@ def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str 
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         raise ShardcError(NO_PROCESS_GROUP)
-    source, plan = compile_source(model, strategy, example_inputs, capture, mesh, passes=passes)
+    inner, _ = split_compiled(model)      # the compiler sees the module torch.compile wrapped
+    source, plan = compile_source(inner, strategy, example_inputs, capture, mesh, passes=passes)
     namespace = load_emitted(source, plan.strategy.name)
     # the plan the compiler made, not lowered again
     sm = namespace["shard_model"](model, lowering=plan.lowering, timeout=timeout,

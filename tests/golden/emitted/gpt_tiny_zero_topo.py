@@ -24,6 +24,7 @@ from shardc.dsl.ir import (Collectives, DType, GradsSpec, Level, Mesh, OptimSpec
                            BufferSync, Scopes, Secondary, Strategy, UnitsKind, UnitsSpec)
 from shardc.lowering import Schedule, Stage
 from shardc.runtime import shard_module
+from shardc.runtime.compile import compile_like, split_compiled
 from shardc.units import UnitSpec
 
 STRATEGY = Strategy(name='zero_topo',
@@ -198,9 +199,12 @@ def shard_model(model, mesh=None, schedule=SCHEDULE, timeout=None, lowering=None
     the Schedule the engine follows (default: SCHEDULE above); `timeout`: seconds for every wait
     on a peer (default: $SHARDC_TIMEOUT or 600); `lowering`: the plan of UNITS as the
     compiler lowered it (shardc.compile hands it over), else it is lowered once from
-    UNITS, STRATEGY and PLAN_PASSES."""
+    UNITS, STRATEGY and PLAN_PASSES. A `torch.compile`d model is sharded as the module it
+    wraps, then compiled the same way (shardc.runtime.compile)."""
+    model, compiled = split_compiled(model)
     check_structure(model)
     sm = shard_module(model, STRATEGY, UNITS, mesh=mesh, hooks=False, schedule=schedule, timeout=timeout,
                       passes=PLAN_PASSES, lowering=lowering)
     sm.forward = types.MethodType(forward, sm)
+    compile_like(sm, compiled)
     return sm
