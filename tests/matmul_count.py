@@ -21,6 +21,8 @@ Inductor graph's `## Call CompiledFxGraph` region encloses it (a compiled graph 
 `aten::mm` through its extern kernels; those are the compiled ones above).
 A TorchDispatchMode cannot do this: compiled graphs' extern kernels dispatch like eager
 ops, so it cannot tell them apart, and running dynamo under one changes what it traces.
+Count warm steps only: a step that compiles runs dynamo's and AOTAutograd's tracing,
+whose fake-tensor matmuls the profiler records as eager.
 AOTAutograd's cache is off under `backend`: a hit there would skip the inner compile,
 and the count. Inductor's FX graph cache stays on (it is consulted inside the inner
 compile, so a hit is counted like a miss; ranks and repeated runs share its entries).
