@@ -76,9 +76,12 @@ def _gpt_job(rank, world, text, order, opt_kinds):
         torch.manual_seed(123 + rank)                # rank 0's initial weights must win
         model = GPT(TINY) if rank else par.make_model()
         mc = MatmulCount()
-        ex = (torch.zeros(par.MICRO_B, TINY.block_size, dtype=torch.long),)   # nanoGPT passes none;
-        sm = compiled(model, order, mc.backend,                                # with them, capture
-                      lambda m: shardc.compile(m, text, mesh=MESH, example_inputs=ex))   # could fall back
+        # example inputs: with them `capture auto` could fall back to export (and the hooks
+        # path) where fx fails, as it did on a torch.compile'd model; the fx path must be kept
+        ex = (torch.zeros(par.MICRO_B, TINY.block_size, dtype=torch.long),)
+        sm = compiled(model, order, mc.backend,
+                      lambda m: shardc.compile(m, text, mesh=MESH, example_inputs=ex))
+        assert not (sm._orig_mod if order == "after" else sm).hooks      # the emitted fx forward
         o = par.make_opt(opt_kind, sm)
         opt = sm.optimizer(o.pop("cls"), **o)
         steps = _steps(world)
