@@ -31,7 +31,6 @@ from models import PRESETS
 from netns import ClusterError, ClusterSpec, EmulatedCluster, remove_stale, require_root_and_tools
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PEERS = ("fsdp2:full", "fsdp2:hsdp", "ddp")
 console = Console(stderr=True)
 
 
@@ -51,7 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1,
                    help="run the system list this many times, alternating, and pool the steps ([Note: rounds]); "
                         "with --bandwidth-profile, the profile's --sweeps")
-    p.add_argument("--systems", default="fsdp2:full,fsdp2:hsdp,ddp,shardc:zero3")
+    p.add_argument("--systems", default="fsdp2:full,fsdp2:hsdp,ddp,shardc:zero3",
+                   help="comma-separated; NAME+tp (or +tpN) adds tensor parallelism over N=2 ranks of a node "
+                        "([Note: +tp systems] in bench/systems.py), e.g. fsdp2+tp,shardc:zero3+tp")
     p.add_argument("--timeout", type=float, default=600, help="seconds per system")
     p.add_argument("--collectives", action="store_true",
                    help="time all-gather/reduce-scatter, flat vs hierarchical, instead")
@@ -73,9 +74,14 @@ def check_args(a) -> str | None:
         return "--nodes and --per-node must be at least 1"
     if a.accumulate < 1 or a.steps < 1 or a.warmup < 0 or a.micro_batch < 1 or a.rounds < 1:
         return "--accumulate, --steps, --rounds and --micro-batch must be at least 1, --warmup at least 0"
+    from systems import parse_system
     for s in a.systems.split(","):
-        if s not in PEERS and not s.startswith("shardc:"):
-            return f"unknown system {s!r}: use {', '.join(PEERS)} or shardc:<strategy>"
+        try:
+            _, tp = parse_system(s)
+        except ValueError as e:
+            return str(e)
+        if a.per_node % tp:
+            return f"system {s!r}: tp {tp} does not divide --per-node {a.per_node} (a tp group stays inside a node)"
     if a.model not in PRESETS and ":" not in a.model:
         return f"unknown model {a.model!r}: use {', '.join(PRESETS)} or PATH.py:FACTORY"
     return None

@@ -18,7 +18,10 @@ accumulation idiom `set_requires_gradient_sync(False)` on micro-batches 1..M-1:
 DDP with `no_sync()` on micro-batches 1..M-1: one all_reduce of 4·Φ over (node, gpu)
 per step (split into 25 MB buckets; link bytes are linear in the size, so one record).
 All collectives are gloo rings over the flattened group (torch passes the group's
-ranks in mesh order), hence `Collectives.RING` in link_bytes.
+ranks in mesh order), hence `Collectives.RING` in link_bytes. A `+tp` system
+(bench/systems.py [Note: +tp systems]) runs the same over its data-parallel mesh
+node(n) > gpu(p / tp) with its TP-local unit sizes; DTensor's TP collectives (inside a node)
+are not counted.
 """
 from __future__ import annotations
 
@@ -52,8 +55,11 @@ def ddp_ledger(sizes: list[int]) -> list[Rec]:
     return [Rec("sync", "all_reduce", WORLD, 4 * sum(sizes), 1)]
 
 
-def peer_ledger(system: str, model, per_node: int, M: int) -> list[Rec]:
-    sizes = unit_numels(model)
+def peer_ledger(system: str, model, per_node: int, M: int, sizes: list[int] | None = None) -> list[Rec]:
+    """The peer's records; `sizes` (elements per unit on one rank) replaces the model's
+    where a `+tp` system holds only its TP shards (bench/systems.py `local_unit_numels`),
+    with `per_node` then the data-parallel ranks of a node."""
+    sizes = sizes or unit_numels(model)
     if system == "ddp":
         return ddp_ledger(sizes)
-    return fsdp2_ledger(sizes, per_node, M, hybrid=system == "fsdp2:hsdp")
+    return fsdp2_ledger(sizes, per_node, M, hybrid=system.startswith("fsdp2:hsdp"))

@@ -2,7 +2,7 @@
 
 Input: the JSON a worker's rank 0 wrote, the cluster shape, the model name. Output:
 `{"step_time_s", "tokens_per_s", "model_state_bytes", "peak_model_state_bytes",
-"level_bytes", "measured_bytes", ...}`; with `--rounds`, one such summary per round merged
+"level_bytes", "measured_bytes", "tp", "losses", ...}`; with `--rounds`, one such summary per round merged
 into one (`merge_rounds`, [Note: rounds]). `model_state_bytes`: params + grads + optimizer
 states held after `opt.step()` (max over ranks); `peak_...`: the most held at any
 point of the step, measured in the warm-up (FSDP2's unsharded gradients between
@@ -43,6 +43,10 @@ def level_bytes(system: str, res: dict, model_name: str, nodes: int, per_node: i
                 for r in res["ledger"]]
         mesh = Mesh(tuple(Level(n, s) for n, s in res["mesh"]))
         return link_bytes(recs, mesh, Collectives(res["collectives"]))
+    if res.get("tp", 1) > 1:       # the dp mesh and the TP-local unit sizes (peers.py)
+        mesh = Mesh(tuple(Level(n, s) for n, s in res["mesh"]))
+        recs = peer_ledger(system, None, mesh.levels[-1].size, accumulate, sizes=res["unit_numels"])
+        return link_bytes(recs, mesh, Collectives.RING)
     recs = peer_ledger(system, build_model(model_name), per_node, accumulate)
     return link_bytes(recs, cluster_mesh(nodes, per_node), Collectives.RING)
 
@@ -69,6 +73,8 @@ def summarize(system: str, res: dict, model_name: str, nodes: int, per_node: int
         "step_times": res["step_times"],
         "splits": res.get("splits"),          # rank 0: per step, each micro-batch, opt.step(), the rest
         "params": res["params"],
+        "tp": res.get("tp", 1),
+        "losses": res.get("losses"),           # rank 0's mean loss per step, warm-up included
     }
     if res.get("ledger") is not None:
         out["ledger"] = res["ledger"]

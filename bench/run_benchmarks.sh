@@ -41,3 +41,10 @@ python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 250mbit --mode
     --systems shardc:zero1,shardc:paro_nig,shardc:hsdp_zero2,shardc:mics,shardc:paro_iig,shardc:zeropp,shardc:zero3 \
     --json "$OUT/systems_250mbit_bench_${DATE}_predicted.json" --logdir "$OUT/logs_predict"
 python bench/predict.py "$OUT/profile_250mbit_bench_${DATE}_predicted.json" "$OUT/systems_250mbit_bench_${DATE}_predicted.json" --md "$OUT/predict_250mbit_bench_${DATE}_predicted.md"
+
+# 5. tensor parallelism (docs/BENCHMARKS.md "Tensor parallelism"): the +tp systems, tp pairs inside
+#    a node, data parallelism over (node, gpu); the same strategies without TP for reference
+python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 250mbit --model medium \
+    --micro-batch 2 --accumulate 2 --steps 2 --warmup 1 --rounds 3 \
+    --systems fsdp2+tp,shardc:zero3+tp,shardc:paro_iig+tp,shardc:paro_nig+tp,fsdp2:full,shardc:zero3,shardc:paro_iig,shardc:paro_nig \
+    --json "$OUT/systems_250mbit_medium_${DATE}_tp.json" --logdir "$OUT/logs_tp"

@@ -2,15 +2,28 @@
 
 Input: a system name (`fsdp2:full`, `fsdp2:hsdp`, `ddp`, `shardc:<name>` or
 `shardc:<path.shard>`, optionally `@ring|@hierarchical|@ho-ring|@auto` to
-override the strategy's `collectives`), the model, the cluster shape. Output: a `System` whose
-`micro(i)` context does what a user would write for gradient accumulation, plus the
-model-state bytes each rank holds and the step's ledger (shardc) or the peer's
-collectives derived from its known algorithm (bench/peers.py).
+override the strategy's `collectives`; any but `ddp` optionally `+tp` or `+tpN` for tensor
+parallelism, [Note: +tp systems]; `fsdp2+tp` is `fsdp2:full+tp`), the model, the cluster
+shape. Output: a `System` whose `micro(i)` context does what a user would write for gradient
+accumulation, plus the model-state bytes each rank holds and the step's ledger (shardc) or
+the peer's collectives derived from its known algorithm (bench/peers.py).
+
+[Note: +tp systems]
+`NAME+tpN` (`+tp`: N = 2) runs NAME's data parallelism over the world's ranks divided by N,
+with every block split over a `tp` dim of N by torch's `parallelize_module`
+(`tensor_parallel` below). The world mesh is (node, gpu, tp) with tp innermost, so a tp
+group is N consecutive ranks of one node and its traffic stays on loopback; the
+data-parallel mesh is (node, gpu) of sizes (nodes, per_node / N). The N ranks of a tp group
+read the same batch (`System.tp`: the worker picks batch `rank // tp`). FSDP2 is
+`fully_shard` over the dp ranks (full: their flattened 1-D mesh; HSDP: (replicate=node,
+shard=gpu)) on the TP model, torchtitan's DP x TP recipe; shardc is
+`shardc.compile(model, strategy, mesh=world_mesh["node", "gpu"])`.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -18,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models import ROOT, block_modules
-from shardc.dsl.ir import Collectives, Strategy
+from shardc.dsl.ir import Collectives, MeshDims, Strategy
 
 LR = 3e-4
 ALGOS = tuple(c.value for c in Collectives)     # `shardc:NAME@ALGO` overrides `collectives`
@@ -35,7 +48,26 @@ class System:
     memory: object = None         # () -> bytes per rank (params + grads + optim)
     pending: object = None        # () -> extra gradient bytes held between micro-batches
     strategy: object = None       # shardc Strategy (for link bytes), else None
+    tp: int = 1                   # tensor-parallel degree: ranks rank//tp*tp.. read one batch
     extra: dict = field(default_factory=dict)
+
+
+PEERS = ("fsdp2:full", "fsdp2:hsdp", "ddp")
+TP_SUFFIX = re.compile(r"\+tp(\d*)$")
+
+
+def parse_system(name: str) -> tuple[str, int]:
+    """`shardc:zero3@ring+tp` -> (`shardc:zero3@ring`, 2); ValueError naming what is wrong."""
+    m = TP_SUFFIX.search(name)
+    base, tp = (name[:m.start()], int(m.group(1) or 2)) if m else (name, 1)
+    if base == "fsdp2" and m:
+        base = "fsdp2:full"
+    if base not in PEERS and not base.startswith("shardc:"):
+        raise ValueError(f"unknown system {name!r}: use {', '.join(PEERS)}, shardc:<strategy>, "
+                         f"optionally +tp or +tpN (fsdp2+tp = fsdp2:full+tp)")
+    if tp < 1 or (tp > 1 and base == "ddp"):
+        raise ValueError(f"system {name!r}: +tpN takes N >= 1 and a fsdp2 or shardc system")
+    return base, tp
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -79,7 +111,7 @@ def fsdp2_pending_grad_bytes(model: nn.Module) -> int:
                 up = getattr(fp, "_unsharded_param", None)
                 for t in (up.grad if up is not None else None, fp.unsharded_accumulated_grad):
                     if t is not None:
-                        total += t.numel() * t.element_size()
+                        total += tensor_bytes(t)
     return total
 
 
@@ -87,15 +119,23 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
-def fsdp2(model: nn.Module, nodes: int, per_node: int, hybrid: bool) -> System:
-    """FSDP2 `fully_shard` on each block, then the root (torchtitan's recipe)."""
+def fsdp2(model: nn.Module, nodes: int, per_node: int, hybrid: bool, tp: int = 1) -> System:
+    """FSDP2 `fully_shard` on each block, then the root (torchtitan's recipe); with `tp` > 1
+    on the model split by `tensor_parallel` ([Note: +tp systems])."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if hybrid:   # (replicate, shard): shard inside a node, replicate across nodes = HSDP
-        mesh = init_device_mesh("cpu", (nodes, per_node), mesh_dim_names=("replicate", "shard"))
+    dp = per_node // tp
+    shape, names = ((nodes, dp), ("replicate", "shard")) if hybrid else ((nodes * dp,), ("shard",))
+    # HSDP's (replicate, shard): shard inside a node, replicate across nodes
+    extra = {}
+    if tp == 1:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     else:
-        mesh = init_device_mesh("cpu", (nodes * per_node,), mesh_dim_names=("shard",))
+        world = init_device_mesh("cpu", (*shape, tp), mesh_dim_names=(*names, "tp"))
+        mesh = world[names]
+        tensor_parallel(model, world["tp"])
+        extra = {"mesh": [["node", nodes], ["gpu", dp]], "tp": tp, "unit_numels": local_unit_numels(model)}
     for block in block_modules(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -106,9 +146,9 @@ def fsdp2(model: nn.Module, nodes: int, per_node: int, hybrid: bool) -> System:
         return contextlib.nullcontext()
 
     opt = _adamw(model.parameters())
-    return System("fsdp2:hsdp" if hybrid else "fsdp2:full", model, opt, micro,
-                  memory=lambda: state_bytes(model, opt),
-                  pending=lambda: fsdp2_pending_grad_bytes(model))
+    name = ("fsdp2:hsdp" if hybrid else "fsdp2:full") + (f"+tp{tp}" if tp > 1 else "")
+    return System(name, model, opt, micro, memory=lambda: state_bytes(model, opt),
+                  pending=lambda: fsdp2_pending_grad_bytes(model), tp=tp, extra=extra)
 
 
 def ddp(model: nn.Module) -> System:
@@ -136,7 +176,8 @@ def for_bench(strategy: Strategy, accumulate: int, algo: str | None = None) -> S
     return replace(strategy, accumulate=accumulate, collectives=Collectives(algo) if algo else strategy.collectives)
 
 
-def shardc_system(model: nn.Module, spec: str, example, accumulate: int) -> System:
+def shardc_system(model: nn.Module, spec: str, example, accumulate: int, nodes: int = 1,
+                  per_node: int = 1, tp: int = 1) -> System:
     import shardc
 
     spec, _, algo = spec.partition("@")
@@ -145,8 +186,17 @@ def shardc_system(model: nn.Module, spec: str, example, accumulate: int) -> Syst
     path = strategy_path(spec)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no strategy file {path}")
-    strategy = for_bench(shardc.load_strategy(path, world_size=dist.get_world_size()), accumulate, algo or None)
-    sm = shardc.compile(model, strategy, example_inputs=(example,))
+    mesh = None
+    if tp > 1:      # [Note: +tp systems]
+        from torch.distributed.device_mesh import init_device_mesh
+        world = init_device_mesh("cpu", (nodes, per_node // tp, tp), mesh_dim_names=("node", "gpu", "tp"))
+        tensor_parallel(model, world["tp"])
+        mesh = world["node", "gpu"]
+        strategy = shardc.load_strategy(path, mesh=MeshDims(("node", "gpu"), (nodes, per_node // tp)))
+    else:
+        strategy = shardc.load_strategy(path, world_size=dist.get_world_size())
+    strategy = for_bench(strategy, accumulate, algo or None)
+    sm = shardc.compile(model, strategy, example_inputs=(example,), mesh=mesh)
     plan = getattr(sm, "plan", None)          # the resolved strategy (`collectives auto` decided)
     strategy = plan.strategy if plan is not None else strategy
     opt = sm.optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.1)
@@ -157,19 +207,68 @@ def shardc_system(model: nn.Module, spec: str, example, accumulate: int) -> Syst
     def memory():
         return int(sm.memory_report()["total"])
 
-    return System(f"shardc:{spec}" + (f"@{algo}" if algo else ""), sm, opt, micro, ledger=sm.comm_ledger,
-                  reset_ledger=sm.reset_comm_ledger, memory=memory, strategy=strategy,
+    name = f"shardc:{spec}" + (f"@{algo}" if algo else "") + (f"+tp{tp}" if tp > 1 else "")
+    return System(name, sm, opt, micro, ledger=sm.comm_ledger, reset_ledger=sm.reset_comm_ledger,
+                  memory=memory, strategy=strategy, tp=tp,
                   extra={"mesh": [[l.name, l.size] for l in strategy.mesh.levels],
-                         "collectives": strategy.collectives.value})
+                         "collectives": strategy.collectives.value, "tp": tp})
 
 
 def build_system(name: str, model: nn.Module, nodes: int, per_node: int, example, accumulate: int) -> System:
-    if name == "fsdp2:full":
-        return fsdp2(model, nodes, per_node, hybrid=False)
-    if name == "fsdp2:hsdp":
-        return fsdp2(model, nodes, per_node, hybrid=True)
-    if name == "ddp":
+    base, tp = parse_system(name)
+    if per_node % tp:
+        raise ValueError(f"system {name!r}: tp {tp} does not divide the {per_node} ranks of a node")
+    if base in ("fsdp2:full", "fsdp2:hsdp"):
+        return fsdp2(model, nodes, per_node, hybrid=base == "fsdp2:hsdp", tp=tp)
+    if base == "ddp":
         return ddp(model)
-    if name.startswith("shardc:"):
-        return shardc_system(model, name.split(":", 1)[1], example, accumulate)
-    raise ValueError(f"unknown system {name!r}: use fsdp2:full, fsdp2:hsdp, ddp, shardc:<strategy>")
+    return shardc_system(model, base.split(":", 1)[1], example, accumulate, nodes, per_node, tp)
+
+
+def tp_plan(block: nn.Module) -> dict[str, str]:
+    """The TP plan of one block ([Note: the plan --tp assumes] in analysis/costmodel/tp.py):
+    in each direct child holding two or more `nn.Linear`s, the last `rowwise`, the others
+    `colwise`; {fqn inside the block: kind}."""
+    plan = {}
+    for cname, child in block.named_children():
+        linears = [n for n, m in child.named_modules() if isinstance(m, nn.Linear)]
+        if len(linears) >= 2:
+            for k, lname in enumerate(linears):
+                plan[".".join(p for p in (cname, lname) if p)] = "rowwise" if k == len(linears) - 1 else "colwise"
+    return plan
+
+
+def tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
+    """Every block split over `tp_mesh` by `parallelize_module` with `tp_plan`; a split that
+    would cut a head or a row unevenly is refused."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    heads = getattr(getattr(model, "cfg", None), "n_head", None)
+    if heads is not None and heads % tp:
+        raise ValueError(f"tensor parallelism over {tp} ranks needs the heads to split evenly; the model has {heads}")
+    for block in block_modules(model):
+        plan = tp_plan(block)
+        for fqn, kind in plan.items():
+            n = block.get_submodule(fqn).weight.shape[1 if kind == "rowwise" else 0]
+            if n % tp:
+                raise ValueError(f"tensor parallelism over {tp} ranks: {fqn} has {n} "
+                                 f"{'inputs' if kind == 'rowwise' else 'outputs'}, which do not split evenly")
+        parallelize_module(block, tp_mesh, {f: ColwiseParallel() if k == "colwise" else RowwiseParallel()
+                                            for f, k in plan.items()})
+    return model
+
+
+def local_unit_numels(model: nn.Module) -> list[int]:
+    """[Φ_root, Φ_block1, ...]: elements this rank holds per FSDP2 unit (DTensors: the local
+    shard; tied parameters once) — bench/peers.py's unit sizes on a TP model."""
+    def numel(mod, skip=()):
+        seen, n = set(skip), 0
+        for p in mod.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+        return n
+    blocks = block_modules(model)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    return [numel(model, in_blocks)] + [numel(b) for b in blocks]

@@ -1,13 +1,14 @@
 """One rank of a benchmark run (bench stage: torchrun rank -> timings JSON).
 
 Input: torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and the
-flags below. Output: rank 0 writes `--out` (JSON: step times, state bytes, ledger,
-NIC byte counters) and appends one line per finished step to `--progress`.
+flags below. Output: rank 0 writes `--out` (JSON: step times, its mean loss per step, state
+bytes, ledger, NIC byte counters) and appends one line per finished step to `--progress`.
 
 [Note: what one step is]
 `accumulate` micro-batches (forward, loss / accumulate, backward) then `opt.step()`
 and `opt.zero_grad()`. A barrier before and after brackets the step so rank 0's
-wall time is the slowest rank's. The first `--warmup` steps are not timed.
+wall time is the slowest rank's. The first `--warmup` steps are not timed. Rank r reads
+batch r (a `+tp` system: r // tp, so a tp group reads one batch).
 
 [Note: byte counters]
 Local rank 0 of every node reads /proc/net/dev of its namespace before and after the
@@ -75,12 +76,14 @@ def run_step(sys_, model, step: int, args, rank: int, peak: bool = False) -> flo
     dist.barrier()
     t0 = time.perf_counter()
     marks = []      # seconds since t0 at the end of each micro-batch, of opt.step(), of the step
+    losses = []
     for i in range(args.accumulate):
-        x, y = batch(model, step, i, rank, args.micro_batch)
+        x, y = batch(model, step, i, rank // sys_.tp, args.micro_batch)   # a tp group: one batch
         with sys_.micro(i, i == args.accumulate - 1):
             logits = sys_.model(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
             (loss / args.accumulate).backward()
+        losses.append(loss.detach())
         marks.append(time.perf_counter() - t0)
         if peak:
             held = sys_.memory() + (sys_.pending() if sys_.pending else 0)
@@ -94,6 +97,7 @@ def run_step(sys_, model, step: int, args, rank: int, peak: bool = False) -> flo
     dist.barrier()
     marks.append(time.perf_counter() - t0)
     sys_.extra["marks"] = marks
+    sys_.extra["loss"] = float(sum(losses)) / len(losses)      # this rank's mean, after the timing
     return marks[-1]
 
 
@@ -107,12 +111,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     result: dict = {"system": args.system}
     try:
-        model = build_model(args.model)
-        example = batch(model, 0, 0, 0, args.micro_batch)[0]
-        sys_ = build_system(args.system, model, args.nodes, args.per_node, example, args.accumulate)
-        result.update(measure(sys_, model, args, rank, local_rank))
-        result["params"] = n_params(build_model(args.model))
-        result["tokens_per_step"] = world * args.accumulate * args.micro_batch * example.size(1)
+        result.update(run_system(args, rank, local_rank))
     except Exception as e:     # reported per system; the harness goes on with the others
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()
@@ -131,6 +130,18 @@ def main() -> int:
     return 0
 
 
+def run_system(args, rank: int, local_rank: int) -> dict:
+    """Build `args.system` on the initialised process group and measure it (this rank's part)."""
+    model = build_model(args.model)
+    example = batch(model, 0, 0, 0, args.micro_batch)[0]
+    sys_ = build_system(args.system, model, args.nodes, args.per_node, example, args.accumulate)
+    out = measure(sys_, model, args, rank, local_rank)
+    out["params"] = n_params(build_model(args.model))
+    # a tp group of sys_.tp ranks reads one batch ([Note: +tp systems] in systems.py)
+    out["tokens_per_step"] = dist.get_world_size() // sys_.tp * args.accumulate * args.micro_batch * example.size(1)
+    return out
+
+
 def _write(out: str, rank: int, result: dict) -> None:
     path = out if rank == 0 else f"{out}.rank{rank}"
     with open(path, "w") as f:
@@ -138,9 +149,10 @@ def _write(out: str, rank: int, result: dict) -> None:
 
 
 def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
-    times, splits = [], []
+    times, splits, losses = [], [], []
     for step in range(args.warmup):       # peak states are measured here too
         run_step(sys_, model, step, args, rank, peak=True)
+        losses.append(sys_.extra["loss"])
         _progress(args, rank, f"warmup {step + 1}/{args.warmup}")
     if sys_.reset_ledger:
         sys_.reset_ledger()
@@ -150,6 +162,7 @@ def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
         # the first timed step measures peaks too (optimizer state exists only after a step)
         times.append(run_step(sys_, model, step, args, rank, peak=step == args.warmup))
         m = sys_.extra["marks"]
+        losses.append(sys_.extra["loss"])
         splits.append([b - a for a, b in zip([0.0] + m[:-1], m)])
         _progress(args, rank, f"step {step - args.warmup + 1}/{args.steps} {times[-1]:.3f}s")
     nic = split_counters(before, nic_counters()) if local_rank == 0 else None
@@ -161,8 +174,8 @@ def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
     if sys_.ledger:
         ledger = [dict(phase=r.phase, op=r.op, levels=list(r.levels), bytes=r.bytes,
                        count=r.count) for r in sys_.ledger()]
-    return {**{k: sys_.extra[k] for k in ("mesh", "collectives") if k in sys_.extra},
-            "step_times": times, "step_time_s": statistics.median(times),
+    return {**{k: sys_.extra[k] for k in ("mesh", "collectives", "tp", "unit_numels") if k in sys_.extra},
+            "losses": losses, "step_times": times, "step_time_s": statistics.median(times),
             # per timed step, seconds of: each micro-batch (forward + backward), opt.step(),
             # zero_grad + the closing barrier
             "splits": splits,

@@ -6,10 +6,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tests.bench_modules import load_bench
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 KINDS = ("systems", "collectives", "profile", "predict", "collective-models", "torch-profile", "profile-raw")
-NAME = re.compile(rf"({'|'.join(KINDS)})_(\d+[mg]bit)(_bench)?_(\d{{4}}-\d\d-\d\d)(_[a-z0-9-]+)?\.(json|md|txt|jsonl\.gz)")
+MODELS = tuple(load_bench("models").PRESETS)          # MODEL: `--model`, one of bench/models.py's presets
+NAME = re.compile(rf"({'|'.join(KINDS)})_(\d+[mg]bit)(_(?:{'|'.join(MODELS)}))?_(\d{{4}}-\d\d-\d\d)(_[a-z0-9-]+)?"
+                  rf"\.(json|md|txt|jsonl\.gz)")
 PAGES = [ROOT / "docs" / "BENCHMARKS.md", ROOT / "docs" / "explain.md", ROOT / "README.md"]
 CITATION = re.compile(r"[\w{},*-]+_\d+[mg]bit[\w{},*.-]*[\w}*]")
 OUTPUTS = ("gpu_trace",)       # written by bench scripts when they run, not shipped
@@ -48,6 +52,11 @@ def test_every_cited_result_exists():
     missing = [c for p in PAGES for c in citations(p.read_text())
                if not any(Path(n).match(c) for n in names) and not c.startswith(OUTPUTS)]
     assert missing == []
+
+
+def test_the_model_field_names_a_preset():
+    assert NAME.fullmatch("systems_250mbit_medium_2026-11-25_tp.json")
+    assert not NAME.fullmatch("systems_250mbit_huge_2026-11-25_tp.json")
 
 
 def test_the_citation_scan_sees_braces_and_globs():

@@ -7,6 +7,11 @@ here, and that no namespace of the run is left behind (after success, after an e
 inside the context manager, and after Ctrl-C). Opt-in (`pytest -m netns` or
 SHARDC_NETNS=1, see tests/conftest.py); needs root and iproute2, skipped with that
 reason anywhere else.
+
+Without namespaces: the `+tp` systems (bench/systems.py [Note: +tp systems]) run one
+warm-up and one timed step of the tiny model through the worker's own `run_system` on 8
+gloo ranks as (node 2, gpu 2, tp 2): the same losses for FSDP2 and shardc, one batch per
+tp pair, memory per rank and FSDP2's link bytes against formulas written out here.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ sys.path.insert(0, BENCH)
 from netns import (ClusterError, ClusterSpec, EmulatedCluster, leftover_namespaces,  # noqa: E402
                    remove_stale, require_root_and_tools)
 
-from tests.harness import HANG_S  # noqa: E402
+from tests.harness import HANG_S, dist_run  # noqa: E402
 
 try:
     require_root_and_tools()
@@ -157,6 +162,68 @@ def test_removes_namespaces_of_killed_runs():
     finally:
         for name in (stale, live):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+TP_SYSTEMS = ("fsdp2+tp", "shardc:zero3+tp", "shardc:paro_iig+tp")
+
+
+def _run_tp_systems(rank, world, names):
+    """Each system's `worker.run_system` on this rank: {name: its result}."""
+    import argparse
+
+    from tests.bench_modules import load_bench
+    worker = load_bench("worker")
+    args = argparse.Namespace(model="tiny", nodes=2, per_node=4, accumulate=2, micro_batch=2, steps=1,
+                              warmup=1, profile=None, progress=None)
+    out = {}
+    for name in names:
+        args.system = name
+        out[name] = worker.run_system(args, rank, rank % 4)
+    return out
+
+
+def _tp_local_numels():
+    """[root, block 1, ...] elements one tp rank of 2 holds: in every block, attn.c_attn and
+    mlp.c_fc keep half their rows (weight and bias), the c_proj's half their weight's
+    columns (bias whole); the rest is replicated. The tied head is counted once."""
+    sys.path.insert(0, ROOT)
+    from examples.gpt import tiny
+    sizes = {}
+    for name, p in tiny().named_parameters():          # tied lm_head.weight is not listed again
+        halved = any(k in name for k in ("c_attn.", "c_fc.")) or name.endswith("c_proj.weight")
+        unit = int(name.split(".")[2]) + 1 if name.startswith("transformer.h.") else 0
+        sizes[unit] = sizes.get(unit, 0) + p.numel() // (2 if halved else 1)
+    return [sizes[u] for u in sorted(sizes)]
+
+
+def test_tp_systems_train_alike_without_namespaces():
+    from tests.bench_modules import load_bench
+    runs = dist_run(8, _run_tp_systems, TP_SYSTEMS)
+    sizes = _tp_local_numels()
+    # dp 4: every parameter of the tiny model splits into whole rows over 4 ranks here, so a
+    # fully sharded rank holds 1/4 of its tp shard's fp32 params, grads, exp_avg, exp_avg_sq
+    full_shard = 16 * sum(sizes) // 4
+    for name in TP_SYSTEMS:
+        r0, r1, r2 = (runs[r][name] for r in (0, 1, 2))
+        assert r0["tp"] == 2 and r0["mesh"] == [["node", 2], ["gpu", 2]]
+        assert r0["tokens_per_step"] == 4 * 2 * 2 * 16           # dp ranks * accumulate * micro * T
+        # a tp pair reads one batch and computes one loss; the next dp rank another
+        assert r0["losses"] == pytest.approx(r1["losses"], rel=1e-6)
+        assert r0["losses"] != pytest.approx(r2["losses"], rel=1e-3)
+        # the same model, data and optimizer: the same losses, step after step
+        assert r0["losses"] == pytest.approx(runs[0]["fsdp2+tp"]["losses"], rel=1e-5)
+    for name in ("fsdp2+tp", "shardc:zero3+tp"):
+        assert {runs[r][name]["state_bytes"] for r in range(8)} == {full_shard}
+    fsdp = runs[0]["fsdp2+tp"]
+    assert fsdp["unit_numels"] == sizes
+    # FSDP2 over the dp ring of 4 ranks on 2 nodes: 2 of its 4 edges cross nodes, each
+    # collective moves 3/4 of V per rank; per step: M forward all-gathers of every unit, M
+    # backward ones of every block, one reduce-scatter of every unit (fp32, M = 2).
+    report = load_bench("report")
+    res = dict(fsdp, ledger_steps=1, per_rank=[{"state_bytes": full_shard, "peak_state_bytes": full_shard}])
+    summary = report.summarize("fsdp2+tp", res, "tiny", 2, 4, 2)
+    moved = 4 * (2 * sum(sizes) + 2 * sum(sizes[1:]) + sum(sizes))
+    assert summary["level_bytes"]["node"] == pytest.approx(2 / 4 * 3 / 4 * moved)
 
 
 def test_refuses_without_root(monkeypatch):
