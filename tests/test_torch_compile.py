@@ -10,8 +10,10 @@ transformer block, then `shardc.compile` (torchtitan's). Each must
   input and weight gradient) per micro-batch for a whole-model compile — the root unit's
   tied head included — and the blocks' linears for per-block compile;
 - compile nothing new once warm (dynamo's unique graphs stay put from step 2 to step 3).
-The example GPT runs the emitted fx forward (`hooks=False`); Llama the export-captured
-model's own forward under the runtime's hooks.
+The example GPT runs the emitted fx forward (`hooks=False`), every order under ZeRO-3 and
+PaRO-IIG; it also runs its own forward under the runtime's hooks (export capture), where
+dynamo runs the frame that loops over the blocks eagerly and the tied head must still be
+compiled.
 """
 import pytest
 import torch
@@ -22,7 +24,6 @@ from torch._dynamo.utils import counters
 import shardc
 from examples.gpt import GPT, TINY
 from tests import test_compile_parity as par
-from tests import test_hf_models as hf
 from tests.harness import dist_run
 from tests.matmul_count import MatmulCount
 
@@ -68,9 +69,9 @@ def _steps(world):
     return par.batches(world, ACC)
 
 
-def _gpt_job(rank, world, text, order, opt_kinds):
+def _gpt_job(rank, world, cases):
     out = []
-    for opt_kind in opt_kinds:
+    for name, order, opt_kind in cases:
         torch._dynamo.reset()
         counters.clear()
         torch.manual_seed(123 + rank)                # rank 0's initial weights must win
@@ -79,6 +80,7 @@ def _gpt_job(rank, world, text, order, opt_kinds):
         # example inputs: with them `capture auto` could fall back to export (and the hooks
         # path) where fx fails, as it did on a torch.compile'd model; the fx path must be kept
         ex = (torch.zeros(par.MICRO_B, TINY.block_size, dtype=torch.long),)
+        text = strategy_text(name)
         sm = compiled(model, order, mc.backend,
                       lambda m: shardc.compile(m, text, mesh=MESH, example_inputs=ex))
         assert not (sm._orig_mod if order == "after" else sm).hooks      # the emitted fx forward
@@ -119,23 +121,32 @@ def _gpt_step(m, opt):
     opt.zero_grad()
 
 
-@pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("name", ["zero3.shard", "paro_iig.shard"])
-def test_gpt_compiled_in_every_order_trains_at_parity(name, order):
-    plain, plain_eager = _plain_counts(par.make_model, order, _gpt_step)
-    assert plain == expected_compiled(par.make_model(), order)      # the counter counts what runs
-    results = dist_run(4, _gpt_job, strategy_text(name), order, ("sgd", "adamw"))
-    for i, opt_kind in enumerate(("sgd", "adamw")):
+# every order under ZeRO-3 and PaRO-IIG, with SGD + momentum and AdamW in turn (one pool
+# of ranks for all six: the compiled graphs are the model's, the same under either strategy)
+GPT_CASES = [(name, order, ("sgd", "adamw")[(i + j) % 2]) for i, name in enumerate(("zero3.shard", "paro_iig.shard"))
+             for j, order in enumerate(ORDERS)]
+
+
+def test_gpt_compiled_in_every_order_trains_at_parity():
+    plain = {order: _plain_counts(par.make_model, order, _gpt_step) for order in ORDERS}
+    for order in ORDERS:                                            # the counter counts what runs
+        assert plain[order][0] == expected_compiled(par.make_model(), order)
+    results = dist_run(4, _gpt_job, GPT_CASES)
+    for i, (name, order, opt_kind) in enumerate(GPT_CASES):
         per_rank = [r[i] for r in results]
         par._assert_close([(losses, state) for losses, state, *_ in per_rank],
                           par._reference(ACC, opt_kind, 4))
         for _, _, got, eager, graphs in per_rank:
-            assert got == plain, f"{order}: {got} matmuls ran compiled, {plain} without shardc"
-            assert eager == plain_eager
-            assert graphs[1] == graphs[2], f"{order}: recompiled in a warm step ({graphs})"
+            assert got == plain[order][0], f"{name} {order}: {got} matmuls ran compiled, {plain[order][0]} without shardc"
+            assert eager == plain[order][1]
+            assert graphs[1] == graphs[2], f"{name} {order}: recompiled in a warm step ({graphs})"
 
 
-def _hooks_gpt_job(rank, world, order):
+def _hooks_gpt_job(rank, world, orders):
+    return [_hooks_gpt(rank, world, order) for order in orders]
+
+
+def _hooks_gpt(rank, world, order):
     """The example GPT on the hooks path (export capture): its forward loops over the blocks
     with the lm_head in the same frame, which dynamo runs eagerly; the root's modules must
     still run compiled (runtime/compile.py, [Note: the root unit on the hooks path])."""
@@ -163,61 +174,11 @@ def _hooks_gpt_job(rank, world, order):
     return losses, {k: v.clone() for k, v in sm.full_state_dict().items()}, *mc.last
 
 
-@pytest.mark.parametrize("order", ["before", "module"])
-def test_gpt_on_the_hooks_path_runs_its_tied_head_compiled(order):
-    results = dist_run(4, _hooks_gpt_job, order)
-    par._assert_close([r[:2] for r in results], par._reference(ACC, "sgd", 4))
+def test_gpt_on_the_hooks_path_runs_its_tied_head_compiled():
+    orders = ("before", "module")
+    results = dist_run(4, _hooks_gpt_job, orders)
     want = expected_compiled(par.make_model(), "after")
-    for _, _, got, eager in results:
-        assert (got, eager) == (want, 0), f"{order}: {got} matmuls compiled, {eager} eager; want {want}, 0"
-
-
-def _llama_job(rank, world, order):
-    torch._dynamo.reset()
-    counters.clear()
-    model = hf.make_model("llama", seed=0 if rank == 0 else 100 + rank)
-    mc = MatmulCount()
-    ex = (torch.zeros(hf.B, hf.T, dtype=torch.long),)
-    sm = compiled(model, order, mc.backend, lambda m: shardc.compile(m, hf.STRATEGY, example_inputs=ex))
-    cls, kw = hf.opt_kwargs("sgd")
-    opt = sm.optimizer(cls, **kw)
-    losses, graphs = [], []
-    for step in hf.data(world):
-        with mc.step():
-            for x in step:
-                x = x.chunk(world)[rank]
-                loss = sm(x, labels=x).loss / len(step)
-                loss.backward()
-                losses.append(loss.item())
-            opt.step()
-            opt.zero_grad()
-        graphs.append(counters["stats"]["unique_graphs"])
-    state = {k: v.clone() for k, v in sm.full_state_dict().items()}
-    return losses, state, *mc.last, graphs
-
-
-def _llama_step(m, opt):
-    for x in hf.data(1)[0]:
-        (m(x, labels=x).loss / ACC).backward()
-    opt.step()
-    opt.zero_grad()
-
-
-@pytest.mark.parametrize("order", ORDERS)
-def test_hf_llama_on_the_hooks_path_compiled_in_every_order(order):
-    plain, plain_eager = _plain_counts(lambda: hf.make_model("llama"), order, _llama_step)
-    assert plain == expected_compiled(hf.make_model("llama"), order)
-    results = dist_run(hf.MESH_WORLD, _llama_job, order)
-    model = hf.make_model("llama")
-    cls, kw = hf.opt_kwargs("sgd")
-    ref = hf.train(model, cls(model.parameters(), **kw), 0, hf.MESH_WORLD, False)
-    mean = torch.tensor([r[0] for r in results]).mean(0)
-    torch.testing.assert_close(mean, torch.tensor(ref), rtol=1e-5, atol=1e-6)
-    for name, p in model.named_parameters():
-        for _, state, *_ in results:
-            rel = float((state[name] - p.detach()).norm() / p.detach().norm().clamp_min(1e-12))
-            assert rel <= 1e-5, f"{order} {name}: relative error {rel:.3g}"
-    for _, _, got, eager, graphs in results:
-        assert got == plain, f"{order}: {got} matmuls ran compiled, {plain} without shardc"
-        assert eager == plain_eager
-        assert graphs[1] == graphs[2], f"{order}: recompiled in a warm step ({graphs})"
+    for k, order in enumerate(orders):
+        par._assert_close([r[k][:2] for r in results], par._reference(ACC, "sgd", 4))
+        for _, _, got, eager in (r[k] for r in results):
+            assert (got, eager) == (want, 0), f"{order}: {got} matmuls compiled, {eager} eager; want {want}, 0"
