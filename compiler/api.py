@@ -80,15 +80,37 @@ def _resolve_collectives(strategy: Strategy, model: nn.Module, units) -> Strateg
 
 
 def compile_source(model: nn.Module, strategy, example_inputs=None, capture: str = "auto",
-                   mesh=None, world_size: int | None = None, passes=None) -> tuple[str, Plan]:
+                   mesh=None, world_size: int | None = None, passes=None,
+                   backend: str = "eager") -> tuple[str, Plan]:
     """The emitted module's source text and the Plan it came from; `passes` names the
-    plan passes to run (None: all of `shardc.lowering.passes.PLAN_PASSES`)."""
+    plan passes to run (None: all of `shardc.lowering.passes.PLAN_PASSES`); `backend` the
+    runtime the module shards for ("inductor": the whole-step compiled mode)."""
     if not isinstance(model, nn.Module):
         raise ShardcError(f"shardc.compile needs an nn.Module, got {type(model).__name__}")
-    strategy = resolve_bucket(model, resolve_strategy(strategy, mesh, world_size))
+    strategy, passes = _for_backend(resolve_strategy(strategy, mesh, world_size), passes, backend)
+    strategy = resolve_bucket(model, strategy)
     units = find_units(model, strategy)
     strategy = _resolve_collectives(strategy, model, units)
     gm = capture_graph(model, units, example_inputs, capture)
     gm = run_passes(gm, strategy)
-    plan = build_plan(gm, strategy, model, passes)
+    plan = build_plan(gm, strategy, model, passes, backend)
     return emit(plan, gm, type(model).__name__), plan
+
+
+def _for_backend(strategy: Strategy, passes, backend: str):
+    """What the whole-step mode (`backend="inductor"`) plans: no plan pass (its step boundary
+    syncs and updates at opt.step(), in one graph) and one module per unit (`bucket 0`)."""
+    if backend not in ("eager", "inductor"):
+        raise ShardcError(f"backend must be 'eager' or 'inductor', got {backend!r}")
+    if backend == "eager":
+        return strategy, passes
+    if passes:
+        raise ShardcError(f"backend='inductor' runs no plan passes (its step boundary is one graph at "
+                          f"opt.step()), but passes {', '.join(passes)} were asked for; drop them, or use the "
+                          f"eager runtime (backend='eager')")
+    if strategy.bucket:
+        where = f"{strategy.file}:{strategy.line_of('bucket')}: " if strategy.line_of("bucket") else ""
+        raise ShardcError(f"{where}backend='inductor' runs one module per unit, but the strategy buckets units "
+                          f"up to {strategy.bucket:,} bytes; write `bucket 0`, or use the eager runtime "
+                          f"(backend='eager')")
+    return dataclasses.replace(strategy, bucket=0), ()

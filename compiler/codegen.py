@@ -147,7 +147,13 @@ def _header(plan: Plan, model_class: str) -> list[str]:
                  f"capture {plan.capture}")
     lines.append(f"plan passes {', '.join(plan.passes) or 'none'} (shardc.lowering.passes)")
     lines.append(_bucket_line(s))
-    if plan.capture == "export":
+    if plan.backend == "inductor":
+        lines += ["", "Backend inductor (the whole-step compiled mode): each micro-batch's forward and backward",
+                  "are one Inductor graph, the plan's collectives in it as functional collectives, and the",
+                  "step's sync and update one more graph at opt.step(). The compiled graphs issue the gathers",
+                  "where SCHEDULE below says (runtime/graph_backend.py); Inductor's own collective passes are",
+                  "off; sm.runtime.collectives() lists what each compiled graph issues, in order."]
+    elif plan.capture == "export":
         lines += ["", "Export capture: the model keeps its own forward, driven by the runtime's module hooks",
                   "(hooks=True), which follow SCHEDULE below (units in the exported graph's order)."]
     lines += ["", "units (forward order):", f"  {'#':>3}  {'name':<28} {'params':>6} {'elements':>12}  params | grads | optim"]
@@ -184,7 +190,7 @@ def _row_lines(plan: Plan, c: "_Commenter") -> list[str]:
 
 def emit(plan: Plan, gm, model_class: str) -> str:
     """The emitted module's source text (see the module note)."""
-    fx_mode = plan.capture == "fx"
+    fx_mode = plan.capture == "fx" and plan.backend == "eager"      # the whole-step mode runs the model's own
     params, body, imports = (), [], ()
     c = _Commenter(plan)
     if fx_mode:
@@ -204,6 +210,8 @@ def emit(plan: Plan, gm, model_class: str) -> str:
         sync_early=repr(plan.lowering.schedule.sync_early) if plan.lowering.schedule.sync_early else "",
         update_deferred=repr(plan.lowering.schedule.update_deferred) if plan.lowering.schedule.update_deferred else "",
         plan_passes=repr(tuple(plan.passes)),
+        backend=repr(plan.backend),
+        inductor=plan.backend == "inductor",
         forward_params=", ".join(("sm",) + tuple(params)),
         body=body,
     )

@@ -42,13 +42,14 @@ class Plan:
     lowering: Lowering
     notes: tuple[str, ...] = ()
     passes: tuple[str, ...] = ()              # the plan passes that rewrote `lowering`
+    backend: str = "eager"                    # the runtime: "eager" or "inductor" (whole-step compiled)
 
     @property
     def unit_numels(self) -> tuple[int, ...]:
         return tuple(t + f for t, f in zip(self.trainable_numels, self.frozen_numels))
 
 
-def build_plan(gm, strategy: Strategy, model: nn.Module, passes=None) -> Plan:
+def build_plan(gm, strategy: Strategy, model: nn.Module, passes=None, backend: str = "eager") -> Plan:
     ci = capture_info(gm)
     steps = tuple(Step(info(n).op, info(n).unit, info(n).line) for n in gm.graph.nodes
                   if info(n) is not None and info(n).op is not Call.COMPUTE)
@@ -56,4 +57,4 @@ def build_plan(gm, strategy: Strategy, model: nn.Module, passes=None) -> Plan:
     lowering = lower(strategy.mesh, sizes, strategy.prefetch, passes)
     structure = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
     return Plan(strategy, tuple(ci.units), tuple(u.trainable for u in sizes), tuple(u.frozen for u in sizes),
-                steps, ci.mode, structure, lowering, tuple(ci.notes), pass_names(passes))
+                steps, ci.mode, structure, lowering, tuple(ci.notes), pass_names(passes), backend)

@@ -27,7 +27,7 @@ from shardc.dsl.ir import Strategy
 from shardc.lowering import Lowering, RankPlan, Schedule, Stage, lower, unit_sizes
 from shardc.units import UnitSpec, canonical_names, local_params, unit_members
 
-from . import buffers, checkpoint, clip, state
+from . import buffers, checkpoint, clip, graph_mode, state
 from .comm import Comm
 from .compile import compile_like, eager
 from .device import model_device
@@ -100,8 +100,10 @@ def _make_storage(names, local, gplan, plan, is_root) -> FlatStorage:
 class ShardedModule(nn.Module):
     def __init__(self, model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None,
                  hooks: bool = True, schedule: Schedule | None = None, timeout: float | None = None,
-                 passes=None, lowering: Lowering | None = None):
+                 passes=None, lowering: Lowering | None = None, backend: str = "eager"):
         super().__init__()
+        graph_mode.check_backend(backend)
+        self.backend = backend
         self.faults = Faults(timeout)
         if not dist.is_initialized():
             raise ShardcError("shard_model/shard_module need one process per rank: launch with torchrun "
@@ -120,6 +122,8 @@ class ShardedModule(nn.Module):
         self.frozen = {n for n, p in params.items() if not p.requires_grad}
         self.tp = tp_params(params, strategy.mesh.names)          # DTensor parameters (TP, SP)
         check_root_dims(self.comm.smesh.device_mesh, self.tp)
+        if backend == "inductor":
+            graph_mode.refuse(strategy, self.tp)
         _broadcast_from_rank0(model, self.comm.smesh.dp_group())
         local = local_params(model)                                  # a DTensor's local shard
         per_unit = unit_members(self.unit_specs, self.aliases)      # [Note: unit membership]
@@ -127,7 +131,8 @@ class ShardedModule(nn.Module):
         lowered = _lowered(lowering, passes, strategy, unit_sizes(local, canonical))
         # the one plan: what each unit does and the schedule the engine follows
         self.lowering = dataclasses.replace(
-            lowered, schedule=_checked(schedule, lowered.schedule, len(self.unit_specs), hooks))
+            lowered, schedule=_checked(schedule, lowered.schedule, len(self.unit_specs),
+                                       hooks or backend == "inductor"))
         self._warm_groups()
         self.faults.apply_timeout(self.comm.smesh)
         self.faults.register()
@@ -145,7 +150,12 @@ class ShardedModule(nn.Module):
         for mod_targets in targets.values():
             for mod, attr in mod_targets:
                 del mod._parameters[attr]
-        self.runtime = Engine(states, strategy.accumulate, self.lowering.schedule, drive_forward=hooks)
+        if backend == "inductor":
+            self.runtime = graph_mode.GraphRuntime(model, states, strategy, self.lowering.schedule, self.comm.smesh,
+                                                   self.names_of, self.ledger, strategy.mesh.world)
+            hooks = False
+        else:
+            self.runtime = Engine(states, strategy.accumulate, self.lowering.schedule, drive_forward=hooks)
         for u in states:
             self._placeholders(u)
             if u.trainable is not None:
@@ -164,8 +174,9 @@ class ShardedModule(nn.Module):
                 for g in groups]
 
     def _placeholders(self, u: UnitState) -> None:
-        """Meta tensors stand in for parameters whose unit is not gathered."""
-        if all(g.held for g in u.groups):
+        """Meta tensors stand in for parameters whose unit is not gathered (in the whole-step
+        mode, for every parameter: its graph swaps the gathered views in while it runs)."""
+        if all(g.held for g in u.groups) and self.backend == "eager":
             self.runtime.set_views(u)
             return
         for g, targets in zip(u.groups, u.targets):
@@ -212,6 +223,8 @@ class ShardedModule(nn.Module):
 
     # -- forward ------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self.backend == "inductor":
+            return self.runtime.forward(*args, **kwargs)
         self.runtime.begin_forward()
         out = self.module(*args, **kwargs)
         return self.runtime.end_forward(out)
@@ -363,7 +376,8 @@ def _checked(schedule: Schedule | None, lowered: Schedule, n: int, hooks: bool) 
 
 def shard_module(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None,
                  hooks: bool = True, schedule: Schedule | None = None,
-                 timeout: float | None = None, passes=None, lowering: Lowering | None = None) -> ShardedModule:
+                 timeout: float | None = None, passes=None, lowering: Lowering | None = None,
+                 backend: str = "eager") -> ShardedModule:
     """Shard `model` per `strategy` over its `units` (root first); see docs/internals.md.
 
     `lowering`: the plan of these units (the compiler's `Lowering`, which `shardc.compile`
@@ -373,6 +387,8 @@ def shard_module(model: nn.Module, strategy: Strategy, units: list[UnitSpec], me
     `sm.lowering.schedule` is what the engine follows (`sm.schedule`). With `hooks=False`
     the caller's forward issues the forward gathers itself (emitted code), so the schedule
     must have no forward stages (the engine follows only the backward stages). `timeout`
-    (seconds; default $SHARDC_TIMEOUT or 600) bounds every wait on a peer."""
+    (seconds; default $SHARDC_TIMEOUT or 600) bounds every wait on a peer. `backend="inductor"`
+    is the whole-step compiled mode (runtime/graph_mode.py): each micro-batch one compiled
+    graph, forward and backward joined, and the step boundary one more."""
     return ShardedModule(model, strategy, units, mesh=mesh, hooks=hooks, schedule=schedule,
-                         timeout=timeout, passes=passes, lowering=lowering)
+                         timeout=timeout, passes=passes, lowering=lowering, backend=backend)

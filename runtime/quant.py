@@ -30,29 +30,48 @@ def _qmax(dtype: DType) -> int:
     return (1 << (dtype.bits - 1)) - 1
 
 
-def quantize(x: torch.Tensor, dtype: DType, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantize the 1-D float tensor `x` into a uint8 payload (see [Note: payload layout])."""
+def encode(x: torch.Tensor, dtype: DType) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of the 1-D float tensor `x`: the payload's two parts, apart
+    ([Note: payload layout]; int8 codes as int8, int4 as packed uint8 bytes; the whole-step
+    mode gathers them as two buffers, runtime/funcol.py)."""
     if not dtype.quantized:
         raise ValueError(f"{dtype!r} is not a quantized dtype")
     m = x.numel()
     nblocks = ceil(m / BLOCK)
-    ncode = code_bytes(m, dtype)
-    if out is None:
-        out = torch.empty(ncode + nblocks * 4, dtype=torch.uint8, device=x.device)
     xf = torch.zeros(nblocks * BLOCK, dtype=torch.float32, device=x.device)
     xf[:m] = x.reshape(-1)
     blocks = xf.view(nblocks, BLOCK)
     qmax = _qmax(dtype)
     scale = blocks.abs().amax(dim=1) / qmax
     q = torch.round(blocks / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
-    q = q.clamp_(-qmax, qmax).to(torch.int8).view(-1)[:m]
+    q = q.clamp(-qmax, qmax).to(torch.int8).view(-1)[:m]
     if dtype is DType.INT8:
-        out[:ncode].copy_(q.view(torch.uint8))
+        return q, scale                 # int8 codes (the payload holds their bytes)
+    u = (q + 8).to(torch.uint8)
+    if m % 2:
+        u = torch.cat([u, u.new_zeros(1)])
+    return u[0::2] | (u[1::2] << 4), scale
+
+
+def decode(codes: torch.Tensor, scale: torch.Tensor, m: int, dtype: DType) -> torch.Tensor:
+    """The m float32 values of (codes, scales) (see `encode`)."""
+    nblocks = ceil(m / BLOCK)
+    if dtype is DType.INT8:
+        q = (codes if codes.dtype == torch.int8 else codes.view(torch.int8)).to(torch.float32)
     else:
-        u = (q + 8).to(torch.uint8)
-        if m % 2:
-            u = torch.cat([u, u.new_zeros(1)])
-        out[:ncode].copy_(u[0::2] | (u[1::2] << 4))
+        q = torch.stack([codes & 0xF, codes >> 4], dim=1).view(-1)[:m].to(torch.float32) - 8
+    full = torch.zeros(nblocks * BLOCK, dtype=torch.float32, device=codes.device)
+    full[:m] = q
+    return (full.view(nblocks, BLOCK) * scale[:, None]).view(-1)[:m]
+
+
+def quantize(x: torch.Tensor, dtype: DType, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize the 1-D float tensor `x` into a uint8 payload (see [Note: payload layout])."""
+    codes, scale = encode(x, dtype)
+    ncode = codes.numel()
+    if out is None:
+        out = torch.empty(ncode + scale.numel() * 4, dtype=torch.uint8, device=x.device)
+    out[:ncode].copy_(codes.view(torch.uint8))
     out[ncode:].copy_(scale.view(torch.uint8))
     return out
 
@@ -61,15 +80,7 @@ def dequantize(buf: torch.Tensor, m: int, dtype: DType, out: torch.Tensor | None
     """Decode a payload of an m-element shard into `out` (float32 unless given)."""
     nblocks = ceil(m / BLOCK)
     ncode = code_bytes(m, dtype)
-    scale = buf[ncode:ncode + nblocks * 4].clone().view(torch.float32)
-    codes = buf[:ncode]
-    if dtype is DType.INT8:
-        q = codes.view(torch.int8).to(torch.float32)
-    else:
-        q = torch.stack([codes & 0xF, codes >> 4], dim=1).view(-1)[:m].to(torch.float32) - 8
-    full = torch.zeros(nblocks * BLOCK, dtype=torch.float32, device=buf.device)
-    full[:m] = q
-    vals = (full.view(nblocks, BLOCK) * scale[:, None]).view(-1)[:m]
+    vals = decode(buf[:ncode], buf[ncode:ncode + nblocks * 4].clone().view(torch.float32), m, dtype)
     if out is None:
         return vals
     out.copy_(vals.view(out.shape))

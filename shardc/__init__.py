@@ -16,12 +16,14 @@ def load_strategy(path_or_text, world_size=None, mesh=None):
 
 
 def compile(model, strategy, example_inputs=None, capture="auto", mesh=None, timeout=None,  # noqa: A001
-            passes=None):
+            passes=None, backend="eager"):
     """Compile `model` under `strategy` into a ShardedModule (run under torchrun).
 
     `timeout` (seconds; default $SHARDC_TIMEOUT or 600) bounds every wait on a peer (see
     docs/checkpoints.md); `passes` names the plan passes to run (None: all, `()`: none;
-    see `shardc.lowering.passes`)."""
+    see `shardc.lowering.passes`); `backend="inductor"` compiles the whole step (each
+    micro-batch's forward and backward one Inductor graph, collectives included, and the
+    step's sync and update one more; docs/compiler.md "The whole-step compiled mode")."""
     from shardc.api import compile_model
     return compile_model(model, strategy, example_inputs=example_inputs, capture=capture, mesh=mesh,
-                         timeout=timeout, passes=passes)
+                         timeout=timeout, passes=passes, backend=backend)

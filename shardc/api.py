@@ -41,15 +41,16 @@ def _is_device_mesh(mesh) -> bool:
 
 
 def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str = "auto", mesh=None,
-                  timeout: float | None = None, passes=None):
+                  timeout: float | None = None, passes=None, backend: str = "eager"):
     """`shardc.compile`: the same pipeline as `shardc compile`, run in memory. `timeout`
     (seconds) overrides $SHARDC_TIMEOUT for every wait on a peer (runtime/faults.py);
-    `passes` names the plan passes to run (None: all, `()`: none)."""
+    `passes` names the plan passes to run (None: all, `()`: none); `backend="inductor"` is
+    the whole-step compiled mode (docs/compiler.md)."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         raise ShardcError(NO_PROCESS_GROUP)
     inner, _ = split_compiled(model)      # the compiler sees the module torch.compile wrapped
-    source, plan = compile_source(inner, strategy, example_inputs, capture, mesh, passes=passes)
+    source, plan = compile_source(inner, strategy, example_inputs, capture, mesh, passes=passes, backend=backend)
     namespace = load_emitted(source, plan.strategy.name)
     # the plan the compiler made, not lowered again
     sm = namespace["shard_model"](model, lowering=plan.lowering, timeout=timeout,

@@ -33,6 +33,9 @@ def add_arguments(p) -> None:
                    help="dtype[shape] of one positional input, e.g. int64[2,16] (repeat per input)")
     p.add_argument("--passes", default=None, metavar="NAMES",
                    help='plan passes to run, comma-separated ("" for none; default: all of shardc.lowering.passes)')
+    p.add_argument("--inductor", action="store_true",
+                   help="the whole-step compiled mode: each micro-batch's forward and backward one Inductor graph, "
+                        "collectives included, and the step's sync and update one more (no plan passes, bucket 0)")
     p.add_argument("-o", "--output", required=True, metavar="OUT.py")
 
 
@@ -74,7 +77,7 @@ def run(args) -> int:
     model = build_model(args.model)
     inputs = _example_inputs(args, model) if args.capture != "fx" else None
     source, plan = compile_source(model, args.file, inputs, args.capture, args.mesh, args.world,
-                                  passes=parse_passes(args.passes))
+                                  passes=parse_passes(args.passes), backend="inductor" if args.inductor else "eager")
     for warning in plan.strategy.warnings:
         print(warning, file=sys.stderr)
     try:

@@ -1,0 +1,174 @@
+"""Functional collectives — stage: runtime (the whole-step compiled mode's collectives).
+
+Input: a plan `Row` (`shardc.lowering`: levels, chunk digit order, wire dtype), a `ShardMesh`
+(its groups) and the algorithm (`Collectives`), and the tensor a row moves.
+Output: the result as a new tensor, computed with `torch.distributed._functional_collectives`
+only, so dynamo traces it and Inductor compiles it inside the step's graphs (graph_step.py,
+graph_boundary.py). The eager runtime's `collectives.py` is the reference: every algorithm
+here places chunks exactly as it does (its [Note: chunk placement]), so either runtime
+loads the other's state.
+
+[Note: the same algorithms, as graph ops]
+RING is one functional collective over the group positioned by the chunk order.
+HIERARCHICAL is one per level, all-gather outermost level first and reduce-scatter
+innermost first, with the same local permutes; HO_RING splits the chunk into
+`HO_PIECES` pieces, each its own chain of per-level collectives, so the graph holds the
+pieces' stages side by side for Inductor to overlap. int8/int4 all-gathers (qwZ) gather
+the quantized payloads (runtime/quant.py) with the row's algorithm and decode every chunk;
+int8/int4 reduce-scatters (qgZ) are an `all_to_all_single` of the quantized chunks,
+decoded and summed in fp32.
+
+[Note: payloads as two buffers]
+A quantized payload is codes then fp32 block scales (runtime/quant.py). The eager runtime
+moves it as one uint8 buffer; here the codes and the scales travel as two buffers of the
+same algorithm — the same bytes in all, and no bitcast of a collective's output inside a
+graph — encoded and decoded by opaque custom ops (runtime/quant_ops.py [Note: why
+opaque]). The ledger counts the logical collective, whose bytes are the payload's. Functional collectives run on the group's own backend (gloo's
+reduce-scatter included: the ledger counts logical bytes, not the backend's).
+"""
+from __future__ import annotations
+
+from math import prod
+
+import torch
+import torch.distributed._functional_collectives as fc
+
+from shardc.dsl.ir import Collectives, DType
+from shardc.lowering import HO_PIECES, Row
+
+from . import quant_ops
+from .dtypes import torch_dtype
+from .mesh import ShardMesh
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return fc.wait_tensor(t)
+
+
+def _perm(src, dst) -> list[int]:
+    return [list(src).index(n) for n in dst] + [len(src)]
+
+
+def _pieces(m: int, k: int) -> list[tuple[int, int]]:
+    k = max(1, min(k, m))
+    step, extra = divmod(m, k)
+    out, lo = [], 0
+    for i in range(k):
+        hi = lo + step + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+class FunctionalComm:
+    """Plan rows as functional collectives over a ShardMesh (see the module notes)."""
+
+    def __init__(self, smesh: ShardMesh, algo: Collectives, rows=()):
+        self.smesh, self.algo = smesh, algo
+        for row in rows:                     # every group made now, in the same order on every rank:
+            key = smesh.digits(row.levels, row.order)    # a traced graph only looks them up
+            smesh.group(key, key)
+            for lvl in key:
+                smesh.group((lvl,))
+
+    def _key(self, row: Row) -> tuple[tuple[str, ...], Collectives]:
+        key = self.smesh.digits(row.levels, row.order)
+        algo = self.algo
+        if algo is Collectives.AUTO:
+            algo = Collectives.HIERARCHICAL if len(key) >= 2 else Collectives.RING
+        return key, (Collectives.RING if len(key) < 2 else algo)
+
+    def _size(self, lvl: str) -> int:
+        return self.smesh.mesh.size(lvl)
+
+    # -- all_gather ----------------------------------------------------------------------
+    def all_gather(self, row: Row | None, inp: torch.Tensor) -> torch.Tensor:
+        """Every rank's `inp` (n/s, flat) concatenated by chunk index: the full n."""
+        if row is None:
+            return inp
+        key, algo = self._key(row)
+        if row.comm.quantized:                    # see [Note: payloads as two buffers]
+            m = inp.numel()
+            codes, scales = quant_ops.encode(inp, row.comm.bits)
+            codes, scales = self._gather(codes, key, algo), self._gather(scales, key, algo)
+            s, p, b = prod([self._size(n) for n in key]), codes.numel() // prod([self._size(n) for n in key]), \
+                scales.numel() // prod([self._size(n) for n in key])
+            return torch.cat([quant_ops.decode(codes[c * p:(c + 1) * p], scales[c * b:(c + 1) * b], m, row.comm.bits)
+                              for c in range(s)]).to(inp.dtype)
+        cdt = torch_dtype(row.comm)
+        return self._gather(inp.to(cdt), key, algo).to(inp.dtype)
+
+    def _gather(self, inp: torch.Tensor, key, algo) -> torch.Tensor:
+        if algo is Collectives.RING:
+            return _wait(fc.all_gather_tensor(inp, 0, self.smesh.group(key, key)))
+        m = inp.numel()
+        k = HO_PIECES if algo is Collectives.HO_RING else 1
+        stages = self.smesh.mesh.ordered(key)
+        names = tuple(reversed(stages))
+        parts = []
+        for lo, hi in _pieces(m, k):
+            buf = inp[lo:hi].contiguous()
+            for lvl in stages:                              # outermost first
+                buf = _wait(fc.all_gather_tensor(buf, 0, self.smesh.group((lvl,))))
+            shaped = buf.view(*[self._size(n) for n in names], hi - lo)
+            parts.append(shaped.permute(_perm(names, key)))
+        return torch.cat(parts, dim=-1).reshape(-1)
+
+    # -- reduce_scatter -------------------------------------------------------------------
+    def reduce_scatter(self, row: Row | None, inp: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk (by chunk index) of the sum of every rank's `inp` (n, flat)."""
+        if row is None:
+            return inp
+        key, algo = self._key(row)
+        s = prod([self._size(n) for n in key])
+        if row.comm.quantized:
+            return self._qgz(inp, key, row.comm, s)
+        cdt = torch_dtype(row.comm)
+        return self._scatter(inp.to(cdt), key, algo, s).to(inp.dtype)
+
+    def _scatter(self, inp: torch.Tensor, key, algo, s: int) -> torch.Tensor:
+        if algo is Collectives.RING:
+            return _wait(fc.reduce_scatter_tensor(inp, "sum", 0, self.smesh.group(key, key)))
+        m = inp.numel() // s
+        names = tuple(reversed(self.smesh.mesh.ordered(key)))        # innermost first
+        full = inp.view(*[self._size(n) for n in key], m).permute(_perm(key, names))
+        k = HO_PIECES if algo is Collectives.HO_RING else 1
+        out = []
+        for lo, hi in _pieces(m, k):
+            buf = full[..., lo:hi].contiguous().view(-1)
+            for lvl in names:
+                buf = _wait(fc.reduce_scatter_tensor(buf, "sum", 0, self.smesh.group((lvl,))))
+            out.append(buf)
+        return torch.cat(out)
+
+    def _qgz(self, inp: torch.Tensor, key, dtype: DType, s: int) -> torch.Tensor:
+        m = inp.numel() // s
+        parts = [quant_ops.encode(c, dtype.bits) for c in inp.view(s, m)]
+        group = self.smesh.group(key, key)
+        codes = _wait(fc.all_to_all_single(torch.cat([c for c, _ in parts]), None, None, group))
+        scales = _wait(fc.all_to_all_single(torch.cat([sc for _, sc in parts]), None, None, group))
+        p, b = codes.numel() // s, scales.numel() // s
+        acc = sum([quant_ops.decode(codes[c * p:(c + 1) * p], scales[c * b:(c + 1) * b], m, dtype.bits)
+                   for c in range(s)])
+        return acc.to(inp.dtype)
+
+    # -- all_reduce ------------------------------------------------------------------------
+    def all_reduce(self, row: Row | None, t: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `t` over the row's levels."""
+        if row is None:
+            return t
+        key, algo = self._key(row)
+        inner = prod([self._size(n) for n in key[1:]]) if len(key) > 1 else 1
+        if algo is Collectives.RING or t.numel() < inner:
+            return _wait(fc.all_reduce(t, "sum", self.smesh.group(key)))
+        stages = self.smesh.mesh.ordered(key)
+        outer, rest = stages[0], stages[1:]
+        n = t.numel()
+        flat = torch.cat([t.reshape(-1), t.new_zeros(-(-n // inner) * inner - n)])
+        chunk = flat
+        for lvl in reversed(rest):                                   # reduce-scatter, innermost first
+            chunk = _wait(fc.reduce_scatter_tensor(chunk, "sum", 0, self.smesh.group((lvl,))))
+        chunk = _wait(fc.all_reduce(chunk, "sum", self.smesh.group((outer,))))
+        for lvl in rest:                                             # all-gather, outermost first
+            chunk = _wait(fc.all_gather_tensor(chunk, 0, self.smesh.group((lvl,))))
+        return chunk[:n].view(t.shape)

@@ -1,0 +1,152 @@
+"""The whole-step mode's compile backend — stage: runtime (Inductor, with the plan's schedule).
+
+Input: the FX graphs dynamo and AOTAutograd make of the micro-batch (forward and backward)
+and of the step boundary, their funcol nodes tagged with the unit they gather
+(`GATHER_TAG`, graph_step.py), the plan's `Schedule`, and the group -> levels map.
+Output: `ScheduledInductor`, a torch.compile backend: Inductor's `compile_fx`, with one
+post-grad pass of shardc's own (`follow_schedule`) and a record of every compiled graph's
+collectives in the order they are issued (`graphs`: what `sm.runtime.collectives()` prints).
+
+[Note: the schedule stays the language's]
+Traced, each unit gathers right where its module starts (forward) and, recomputed by the
+partitioner, right before its backward. `follow_schedule` then moves each gather's issue
+(its first functional collective and the ops it needs, never its wait) to where the plan's
+`Schedule` issues it: forward, the stage of unit i issues the gathers its `issue` lists
+(G[i+k] for prefetch k; the root's stage G[0..k)), after unit i's own gather is in and
+before its compute; backward, the same with the backward stages. A multi-stage
+(hierarchical) gather issues its first stage there; its later stages follow its waits,
+as in the eager runtime. Inductor's own collective passes (reordering, bucketing) stay off
+(`reorder_for_compute_comm_overlap` is False), so these are the only moves, and the
+recorded order is the compiled graphs'.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+
+import torch
+from torch._inductor import config as inductor_config
+
+from shardc.lowering import Schedule
+
+GATHER_TAG = "shardc_gather"          # node.meta["custom"][GATHER_TAG] = the unit the node gathers
+_C10D = torch.ops._c10d_functional
+_AG = _C10D.all_gather_into_tensor.default
+WAITS = (_C10D.wait_tensor.default,)
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+ISSUES = {_C10D.all_gather_into_tensor.default: "all_gather", _C10D.reduce_scatter_tensor.default: "reduce_scatter",
+          _C10D.all_reduce.default: "all_reduce", _C10D.all_to_all_single.default: "all_to_all"}
+
+
+def _unit(node) -> int | None:
+    return (node.meta.get("custom") or {}).get(GATHER_TAG)
+
+
+def _group(node) -> str:
+    return node.args[-1] if isinstance(node.args[-1], str) else str(node.args[-1])
+
+
+def _issue_chain(graph, unit: int) -> list:
+    """The nodes that issue `unit`'s gather: its first all-gather and every node it depends
+    on that is not yet computed at the graph's start (casts, quantization, a padding
+    `cat`), in graph order."""
+    first = next((n for n in graph.nodes if n.op == "call_function" and n.target is _AG and _unit(n) == unit),
+                 None)
+    if first is None:
+        return []
+    need, todo = {first}, [first]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a.op == "call_function" and a not in need:
+                need.add(a)
+                todo.append(a)
+    return [n for n in graph.nodes if n in need]
+
+
+def _last_gather(graph, unit: int):
+    """Where `unit`'s own gather is in: the wait of its last all-gather (later stages, casts
+    and decoding follow before its compute, which is where the stage's issues go)."""
+    gathers = [n for n in graph.nodes if n.target is _AG and _unit(n) == unit]
+    waits = [u for u in gathers[-1].users if u.target in WAITS]
+    return waits[0] if waits else gathers[-1]
+
+
+def follow_schedule(graph, stages) -> None:
+    """[Note: the schedule stays the language's] for one graph and its stages. An issue
+    that depends on a collective (it cannot start before that one's wait) stays where it is."""
+    present = {_unit(n) for n in graph.nodes if n.target is _AG} - {None}
+    for st in stages:
+        if st.unit not in present:
+            continue
+        after = _last_gather(graph, st.unit)
+        for j in st.issue:
+            if j == st.unit or j not in present:
+                continue
+            chain = _issue_chain(graph, j)
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            if any(n.target in WAITS for n in chain) or order[chain[-1]] < order[after]:
+                continue
+            for n in chain:
+                after.append(n)
+                after = n
+
+
+def compile_own(fn, backend):
+    """`torch.compile(fn)` (a bound method), one graph, static shapes, on a copy of its code:
+    dynamo keeps its compiled graphs per code object, so every ShardedModule's graphs are
+    its own (no recompiles between modules, no recompile limit across many of them, never
+    dynamic shapes from another module's sizes)."""
+    func = fn.__func__
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                             func.__closure__)
+    return torch.compile(types.MethodType(own, fn.__self__), backend=backend, fullgraph=True, dynamic=False)
+
+
+@dataclass
+class CompiledGraph:
+    kind: str                                    # "forward" | "backward" (AOTAutograd's halves)
+    collectives: list = field(default_factory=list)   # (op, levels, bytes, unit or None), issue order;
+                                                      # ("matmul", (), 0, None) marks the compute between
+
+
+class ScheduledInductor:
+    """torch.compile backend: Inductor following the plan's schedule (see Note)."""
+
+    def __init__(self, schedule: Schedule, levels_of: dict[str, tuple[str, ...]]):
+        self.schedule, self.levels_of = schedule, levels_of
+        self.graphs: list[CompiledGraph] = []
+
+    def __call__(self, gm, example_inputs):
+        from torch._functorch import config as functorch_config
+        from torch._inductor.compile_fx import compile_fx
+        # AOTAutograd's cache keys on dynamo's graph and would skip `_inner` (this plan's
+        # schedule pass and record); Inductor's own cache, inside it, keys on the moved graph
+        with functorch_config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=self._inner)
+
+    def _inner(self, gm, example_inputs, **kwargs):
+        from torch._inductor.compile_fx import compile_fx_inner
+        backward = bool(kwargs.get("is_backward"))
+        stages = self.schedule.backward if backward else self.schedule.forward
+        follow_schedule(gm.graph, stages)
+        gm.recompile()
+        self.graphs.append(self._record("backward" if backward else "forward", gm.graph))
+        with inductor_config.patch(reorder_for_compute_comm_overlap=False):
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    def _record(self, kind: str, graph) -> CompiledGraph:
+        out = CompiledGraph(kind)
+        for n in graph.nodes:
+            if n.op == "call_function" and n.target in ISSUES:
+                out.collectives.append((ISSUES[n.target], self.levels_of.get(_group(n), ()), _bytes(n), _unit(n)))
+            elif n.op == "call_function" and n.target in MATMULS:
+                out.collectives.append(("matmul", (), 0, None))
+        return out
+
+
+def _bytes(node) -> int:
+    """A collective's logical bytes as the ledger counts them: an all-gather's output (its
+    input times the group size), a reduce-scatter's, all-reduce's or all-to-all's input."""
+    t = node.args[0].meta["val"]
+    n = t.numel() * t.element_size()
+    return n * node.args[1] if node.target is _AG else n

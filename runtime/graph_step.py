@@ -1,0 +1,169 @@
+"""The compiled micro-batch — stage: runtime (the whole-step mode, `backend="inductor"`).
+
+Input: the units (their flat storages and plan rows), the model, the functional collectives
+(funcol.py), the ledger. Output: `GraphStep`, whose call runs one micro-batch's forward as
+one `torch.compile(fullgraph=True)` graph — every unit's parameter gathers and compute,
+and, joined by AOTAutograd, its backward: the recomputed gathers and every unit's gradient
+reduce-scatter — so `loss.backward()` runs the compiled backward.
+
+[Note: one graph per micro-batch]
+The model runs its own forward; each non-root unit's module runs inside a
+non-reentrant `checkpoint` region that gathers its flat groups (`gather_function`: the params
+rows' all-gather as functional collectives) and swaps the views in for its parameters.
+The region's policy saves every activation (as the eager runtime does) and recomputes the
+gathers (`MUST_RECOMPUTE`), so AOTAutograd's partitioner re-gathers each unit's parameters
+in the backward instead of keeping them: the backward re-gather rows of the plan. The
+root unit is gathered once, outside any region, and kept for the backward (it has no
+re-gather row). The gather function's backward reduce-scatters the unit's full gradient over G (the
+backward rows) and returns it as the gradient of the group's anchor, a leaf whose `.grad`
+is the grad shard, so autograd accumulates micro-batches into it in place. The step's sync
+and update are graph_boundary.py's graph.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from shardc.dsl.errors import ShardcError
+from shardc.lowering import Op, Per, Phase
+
+from .graph_backend import GATHER_TAG, compile_own
+
+_ATEN = torch.ops.aten
+GATHER_OPS = frozenset({torch.ops._c10d_functional.all_gather_into_tensor.default,
+                        torch.ops._c10d_functional.wait_tensor.default})
+# what a gather's chain is made of besides its collectives (placing chunks, casts): free or
+# cheap to redo, so recomputing them where the model's compute uses them too costs nothing
+MOVES = frozenset({_ATEN.cat.default, _ATEN.permute.default, _ATEN.clone.default, _ATEN._to_copy.default,
+                   _ATEN.split_with_sizes.default, _ATEN.slice.Tensor, _ATEN.view.default,
+                   _ATEN._unsafe_view.default, _ATEN.reshape.default, _ATEN.expand.default})
+
+
+def _policy(ctx, op, *args, **kwargs):
+    """[Note: one graph per micro-batch] recompute the gathers (their collectives and the
+    data moves that place their chunks), save everything else."""
+    if op in GATHER_OPS or op in MOVES or _is_view(op):
+        return CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.PREFER_SAVE
+
+
+@functools.cache
+def _is_view(op) -> bool:
+    """An op whose output aliases its input (a view): free to recompute."""
+    returns = getattr(getattr(op, "_schema", None), "returns", ())
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+_CONTEXT = functools.partial(create_selective_checkpoint_contexts, _policy)
+
+
+def gather_function(comm, gather_row, reduce_row):
+    """An autograd function for one trainable flat group: forward, its full buffer from its
+    params shard (the gather row; none: the shard is the full buffer); backward, the full
+    gradient reduce-scattered over G (the reduce row), as the gradient of the grad shard's
+    anchor. The rows are closed over, not arguments, so dynamo traces it as a function."""
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, shard, anchor):
+            return comm.all_gather(gather_row, shard) if gather_row is not None else shard.view(-1)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None, comm.reduce_scatter(reduce_row, grad.contiguous())
+
+    return Gather
+
+
+class GraphStep:
+    """One micro-batch as one compiled graph (see the module note)."""
+
+    def __init__(self, model, units, comm, names_of, ledger, backend, on_backward):
+        self.model, self.units, self.comm, self.names_of, self.ledger = model, units, comm, names_of, ledger
+        self.on_backward = on_backward
+        self.anchors, self.gathers = {}, {}
+        for u in units:
+            for g in u.groups:
+                if g.trainable:                 # one element, expanded: only its .grad is used
+                    gs = g.storage.grad_shard
+                    anchor = torch.nn.Parameter(gs.new_zeros(1).expand(gs.shape))
+                    anchor.grad = gs                # autograd accumulates into the grad shard in place
+                    self.anchors[id(g)] = anchor
+                    gp = g.gplan
+                    reduce = gp.row(Phase.BACKWARD, Op.ALL_TO_ALL) or gp.row(Phase.BACKWARD, Op.REDUCE_SCATTER)
+                    self.gathers[id(g)] = gather_function(comm, gp.row(Phase.FORWARD, Op.ALL_GATHER), reduce)
+        for u in units[1:]:
+            if len(u.spec.modules) != 1:
+                raise ShardcError(f"unit {u.spec.name!r} merges {len(u.spec.modules)} modules (a bucket); "
+                                  f"backend='inductor' runs one module per unit: add `bucket 0` to the strategy, "
+                                  f"or use the eager runtime (backend='eager')")
+            self._wrap(u)
+        self._compiled = compile_own(self._micro, backend)
+        self.forward_rows = [r for u in units for g in u.groups for r in g.gplan.rows if r.per is Per.FORWARD]
+        self.backward_rows = [r for u in units for g in u.groups for r in g.gplan.rows if r.per is Per.BACKWARD]
+
+    def reset_anchors(self) -> None:
+        """After the grad shards were zeroed: every anchor's `.grad` is its grad shard again."""
+        for u in self.units:
+            for g in u.groups:
+                if g.trainable:
+                    self.anchors[id(g)].grad = g.storage.grad_shard
+
+    # -- the traced code -----------------------------------------------------------------
+    def _views(self, u) -> dict[str, torch.Tensor]:
+        """Unit u's parameters (every name, relative to its module) as views of its gathered groups."""
+        out = {}
+        prefix = "" if u.index == 0 else u.spec.modules[0] + "."
+        for g in u.groups:
+            st, gp = g.storage, g.gplan
+            gather = gp.row(Phase.FORWARD, Op.ALL_GATHER)
+            with fx_traceback.annotate({GATHER_TAG: u.index}):       # graph_backend.py's schedule pass
+                if g.trainable:
+                    full = self.gathers[id(g)].apply(st.shard, self.anchors[id(g)])
+                else:
+                    full = self.comm.all_gather(gather, st.shard) if gather is not None else st.shard
+            for s, view in zip(st.layout.slots, st.plain_views(full)):
+                for name in self.names_of[s.fqn]:
+                    out[name[len(prefix):]] = view
+        return out
+
+    def _wrap(self, u) -> None:
+        """Unit u's module runs in a checkpoint region that gathers its parameters first."""
+        module = self.model.get_submodule(u.spec.modules[0])
+        original = module.forward
+
+        def region(*args, **kwargs):
+            with _reparametrize_module(module, self._views(u)):
+                return original(*args, **kwargs)
+
+        def forward(*args, **kwargs):
+            return checkpoint(region, *args, use_reentrant=False, context_fn=_CONTEXT, **kwargs)
+
+        module.forward = forward
+
+    def _micro(self, *args, **kwargs):
+        with _reparametrize_module(self.model, self._views(self.units[0])):
+            return self.model(*args, **kwargs)
+
+    # -- running it ----------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        out = self._compiled(*args, **kwargs)
+        for r in self.forward_rows:
+            self.ledger.record(r.phase, r.op, r.levels, r.bytes)
+        tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, lambda grads: self._backward_starts(), mode="any")
+        return out
+
+    def _backward_starts(self) -> None:
+        """The compiled backward runs every unit's re-gather and reduce-scatter: record them;
+        when the autograd engine is done, the micro-batch counts (`on_backward`)."""
+        for r in self.backward_rows:
+            self.ledger.record(r.phase, r.op, r.levels, r.bytes)
+        torch.autograd.Variable._execution_engine.queue_callback(self.on_backward)
