@@ -49,6 +49,15 @@ class StepPhase(enum.Enum):
         return f"StepPhase.{self.name}"
 
 
+def check_forward(phase: StepPhase, grad_enabled: bool) -> None:
+    """A forward with gradients after opt.step() without zero_grad() is an error (shardc
+    does not accumulate gradients across optimizer steps)."""
+    if grad_enabled and phase is StepPhase.STEPPED:
+        raise RuntimeUsageError(
+            "forward with gradients after opt.step() without opt.zero_grad(); "
+            "shardc does not accumulate gradients across optimizer steps")
+
+
 class StepBoundary:
     """The step's state and its transitions (see [Note: accumulation])."""
 
@@ -79,10 +88,7 @@ class StepBoundary:
 
     # -- the backward's view -----------------------------------------------------------
     def check_forward(self, grad_enabled: bool) -> None:
-        if grad_enabled and self.phase is StepPhase.STEPPED:
-            raise RuntimeUsageError(
-                "forward with gradients after opt.step() without opt.zero_grad(); "
-                "shardc does not accumulate gradients across optimizer steps")
+        check_forward(self.phase, grad_enabled)
 
     def begin_backward(self) -> bool:
         """A backward starts; True when it ends the step (its sync is due, so `sync_early`

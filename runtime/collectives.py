@@ -137,11 +137,13 @@ def _stage_levels(sm: ShardMesh, key: tuple[str, ...]) -> tuple[str, ...]:
     return sm.mesh.ordered(key)
 
 
-def _perm(src_names, dst_names) -> list[int]:
+def perm(src_names, dst_names) -> list[int]:
+    """The permutation from chunk digits named `src_names` (then the piece) to `dst_names`."""
     return [list(src_names).index(n) for n in dst_names] + [len(src_names)]
 
 
-def _pieces(m: int, k: int) -> list[tuple[int, int]]:
+def pieces(m: int, k: int) -> list[tuple[int, int]]:
+    """[lo, hi) of k near-equal pieces of m elements (HO-Ring's pieces; at most m)."""
     k = max(1, min(k, m))
     step, extra = divmod(m, k)
     bounds, lo = [], 0
@@ -167,7 +169,7 @@ def _ag_hier_piece(out_view, src, sm, key, lo, hi):
         buf = nxt
     names = tuple(reversed(stages))
     shaped = buf.view(*[sm.mesh.size(n) for n in names], hi - lo)
-    out_view[..., lo:hi].copy_(shaped.permute(_perm(names, key)))
+    out_view[..., lo:hi].copy_(shaped.permute(perm(names, key)))
 
 
 def _ag_bytes(out, inp, sm, key, algo):
@@ -177,7 +179,7 @@ def _ag_bytes(out, inp, sm, key, algo):
     m = inp.numel()
     out_view = out.view(*[sm.mesh.size(n) for n in key], m)
     k = HO_PIECES if algo is Collectives.HO_RING else 1
-    return [_ag_hier_piece(out_view, inp[lo:hi].contiguous(), sm, key, lo, hi) for lo, hi in _pieces(m, k)]
+    return [_ag_hier_piece(out_view, inp[lo:hi].contiguous(), sm, key, lo, hi) for lo, hi in pieces(m, k)]
 
 
 def _prologue(out, inp, mesh: ShardMesh, levels, order, algo):
@@ -236,10 +238,10 @@ def _rs_pieces(out, inp, sm, key, algo, scratch=None):
         return [_rs(out, inp, sm.group(key, key), scratch)]
     m = out.numel()
     names = tuple(reversed(_stage_levels(sm, key)))       # innermost first: the first stage's digit leads
-    full = inp.view(*[sm.mesh.size(n) for n in key], m).permute(_perm(key, names))
+    full = inp.view(*[sm.mesh.size(n) for n in key], m).permute(perm(key, names))
     k = HO_PIECES if algo is Collectives.HO_RING else 1
     return [_rs_hier_piece(out[lo:hi], full[..., lo:hi].contiguous().view(-1), sm, key, scratch)
-            for lo, hi in _pieces(m, k)]
+            for lo, hi in pieces(m, k)]
 
 
 def _qgz(out, inp, sm, key, comm):
@@ -313,7 +315,7 @@ def _ar_plan(t, mesh, key, algo):
     flat[:n] = t.reshape(-1)
     view = flat.view(inner, -1)
     k = HO_PIECES if algo is Collectives.HO_RING else 1
-    bounds = _pieces(view.shape[1], k)
+    bounds = pieces(view.shape[1], k)
     bufs = [view[:, lo:hi].contiguous().view(-1) for lo, hi in bounds]
 
     def finish():

@@ -37,27 +37,13 @@ from shardc.dsl.ir import Collectives, DType
 from shardc.lowering import HO_PIECES, Row
 
 from . import quant_ops
+from .collectives import perm, pieces
 from .dtypes import torch_dtype
 from .mesh import ShardMesh
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
     return fc.wait_tensor(t)
-
-
-def _perm(src, dst) -> list[int]:
-    return [list(src).index(n) for n in dst] + [len(src)]
-
-
-def _pieces(m: int, k: int) -> list[tuple[int, int]]:
-    k = max(1, min(k, m))
-    step, extra = divmod(m, k)
-    out, lo = [], 0
-    for i in range(k):
-        hi = lo + step + (1 if i < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
 
 
 class FunctionalComm:
@@ -106,12 +92,12 @@ class FunctionalComm:
         stages = self.smesh.mesh.ordered(key)
         names = tuple(reversed(stages))
         parts = []
-        for lo, hi in _pieces(m, k):
+        for lo, hi in pieces(m, k):
             buf = inp[lo:hi].contiguous()
             for lvl in stages:                              # outermost first
                 buf = _wait(fc.all_gather_tensor(buf, 0, self.smesh.group((lvl,))))
             shaped = buf.view(*[self._size(n) for n in names], hi - lo)
-            parts.append(shaped.permute(_perm(names, key)))
+            parts.append(shaped.permute(perm(names, key)))
         return torch.cat(parts, dim=-1).reshape(-1)
 
     # -- reduce_scatter -------------------------------------------------------------------
@@ -131,10 +117,10 @@ class FunctionalComm:
             return _wait(fc.reduce_scatter_tensor(inp, "sum", 0, self.smesh.group(key, key)))
         m = inp.numel() // s
         names = tuple(reversed(self.smesh.mesh.ordered(key)))        # innermost first
-        full = inp.view(*[self._size(n) for n in key], m).permute(_perm(key, names))
+        full = inp.view(*[self._size(n) for n in key], m).permute(perm(key, names))
         k = HO_PIECES if algo is Collectives.HO_RING else 1
         out = []
-        for lo, hi in _pieces(m, k):
+        for lo, hi in pieces(m, k):
             buf = full[..., lo:hi].contiguous().view(-1)
             for lvl in names:
                 buf = _wait(fc.reduce_scatter_tensor(buf, "sum", 0, self.smesh.group((lvl,))))

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from shardc.lowering import Op, Phase
 
-from .boundary import StepPhase
-from .errors import RuntimeUsageError
+from .boundary import StepPhase, check_forward
 from .graph_backend import compile_own
 
 
@@ -71,10 +70,7 @@ class GraphBoundary:
 
     # -- the step ------------------------------------------------------------------------
     def check_forward(self, grad_enabled: bool) -> None:
-        if grad_enabled and self.phase is StepPhase.STEPPED:
-            raise RuntimeUsageError(
-                "forward with gradients after opt.step() without opt.zero_grad(); "
-                "shardc does not accumulate gradients across optimizer steps")
+        check_forward(self.phase, grad_enabled)
 
     def end_backward(self) -> None:
         self.micro += 1

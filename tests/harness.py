@@ -181,6 +181,16 @@ class _Pool:
             del _pools[self.world]
 
 
+def failure(fn) -> str | None:
+    """What `fn()` raised, as "Type: message" (None if it returned): for tests whose result
+    is the error a rank gets."""
+    try:
+        fn()
+    except Exception as e:                          # noqa: BLE001 — the message is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def dist_run(world_size: int, fn, *args, timeout: float = HANG_S) -> list:
     """Run `fn(rank, world_size, *args)` on every rank; return the results by rank."""
     pool = _pools.get(world_size)

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.harness import dist_run
+from tests.harness import dist_run, failure
 
 pytestmark = pytest.mark.distributed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,18 +146,7 @@ def test_strategies_train_at_parity_on_a_dp_by_tp_mesh():
 
 
 def _checkpoints(rank, world, root):
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    import torch.distributed.checkpoint as dcp
-
-    def save(sm, opt, path):
-        msd, osd = get_state_dict(sm, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-
-    def load(sm, opt, path):
-        msd, osd = get_state_dict(sm, opt)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(sm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    from tests.test_checkpoint_interop import load, save          # the README's recipe
 
     tp_mesh, flat = world_mesh(), world_mesh((2, 4), ("node", "gpu"))
     out = {}
@@ -212,11 +201,7 @@ def _bad(rank, world):
     out = {}
 
     def attempt(label, fn):
-        try:
-            fn()
-            out[label] = None
-        except Exception as e:                      # noqa: BLE001 — the message is the result
-            out[label] = f"{type(e).__name__}: {e}"
+        out[label] = failure(fn)
 
     paro = os.path.join(STRAT, "paro_iig.shard")
     attempt("lacks", lambda: shardc.compile(tensor_parallel(gpt(), wm["gpu"]), paro, mesh=wm["node", "tp"],

@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.harness import dist_run
+from tests.harness import dist_run, failure
 
 pytestmark = pytest.mark.distributed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -321,11 +321,7 @@ def _refusals_job(rank, world):
     out = {}
 
     def attempt(label, fn):
-        try:
-            fn()
-            out[label] = None
-        except Exception as e:                      # noqa: BLE001 — the message is the result
-            out[label] = f"{type(e).__name__}: {e}"
+        out[label] = failure(fn)
 
     with open(os.path.join(STRAT, "zeropp.shard")) as f:
         zeropp = f.read()
