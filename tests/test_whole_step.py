@@ -7,8 +7,8 @@ the step's sync and update one more.
   step, `clip_grad_norm_`, AdamW and SGD + momentum in turn, and int8 weights with int4
   gradients (qwZ, qgZ, hierarchical) within 1 % of the reference loss; on the 3-level mesh
   `node(2) > gpu(2) > gcd(2)` (8 ranks), HO-Ring collectives at parity.
-- What runs is the plan: the measured ledger equals `shardc explain` (the real strategy
-  text through the CLI); the compiled graphs hold exactly the plan's collectives (forward:
+- What runs is the plan: the measured ledger and memory equal `shardc explain` (the real
+  strategy text through the CLI); the compiled graphs hold exactly the plan's collectives (forward:
   every unit's gather; backward: every non-root unit's re-gather, recomputed, and every
   unit's reduce-scatter; the step boundary: the sync and update rows), and they issue the
   gathers where the emitted SCHEDULE says (prefetch 1: unit i+1's gather before unit i's
@@ -166,12 +166,12 @@ def _plan_job(rank, world):
                 rows[r.phase.value].append((r.op.value, r.levels, r.bytes))
     graphs = [(g.kind, g.collectives) for g in sm.runtime.collectives()]
     ledger = [(r.phase, r.op, list(r.levels), r.bytes, r.count) for r in sm.comm_ledger()]
-    return ledger, graphs, rows, sm.lowering.schedule, sm.source
+    return ledger, graphs, rows, sm.lowering.schedule, sm.source, sm.memory_report()
 
 
 def test_the_compiled_graphs_run_the_plan(tmp_path):
     results = dist_run(4, _plan_job)
-    ledger, graphs, rows, schedule, source = results[0]
+    ledger, graphs, rows, schedule, source, memory = results[0]
     assert all(r[0] == ledger for r in results)
     # the ledger = explain's, on the same strategy text and model through the CLI
     (tmp_path / "s.shard").write_text(text("paro_iig"))
@@ -182,8 +182,10 @@ def test_the_compiled_graphs_run_the_plan(tmp_path):
                           f"{tmp_path / 'm.py'}:two", "--mesh", MESH, "--micro-batches", str(ACC), "--clip",
                           "--json", "--no-graph"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    assert ledger == [(d["phase"], d["op"], d["levels"], d["bytes"], d["count"])
-                      for d in json.loads(run.stdout)["ledger"]]
+    predicted = json.loads(run.stdout)
+    assert ledger == [(d["phase"], d["op"], d["levels"], d["bytes"], d["count"]) for d in predicted["ledger"]]
+    assert {k: memory[k] for k in ("params", "grads", "optim", "total")} == \
+        {k: predicted["memory"][k] for k in ("params", "grads", "optim", "total")}
     # each compiled graph holds exactly the plan's rows: the micro-batch's forward every
     # gather, its backward every re-gather and reduce-scatter; the boundary the sync and update
     coll = [(kind, sorted((op, tuple(lv), b) for op, lv, b, _ in c if op != "matmul")) for kind, c in graphs]
