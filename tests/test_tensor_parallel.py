@@ -6,7 +6,8 @@ RowwiseParallel, heads and hidden units split over tp), then `shardc.compile(mod
 FILE, mesh=world_mesh["node", "gpu"])` with the shipped strategy files unchanged:
 - parity with one process on the concatenated batch of the 4 data-parallel ranks, for
   ZeRO-3, ZeRO-1, PaRO-IIG, PaRO-NIG, MiCS and hpZ, with AdamW and with SGD + momentum,
-  `clip_grad_norm_` and 2 micro-batches;
+  `clip_grad_norm_` and 2 micro-batches; and RMSprop with a param group by name (TP-split
+  weights and replicated norms at their own learning rate);
 - the measured ledger and memory equal `shardc explain --tp 2` (real strategy text
   through the CLI), byte for byte;
 - DCP checkpoints: dp x tp -> dp only (node 2, gpu 4) -> dp x tp, equal to an
@@ -119,7 +120,22 @@ def _parity(rank, world):
                 out["memory"] = dict(sm.memory_report())
             want, _ = reference(kind)
             out[strategy, kind] = rel(sm.full_state_dict(), want.state_dict())
+    # param groups by name: TP-split weights and replicated norms at their own learning rate
+    sm = sharded("paro_iig", wm)
+    opt = sm.optimizer(torch.optim.RMSprop, param_groups=[dict(params=FAST, lr=3e-3)],
+                       lr=1e-3, weight_decay=0.1, momentum=0.9)
+    train(sm, opt, data(), dp_index)
+    model = gpt()
+    named = dict(model.named_parameters())
+    ref = torch.optim.RMSprop([dict(params=[named[n] for n in FAST], lr=3e-3),
+                               dict(params=[p for n, p in named.items() if n not in FAST])],
+                              lr=1e-3, weight_decay=0.1, momentum=0.9)
+    train(model, ref, data())
+    out["groups"] = rel(sm.full_state_dict(), model.state_dict())
     return out
+
+
+FAST = [f"transformer.h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "mlp.c_proj", "ln_1")]
 
 
 def test_strategies_train_at_parity_on_a_dp_by_tp_mesh():
@@ -128,6 +144,7 @@ def test_strategies_train_at_parity_on_a_dp_by_tp_mesh():
         for strategy in CASES:
             for kind in ("adamw", "sgd"):
                 assert r[strategy, kind] < 1e-5, (strategy, kind, r[strategy, kind])
+        assert r["groups"] < 1e-5, r["groups"]
     # the ledger counts shardc's collectives (the dp mesh's), not DTensor's; explain --tp 2
     # assumes the same plan on the same real strategy text
     cmd = [sys.executable, "-m", "shardc.cli", "explain", os.path.join(STRAT, "zero3.shard"), "--model",
