@@ -74,15 +74,23 @@ class FunctionalComm:
             return inp
         key, algo = self._key(row)
         if row.comm.quantized:                    # see [Note: payloads as two buffers]
-            m = inp.numel()
             codes, scales = quant_ops.encode(inp, row.comm.bits)
-            codes, scales = self._gather(codes, key, algo), self._gather(scales, key, algo)
-            s, p, b = prod([self._size(n) for n in key]), codes.numel() // prod([self._size(n) for n in key]), \
-                scales.numel() // prod([self._size(n) for n in key])
-            return torch.cat([quant_ops.decode(codes[c * p:(c + 1) * p], scales[c * b:(c + 1) * b], m, row.comm.bits)
-                              for c in range(s)]).to(inp.dtype)
+            return self.all_gather_encoded(row, codes, scales, inp.numel(), row.comm.bits).to(inp.dtype)
         cdt = torch_dtype(row.comm)
         return self._gather(inp.to(cdt), key, algo).to(inp.dtype)
+
+    def all_gather_encoded(self, row: Row | None, codes: torch.Tensor, scales: torch.Tensor, m: int,
+                           bits: int) -> torch.Tensor:
+        """The full n (float32) from every rank's encoded m-element chunk (codes, scales);
+        row None: this rank's chunk is the whole, decoded."""
+        if row is None:
+            return quant_ops.decode(codes, scales, m, bits)
+        key, algo = self._key(row)
+        s = prod([self._size(n) for n in key])
+        codes, scales = self._gather(codes, key, algo), self._gather(scales, key, algo)
+        p, b = codes.numel() // s, scales.numel() // s
+        return torch.cat([quant_ops.decode(codes[c * p:(c + 1) * p], scales[c * b:(c + 1) * b], m, bits)
+                          for c in range(s)])
 
     def _gather(self, inp: torch.Tensor, key, algo) -> torch.Tensor:
         if algo is Collectives.RING:

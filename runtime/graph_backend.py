@@ -29,6 +29,8 @@ from torch._inductor import config as inductor_config
 
 from shardc.lowering import Schedule
 
+from .graph_secondary import resolve_secondary
+
 GATHER_TAG = "shardc_gather"          # node.meta["custom"][GATHER_TAG] = the unit the node gathers
 _C10D = torch.ops._c10d_functional
 _AG = _C10D.all_gather_into_tensor.default
@@ -112,8 +114,8 @@ class CompiledGraph:
 class ScheduledInductor:
     """torch.compile backend: Inductor following the plan's schedule (see Note)."""
 
-    def __init__(self, schedule: Schedule, levels_of: dict[str, tuple[str, ...]]):
-        self.schedule, self.levels_of = schedule, levels_of
+    def __init__(self, schedule: Schedule, levels_of: dict[str, tuple[str, ...]], secondaries=None):
+        self.schedule, self.levels_of, self.secondaries = schedule, levels_of, secondaries
         self.graphs: list[CompiledGraph] = []
 
     def __call__(self, gm, example_inputs):
@@ -128,6 +130,7 @@ class ScheduledInductor:
         from torch._inductor.compile_fx import compile_fx_inner
         backward = bool(kwargs.get("is_backward"))
         stages = self.schedule.backward if backward else self.schedule.forward
+        resolve_secondary(gm.graph, backward, self.secondaries, GATHER_TAG)
         follow_schedule(gm.graph, stages)
         gm.recompile()
         self.graphs.append(self._record("backward" if backward else "forward", gm.graph))

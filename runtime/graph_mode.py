@@ -8,9 +8,9 @@ runtime's parts that run outside the step (state dicts, checkpoint loads, clippi
 all-reduce) stay as they are.
 
 [Note: what the mode refuses]
-Each in one sentence naming the eager alternative, before anything is compiled: a
-`secondary` (hpZ) copy, DTensor parameters, a unit of several modules (a bucket), and a
-model dynamo cannot capture in one graph. It never falls back to eager silently.
+Each in one sentence naming the eager alternative, before anything is compiled: DTensor
+parameters, a unit of several modules (a bucket), plan passes, and a model dynamo cannot
+capture in one graph. It never falls back to eager silently.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from shardc.dsl.errors import ShardcError
 from .funcol import FunctionalComm
 from .graph_backend import ScheduledInductor
 from .graph_boundary import GraphBoundary
+from .graph_secondary import Secondaries
 from .graph_step import GraphStep
 
 BACKENDS = ("eager", "inductor")
@@ -32,13 +33,8 @@ def check_backend(backend: str) -> None:
         raise ShardcError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
 
 
-def refuse(strategy, tp: dict) -> None:
+def refuse(tp: dict) -> None:
     """[Note: what the mode refuses], for what the plan and the model show."""
-    sec = [u for u in (strategy.scopes, *[o.scopes for o in strategy.overrides])
-           if u.params is not None and u.params.secondary is not None]
-    if sec:
-        raise ShardcError("backend='inductor' does not take a `secondary` params copy (hpZ) yet: its backward "
-                          f"re-gather cannot be expressed as a recomputed gather; {EAGER}")
     if tp:
         raise ShardcError(f"backend='inductor' does not take DTensor (tensor-parallel) parameters yet "
                           f"({next(iter(tp))!r} is one); {EAGER}")
@@ -52,10 +48,11 @@ class GraphRuntime:
         self.events: list = []
         rows = [r for u in units for g in u.groups for r in g.gplan.rows]
         self.comm = FunctionalComm(smesh, strategy.collectives, rows)
-        self.backend = ScheduledInductor(schedule, _levels_of(smesh, rows))
+        secondaries = Secondaries(self.comm)
+        self.backend = ScheduledInductor(schedule, _levels_of(smesh, rows), secondaries)
         self.boundary = GraphBoundary(units, strategy.accumulate, self.comm, ledger, world, self.backend)
         self.step = GraphStep(model, units, self.comm, names_of, ledger, self.backend,
-                              on_backward=self._backward_done)
+                              on_backward=self._backward_done, secondaries=secondaries)
 
     def collectives(self) -> list:
         """Every compiled graph's collectives in the order they are issued (the schedule that

@@ -34,6 +34,7 @@ from shardc.dsl.errors import ShardcError
 from shardc.lowering import Op, Per, Phase
 
 from .graph_backend import GATHER_TAG, compile_own
+from .graph_secondary import RECOMPUTE, SAVE
 
 _ATEN = torch.ops.aten
 GATHER_OPS = frozenset({torch.ops._c10d_functional.all_gather_into_tensor.default,
@@ -48,7 +49,9 @@ MOVES = frozenset({_ATEN.cat.default, _ATEN.permute.default, _ATEN.clone.default
 def _policy(ctx, op, *args, **kwargs):
     """[Note: one graph per micro-batch] recompute the gathers (their collectives and the
     data moves that place their chunks), save everything else."""
-    if op in GATHER_OPS or op in MOVES or _is_view(op):
+    if op in SAVE:                      # graph_secondary.py: the hpZ chunk the backward gathers from
+        return CheckpointPolicy.MUST_SAVE
+    if op in GATHER_OPS or op in MOVES or op in RECOMPUTE or _is_view(op):
         return CheckpointPolicy.MUST_RECOMPUTE
     return CheckpointPolicy.PREFER_SAVE
 
@@ -84,12 +87,18 @@ def gather_function(comm, gather_row, reduce_row):
 class GraphStep:
     """One micro-batch as one compiled graph (see the module note)."""
 
-    def __init__(self, model, units, comm, names_of, ledger, backend, on_backward):
+    def __init__(self, model, units, comm, names_of, ledger, backend, on_backward, secondaries):
         self.model, self.units, self.comm, self.names_of, self.ledger = model, units, comm, names_of, ledger
         self.on_backward = on_backward
-        self.anchors, self.gathers = {}, {}
+        self.anchors, self.gathers, self.secondary = {}, {}, {}
         for u in units:
             for g in u.groups:
+                st = g.storage
+                if st.secondary is not None:    # graph_secondary.py: a saved tensor of the graph instead
+                    bits = st.sec_quant.bits if st.sec_quant else 0
+                    self.secondary[id(g)] = (st.q_start, st.q_len, bits, secondaries.add(
+                        g.gplan.row(Phase.BACKWARD, Op.ALL_GATHER), st.q_len, bits, st.pdtype))
+                    st.secondary = None
                 if g.trainable:                 # one element, expanded: only its .grad is used
                     gs = g.storage.grad_shard
                     anchor = torch.nn.Parameter(gs.new_zeros(1).expand(gs.shape))
@@ -128,6 +137,10 @@ class GraphStep:
                     full = self.gathers[id(g)].apply(st.shard, self.anchors[id(g)])
                 else:
                     full = self.comm.all_gather(gather, st.shard) if gather is not None else st.shard
+                if id(g) in self.secondary:
+                    start, length, bits, key = self.secondary[id(g)]
+                    codes, scales = torch.ops.shardc.keep_secondary(full.detach(), start, length, bits)
+                    full = torch.ops.shardc.regather(full, codes, scales, key)
             for s, view in zip(st.layout.slots, st.plain_views(full)):
                 for name in self.names_of[s.fqn]:
                     out[name[len(prefix):]] = view

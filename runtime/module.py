@@ -123,7 +123,7 @@ class ShardedModule(nn.Module):
         self.tp = tp_params(params, strategy.mesh.names)          # DTensor parameters (TP, SP)
         check_root_dims(self.comm.smesh.device_mesh, self.tp)
         if backend == "inductor":
-            graph_mode.refuse(strategy, self.tp)
+            graph_mode.refuse(self.tp)
         _broadcast_from_rank0(model, self.comm.smesh.dp_group())
         local = local_params(model)                                  # a DTensor's local shard
         per_unit = unit_members(self.unit_specs, self.aliases)      # [Note: unit membership]

@@ -24,12 +24,12 @@ from shardc.lowering import BLOCK, code_bytes
 
 from . import quant
 
-_BITS = {8: DType.INT8, 4: DType.INT4}
+BITS = {8: DType.INT8, 4: DType.INT4}
 
 
 @torch.library.custom_op("shardc::encode", mutates_args=())
 def encode(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    codes, scales = quant.encode(x, _BITS[bits])
+    codes, scales = quant.encode(x, BITS[bits])
     return codes.clone(), scales.clone()
 
 
@@ -37,12 +37,12 @@ def encode(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _(x, bits):
     m = x.numel()
     dtype = torch.int8 if bits == 8 else torch.uint8
-    return x.new_empty(code_bytes(m, _BITS[bits]), dtype=dtype), x.new_empty(ceil(m / BLOCK), dtype=torch.float32)
+    return x.new_empty(code_bytes(m, BITS[bits]), dtype=dtype), x.new_empty(ceil(m / BLOCK), dtype=torch.float32)
 
 
 @torch.library.custom_op("shardc::decode", mutates_args=())
 def decode(codes: torch.Tensor, scales: torch.Tensor, m: int, bits: int) -> torch.Tensor:
-    return quant.decode(codes, scales, m, _BITS[bits]).clone()
+    return quant.decode(codes, scales, m, BITS[bits]).clone()
 
 
 @decode.register_fake
