@@ -94,7 +94,7 @@ class FunctionalComm:
 
     def _gather(self, inp: torch.Tensor, key, algo) -> torch.Tensor:
         if algo is Collectives.RING:
-            return _wait(fc.all_gather_tensor(inp, 0, self.smesh.group(key, key)))
+            return _wait(fc.all_gather_single(inp, 0, self.smesh.group(key, key)))
         m = inp.numel()
         k = HO_PIECES if algo is Collectives.HO_RING else 1
         stages = self.smesh.mesh.ordered(key)
@@ -103,7 +103,7 @@ class FunctionalComm:
         for lo, hi in pieces(m, k):
             buf = inp[lo:hi].contiguous()
             for lvl in stages:                              # outermost first
-                buf = _wait(fc.all_gather_tensor(buf, 0, self.smesh.group((lvl,))))
+                buf = _wait(fc.all_gather_single(buf, 0, self.smesh.group((lvl,))))
             shaped = buf.view(*[self._size(n) for n in names], hi - lo)
             parts.append(shaped.permute(perm(names, key)))
         return torch.cat(parts, dim=-1).reshape(-1)
@@ -122,7 +122,7 @@ class FunctionalComm:
 
     def _scatter(self, inp: torch.Tensor, key, algo, s: int) -> torch.Tensor:
         if algo is Collectives.RING:
-            return _wait(fc.reduce_scatter_tensor(inp, "sum", 0, self.smesh.group(key, key)))
+            return _wait(fc.reduce_scatter_single(inp, "sum", 0, self.smesh.group(key, key)))
         m = inp.numel() // s
         names = tuple(reversed(self.smesh.mesh.ordered(key)))        # innermost first
         full = inp.view(*[self._size(n) for n in key], m).permute(perm(key, names))
@@ -131,7 +131,7 @@ class FunctionalComm:
         for lo, hi in pieces(m, k):
             buf = full[..., lo:hi].contiguous().view(-1)
             for lvl in names:
-                buf = _wait(fc.reduce_scatter_tensor(buf, "sum", 0, self.smesh.group((lvl,))))
+                buf = _wait(fc.reduce_scatter_single(buf, "sum", 0, self.smesh.group((lvl,))))
             out.append(buf)
         return torch.cat(out)
 
@@ -161,8 +161,8 @@ class FunctionalComm:
         flat = torch.cat([t.reshape(-1), t.new_zeros(-(-n // inner) * inner - n)])
         chunk = flat
         for lvl in reversed(rest):                                   # reduce-scatter, innermost first
-            chunk = _wait(fc.reduce_scatter_tensor(chunk, "sum", 0, self.smesh.group((lvl,))))
+            chunk = _wait(fc.reduce_scatter_single(chunk, "sum", 0, self.smesh.group((lvl,))))
         chunk = _wait(fc.all_reduce(chunk, "sum", self.smesh.group((outer,))))
         for lvl in rest:                                             # all-gather, outermost first
-            chunk = _wait(fc.all_gather_tensor(chunk, 0, self.smesh.group((lvl,))))
+            chunk = _wait(fc.all_gather_single(chunk, 0, self.smesh.group((lvl,))))
         return chunk[:n].view(t.shape)
