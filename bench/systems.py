@@ -66,7 +66,7 @@ TP_SUFFIX = re.compile(r"tp(\d*)")
 #               place in the block list) and then applies `fully_shard` to the compiled
 #               blocks and the root (torchtitan's order: apply_compile, then apply_fsdp);
 #               `ddp+compile` is `torch.compile(DDP(model))` (DDPOptimizer splits the
-#               graph at the buckets). Not for shardc systems: the whole-step mode is
+#               graph at the buckets; run once on the tiny model, not benchmarked yet). Not for shardc systems: the whole-step mode is
 #               +inductor, and `torch.compile` of a ShardedModule is bench/overhead.py's
 #               `shardc+compile`.
 #   +inductor   shardc only: `shardc.compile(..., backend="inductor")`, each micro-batch's
@@ -184,9 +184,9 @@ def compile_blocks(model: nn.Module) -> nn.Module:
     return model
 
 
-def fsdp2(model: nn.Module, nodes: int, per_node: int, hybrid: bool, tp: int = 1, compile: bool = False) -> System:
+def fsdp2(model: nn.Module, nodes: int, per_node: int, hybrid: bool, tp: int = 1, compiled: bool = False) -> System:
     """FSDP2 `fully_shard` on each block, then the root (torchtitan's recipe); with `tp` > 1
-    on the model split by `tensor_parallel` ([Note: +tp systems]); with `compile`, each block
+    on the model split by `tensor_parallel` ([Note: +tp systems]); with `compiled`, each block
     compiled first ([Note: system suffixes])."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -202,7 +202,7 @@ def fsdp2(model: nn.Module, nodes: int, per_node: int, hybrid: bool, tp: int = 1
         mesh = world[names]
         tensor_parallel(model, world["tp"])
         extra = {"mesh": [["node", nodes], ["gpu", dp]], "tp": tp, "unit_numels": local_unit_numels(model)}
-    if compile:
+    if compiled:
         compile_blocks(model)
     for block in block_modules(model):
         fully_shard(block, mesh=mesh)
@@ -214,13 +214,13 @@ def fsdp2(model: nn.Module, nodes: int, per_node: int, hybrid: bool, tp: int = 1
         return contextlib.nullcontext()
 
     opt = _adamw(model.parameters())
-    name = ("fsdp2:hsdp" if hybrid else "fsdp2:full") + (f"+tp{tp}" if tp > 1 else "") + ("+compile" if compile else "")
+    name = ("fsdp2:hsdp" if hybrid else "fsdp2:full") + (f"+tp{tp}" if tp > 1 else "") + ("+compile" if compiled else "")
     return System(name, model, opt, micro, memory=lambda: state_bytes(model, opt),
                   pending=lambda: fsdp2_pending_grad_bytes(model), tp=tp, extra=extra)
 
 
-def ddp(model: nn.Module, compile: bool = False) -> System:
-    """DDP; with `compile`, `torch.compile(DDP(model))` ([Note: system suffixes])."""
+def ddp(model: nn.Module, compiled: bool = False) -> System:
+    """DDP; with `compiled`, `torch.compile(DDP(model))` ([Note: system suffixes])."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     wrapped = DDP(model)
@@ -229,8 +229,8 @@ def ddp(model: nn.Module, compile: bool = False) -> System:
         return contextlib.nullcontext() if last else wrapped.no_sync()
 
     opt = _adamw(wrapped.parameters())
-    run = torch.compile(wrapped) if compile else wrapped
-    return System("ddp+compile" if compile else "ddp", run, opt, micro, memory=lambda: state_bytes(wrapped, opt))
+    run = torch.compile(wrapped) if compiled else wrapped
+    return System("ddp+compile" if compiled else "ddp", run, opt, micro, memory=lambda: state_bytes(wrapped, opt))
 
 
 def strategy_path(spec: str) -> str:
@@ -292,9 +292,9 @@ def build_system(name: str, model: nn.Module, nodes: int, per_node: int, example
     if per_node % n.tp:
         raise ValueError(f"system {name!r}: tp {n.tp} does not divide the {per_node} ranks of a node")
     if n.base in ("fsdp2:full", "fsdp2:hsdp"):
-        return fsdp2(model, nodes, per_node, hybrid=n.base == "fsdp2:hsdp", tp=n.tp, compile=n.compile)
+        return fsdp2(model, nodes, per_node, hybrid=n.base == "fsdp2:hsdp", tp=n.tp, compiled=n.compile)
     if n.base == "ddp":
-        return ddp(model, compile=n.compile)
+        return ddp(model, compiled=n.compile)
     return shardc_system(model, n.base.split(":", 1)[1], example, accumulate, nodes, per_node, n.tp, n.inductor)
 
 
