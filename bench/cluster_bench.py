@@ -52,7 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "with --bandwidth-profile, the profile's --sweeps")
     p.add_argument("--systems", default="fsdp2:full,fsdp2:hsdp,ddp,shardc:zero3",
                    help="comma-separated; NAME+tp (or +tpN) adds tensor parallelism over N=2 ranks of a node "
-                        "([Note: +tp systems] in bench/systems.py), e.g. fsdp2+tp,shardc:zero3+tp")
+                        "([Note: +tp systems] in bench/systems.py), e.g. fsdp2+tp,shardc:zero3+tp; a peer's "
+                        "+compile runs it under torch.compile, a shardc system's +inductor in shardc's whole-step "
+                        "compiled mode ([Note: system suffixes]), e.g. fsdp2:full+compile,shardc:zero3+inductor")
     p.add_argument("--timeout", type=float, default=600, help="seconds per system")
     p.add_argument("--collectives", action="store_true",
                    help="time all-gather/reduce-scatter, flat vs hierarchical, instead")
@@ -77,7 +79,7 @@ def check_args(a) -> str | None:
     from systems import parse_system
     for s in a.systems.split(","):
         try:
-            _, tp = parse_system(s)
+            tp = parse_system(s).tp
         except ValueError as e:
             return str(e)
         if a.per_node % tp:

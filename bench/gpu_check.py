@@ -3,6 +3,7 @@
     python bench/gpu_check.py step   [--steps 20] [--warmup 5] [--batch 8] [--seq 1024]
     python bench/gpu_check.py parity
     python bench/gpu_check.py trace  [--world 2] [--out bench/results/gpu_trace]
+    python bench/gpu_check.py inductor [--steps 20] [--warmup 5] [--batch 8] [--seq 1024]
 
 step   (a) world 1 on CUDA (NCCL), a GPT-2-small-sized model (124M: 12 layers, width
        768, vocab 50257): median step time (forward, backward, clip, AdamW) of the
@@ -19,6 +20,13 @@ trace  (c) `--world` ranks (NCCL with one GPU each when there are enough GPUs, e
        rank writes a chrome trace (`OUT/rank<r>.json`) and rank 0 prints, per CUDA
        stream, its busy time and top kernels, and how long work on the other streams
        (all-gathers, reduce-scatters, their copies) ran while the compute stream was busy.
+inductor (d) the whole-step compiled mode at world 1 (NCCL), the 124M model: per mode
+       (`eager` PyTorch, `compile` = torch.compile(model), `shardc` = the eager runtime,
+       `shardc+inductor` = `shardc.compile(..., backend="inductor")`) the first step's time
+       (where dynamo and Inductor compile), the median step time and its ratio to eager and
+       to torch.compile, `max_memory_allocated`, and parity: each mode's losses over its
+       first 5 steps (same weights, same batch, TF32 off) against eager's, max relative
+       difference (< 1e-4 passes).
 
 Without CUDA every mode prints one line saying so and exits with status 2.
 """
@@ -38,7 +46,7 @@ GPT2_SMALL = dict(vocab_size=50257, n_layer=12, n_head=12, n_embd=768)
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("mode", choices=("step", "parity", "trace"))
+    p.add_argument("mode", choices=("step", "parity", "trace", "inductor"))
     p.add_argument("--steps", type=int, default=20, help="timed steps (step mode)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (step mode)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank")
@@ -177,6 +185,75 @@ def run_parity(args) -> int:
     return 0 if worst < 1e-5 else 1
 
 
+INDUCTOR_MODES = ("eager", "compile", "shardc", "shardc+inductor")
+PARITY_STEPS = 5
+
+
+def _inductor_mode(mode: str, args, x, y) -> dict:
+    """(d) one mode: first step, parity losses, then the timed steps."""
+    import torch
+    import torch.nn.functional as F
+
+    import shardc
+    model = _model(args.seq)
+    if mode.startswith("shardc"):
+        strategy = shardc.load_strategy(os.path.join(ROOT, "examples", "strategies", "zero3.shard"),
+                                        mesh="gpu(1)")
+        fwd = shardc.compile(model, strategy, example_inputs=(x,),
+                             backend="inductor" if mode == "shardc+inductor" else "eager")
+        opt, clip = fwd.optimizer(torch.optim.AdamW, lr=1e-4), fwd.clip_grad_norm_
+    else:
+        fwd = torch.compile(model) if mode == "compile" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        clip = lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c)  # noqa: E731
+
+    def step():
+        loss = F.cross_entropy(fwd(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        clip(1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    losses = [step()]
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    losses += [step() for _ in range(PARITY_STEPS - 1)]
+    sec, peak = _timed(step, args)
+    return dict(first=first, seconds=sec, peak=peak, losses=[float(v) for v in losses])
+
+
+def run_inductor(args) -> int:
+    import torch
+    import torch.distributed as dist
+    torch.cuda.set_device(0)
+    torch.backends.cuda.matmul.allow_tf32 = False       # parity in fp32
+    torch.backends.cudnn.allow_tf32 = False
+    _init_world_1()
+    res = {}
+    try:
+        x, y = _batch(args)
+        for mode in INDUCTOR_MODES:
+            res[mode] = _inductor_mode(mode, args, x, y)
+            torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+    print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; batch {args.batch} x {args.seq} "
+          f"tokens; zero3 on gpu(1); median of {args.steps} steps after {args.warmup}")
+    e, c = res["eager"], res["compile"]
+    worst = 0.0
+    for mode, r in res.items():
+        err = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], e["losses"]))
+        worst = max(worst, err) if mode == "shardc+inductor" else worst
+        print(f"(d) {mode:<16} first step {r['first']:7.2f} s, step {r['seconds'] * 1e3:8.1f} ms, "
+              f"vs eager {r['seconds'] / e['seconds']:.3f}, vs compile {r['seconds'] / c['seconds']:.3f}, "
+              f"max_memory_allocated {r['peak'] / 2**30:.2f} GiB; losses vs eager: max rel diff {err:.1e} "
+              f"{'ok' if err < 1e-4 else 'FAIL'}")
+    return 0 if worst < 1e-4 else 1
+
+
 def _union(intervals):
     """Merged, sorted [start, end) intervals."""
     out = []
@@ -280,7 +357,7 @@ def main(argv=None) -> int:
         print(f"gpu_check: needs CUDA, and torch.cuda.is_available() is False here (torch "
               f"{torch.__version__}); run it on a machine with an NVIDIA GPU", file=sys.stderr)
         return 2
-    return {"step": run_step, "parity": run_parity, "trace": run_trace}[args.mode](args)
+    return {"step": run_step, "parity": run_parity, "trace": run_trace, "inductor": run_inductor}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -69,12 +69,16 @@ def batch(model: nn.Module, step: int, micro: int, rank: int, micro_batch: int):
     return toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
 
 
+def block_list(model: nn.Module) -> nn.ModuleList | None:
+    """The largest ModuleList: the repeated blocks (None if the model has none)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=len) if lists else None
+
+
 def block_modules(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks (children of the largest ModuleList): FSDP2's wrap units."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
-        return []
-    return list(max(lists, key=len))
+    blocks = block_list(model)
+    return [] if blocks is None else list(blocks)
 
 
 def n_params(model: nn.Module) -> int:

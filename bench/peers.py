@@ -60,6 +60,7 @@ def peer_ledger(system: str, model, per_node: int, M: int, sizes: list[int] | No
     where a `+tp` system holds only its TP shards (bench/systems.py `local_unit_numels`),
     with `per_node` then the data-parallel ranks of a node."""
     sizes = sizes or unit_numels(model)
+    system = system.split("+")[0]          # +tp, +compile: the same collectives
     if system == "ddp":
         return ddp_ledger(sizes)
     return fsdp2_ledger(sizes, per_node, M, hybrid=system.startswith("fsdp2:hsdp"))

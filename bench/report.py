@@ -7,6 +7,9 @@ into one (`merge_rounds`, [Note: rounds]). `model_state_bytes`: params + grads +
 states held after `opt.step()` (max over ranks); `peak_...`: the most held at any
 point of the step, measured in the warm-up (FSDP2's unsharded gradients between
 micro-batches when gradient sync is off count here).
+`peak_rss_bytes`: the largest peak resident set of any rank's process, compile state
+included; `warmup_times`: rank 0's untimed steps, where a compiled system compiles
+([Note: memory figures] in worker.py; with `--rounds`, `round_warmup_s` per round).
 
 [Note: level bytes]
 `level_bytes[level]` = bytes one rank sends over that level's links per optimizer step,
@@ -68,9 +71,12 @@ def summarize(system: str, res: dict, model_name: str, nodes: int, per_node: int
         "tokens_per_s": res["tokens_per_step"] / res["step_time_s"],
         "model_state_bytes": max(r["state_bytes"] for r in res["per_rank"]),
         "peak_model_state_bytes": max(r["peak_state_bytes"] for r in res["per_rank"]),
+        # the process's peak resident set, max over ranks ([Note: memory figures] in worker.py)
+        "peak_rss_bytes": max((r.get("peak_rss_bytes") or 0 for r in res["per_rank"]), default=0) or None,
         "level_bytes": level_bytes(system, res, model_name, nodes, per_node, accumulate),
         "measured_bytes": measured_bytes(res, world),
         "step_times": res["step_times"],
+        "warmup_times": res.get("warmup_times"),   # rank 0: the untimed steps (a compiled system compiles here)
         "splits": res.get("splits"),          # rank 0: per step, each micro-batch, opt.step(), the rest
         "params": res["params"],
         "tp": res.get("tp", 1),
@@ -79,6 +85,8 @@ def summarize(system: str, res: dict, model_name: str, nodes: int, per_node: int
     if res.get("ledger") is not None:
         out["ledger"] = res["ledger"]
         out["collectives"] = res["collectives"]
+    if res.get("backend"):
+        out["backend"] = res["backend"]
     return out
 
 
@@ -104,4 +112,7 @@ def merge_rounds(rounds: list[dict]) -> dict:
     if "tokens_per_s" in out:
         out["tokens_per_s"] = rounds[0]["tokens_per_s"] * rounds[0]["step_time_s"] / out["step_time_s"]
     out["round_step_s"] = [r["step_time_s"] for r in rounds]
+    out["round_warmup_s"] = [r.get("warmup_times") for r in rounds]
+    rss = [r.get("peak_rss_bytes") for r in rounds]
+    out["peak_rss_bytes"] = None if None in rss else max(rss)
     return out

@@ -48,3 +48,11 @@ python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 250mbit --mode
     --micro-batch 2 --accumulate 2 --steps 2 --warmup 1 --rounds 3 \
     --systems fsdp2+tp,shardc:zero3+tp,shardc:paro_iig+tp,shardc:paro_nig+tp,fsdp2:full,shardc:zero3,shardc:paro_iig,shardc:paro_nig \
     --json "$OUT/systems_250mbit_medium_${DATE}_tp.json" --logdir "$OUT/logs_tp"
+
+# 6. the whole-step compiled mode (docs/BENCHMARKS.md "The whole-step compiled mode"): shardc's
+#    backend="inductor" against its eager runtime and FSDP2 full shard with and without
+#    torch.compile per block; the compile happens in the warm-up step (round 1 with an empty Inductor cache)
+TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 250mbit --model bench \
+    --micro-batch 2 --accumulate 4 --steps 3 --warmup 1 --rounds 2 \
+    --systems fsdp2:full,fsdp2:full+compile,shardc:zero3,shardc:zero3+inductor,shardc:paro_iig,shardc:paro_iig+inductor,shardc:paro_nig,shardc:paro_nig+inductor \
+    --json "$OUT/systems_250mbit_bench_${DATE}_inductor.json" --logdir "$OUT/logs_inductor"

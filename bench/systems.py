@@ -2,9 +2,10 @@
 
 Input: a system name (`fsdp2:full`, `fsdp2:hsdp`, `ddp`, `shardc:<name>` or
 `shardc:<path.shard>`, optionally `@ring|@hierarchical|@ho-ring|@auto` to
-override the strategy's `collectives`; any but `ddp` optionally `+tp` or `+tpN` for tensor
-parallelism, [Note: +tp systems]; `fsdp2+tp` is `fsdp2:full+tp`), the model, the cluster
-shape. Output: a `System` whose `micro(i)` context does what a user would write for gradient
+override the strategy's `collectives`), then suffixes ([Note: system suffixes]): any but
+`ddp` optionally `+tp` or `+tpN` for tensor parallelism, [Note: +tp systems]; a peer
+`+compile` for torch.compile, a shardc system `+inductor` for shardc's whole-step compiled
+mode; `fsdp2+SUFFIX` is `fsdp2:full+SUFFIX`), the model, the cluster shape. Output: a `System` whose `micro(i)` context does what a user would write for gradient
 accumulation, plus the model-state bytes each rank holds and the step's ledger (shardc) or
 the peer's collectives derived from its known algorithm (bench/peers.py).
 
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models import ROOT, block_modules
+from models import ROOT, block_list, block_modules
 from shardc.dsl.ir import Collectives, MeshDims, Strategy
 
 LR = 3e-4
@@ -53,21 +54,73 @@ class System:
 
 
 PEERS = ("fsdp2:full", "fsdp2:hsdp", "ddp")
-TP_SUFFIX = re.compile(r"\+tp(\d*)$")
+TP_SUFFIX = re.compile(r"tp(\d*)")
 
 
-def parse_system(name: str) -> tuple[str, int]:
-    """`shardc:zero3@ring+tp` -> (`shardc:zero3@ring`, 2); ValueError naming what is wrong."""
-    m = TP_SUFFIX.search(name)
-    base, tp = (name[:m.start()], int(m.group(1) or 2)) if m else (name, 1)
-    if base == "fsdp2" and m:
+# [Note: system suffixes]
+# A system name is BASE[+SUFFIX...], the suffixes in any order, each at most once:
+#   +tp, +tpN   tensor parallelism over N ranks of a node (+tp: N = 2), fsdp2 and shardc
+#               systems ([Note: +tp systems]);
+#   +compile    the peer under torch.compile as its users compile it: `fsdp2:*+compile`
+#               compiles each block (`torch.compile(block, fullgraph=True)` put in its
+#               place in the block list) and then applies `fully_shard` to the compiled
+#               blocks and the root (torchtitan's order: apply_compile, then apply_fsdp);
+#               `ddp+compile` is `torch.compile(DDP(model))` (DDPOptimizer splits the
+#               graph at the buckets; run once on the tiny model, not benchmarked yet). Not for shardc systems: the whole-step mode is
+#               +inductor, and `torch.compile` of a ShardedModule is bench/overhead.py's
+#               `shardc+compile`.
+#   +inductor   shardc only: `shardc.compile(..., backend="inductor")`, each micro-batch's
+#               forward and backward one Inductor graph with the plan's collectives in it,
+#               the step boundary one more (docs/compiler.md). It does not take DTensor
+#               parameters (so no +tp) and already compiles the whole step (so no +compile).
+# The compile happens in the first step, so a run's `--warmup` must be at least 1 for the
+# timed steps to exclude it; the worker reports the warm-up steps' times (`warmup_times`).
+# A bare `fsdp2` with a suffix is `fsdp2:full` (`fsdp2+tp`, `fsdp2+compile`).
+@dataclass(frozen=True)
+class SystemName:
+    base: str                 # `fsdp2:full`, `ddp`, `shardc:zero3@ring`, ...
+    tp: int = 1
+    compile: bool = False     # +compile (peers)
+    inductor: bool = False    # +inductor (shardc)
+
+
+def parse_system(name: str) -> SystemName:
+    """`shardc:zero3@ring+tp` -> SystemName(`shardc:zero3@ring`, tp=2); ValueError naming what
+    is wrong ([Note: system suffixes])."""
+    base, *suffixes = name.split("+")
+    tp, flags = None, set()
+    for suf in suffixes:
+        m = TP_SUFFIX.fullmatch(suf)
+        if m:
+            if tp is not None:
+                raise ValueError(f"system {name!r}: +tp given twice")
+            tp = int(m.group(1) or 2)
+        elif suf in ("compile", "inductor"):
+            if suf in flags:
+                raise ValueError(f"system {name!r}: +{suf} given twice")
+            flags.add(suf)
+        else:
+            raise ValueError(f"system {name!r}: unknown suffix +{suf}: use +tp, +tpN, +compile (fsdp2, ddp) "
+                             f"or +inductor (shardc)")
+    if base == "fsdp2" and suffixes:
         base = "fsdp2:full"
     if base not in PEERS and not base.startswith("shardc:"):
         raise ValueError(f"unknown system {name!r}: use {', '.join(PEERS)}, shardc:<strategy>, "
-                         f"optionally +tp or +tpN (fsdp2+tp = fsdp2:full+tp)")
+                         f"optionally +tp or +tpN (fsdp2+tp = fsdp2:full+tp), +compile (fsdp2, ddp), "
+                         f"+inductor (shardc)")
+    tp = 1 if tp is None else tp
     if tp < 1 or (tp > 1 and base == "ddp"):
         raise ValueError(f"system {name!r}: +tpN takes N >= 1 and a fsdp2 or shardc system")
-    return base, tp
+    shardc_ = base.startswith("shardc:")
+    if "compile" in flags and shardc_:
+        raise ValueError(f"system {name!r}: +compile is the peers' torch.compile recipe; a shardc system "
+                         f"compiles the whole step with +inductor")
+    if "inductor" in flags and not shardc_:
+        raise ValueError(f"system {name!r}: +inductor is shardc's whole-step compiled mode; a peer takes +compile")
+    if "inductor" in flags and tp > 1:
+        raise ValueError(f"system {name!r}: the whole-step mode (+inductor) does not take tensor-parallel "
+                         f"(DTensor) parameters yet")
+    return SystemName(base, tp, compile="compile" in flags, inductor="inductor" in flags)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -119,9 +172,22 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
-def fsdp2(model: nn.Module, nodes: int, per_node: int, hybrid: bool, tp: int = 1) -> System:
+def compile_blocks(model: nn.Module) -> nn.Module:
+    """torchtitan's `apply_compile`: each block replaced in its block list by
+    `torch.compile(block, fullgraph=True)` ([Note: system suffixes])."""
+    blocks = block_list(model)
+    if blocks is None:
+        raise ValueError("+compile compiles each block of the model's block list (its largest ModuleList); "
+                         "the model has none")
+    for i, block in enumerate(blocks):
+        blocks[i] = torch.compile(block, fullgraph=True)
+    return model
+
+
+def fsdp2(model: nn.Module, nodes: int, per_node: int, hybrid: bool, tp: int = 1, compiled: bool = False) -> System:
     """FSDP2 `fully_shard` on each block, then the root (torchtitan's recipe); with `tp` > 1
-    on the model split by `tensor_parallel` ([Note: +tp systems])."""
+    on the model split by `tensor_parallel` ([Note: +tp systems]); with `compiled`, each block
+    compiled first ([Note: system suffixes])."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -136,6 +202,8 @@ def fsdp2(model: nn.Module, nodes: int, per_node: int, hybrid: bool, tp: int = 1
         mesh = world[names]
         tensor_parallel(model, world["tp"])
         extra = {"mesh": [["node", nodes], ["gpu", dp]], "tp": tp, "unit_numels": local_unit_numels(model)}
+    if compiled:
+        compile_blocks(model)
     for block in block_modules(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -146,12 +214,13 @@ def fsdp2(model: nn.Module, nodes: int, per_node: int, hybrid: bool, tp: int = 1
         return contextlib.nullcontext()
 
     opt = _adamw(model.parameters())
-    name = ("fsdp2:hsdp" if hybrid else "fsdp2:full") + (f"+tp{tp}" if tp > 1 else "")
+    name = ("fsdp2:hsdp" if hybrid else "fsdp2:full") + (f"+tp{tp}" if tp > 1 else "") + ("+compile" if compiled else "")
     return System(name, model, opt, micro, memory=lambda: state_bytes(model, opt),
                   pending=lambda: fsdp2_pending_grad_bytes(model), tp=tp, extra=extra)
 
 
-def ddp(model: nn.Module) -> System:
+def ddp(model: nn.Module, compiled: bool = False) -> System:
+    """DDP; with `compiled`, `torch.compile(DDP(model))` ([Note: system suffixes])."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     wrapped = DDP(model)
@@ -160,7 +229,8 @@ def ddp(model: nn.Module) -> System:
         return contextlib.nullcontext() if last else wrapped.no_sync()
 
     opt = _adamw(wrapped.parameters())
-    return System("ddp", wrapped, opt, micro, memory=lambda: state_bytes(wrapped, opt))
+    run = torch.compile(wrapped) if compiled else wrapped
+    return System("ddp+compile" if compiled else "ddp", run, opt, micro, memory=lambda: state_bytes(wrapped, opt))
 
 
 def strategy_path(spec: str) -> str:
@@ -177,7 +247,7 @@ def for_bench(strategy: Strategy, accumulate: int, algo: str | None = None) -> S
 
 
 def shardc_system(model: nn.Module, spec: str, example, accumulate: int, nodes: int = 1,
-                  per_node: int = 1, tp: int = 1) -> System:
+                  per_node: int = 1, tp: int = 1, inductor: bool = False) -> System:
     import shardc
 
     spec, _, algo = spec.partition("@")
@@ -196,7 +266,8 @@ def shardc_system(model: nn.Module, spec: str, example, accumulate: int, nodes: 
     else:
         strategy = shardc.load_strategy(path, world_size=dist.get_world_size())
     strategy = for_bench(strategy, accumulate, algo or None)
-    sm = shardc.compile(model, strategy, example_inputs=(example,), mesh=mesh)
+    sm = shardc.compile(model, strategy, example_inputs=(example,), mesh=mesh,
+                        backend="inductor" if inductor else "eager")
     plan = getattr(sm, "plan", None)          # the resolved strategy (`collectives auto` decided)
     strategy = plan.strategy if plan is not None else strategy
     opt = sm.optimizer(torch.optim.AdamW, lr=LR, weight_decay=0.1)
@@ -207,22 +278,24 @@ def shardc_system(model: nn.Module, spec: str, example, accumulate: int, nodes: 
     def memory():
         return int(sm.memory_report()["total"])
 
-    name = f"shardc:{spec}" + (f"@{algo}" if algo else "") + (f"+tp{tp}" if tp > 1 else "")
+    name = f"shardc:{spec}" + (f"@{algo}" if algo else "") + (f"+tp{tp}" if tp > 1 else "") + \
+        ("+inductor" if inductor else "")
     return System(name, sm, opt, micro, ledger=sm.comm_ledger, reset_ledger=sm.reset_comm_ledger,
                   memory=memory, strategy=strategy, tp=tp,
                   extra={"mesh": [[l.name, l.size] for l in strategy.mesh.levels],
-                         "collectives": strategy.collectives.value, "tp": tp})
+                         "collectives": strategy.collectives.value, "tp": tp,
+                         "backend": "inductor" if inductor else "eager"})
 
 
 def build_system(name: str, model: nn.Module, nodes: int, per_node: int, example, accumulate: int) -> System:
-    base, tp = parse_system(name)
-    if per_node % tp:
-        raise ValueError(f"system {name!r}: tp {tp} does not divide the {per_node} ranks of a node")
-    if base in ("fsdp2:full", "fsdp2:hsdp"):
-        return fsdp2(model, nodes, per_node, hybrid=base == "fsdp2:hsdp", tp=tp)
-    if base == "ddp":
-        return ddp(model)
-    return shardc_system(model, base.split(":", 1)[1], example, accumulate, nodes, per_node, tp)
+    n = parse_system(name)
+    if per_node % n.tp:
+        raise ValueError(f"system {name!r}: tp {n.tp} does not divide the {per_node} ranks of a node")
+    if n.base in ("fsdp2:full", "fsdp2:hsdp"):
+        return fsdp2(model, nodes, per_node, hybrid=n.base == "fsdp2:hsdp", tp=n.tp, compiled=n.compile)
+    if n.base == "ddp":
+        return ddp(model, compiled=n.compile)
+    return shardc_system(model, n.base.split(":", 1)[1], example, accumulate, nodes, per_node, n.tp, n.inductor)
 
 
 def tp_plan(block: nn.Module) -> dict[str, str]:

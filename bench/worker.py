@@ -15,6 +15,16 @@ Local rank 0 of every node reads /proc/net/dev of its namespace before and after
 timed steps: tx bytes on v* (what left the node over its shaped NIC(s)) and on lo
 (rank-to-rank traffic inside the node). These are measured on the wire, TCP/IP
 headers included, to check bench/peers.py's formulas and shardc's ledger.
+
+[Note: memory figures]
+Two kinds, per rank: `state_bytes` / `peak_state_bytes` count the model states the system
+holds (params + grads + optimizer states, and FSDP2's unsharded gradients between
+micro-batches), read from the tensors after each backward and after `opt.step()` — not
+activations, not the allocator's view. `peak_rss_bytes` is the process's peak resident
+set (`getrusage(RUSAGE_SELF).ru_maxrss`, read after the timed steps): everything the rank
+ever held, torch and Python included, activations, gloo's buffers, and for the compiled
+systems dynamo/Inductor's compile state (the compile runs in the warm-up step; Inductor's
+compile workers are child processes and not counted). On this CPU both are host memory.
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import sys
 import time
@@ -122,7 +133,7 @@ def main() -> int:
     dist.all_gather_object(gathered, result)
     if rank == 0:
         merged = dict(gathered[0])
-        merged["per_rank"] = [{k: g.get(k) for k in ("state_bytes", "peak_state_bytes", "nic")}
+        merged["per_rank"] = [{k: g.get(k) for k in ("state_bytes", "peak_state_bytes", "peak_rss_bytes", "nic")}
                               for g in gathered]
         _write(args.out, rank, merged)
     dist.barrier()
@@ -149,9 +160,9 @@ def _write(out: str, rank: int, result: dict) -> None:
 
 
 def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
-    times, splits, losses = [], [], []
-    for step in range(args.warmup):       # peak states are measured here too
-        run_step(sys_, model, step, args, rank, peak=True)
+    times, splits, losses, warmup_times = [], [], [], []
+    for step in range(args.warmup):       # peak states are measured here too; compiled systems compile here
+        warmup_times.append(run_step(sys_, model, step, args, rank, peak=True))
         losses.append(sys_.extra["loss"])
         _progress(args, rank, f"warmup {step + 1}/{args.warmup}")
     if sys_.reset_ledger:
@@ -174,13 +185,17 @@ def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
     if sys_.ledger:
         ledger = [dict(phase=r.phase, op=r.op, levels=list(r.levels), bytes=r.bytes,
                        count=r.count) for r in sys_.ledger()]
-    return {**{k: sys_.extra[k] for k in ("mesh", "collectives", "tp", "unit_numels") if k in sys_.extra},
+    return {**{k: sys_.extra[k] for k in ("mesh", "collectives", "tp", "unit_numels", "backend") if k in sys_.extra},
             "losses": losses, "step_times": times, "step_time_s": statistics.median(times),
             # per timed step, seconds of: each micro-batch (forward + backward), opt.step(),
             # zero_grad + the closing barrier
             "splits": splits,
+            "warmup_times": warmup_times,
             "state_bytes": sys_.extra["state_bytes"],
-            "peak_state_bytes": sys_.extra["peak_state_bytes"], "nic": nic, "ledger": ledger,
+            "peak_state_bytes": sys_.extra["peak_state_bytes"],
+            # [Note: memory figures]; Linux reports ru_maxrss in KiB
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "nic": nic, "ledger": ledger,
             "ledger_steps": args.steps}
 
 

@@ -1,5 +1,5 @@
 """bench/results holds the runs the docs cite, under one naming scheme (docs/BENCHMARKS.md,
-"Result files"): every file is named KIND_LINK_MODEL_DATE[_RUN].EXT and cited by a page,
+"Result files"): every file is named KIND[_LINK][_MODEL]_DATE[_RUN].EXT and cited by a page,
 a test or another kept result, and every result the pages cite exists."""
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from tests.bench_modules import load_bench
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 KINDS = ("systems", "collectives", "profile", "predict", "collective-models", "torch-profile", "profile-raw")
+WORLD_1 = ("overhead", "compile-time")                # KINDs of one process: no link, no LINK field
 MODELS = tuple(load_bench("models").PRESETS)          # MODEL: `--model`, one of bench/models.py's presets
-NAME = re.compile(rf"({'|'.join(KINDS)})_(\d+[mg]bit)(_(?:{'|'.join(MODELS)}))?_(\d{{4}}-\d\d-\d\d)(_[a-z0-9-]+)?"
-                  rf"\.(json|md|txt|jsonl\.gz)")
+DATE = r"\d{4}-\d\d-\d\d"
+NAME = re.compile(rf"(?:({'|'.join(KINDS)})_(\d+[mg]bit)(_(?:{'|'.join(MODELS)}))?|({'|'.join(WORLD_1)}))"
+                  rf"_({DATE})(_[a-z0-9-]+)?\.(json|md|txt|jsonl\.gz)")
 PAGES = [ROOT / "docs" / "BENCHMARKS.md", ROOT / "docs" / "explain.md", ROOT / "README.md"]
-CITATION = re.compile(r"[\w{},*-]+_\d+[mg]bit[\w{},*.-]*[\w}*]")
+CITATION = re.compile(rf"(?:[\w{{}},*-]+_\d+[mg]bit|\b(?:{'|'.join(WORLD_1)})_{DATE})[\w{{}},*.-]*[\w}}*]")
 OUTPUTS = ("gpu_trace",)       # written by bench scripts when they run, not shipped
 
 
@@ -57,6 +59,15 @@ def test_every_cited_result_exists():
 def test_the_model_field_names_a_preset():
     assert NAME.fullmatch("systems_250mbit_medium_2026-11-25_tp.json")
     assert not NAME.fullmatch("systems_250mbit_huge_2026-11-25_tp.json")
+
+
+def test_world_1_results_have_no_link():
+    assert NAME.fullmatch("overhead_2026-11-26_whole-step.json")
+    assert NAME.fullmatch("compile-time_2026-11-26_first-step.json")
+    assert not NAME.fullmatch("overhead_250mbit_2026-11-26.json")      # no link at world 1
+    assert not NAME.fullmatch("systems_2026-11-26.json")               # a cluster run names its link
+    assert citations("`bench/results/overhead_2026-11-26_whole-step.json` and compile-time_2026-11-26.json.") == \
+        {"overhead_2026-11-26_whole-step.json", "compile-time_2026-11-26.json"}
 
 
 def test_the_citation_scan_sees_braces_and_globs():

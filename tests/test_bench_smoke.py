@@ -11,7 +11,10 @@ reason anywhere else.
 Without namespaces: the `+tp` systems (bench/systems.py [Note: +tp systems]) run one
 warm-up and one timed step of the tiny model through the worker's own `run_system` on 8
 gloo ranks as (node 2, gpu 2, tp 2): the same losses for FSDP2 and shardc, one batch per
-tp pair, memory per rank and FSDP2's link bytes against formulas written out here.
+tp pair, memory per rank and FSDP2's link bytes against formulas written out here. The
+system names' suffixes parse ([Note: system suffixes]), and the compiled systems
+`fsdp2:full+compile` and `shardc:zero3+inductor` build and train one warm-up and one timed
+step of the tiny model on 2 gloo ranks with the same losses (no timings asserted).
 """
 from __future__ import annotations
 
@@ -224,6 +227,56 @@ def test_tp_systems_train_alike_without_namespaces():
     summary = report.summarize("fsdp2+tp", res, "tiny", 2, 4, 2)
     moved = 4 * (2 * sum(sizes) + 2 * sum(sizes[1:]) + sum(sizes))
     assert summary["level_bytes"]["node"] == pytest.approx(2 / 4 * 3 / 4 * moved)
+
+
+def test_system_names_parse():
+    from systems import SystemName as Name, parse_system as parse      # bench/ is on sys.path
+    assert parse("fsdp2:full") == Name("fsdp2:full")
+    assert parse("fsdp2+tp") == Name("fsdp2:full", tp=2)
+    assert parse("shardc:zero3@ring+tp4") == Name("shardc:zero3@ring", tp=4)
+    assert parse("fsdp2:full+compile") == parse("fsdp2+compile") == Name("fsdp2:full", compile=True)
+    assert parse("fsdp2:hsdp+compile+tp") == parse("fsdp2:hsdp+tp+compile") == Name("fsdp2:hsdp", 2, compile=True)
+    assert parse("ddp+compile") == Name("ddp", compile=True)
+    assert parse("shardc:zero3+inductor") == Name("shardc:zero3", inductor=True)
+    assert parse("shardc:paro_iig@ho-ring+inductor") == Name("shardc:paro_iig@ho-ring", inductor=True)
+    for bad, why in [("shardc:zero3+compile", "whole step with \\+inductor"), ("fsdp2:full+inductor", "a peer takes"),
+                     ("shardc:zero3+inductor+tp", "tensor-parallel"), ("ddp+tp", "fsdp2 or shardc"),
+                     ("shardc:zero3+inductor+inductor", "twice"), ("fsdp2:full+jit", "unknown suffix"),
+                     ("megatron+compile", "unknown system")]:
+        with pytest.raises(ValueError, match=why):
+            parse(bad)
+
+
+COMPILED_SYSTEMS = ("fsdp2:full+compile", "shardc:zero3+inductor")
+
+
+def _run_systems(rank, world, names):
+    import argparse
+
+    from tests.bench_modules import load_bench
+    worker = load_bench("worker")
+    args = argparse.Namespace(model="tiny", nodes=2, per_node=1, accumulate=2, micro_batch=2, steps=1,
+                              warmup=1, profile=None, progress=None)
+    out = {}
+    for name in names:
+        args.system = name
+        out[name] = worker.run_system(args, rank, 0)
+    return out
+
+
+def test_compiled_systems_build_and_train_alike():
+    """One warm-up step (where they compile) and one timed step on node(2) > gpu(1)."""
+    runs = dist_run(2, _run_systems, COMPILED_SYSTEMS)
+    fsdp, sc = (runs[0][n] for n in COMPILED_SYSTEMS)
+    assert sc["backend"] == "inductor"
+    assert len(fsdp["warmup_times"]) == len(sc["warmup_times"]) == 1
+    assert len(fsdp["losses"]) == 2
+    assert fsdp["losses"] == pytest.approx(sc["losses"], rel=1e-4)
+    assert runs[0][COMPILED_SYSTEMS[0]]["losses"] != pytest.approx(runs[1][COMPILED_SYSTEMS[0]]["losses"], rel=1e-3)
+    # both shard every state over the 2 ranks; between micro-batches FSDP2 also holds its
+    # unsharded gradients (gradient sync off), shardc none
+    assert fsdp["state_bytes"] == sc["state_bytes"] == sc["peak_state_bytes"] < fsdp["peak_state_bytes"]
+    assert all(r[n]["peak_rss_bytes"] > 0 for r in runs for n in COMPILED_SYSTEMS)
 
 
 def test_refuses_without_root(monkeypatch):

@@ -300,7 +300,7 @@ def test_gpu_check_without_cuda_says_so(tmp_path):
     import sys
     if torch.cuda.is_available():
         pytest.skip("CUDA is present: bench/gpu_check.py would run the GPU checks (minutes)")
-    for mode in ("step", "parity", "trace"):
+    for mode in ("step", "parity", "trace", "inductor"):
         r = subprocess.run([sys.executable, "bench/gpu_check.py", mode, "--out", str(tmp_path)],
                            capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
