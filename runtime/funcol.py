@@ -9,7 +9,10 @@ here places chunks exactly as it does (its [Note: chunk placement]), so either r
 loads the other's state.
 
 [Note: the same algorithms, as graph ops]
-RING is one functional collective over the group positioned by the chunk order.
+RING is one functional collective over the group positioned by the chunk order. A
+reduce-scatter stage on a gloo group is an `all_to_all_single` and a sum, as in the
+eager runtime (gloo's own reduce-scatter is an all-reduce and a slice: 4/3 of a ring's
+bytes at 4 ranks); the choice is made per group when the comm is built, not traced.
 HIERARCHICAL is one per level, all-gather outermost level first and reduce-scatter
 innermost first, with the same local permutes; HO_RING splits the chunk into
 `HO_PIECES` pieces, each its own chain of per-level collectives, so the graph holds the
@@ -32,14 +35,18 @@ from math import prod
 
 import torch
 import torch.distributed._functional_collectives as fc
+import torch.fx.traceback as fx_traceback
 
 from shardc.dsl.ir import Collectives, DType
 from shardc.lowering import HO_PIECES, Row
 
-from . import quant_ops
+from . import device, quant_ops
 from .collectives import perm, pieces
 from .dtypes import torch_dtype
 from .mesh import ShardMesh
+
+
+AS_TAG = "shardc_as"        # node.meta["custom"][AS_TAG]: the plan op a collective stands for
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -51,11 +58,12 @@ class FunctionalComm:
 
     def __init__(self, smesh: ShardMesh, algo: Collectives, rows=()):
         self.smesh, self.algo = smesh, algo
+        self._native: dict[int, bool] = {}   # a group's reduce-scatter: its own op? (decided untraced)
         for row in rows:                     # every group made now, in the same order on every rank:
             key = smesh.digits(row.levels, row.order)    # a traced graph only looks them up
-            smesh.group(key, key)
-            for lvl in key:
-                smesh.group((lvl,))
+            for pg in (smesh.group(key, key), *(smesh.group((lvl,)) for lvl in key)):
+                if pg is not None:
+                    self._native[id(pg)] = device.native_reduce_scatter(pg, smesh.device_type)
 
     def _key(self, row: Row) -> tuple[tuple[str, ...], Collectives]:
         key = self.smesh.digits(row.levels, row.order)
@@ -120,9 +128,20 @@ class FunctionalComm:
         cdt = torch_dtype(row.comm)
         return self._scatter(inp.to(cdt), key, algo, s).to(inp.dtype)
 
+    def _rs(self, inp: torch.Tensor, pg, s: int) -> torch.Tensor:
+        """One reduce-scatter stage over `pg` (s ranks): the backend's own op, or on gloo
+        all-to-all + sum (collectives.py [Note: reduce-scatter on gloo]), tagged so the
+        record counts it as the reduce-scatter it is (graph_backend.py)."""
+        if self._native[id(pg)]:
+            return _wait(fc.reduce_scatter_single(inp, "sum", 0, pg))
+        with fx_traceback.annotate({AS_TAG: "reduce_scatter"}):
+            recv = _wait(fc.all_to_all_single(inp, None, None, pg))
+        parts = recv.view(s, -1)
+        return parts.float().sum(0).to(inp.dtype) if inp.dtype in (torch.float16, torch.bfloat16) else parts.sum(0)
+
     def _scatter(self, inp: torch.Tensor, key, algo, s: int) -> torch.Tensor:
         if algo is Collectives.RING:
-            return _wait(fc.reduce_scatter_single(inp, "sum", 0, self.smesh.group(key, key)))
+            return self._rs(inp, self.smesh.group(key, key), s)
         m = inp.numel() // s
         names = tuple(reversed(self.smesh.mesh.ordered(key)))        # innermost first
         full = inp.view(*[self._size(n) for n in key], m).permute(perm(key, names))
@@ -131,7 +150,7 @@ class FunctionalComm:
         for lo, hi in pieces(m, k):
             buf = full[..., lo:hi].contiguous().view(-1)
             for lvl in names:
-                buf = _wait(fc.reduce_scatter_single(buf, "sum", 0, self.smesh.group((lvl,))))
+                buf = self._rs(buf, self.smesh.group((lvl,)), self._size(lvl))
             out.append(buf)
         return torch.cat(out)
 
@@ -161,7 +180,7 @@ class FunctionalComm:
         flat = torch.cat([t.reshape(-1), t.new_zeros(-(-n // inner) * inner - n)])
         chunk = flat
         for lvl in reversed(rest):                                   # reduce-scatter, innermost first
-            chunk = _wait(fc.reduce_scatter_single(chunk, "sum", 0, self.smesh.group((lvl,))))
+            chunk = self._rs(chunk, self.smesh.group((lvl,)), self._size(lvl))
         chunk = _wait(fc.all_reduce(chunk, "sum", self.smesh.group((outer,))))
         for lvl in rest:                                             # all-gather, outermost first
             chunk = _wait(fc.all_gather_single(chunk, 0, self.smesh.group((lvl,))))

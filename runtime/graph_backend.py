@@ -29,6 +29,7 @@ from torch._inductor import config as inductor_config
 
 from shardc.lowering import Schedule
 
+from .funcol import AS_TAG
 from .graph_secondary import resolve_secondary
 
 GATHER_TAG = "shardc_gather"          # node.meta["custom"][GATHER_TAG] = the unit the node gathers
@@ -141,7 +142,8 @@ class ScheduledInductor:
         out = CompiledGraph(kind)
         for n in graph.nodes:
             if n.op == "call_function" and n.target in ISSUES:
-                out.collectives.append((ISSUES[n.target], self.levels_of.get(_group(n), ()), _bytes(n), _unit(n)))
+                op = (n.meta.get("custom") or {}).get(AS_TAG, ISSUES[n.target])
+                out.collectives.append((op, self.levels_of.get(_group(n), ()), _bytes(n), _unit(n)))
             elif n.op == "call_function" and n.target in MATMULS:
                 out.collectives.append(("matmul", (), 0, None))
         return out
