@@ -16,8 +16,21 @@ partitioner, right before its backward. `follow_schedule` then moves each gather
 before its compute; backward, the same with the backward stages. A multi-stage
 (hierarchical) gather issues its first stage there; its later stages follow its waits,
 as in the eager runtime. Inductor's own collective passes (reordering, bucketing) stay off
-(`reorder_for_compute_comm_overlap` is False), so these are the only moves, and the
-recorded order is the compiled graphs'.
+(`reorder_for_compute_comm_overlap` is False), so these and the one below are the only
+moves, and the recorded order is the compiled graphs'.
+
+[Note: one reduce-scatter in flight]
+Traced, each unit's gradient reduce-scatter is waited (and its later stages, its sum on
+gloo, its decode) right where it is issued, so the next unit's backward waits for the
+link. `overlap_reduce_scatters` follows the eager runtime's rule instead
+(runtime/engine.py [Note: schedule]: issuing a reduce-scatter waits the previous one):
+the wait of a chain's first stage (and what it feeds, up to its next stage's issue) moves
+to just before the next chain's first issue, so one full-size gradient is in flight while
+the next unit's backward computes; a hierarchical chain's stage j waits j chains later,
+one collective per stage in flight, a pipeline over the levels. Chains are the
+reduce-scatters whose input no other one feeds, in graph order (an HO-Ring piece is its
+own); what several chains feed (the pieces' `cat`) and what runs out of chains goes to
+the graph's end. Only waits and their consumers move, never an issue ahead of its place.
 """
 from __future__ import annotations
 
@@ -94,6 +107,45 @@ def follow_schedule(graph, stages) -> None:
                 after = n
 
 
+_REDUCES = (_C10D.reduce_scatter_tensor.default, _C10D.all_to_all_single.default)
+
+
+def overlap_reduce_scatters(graph) -> None:
+    """[Note: one reduce-scatter in flight] for a backward graph."""
+    reduces = [n for n in graph.nodes if n.op == "call_function" and n.target in _REDUCES]
+    later = set().union(*[_downstream(_waits(r)) for r in reduces]) if reduces else set()
+    starts = [r for r in reduces if r not in later]
+    reach = {s: _downstream([s]) for s in starts}
+    shared = {n for s in starts for n in reach[s] if sum(n in reach[t] for t in starts) > 1}
+    out = next(iter(graph.find_nodes(op="output")))
+    for k, s in enumerate(starts):
+        chain = [r for r in reduces if r in reach[s]]
+        for j, r in enumerate(chain):
+            stop = _downstream(_waits(chain[j + 1])) if j + 1 < len(chain) else set()
+            seg = _downstream(_waits(r)) - stop - shared
+            anchor = starts[k + j + 1] if k + j + 1 < len(starts) else out
+            for n in [n for n in graph.nodes if n in seg]:
+                anchor.prepend(n)
+    for n in [n for n in graph.nodes if n in shared]:
+        out.prepend(n)
+    graph.lint()
+
+
+def _waits(node) -> list:
+    return [u for u in node.users if u.target in WAITS]
+
+
+def _downstream(nodes) -> set:
+    """`nodes` and everything computed from them, but the graph's output."""
+    out, todo = set(), list(nodes)
+    while todo:
+        n = todo.pop()
+        if n.op != "output" and n not in out:
+            out.add(n)
+            todo.extend(n.users)
+    return out
+
+
 def compile_own(fn, backend):
     """`torch.compile(fn)` (a bound method), one graph, static shapes, on a copy of its code:
     dynamo keeps its compiled graphs per code object, so every ShardedModule's graphs are
@@ -109,7 +161,8 @@ def compile_own(fn, backend):
 class CompiledGraph:
     kind: str                                    # "forward" | "backward" (AOTAutograd's halves)
     collectives: list = field(default_factory=list)   # (op, levels, bytes, unit or None), issue order;
-                                                      # ("matmul", (), 0, None) marks the compute between
+                                                      # ("matmul", (), 0, None) marks the compute between,
+                                                      # ("wait", levels, bytes, None) a reduce-scatter's wait
 
 
 class ScheduledInductor:
@@ -133,6 +186,8 @@ class ScheduledInductor:
         stages = self.schedule.backward if backward else self.schedule.forward
         resolve_secondary(gm.graph, backward, self.secondaries, GATHER_TAG)
         follow_schedule(gm.graph, stages)
+        if backward:
+            overlap_reduce_scatters(gm.graph)
         gm.recompile()
         self.graphs.append(self._record("backward" if backward else "forward", gm.graph))
         with inductor_config.patch(reorder_for_compute_comm_overlap=False):
@@ -146,6 +201,9 @@ class ScheduledInductor:
                 out.collectives.append((op, self.levels_of.get(_group(n), ()), _bytes(n), _unit(n)))
             elif n.op == "call_function" and n.target in MATMULS:
                 out.collectives.append(("matmul", (), 0, None))
+            elif n.op == "call_function" and n.target in WAITS and n.args[0].target in _REDUCES:
+                r = n.args[0]
+                out.collectives.append(("wait", self.levels_of.get(_group(r), ()), _bytes(r), None))
         return out
 
 

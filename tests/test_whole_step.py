@@ -14,7 +14,8 @@ the step's sync and update one more.
   every unit's gather; backward: every non-root unit's re-gather, recomputed, and every
   unit's reduce-scatter; the step boundary: the sync and update rows), and they issue the
   gathers where the emitted SCHEDULE says (prefetch 1: unit i+1's gather before unit i's
-  compute, forward and backward).
+  compute, forward and backward), and each unit's reduce-scatter stays in flight over the
+  next unit's backward compute.
 - `no_sync()`, a DCP checkpoint through the README's recipe, the emitted file
   (`shardc compile --inductor`), a Hugging Face GPT-2 (`use_cache=False`, a training
   forward), and each refusal's one sentence.
@@ -211,7 +212,8 @@ def test_the_compiled_graphs_run_the_plan(tmp_path):
         {k: predicted["memory"][k] for k in ("params", "grads", "optim", "total")}
     # each compiled graph holds exactly the plan's rows: the micro-batch's forward every
     # gather, its backward every re-gather and reduce-scatter; the boundary the sync and update
-    coll = [(kind, sorted((op, tuple(lv), b) for op, lv, b, _ in c if op != "matmul")) for kind, c in graphs]
+    coll = [(kind, sorted((op, tuple(lv), b) for op, lv, b, _ in c if op not in ("matmul", "wait")))
+            for kind, c in graphs]
     micro = [c for k, c in coll if c and any(op == "all_gather" for op, _, _ in c)]
     assert sorted(micro[0]) == sorted(rows["forward"])
     assert sorted(micro[1]) == sorted(rows["backward"])
@@ -227,6 +229,14 @@ def test_the_compiled_graphs_run_the_plan(tmp_path):
                 issued = min(i for i, e in enumerate(seq) if e[0] == "all_gather" and e[3] == j)
                 compute = next(i for i in range(own + 1, len(seq)) if seq[i][0] == "matmul")
                 assert own < issued < compute, (kind, st, seq)
+    # ... and keeping one reduce-scatter in flight over the next unit's backward compute
+    # (graph_backend.py [Note: one reduce-scatter in flight]): the first unit's is waited
+    # after the next unit's matmuls, right before the next reduce-scatter is issued
+    seq = next(c for k, c in graphs if k == "backward" and any(e[0] == "all_gather" for e in c))
+    first = next(i for i, e in enumerate(seq) if e[0] == "reduce_scatter")
+    waited = next(i for i, e in enumerate(seq) if e[0] == "wait")
+    second = next(i for i, e in enumerate(seq) if e[0] == "reduce_scatter" and i > first)
+    assert first < waited < second and any(e[0] == "matmul" for e in seq[first:waited]), seq
 
 
 # -- everything else the eager runtime does ---------------------------------------------------
