@@ -170,18 +170,19 @@ def test_removes_namespaces_of_killed_runs():
 TP_SYSTEMS = ("fsdp2+tp", "shardc:zero3+tp", "shardc:paro_iig+tp")
 
 
-def _run_tp_systems(rank, world, names):
-    """Each system's `worker.run_system` on this rank: {name: its result}."""
+def _run_systems(rank, world, names, per_node):
+    """Each system's `worker.run_system` on this rank, one warm-up and one timed step of
+    the tiny model on 2 nodes of `per_node` ranks: {name: its result}."""
     import argparse
 
     from tests.bench_modules import load_bench
     worker = load_bench("worker")
-    args = argparse.Namespace(model="tiny", nodes=2, per_node=4, accumulate=2, micro_batch=2, steps=1,
+    args = argparse.Namespace(model="tiny", nodes=2, per_node=per_node, accumulate=2, micro_batch=2, steps=1,
                               warmup=1, profile=None, progress=None)
     out = {}
     for name in names:
         args.system = name
-        out[name] = worker.run_system(args, rank, rank % 4)
+        out[name] = worker.run_system(args, rank, rank % per_node)
     return out
 
 
@@ -201,7 +202,7 @@ def _tp_local_numels():
 
 def test_tp_systems_train_alike_without_namespaces():
     from tests.bench_modules import load_bench
-    runs = dist_run(8, _run_tp_systems, TP_SYSTEMS)
+    runs = dist_run(8, _run_systems, TP_SYSTEMS, 4)
     sizes = _tp_local_numels()
     # dp 4: every parameter of the tiny model splits into whole rows over 4 ranks here, so a
     # fully sharded rank holds 1/4 of its tp shard's fp32 params, grads, exp_avg, exp_avg_sq
@@ -250,23 +251,9 @@ def test_system_names_parse():
 COMPILED_SYSTEMS = ("fsdp2:full+compile", "shardc:zero3+inductor")
 
 
-def _run_systems(rank, world, names):
-    import argparse
-
-    from tests.bench_modules import load_bench
-    worker = load_bench("worker")
-    args = argparse.Namespace(model="tiny", nodes=2, per_node=1, accumulate=2, micro_batch=2, steps=1,
-                              warmup=1, profile=None, progress=None)
-    out = {}
-    for name in names:
-        args.system = name
-        out[name] = worker.run_system(args, rank, 0)
-    return out
-
-
 def test_compiled_systems_build_and_train_alike():
     """One warm-up step (where they compile) and one timed step on node(2) > gpu(1)."""
-    runs = dist_run(2, _run_systems, COMPILED_SYSTEMS)
+    runs = dist_run(2, _run_systems, COMPILED_SYSTEMS, 1)
     fsdp, sc = (runs[0][n] for n in COMPILED_SYSTEMS)
     assert sc["backend"] == "inductor"
     assert len(fsdp["warmup_times"]) == len(sc["warmup_times"]) == 1
