@@ -27,13 +27,6 @@ timeout the ranks may disagree about which collectives ran, so the pool is kille
 the next call builds a fresh one. At most `MAX_POOLS` pools live at a time (least
 recently used goes first); `shutdown()` (atexit and the session fixture in
 tests/conftest.py) closes them all.
-
-[Note: an Inductor cache per rank]
-The ranks of a job compile the same kernels at the same moment. Each rank gets its own
-Inductor cache directory (`rank<r>` under the usual one), so they never write the same
-cache files at once; a warm cache is as warm as before, since every rank compiled what
-it finds there itself. (Once, in a CI run, a rank of test_torch_compile's pool died
-without a Python error while four ranks compiled into one shared cache; not reproduced.)
 """
 from __future__ import annotations
 
@@ -68,22 +61,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_cache(rank: int) -> str:
-    """[Note: an Inductor cache per rank] this rank's cache directory."""
-    import getpass
-    import tempfile
-    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or \
-        os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
-    return os.path.join(base, f"rank{rank}")
-
-
 def _worker(rank: int, world: int, port: int, conn, path: list[str]) -> None:
     """One rank: join the gloo world, then run jobs until told to stop (None)."""
     sys.path[:0] = [p for p in path if p not in sys.path]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                      TORCHINDUCTOR_CACHE_DIR=_rank_cache(rank))
+                      OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     import datetime
 
     import torch
