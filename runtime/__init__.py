@@ -9,13 +9,16 @@ Modules: layout (parameter slots in a flat buffer; padding and chunks come from
 shardc.lowering), storage (a flat group's stored states: shards, full buffer, grads,
 master), flat_group (the collectives that move them, one plan row each), unit (a unit's
 state), engine (schedule, hooks) and boundary (the step's accumulation state machine),
-optimizer, state (memory report, full state dicts), checkpoint (strategy-independent DCP
-state dicts), buffers (`buffers broadcast|local`), faults (timeouts, failed peers,
+optimizer (any torch optimizer over the module's parameters, adopted through torch's step
+hooks), memory (the memory report), state/ (the model's state as torch's tools see it:
+parameters, state dicts with the model's own hooks, DCP pieces, whole tensors, DTensor
+parameters), buffers (`buffers broadcast|local`), faults (timeouts, failed peers,
 guarded collectives), ledger, comm (the communication interface: plan rows issued on
 mesh/collectives and recorded), dtypes (the DType -> torch.dtype table), device (the
 model's device, the backend per device type, communication streams), compile (what
 torch.compile must run eagerly; compile-then-shard), module (entry point).
-`sm.module` keeps no registered parameters: read values with `full_state_dict()`.
+`sm.module` keeps no registered parameters: `sm.parameters()` are the model's parameters
+(this rank's pieces, runtime/state/params.py); read whole values with `full_state_dict()`.
 """
 from .errors import RuntimeUsageError
 from .ledger import LedgerRecord

@@ -78,6 +78,8 @@ class StepBoundary:
         self._synced: set[int] = set()     # units whose sync this step is already issued
         self._sync_prev: FlatGroup | None = None   # the last unit synced early, not yet advanced
         self._updates: dict = {}           # unit -> its deferred update all-gather (in flight)
+        self.generation = 0                # bumped when the gradients change under a reader (sync, zero)
+        self.backward_listeners: list = [] # called at the end of every backward (the parameters' grads)
 
     def trainable_groups(self) -> list[FlatGroup]:
         return [u.trainable for u in self.units if u.trainable is not None]
@@ -115,6 +117,8 @@ class StepBoundary:
         elif self._sync_due(self.micro):
             self._issue_sync()
             self.clear_workspace()
+        for listener in self.backward_listeners:
+            listener()
 
     def clear_workspace(self) -> None:
         """The step's backwards are over: the reduce workspace holds nothing until the next
@@ -150,6 +154,7 @@ class StepBoundary:
         for g in groups:
             g.sync_wait()
         self.phase = StepPhase.SYNCED
+        self.generation += 1
         self.events.append(("sync_done", -1))
 
     def _fold(self) -> None:
@@ -219,4 +224,5 @@ class StepBoundary:
         self.micro = 0
         self._loop_decides = False
         self._carry.clear()
+        self.generation += 1
         self.phase = StepPhase.FRESH

@@ -2,7 +2,7 @@
 
 Input: the step's trainable flat groups (their OS slices of the synced gradient), the
 plan's clip rows (one all-reduce of the squared norm per distinct OS level set), the
-unit collectives to run them on, and the DTensor parameters (runtime/dtensor_params.py).
+unit collectives to run them on, and the DTensor parameters (runtime/state/dtensor_params.py).
 Output: the total 2-norm, equal to `torch.nn.utils.clip_grad_norm_` on the unsharded model;
 every OS slice scaled by min(1, max_norm / (norm + 1e-6)).
 

@@ -188,7 +188,7 @@ class Engine:
         """Point every module attribute of unit u's parameters at its views of the full buffer."""
         for g, setters, wrappers in zip(u.groups, self._setters[u.index], u.wrappers):
             for view, slot_setters, wrap in zip(g.views(), setters, wrappers):
-                if wrap is not None:               # a DTensor parameter (runtime/dtensor_params.py)
+                if wrap is not None:               # a DTensor parameter (runtime/state/dtensor_params.py)
                     view = wrap(view)
                 for set_, attr in slot_setters:
                     set_(attr, view)

@@ -34,6 +34,8 @@ class GraphBoundary:
         self.no_sync_depth = 0
         self.requires_sync: bool | None = None
         self.events: list = []
+        self.generation = 0                 # as StepBoundary's
+        self.backward_listeners: list = []
         self._sync = compile_own(self._sync_graph, backend)
         self._update = compile_own(self._update_graph, backend)
         groups = self.trainable_groups()
@@ -75,12 +77,15 @@ class GraphBoundary:
     def end_backward(self) -> None:
         self.micro += 1
         self.phase = StepPhase.ACCUMULATING
+        for listener in self.backward_listeners:
+            listener()
 
     def wait_sync(self, what: str) -> None:
         if self.phase is StepPhase.ACCUMULATING:
             self._sync()
             self._record(self.sync_rows)
             self.phase = StepPhase.SYNCED
+            self.generation += 1
 
     def after_step(self) -> None:
         self._update()
@@ -98,4 +103,5 @@ class GraphBoundary:
             g.storage.grad_shard.zero_()
             g.storage.stale = False
         self.micro = 0
+        self.generation += 1
         self.phase = StepPhase.FRESH

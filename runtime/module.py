@@ -27,11 +27,14 @@ from shardc.dsl.ir import Strategy
 from shardc.lowering import Lowering, RankPlan, Schedule, Stage, lower, unit_sizes
 from shardc.units import UnitSpec, canonical_names, local_params, unit_members
 
-from . import buffers, checkpoint, clip, graph_mode, state
+from . import buffers, clip, graph_mode, memory
 from .comm import Comm
 from .compile import compile_like, eager
 from .device import model_device
-from .dtensor_params import check_root_dims, local_tensor, tp_params
+from .state import checkpoint, full
+from .state.dtensor_params import check_root_dims, local_tensor, tp_params
+from .state.hooks import AnyKey, KeyModifiers
+from .state.params import ParamSet
 from .dtypes import torch_dtype
 from .engine import Engine
 from .errors import RuntimeUsageError
@@ -40,7 +43,7 @@ from .flat_group import FlatGroup
 from .layout import build_layout
 from .ledger import Ledger, LedgerRecord
 from .mesh import ShardMesh
-from .optimizer import build_optimizer
+from .optimizer import build_optimizer, install
 from .storage import FlatStorage
 from .unit import UnitState
 from .workspace import Workspace
@@ -117,7 +120,7 @@ class ShardedModule(nn.Module):
         self.comm = Comm(strategy.mesh, strategy.collectives, self.ledger, _shard_mesh(mesh, strategy, self.device))
         self.faults.bind(self.comm.smesh)
         params, self.aliases, targets, self.param_order = _param_maps(model)
-        self.state_keys = tuple(model.state_dict(keep_vars=True))    # torch's keys, before any change
+        self.param_targets = targets                       # canonical -> [(module, attr)]: state dicts
         self.names_of = {c: [n for n in self.param_order if self.aliases[n] == c] for c in params}
         self.frozen = {n for n, p in params.items() if not p.requires_grad}
         self.tp = tp_params(params, strategy.mesh.names)          # DTensor parameters (TP, SP)
@@ -165,7 +168,12 @@ class ShardedModule(nn.Module):
             self._install_hooks()
         self.buffer_sync = buffers.Buffers(model, strategy.buffers, self.faults, self.comm.smesh.dp_group())
         self.buffer_sync.install(self)
-        self.optimizers: list[torch.optim.Optimizer] = []     # built by optimizer(), in order
+        # what sm.parameters() yields, from here on (runtime/state/params.py)
+        canon = list(dict.fromkeys(self.aliases[n] for n in self.param_order))
+        self.params = ParamSet(states, canon, self.tp, self.comm, self.ledger, self.runtime.boundary)
+        self.runtime.boundary.backward_listeners.append(self.params.attach_grads)
+        self._shardc_keys = AnyKey()           # torch's key check walks here (`_fqn_modifiers`)
+        install()
 
     def _wrappers(self, groups) -> list[list]:
         """Per group, per slot: how a view becomes the module's parameter (a DTensor
@@ -250,24 +258,30 @@ class ShardedModule(nn.Module):
 
     # -- optimizer and gradients ----------------------------------------------------
     def optimizer(self, cls, param_groups=None, **kw) -> torch.optim.Optimizer:
-        opt = build_optimizer(self.runtime.boundary, self._trainable_aliases(), self.frozen, cls,
-                              param_groups, **kw)
-        checkpoint.attach_optimizer_hooks(opt, self.runtime.boundary, self.comm.smesh.device_mesh,
-                                          self.tp)
-        self.optimizers.append(opt)
-        return opt
+        """`cls` over this module's trainable parameters (`param_groups` name them); the same
+        as `cls(sm.parameters(), ...)` (runtime/optimizer.py [Note: adoption ...])."""
+        return build_optimizer(self.params, self._trainable_aliases(), self.frozen, cls, param_groups, **kw)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every live optimizer over this module's parameters, in the order they were adopted."""
+        return self.params.live_optimizers()
 
     def _trainable_aliases(self) -> dict[str, str]:
         return {a: c for a, c in self.aliases.items() if c not in self.frozen}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.runtime.boundary.zero_grad()
+        if set_to_none:
+            self.params.clear_grads()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         if norm_type != 2.0:
             raise RuntimeUsageError("clip_grad_norm_ supports only the 2-norm")
         boundary = self.runtime.boundary
         boundary.wait_sync("clip_grad_norm_()")
+        self.params.drop_frozen_grads()
+        self.params.grads_changed()
         return clip.clip_grad_norm_(boundary.trainable_groups(), self.lowering.clip_rows,
                                     self.faults.guard(self.comm, "<all units>"), self.tp, max_norm, self.device)
 
@@ -283,7 +297,7 @@ class ShardedModule(nn.Module):
         self.ledger.reset()
 
     def memory_report(self) -> dict[str, int]:
-        return state.memory_report(self.runtime, self.optimizers[-1] if self.optimizers else None)
+        return memory.memory_report(self.runtime, self.optimizers)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The original model's `state_dict()` keys as full tensors: every parameter (original
@@ -292,7 +306,7 @@ class ShardedModule(nn.Module):
         Collective: every rank must call it (a lone caller gets an error naming it after
         the shardc timeout). With `rank0_only`, ranks other than 0 return {}."""
         self.runtime.boundary.complete_updates()          # deferred update all-gathers (plan pass)
-        return state.full_state_dict(self, rank0_only)
+        return full.full_state_dict(self, rank0_only)
 
     def full_optim_state_dict(self, optimizer, rank0_only: bool = False) -> dict:
         """`optimizer`'s state as torch's layout keyed by parameter names, each state tensor
@@ -300,7 +314,7 @@ class ShardedModule(nn.Module):
 
         Collective, like `full_state_dict`."""
         self.runtime.boundary.complete_updates()
-        return state.full_optim_state_dict(self, optimizer, rank0_only)
+        return full.full_optim_state_dict(self, optimizer, rank0_only)
 
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load full (unsharded) tensors, e.g. from `full_state_dict()`: `load_state_dict`
@@ -309,7 +323,7 @@ class ShardedModule(nn.Module):
 
     def state_dict(self, *args, **kwargs) -> dict:
         """The original model's `state_dict()` keys: each parameter (global, unpadded
-        shape; this rank's piece of it, see runtime/checkpoint.py) and persistent buffer:
+        shape; this rank's piece of it, see runtime/state/checkpoint.py) and persistent buffer:
         what `dcp.save` writes and `get_state_dict(sm, opt)` returns. Local, except under `buffers broadcast` after a
         training forward: then a collective (rank 0's buffers are broadcast first), so call
         it on every rank."""
@@ -321,24 +335,28 @@ class ShardedModule(nn.Module):
         before changing anything. Collective (re-gathers the params shards)."""
         self.runtime.boundary.complete_updates()
         self.faults.enter("load_state_dict()")
-        missing, unexpected = checkpoint.load_model_state_dict(self, state_dict, strict)
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+        return checkpoint.load_model_state_dict(self, state_dict, strict)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        """This rank's optimizer pieces under their original parameter names (empty until
-        `optimizer()` is built): what torch's state-dict helpers map optimizer state by.
-        Padding pieces are named `<padding>:<unit>` and have requires_grad=False."""
-        seen = set()
-        for opt in self.optimizers:
-            for piece, p in zip(opt.shardc_pieces, opt.shardc_params):
-                if remove_duplicate and id(p) in seen:
-                    continue
-                seen.add(id(p))
-                yield prefix + piece.name, p
+        """Every parameter of the model under its original name, from construction on: this
+        rank's piece with the whole tensor's shape and numel, as FSDP2's DTensors
+        (runtime/state/params.py). Tied parameters once, or under every name with
+        `remove_duplicate=False`; frozen ones with requires_grad=False."""
+        for name in self.param_order:
+            canon = self.aliases[name]
+            if remove_duplicate and name != canon:
+                continue
+            yield prefix + name, self.params.params[canon]
+
+    def __deepcopy__(self, memo):
+        raise RuntimeUsageError("a ShardedModule cannot be deep-copied (its parameters are this rank's pieces, "
+                                "as FSDP's are): for an EMA or averaged copy keep tensors of "
+                                "sm.full_state_dict(), or torch.optim.swa_utils with a model loaded from it")
 
     def _fqn_modifiers(self) -> dict[str, str]:
-        """torch.distributed.checkpoint.state_dict: names resolve through `.module`."""
-        return {name: "module" for name, _ in [("", None), *self.module.named_children()]}
+        """torch.distributed.checkpoint.state_dict: keys resolve through `.module`, hook-made
+        ones included (runtime/state/hooks.py `KeyModifiers`)."""
+        return KeyModifiers()
 
 
 def _lowered(lowering: Lowering | None, passes, strategy: Strategy, sizes) -> Lowering:

@@ -1,23 +1,25 @@
-"""Sharded optimizer — stage: runtime.
+"""Optimizers over a sharded model — stage: runtime.
 
-Input: the engine's trainable flat groups, a torch.optim class, per-name param groups.
-Output: a plain `torch.optim.Optimizer` instance over this rank's optimizer shard:
-one parameter per (original trainable parameter ∩ this rank's OS chunk), empty where
-they do not meet, plus one padding piece, each an `nn.Parameter` view of the fp32 master
-whose `.grad` is a view of the grad shard. Step hooks wait for the gradient sync before
-the update and run the update re-gather after it; `zero_grad` zeroes the grad shards in
-place and (set_to_none, the default) detaches the grad views, which the next step
-re-attaches only if a backward ran since (so a step without one moves nothing, as in
-PyTorch). The ShardedModule then attaches the checkpoint hooks (runtime/checkpoint.py)
-that turn `state_dict()` into per-parameter, padding-free entries.
+Input: torch.optim optimizers whose parameters are a ShardedModule's `ShardParam`s
+(runtime/state/params.py): built by `sm.optimizer(cls, param_groups, **kw)` or by the user
+(`torch.optim.AdamW(sm.parameters(), ...)`), the same thing either way.
+Output: the optimizer adopted: its step waits the step's gradient sync first and issues
+the update all-gathers after, its state dict speaks checkpoint pieces
+(runtime/state/checkpoint.py); `build_optimizer` makes the one `sm.optimizer` returns.
 
-[Note: one piece per parameter on every rank]
-Every rank's optimizer has a piece for every trainable parameter (zero elements where
-its OS chunk misses the parameter), in the same order, so `param_groups[i]["params"]`
-names the same parameters on every rank and in every strategy — what torch's
-`get_state_dict`/`set_state_dict` need when rank 0 writes the param groups once.
-Padding pieces have `requires_grad=False`: torch's state-dict helpers skip their state,
-and they never reach a checkpoint.
+[Note: adoption through torch's optimizer hooks]
+A ShardedModule owns no optimizer class: each optimizer over its parameters is a plain
+torch optimizer, adopted through torch's global step hooks
+(`register_optimizer_step_pre_hook` / `_post_hook`, installed once per process). At an
+optimizer's first step (or when `sm.optimizer` builds it) the hook finds which
+ShardedModules own its parameters, refuses an optimizer that is not element-wise over
+sharded optimizer states, and registers the checkpoint hooks on it. Then each step:
+before it, the owners' gradient sync completes and the parameters' gradients become plain
+views (no per-op dispatch in the update); after it, if it consumed shardc's gradients,
+the update all-gathers go out (`StepBoundary.after_step`). A step whose gradients are not
+shardc's (torch's `_init_optim_state` steps once on zero gradients with lr 0 to create the
+state before a checkpoint is read or written) moves no parameter and records nothing.
+Zeroing is torch's own `zero_grad()` (runtime/state/params.py [Note: gradients]).
 
 [Note: element-wise only]
 Sharding optimizer state is exact only for updates that act element by element (each
@@ -27,54 +29,90 @@ is `replicate` (s_OS = 1), where each piece is a whole parameter.
 """
 from __future__ import annotations
 
-import types
-from dataclasses import dataclass
+import weakref
 
 import torch
-from torch import nn
+from torch.optim.optimizer import (_foreach_supported_types, register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
 from shardc.lowering.optimizers import OPTIMIZER_KINDS
 
 from .boundary import StepPhase
 from .errors import RuntimeUsageError
+from .state.checkpoint import attach_optimizer_hooks
+from .state.params import ShardParam
 
 ELEMENTWISE = tuple(getattr(torch.optim, n) for n, k in OPTIMIZER_KINDS.items() if k.elementwise)
+_adopted: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+_installed = False
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
-    name: str          # original parameter FQN, or "<padding>:<unit>"
-    unit: int
-    start: int         # element range in the unit's full flat buffer
-    stop: int
+def install() -> None:
+    """torch's global step hooks (once per process) and ShardParam in the foreach types."""
+    global _installed
+    if _installed:
+        return
+    register_optimizer_step_pre_hook(_pre_step)
+    register_optimizer_step_post_hook(_post_step)
+    if ShardParam not in _foreach_supported_types:
+        _foreach_supported_types.append(ShardParam)       # as DTensor registers itself
+    _installed = True
 
 
-def _pieces(unit: int, st) -> list[tuple[Piece, int, int]]:
-    """(piece, lo, hi) with lo/hi relative to the OS chunk of storage `st`; every slot, then
-    the padding."""
-    a, b = st.os_start, st.os_start + st.os_len
-    out = [(Piece(s.fqn, unit, a + lo, a + hi), lo, hi) for s, lo, hi in st.layout.ranges(a, st.os_len)]
-    lo, hi = max(a, st.layout.phi), b
-    if lo < hi:
-        out.append((Piece(f"<padding>:{unit}", unit, lo, hi), lo - a, hi - a))
-    return out
+def _mine(opt) -> tuple:
+    """(param set, its parameters in this optimizer) per ShardedModule owning any of them."""
+    n = sum(len(g["params"]) for g in opt.param_groups)
+    known = _adopted.get(opt)
+    if known is not None and known[0] == n:
+        return known[1]
+    sets: dict[int, tuple] = {}
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if isinstance(p, ShardParam):
+                sets.setdefault(id(p._shardc_set), (p._shardc_set, []))[1].append(p)
+    owners = tuple((s, tuple(ps)) for s, ps in sets.values())
+    for s, _ in owners:
+        _check_cls(type(opt), s)
+    if owners:
+        attach_optimizer_hooks(opt)
+        for s, _ in owners:
+            if not any(o() is opt for o in s.optimizers):
+                s.optimizers.append(weakref.ref(opt))
+    _adopted[opt] = (n, owners)
+    return owners
 
 
-def _check_cls(cls, boundary) -> None:
+def _pre_step(opt, args, kwargs) -> None:
+    for s, params in _mine(opt):
+        s.boundary.wait_sync("opt.step()")
+        s.settle("opt.step()")
+        s.plain_grads(params)
+
+
+def _post_step(opt, args, kwargs) -> None:
+    for s, params in _mine(opt):
+        consumed = any(s.ours(p) for p in params)
+        s.shard_grads(params)
+        if consumed:
+            s.boundary.after_step()
+        elif s.boundary.phase is StepPhase.STEPPED:
+            pass
+
+
+def _check_cls(cls, pset) -> None:
     if cls in ELEMENTWISE:
         return
-    sharded = any(g.storage.s_os > 1 for g in boundary.trainable_groups())
-    if sharded:
+    if any(g.storage.s_os > 1 for g in pset.boundary.trainable_groups()):
         raise RuntimeUsageError(
             f"{getattr(cls, '__name__', cls)} is not an element-wise optimizer, so it cannot "
             f"run on sharded optimizer states; use one of "
             f"{', '.join(c.__name__ for c in ELEMENTWISE)} or 'optim replicate'")
 
 
-def build_optimizer(boundary, aliases: dict[str, str], frozen: set[str], cls,
+def build_optimizer(pset, aliases: dict[str, str], frozen: set[str], cls,
                     param_groups=None, **kw) -> torch.optim.Optimizer:
-    """The optimizer over this rank's pieces; `boundary` is the engine's StepBoundary."""
-    _check_cls(cls, boundary)
+    """`sm.optimizer`: `cls` over the trainable parameters, `param_groups` naming them
+    (original names, aliases allowed); the rest go in a last group of their own."""
     wanted: dict[str, int] = {}
     for gi, pg in enumerate(param_groups or []):
         if "params" not in pg:
@@ -92,62 +130,12 @@ def build_optimizer(boundary, aliases: dict[str, str], frozen: set[str], cls,
             wanted[canon] = gi
     groups = [dict(pg, params=[]) for pg in (param_groups or [])]
     default = {"params": []}
-    pieces: list[Piece] = []
-    ordered: list[nn.Parameter] = []
-    views: list[tuple] = []             # (storage, lo, hi) per piece: where its grad lives
-    for ui, g in [(u.index, u.trainable.storage) for u in boundary.units if u.trainable is not None]:
-        for piece, lo, hi in _pieces(ui, g):
-            padding = piece.name.startswith("<padding>")
-            p = nn.Parameter(g.master[lo:hi], requires_grad=not padding)
-            target = groups[wanted[piece.name]] if piece.name in wanted else default
-            target["params"].append(p)
-            pieces.append(piece)
-            ordered.append(p)
-            views.append((g, lo, hi))
-    opt = cls(groups + [default], **kw)
-    _attach(opt, boundary, pieces, ordered, views)
+    for name, p in pset.params.items():
+        if name in frozen:
+            continue
+        (groups[wanted[name]] if name in wanted else default)["params"].append(p)
+    opt = cls(groups + ([default] if default["params"] or not groups else []), **kw)
+    install()
+    _mine(opt)
+    pset.owned.append(opt)           # sm.optimizer's: the module keeps it (memory_report counts it)
     return opt
-
-
-def _attach(opt, boundary, pieces, params, views) -> None:
-    # fp32 grad shards: the pieces' grads are views of them, made once
-    fixed = [g.os_grad[lo:hi] if g.gdtype == torch.float32 else None for g, lo, hi in views]
-
-    def attach_grads() -> None:
-        for g in {id(g): g for g, _, _ in views}.values():
-            g.materialize()                    # a zero_grad() not followed by a backward
-        cast = {}
-        for p, grad, (g, lo, hi) in zip(params, fixed, views):
-            if grad is not None:
-                p.grad = grad
-            else:                      # low-precision grad shard: an fp32 copy of the slice
-                if id(g) not in cast:
-                    cast[id(g)] = g.os_grad.float()
-                p.grad = cast[id(g)][lo:hi]
-
-    fresh = [False]
-
-    def pre(optimizer, args, kwargs):
-        boundary.wait_sync("opt.step()")
-        fresh[0] = boundary.phase is StepPhase.FRESH
-        if not fresh[0]:                         # a backward ran since zero_grad()
-            attach_grads()
-
-    def post(optimizer, args, kwargs):
-        if any(p.grad is not None for p in params):
-            boundary.after_step()
-        if fresh[0]:                             # no gradients were consumed: still fresh
-            boundary.phase = StepPhase.FRESH
-
-    def zero_grad(self, set_to_none: bool = True):
-        boundary.zero_grad()
-        for p in params:
-            p.grad = None
-        if not set_to_none:
-            attach_grads()
-
-    opt.register_step_pre_hook(pre)
-    opt.register_step_post_hook(post)
-    opt.zero_grad = types.MethodType(zero_grad, opt)
-    opt.shardc_pieces = pieces
-    opt.shardc_params = params

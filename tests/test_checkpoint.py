@@ -229,7 +229,7 @@ def _bad(rank, world, path):
 
 
 def test_bad_checkpoints_fail_as_torch_does_and_load_nothing(tmp_path):
-    # [Note: the keys are torch's] in runtime/checkpoint.py: what DCP and torch refuse is refused
+    # [Note: the keys are torch's] in runtime/state/checkpoint.py: what DCP and torch refuse is refused
     # with their own error before anything changes; what they load, shardc loads too.
     for out in dist_run(4, _bad, str(tmp_path / "ckpt")):
         # more parameters in the checkpoint than in the model: DCP loads what the model asks for

@@ -4,7 +4,7 @@ Input: a model built on the meta device and the TP degree N. Output: the same mo
 every parameter the plan below splits replaced by its shape on one tp rank, so that
 everything the cost model reads from it — units, bucket sizes, unit sizes, memory per
 rank, bytes per level, the traced FLOPs and activations — is that of the local TP shards,
-as the runtime's are (it shards each DTensor's local shard, runtime/dtensor_params.py).
+as the runtime's are (it shards each DTensor's local shard, runtime/state/dtensor_params.py).
 
 [Note: the plan --tp assumes]
 Every non-root unit's module (a transformer block) splits its attention and MLP over tp:

@@ -1,0 +1,35 @@
+"""Memory report — stage: runtime. What `ShardedModule.memory_report()` measures.
+
+Input: the engine's units (their flat groups' stored tensors) and the optimizers built over
+the module's parameters. Output: bytes per rank by state (`params`, `params_secondary`,
+`grads`, `optim`, `total`), measured from the tensors actually held (docs/internals.md
+"Memory"): the same keys and figures as `shardc explain`.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def memory_report(engine, optimizers) -> dict[str, int]:
+    rep = {"params": 0, "params_secondary": 0, "grads": 0, "optim": 0}
+    for u in engine.units:
+        for st in (g.storage for g in u.groups):
+            rep["params"] += _nbytes(st.shard)
+            rep["params_secondary"] += _nbytes(st.secondary)
+            if st.trainable:
+                rep["grads"] += _nbytes(st.grad_shard)
+                if st.master_separate:
+                    rep["optim"] += _nbytes(st.master)
+    seen = set()
+    for opt in optimizers:
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and id(v) not in seen:
+                    seen.add(id(v))
+                    rep["optim"] += _nbytes(v)
+    rep["total"] = sum(rep.values())
+    return rep

@@ -1,0 +1,257 @@
+"""Checkpoints — stage: runtime (state). Strategy-independent state dicts for DCP.
+
+Input: a `ShardedModule` (its parameters' pieces, its buffers, the original model and its
+state-dict hooks) and the optimizers over its parameters.
+Output: `model_state_dict(sm)` / `load_model_state_dict(sm, sd)` behind
+`sm.state_dict()` / `sm.load_state_dict()`, and the optimizer hooks that make
+`opt.state_dict()` / `opt.load_state_dict()` speak the same language, so torch's own
+`get_state_dict(sm, opt)`, `dcp.save`, `dcp.load`, `set_state_dict(...)` work unchanged.
+
+[Note: the keys are torch's]
+The model state dict is what the original model's `state_dict()` gives, hooks included
+(runtime/state/hooks.py, [Note: torch runs the model's hooks]): every parameter under
+each of its names (a tied parameter's aliases hold the same piece, as torch's hold the
+same tensor), with its global, unpadded shape, and the persistent buffers (non-persistent
+ones, such as a rotary embedding's `inv_freq`, are not state, as in torch), and
+`_extra_state`. Nothing else: no manifest, no key FSDP2 or a plain model would not know.
+Optimizer states go the same way under `state.<name>.<key>` (torch's layout), with torch's
+param groups (no field of shardc's own: DCP refuses a checkpoint that lacks any key the
+loading side's state dict has, so one would stop FSDP2 -> shardc resumes). Missing,
+unexpected and mis-shaped keys are torch's own error (`nn.Module.load_state_dict` runs
+the checks). Padding, unit boundaries, mesh and world size appear nowhere, so any
+strategy loads any other's checkpoint, FSDP2's included. Trainable parameters are saved
+from the fp32 master (this rank's OS chunk), frozen ones from the params shard (its P
+chunk), each as a `ShardcPiece` (runtime/state/pieces.py); an entry a model's hook computes
+(a split, a cast) is a whole tensor, the same on every rank.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RuntimeUsageError
+from . import hooks
+from .params import ShardParam
+from .pieces import gather, local_piece, wrap
+
+OPTIM_CLASS = "shardc_optimizer"    # full_optim_state_dict()'s param-group entry: the optimizer class
+
+
+def _shapes(sm) -> dict[str, tuple]:
+    return {n: p._shardc_spec.global_shape for n, p in sm.params.params.items()}
+
+
+def parameter_values(sm, whole: set[str] | None) -> dict[str, torch.Tensor]:
+    """Each parameter's value for the model's state-dict machinery: the whole tensor for the
+    names in `whole` (None: all; gathered in parameter order, a collective), else this
+    rank's piece (`ShardcPiece`)."""
+    mesh = sm.comm.smesh.device_mesh
+    out = {}
+    for name, p in sm.params.params.items():
+        spec, local = p._shardc_spec, p.to_local()
+        if whole is None or name in whole:
+            out[name] = gather(sm.comm, spec, local)
+        else:
+            out[name] = wrap(local.clone(), spec, mesh, sm.comm)
+    return out
+
+
+# -- model ------------------------------------------------------------------------------
+def model_state_dict(sm) -> dict:
+    """The original model's `state_dict()` (see [Note: the keys are torch's]). Local, except
+    that under `buffers broadcast` rank 0's buffers are broadcast first if a training forward
+    changed them (runtime/buffers.py), and that entries a model's hook computes gather their
+    parameters."""
+    sm.buffer_sync.settle("state_dict()")
+    whole = hooks.whole_needed(sm.module, sm.param_targets, _shapes(sm))
+    return hooks.save(sm.module, sm.param_targets, parameter_values(sm, whole))
+
+
+def load_model_state_dict(sm, sd: dict, strict: bool = True):
+    """torch checks every name and shape and runs the model's load hooks; then masters,
+    shards and buffers are written. Returns torch's `_IncompatibleKeys`. Collective over the
+    OS∖P levels (the params shards are re-gathered from the loaded masters)."""
+    sd = _tied_filled(sm, sd)
+    error = None
+    try:
+        try:
+            params, bufs, result = hooks.load(sm.module, sm.param_targets, _shapes(sm), sd, strict)
+        except RuntimeError as e:
+            _renamed_missing(sm, sd, e)
+            raise
+    except Exception as e:                  # noqa: BLE001 — re-raised below, on every rank
+        error = e
+    _agree(sm, error)
+    staged = []
+    for u in sm.runtime.units:
+        for g in u.groups:
+            src, start = g.storage.checkpoint_chunk()
+            new = src.detach().clone()
+            for s, lo, hi in g.storage.layout.ranges(start, src.numel()):
+                value = params.get(s.fqn)
+                if value is not None and hi > lo:
+                    first = start + lo - s.offset
+                    new[lo:hi].copy_(local_piece(value, s.shape, first, first + hi - lo, repr(s.fqn),
+                                                 sm.tp.get(s.fqn)))
+            staged.append((u.index, g, new))
+    with torch.no_grad():
+        for i, g, new in staged:
+            sm.runtime.release(i)
+            _commit(g, new)
+        for buf, value in bufs:
+            buf.copy_(value)
+    return result
+
+
+def _tied_filled(sm, sd):
+    """A tied parameter given under one of its names is given under all of them (torch's
+    broadcast_from_rank0 keeps one name per parameter object)."""
+    fill = {}
+    for names in sm.names_of.values():
+        given = next((n for n in names if n in sd), None)
+        if given is not None:
+            fill.update({n: sd[given] for n in names if n not in sd})
+    if not fill:
+        return sd
+    out = type(sd)(sd) if isinstance(sd, dict) else dict(sd)
+    out.update(fill)
+    if hasattr(sd, "_metadata"):
+        out._metadata = sd._metadata
+    return out
+
+
+def _agree(sm, error: Exception | None) -> None:
+    """Every rank loads, or none does: a rank's failed checks fail the load everywhere
+    (with `broadcast_from_rank0` only rank 0 holds the dict, so the ranks can disagree)."""
+    group = sm.comm.smesh.dp_group()
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    said = [None] * dist.get_world_size(group)
+    dist.all_gather_object(said, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    if error is not None:
+        raise error
+    bad = next(((r, e) for r, e in enumerate(said) if e is not None), None)
+    if bad is not None:
+        raise RuntimeUsageError(f"load_state_dict failed on rank {bad[0]} of the mesh, so no rank loaded "
+                                f"anything: {' '.join(bad[1].split())}")
+
+
+def _renamed_missing(sm, sd, error: RuntimeError) -> None:
+    """A strict load missing parameters whose own module saves them under other keys (a
+    state-dict hook) and none of those keys: one sentence naming the module. torch's
+    `set_model_state_dict(..., broadcast_from_rank0=True)` gives exactly that: it keeps only
+    entries named like the model's parameters."""
+    if "Missing key(s)" not in str(error):
+        return
+    gone = sorted(n for n in hooks.renamed(sm.module, sm.param_targets, _shapes(sm))
+                  if not any(a in sd for a in sm.names_of[n]))
+    if not gone:
+        return
+    path, mod = hooks.hook_owner(sm.module, gone[0])
+    raise RuntimeUsageError(
+        f"the state dict has no {gone[0]!r}, which {type(mod).__name__} {path!r} saves under other keys "
+        f"through its own state-dict hook, and not those keys either (torch's set_model_state_dict with "
+        f"broadcast_from_rank0=True keeps only entries named like the model's parameters); give every rank "
+        f"the dict (sm.load_full_state_dict) or load through DCP (get_state_dict, dcp.load, set_state_dict)"
+    ) from error
+
+
+def _commit(g, new: torch.Tensor) -> None:
+    """Write a group's loaded chunk; trainable: master, then the params shard as after a
+    step (OS chunk cast into the shard, all-gathered over OS∖P; not recorded in the ledger)."""
+    src, _ = g.storage.checkpoint_chunk()
+    src.copy_(new)
+    if g.trainable:
+        g.update_issue(record=False).wait()
+
+
+# -- optimizer ----------------------------------------------------------------------------
+def _live(opt) -> list:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def attach_optimizer_hooks(opt) -> None:
+    """`opt.state_dict()`: each state tensor of a shardc parameter a piece of the
+    parameter's shape (`ShardcPiece`); `opt.load_state_dict()` takes that, torch's FQN-keyed
+    form from `set_state_dict`, or whole parameter-shaped tensors."""
+    cls = type(opt).__name__
+
+    def save_hook(optimizer, sd):
+        live = _live(optimizer)
+        state = {}
+        for pid, st in sd["state"].items():
+            p = live[pid]
+            state[pid] = {k: _saved(v, p) for k, v in st.items()} if isinstance(p, ShardParam) else st
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    def load_hook(optimizer, sd):
+        return _to_torch_layout(optimizer, sd, cls)
+
+    opt.register_state_dict_post_hook(save_hook)
+    opt.register_load_state_dict_pre_hook(load_hook)
+
+
+def _saved(v, p):
+    """A state value as saved: element-wise state tensors as pieces, the rest copies."""
+    if isinstance(v, torch.Tensor) and v.dim() > 0:
+        s = p._shardc_set
+        return wrap(v.detach().clone(), p._shardc_spec, s.comm.smesh.device_mesh, s.comm)
+    return _copy(v)
+
+
+def _copy(v):
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
+def _name(p) -> str | None:
+    return p._shardc_spec.name if isinstance(p, ShardParam) else None
+
+
+def _loaded(v, p, what: str) -> torch.Tensor:
+    """This rank's elements of a loaded state tensor, with the padding its parameter's
+    tensor carries (zeros: [Note: the padding rides on the last piece])."""
+    spec = p._shardc_spec
+    piece = local_piece(v, spec.shape, spec.lo, spec.hi, what, spec.tp).clone()
+    if spec.pad:
+        piece = torch.cat([piece, piece.new_zeros(spec.pad)])
+    return piece
+
+
+def _to_torch_layout(opt, sd, cls) -> dict:
+    """Validate everything, then give torch's load_state_dict its own pid-keyed layout."""
+    pgs = sd.get("param_groups", [])
+    if len(pgs) != len(opt.param_groups):
+        raise RuntimeUsageError(f"the checkpoint has {len(pgs)} optimizer param groups, this "
+                                f"optimizer {len(opt.param_groups)}")
+    for g in pgs:
+        saved = g.get(OPTIM_CLASS, cls)
+        if saved != cls:
+            raise RuntimeUsageError(f"the checkpoint holds {saved} optimizer state, but this "
+                                    f"optimizer is {cls}; build the same optimizer class to resume")
+    live = _live(opt)
+    by_key = {}
+    for key, st in sd.get("state", {}).items():
+        name = _name(live[key]) if isinstance(key, int) and 0 <= key < len(live) else key
+        by_key[key if name is None else name] = st
+    state = {}
+    for pid, p in enumerate(live):
+        name = _name(p)
+        st = by_key.get(pid if name is None else name)
+        if st is None:
+            if by_key and name is not None and p.requires_grad:
+                raise RuntimeUsageError(f"the checkpoint has no optimizer state for {name!r}")
+            continue
+        if name is None:
+            state[pid] = st
+            continue
+        state[pid] = {k: _loaded(v, p, f"optimizer state {k!r} of {name!r}")
+                      if isinstance(v, torch.Tensor) and v.dim() > 0 else _copy(v) for k, v in st.items()}
+    out_groups, pid = [], 0
+    for g, live_g in zip(pgs, opt.param_groups):
+        n = len(live_g["params"])
+        hyper = {k: v for k, v in g.items() if k not in ("params", OPTIM_CLASS)}
+        out_groups.append(dict(hyper, params=list(range(pid, pid + n))))
+        pid += n
+    return {"state": state, "param_groups": out_groups}

@@ -1,0 +1,425 @@
+"""The module's parameters as torch sees them — stage: runtime (state).
+
+Input: the engine's units (their flat groups' stored tensors), the step boundary, the
+unit collectives and the DTensor (TP) parameters. Output: `ParamSet`, one `ShardParam`
+per original parameter (what `sm.parameters()` / `sm.named_parameters()` yield, from
+construction on), each with its `ShardGrad` after a backward; what torch's own
+optimizers, `clip_grad_norm_` and parameter counting read from them.
+
+[Note: a parameter is this rank's piece, with the whole tensor's metadata]
+FSDP2's parameters are DTensors: their `shape` and `numel()` are the whole tensor's, their
+data the rank's shard. shardc's shard of a parameter is an element range of a unit's flat
+buffer (runtime/state/pieces.py), which no DTensor placement describes, so a `ShardParam`
+is an `nn.Parameter` holding this rank's piece (a view of the fp32 master over the optim
+levels; a frozen parameter's, of the params shard over the params levels) whose
+`shape`, `size()`, `dim()` and `numel()` are the whole parameter's, as a DTensor's are:
+counting parameters, and `p.dim() >= 2` weight-decay splits (nanoGPT), give the unsharded
+model's answers. `to_local()` is the piece, `full_tensor()` the whole tensor (a collective).
+Element-wise arithmetic, which is what torch's optimizers do, runs on the piece. What
+would silently act on the piece as if it were the whole tensor is refused in one sentence
+naming the call: views and reshapes (`parameters_to_vector`), indexing, concatenation,
+and reductions other than norms. Norms (`torch._foreach_norm`, `vector_norm`, `norm`) are
+the whole tensor's: each rank's partial sums are all-reduced over the piece's levels
+(and over tp for a tp-sharded DTensor parameter), recorded in the ledger.
+
+[Note: gradients]
+At the end of every backward each trainable parameter gets its `ShardGrad`: a view of the
+grad shard's optim slice with the same metadata rules, so `clip_grad_norm_(sm.parameters())`
+takes the whole model's norm and scales the slices in place. Any torch call on a
+`ShardGrad` first completes the step's gradient sync (`StepBoundary.wait_sync`), so no
+caller reads a gradient before it is reduced and averaged. A grad shard kept in bf16 is
+read through an fp32 copy of the slice, refreshed when the sync completes. Zeroing is
+torch's: `p.grad = None` (`zero_grad()`, set_to_none) or zeroing the gradient in place
+(`zero_grad(set_to_none=False)`) resets the step (`StepBoundary.zero_grad`); the next
+backward attaches the gradients again. A parameter frozen after sharding
+(`requires_grad_(False)`) gets no gradient, so no optimizer updates it (as with FSDP2).
+"""
+from __future__ import annotations
+
+import math
+from math import prod
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardc.lowering import Op, Phase
+
+from ..boundary import StepPhase
+from ..errors import RuntimeUsageError
+from .pieces import PieceSpec, gather
+
+_T = torch.Tensor
+RESHAPES = {_T.view, _T.view_as, _T.reshape, _T.reshape_as, _T.flatten, _T.unflatten, torch.flatten,
+            torch.reshape, _T.__getitem__, _T.__setitem__, _T.narrow, _T.select, _T.split, _T.chunk,
+            _T.unbind, torch.split, torch.chunk, torch.unbind, _T.t, _T.transpose, _T.permute, _T.movedim,
+            _T.squeeze, _T.unsqueeze, _T.expand, _T.expand_as, _T.repeat, _T.unfold, torch.cat,
+            torch.stack, torch.hstack, torch.vstack, torch.concat, torch.concatenate, torch.t,
+            torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze, torch.narrow, torch.select}
+REDUCTIONS = {_T.sum, torch.sum, _T.mean, torch.mean, _T.max, torch.max, _T.min, torch.min, _T.amax,
+              torch.amax, _T.amin, torch.amin, _T.prod, torch.prod, _T.std, torch.std, _T.var, torch.var,
+              torch.std_mean, torch.var_mean, _T.median, torch.median, _T.argmax, torch.argmax,
+              _T.argmin, torch.argmin, _T.all, torch.all, _T.any, torch.any, _T.count_nonzero,
+              torch.count_nonzero, _T.nansum, torch.nansum, _T.nanmean, torch.nanmean, _T.logsumexp,
+              torch.logsumexp, torch.aminmax, _T.aminmax, _T.topk, torch.topk, _T.sort, torch.sort,
+              _T.kthvalue, torch.kthvalue, _T.cumsum, torch.cumsum, torch.dot, _T.dot, torch.dist,
+              _T.dist, torch.linalg.matrix_norm, torch.linalg.vector_norm, torch.norm, _T.norm,
+              torch.linalg.norm, torch._foreach_norm, torch.unique, _T.unique, torch.equal, _T.equal,
+              torch.allclose, _T.allclose}
+NORMS = {torch.linalg.vector_norm, torch.norm, _T.norm, torch.linalg.norm, torch._foreach_norm}
+ZEROING = {_T.zero_, torch._foreach_zero_}
+_GRAD_SET = _T.grad.__set__            # a method-wrapper: compared with ==
+
+
+class _Whole:
+    """The whole parameter's metadata on a piece (see [Note: a parameter is this rank's piece])."""
+    _shardc_spec: PieceSpec
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._shardc_spec.global_shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    ndimension = dim
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    nelement = numel
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's piece (a plain tensor sharing its storage; without the padding a last
+        piece carries)."""
+        spec = self._shardc_spec
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.detach()[:spec.hi - spec.lo]
+
+    def __repr__(self) -> str:
+        spec = self._shardc_spec
+        return (f"{type(self).__name__}({spec.name!r}, shape={tuple(self.shape)}, "
+                f"this rank's piece: elements [{spec.lo}, {spec.hi}) of {self.numel()})")
+
+    def __deepcopy__(self, memo):
+        raise RuntimeUsageError(f"{self._shardc_spec.name!r} is a shardc parameter (this rank's piece of it), "
+                                f"which cannot be deep-copied; copy values through sm.full_state_dict() or "
+                                f"sm.state_dict(), and shard a copy of the model with shardc.compile")
+
+    @property
+    def _is_whole(self) -> bool:
+        """Every rank's piece is the whole parameter (its levels' factor is 1): so on every
+        rank alike, which decides whether a call is local or a collective."""
+        spec = self._shardc_spec
+        return spec.tp is None and spec.ranks == 1
+
+    @classmethod
+    def _refuse(cls, func, args, kwargs) -> None:
+        if func in NORMS:
+            return
+        what = getattr(func, "__name__", str(func))
+        mine = next(a for a in _flat_args(args, kwargs) if isinstance(a, _Whole))
+        spec = mine._shardc_spec
+        kind = "reduces" if func in REDUCTIONS else "reshapes or indexes"
+        raise RuntimeUsageError(
+            f"{what}() {kind} {spec.name!r}{' (its gradient)' if isinstance(mine, ShardGrad) else ''}, but on a "
+            f"shardc model that tensor is this rank's piece ({spec.hi - spec.lo} of "
+            f"{prod(spec.global_shape)} elements): use its full_tensor() (every rank calls it), "
+            f"sm.full_state_dict(), or sm.clip_grad_norm_() for clipping")
+
+
+def _flat_args(args, kwargs):
+    for a in list(args) + list((kwargs or {}).values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+class ShardParam(_Whole, nn.Parameter):
+    """One parameter of a sharded model: this rank's piece with the whole tensor's metadata."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in RESHAPES or func in REDUCTIONS:
+            if _all_whole(args, kwargs):
+                return _on_whole(func, args, kwargs)
+            cls._refuse(func, args, kwargs)
+            return _set_of(args, kwargs).norms(func, args, kwargs)
+        if getattr(func, "__name__", "") == "__set__" and func == _GRAD_SET and args[1] is None:
+            args[0]._shardc_set.grad_cleared(args[0])
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole parameter (global shape), gathered from every rank. Collective."""
+        return self._shardc_set.whole(self._shardc_spec, self.to_local())
+
+
+class ShardGrad(_Whole, torch.Tensor):
+    """A trainable parameter's gradient: a view of the synced grad shard (see [Note: gradients])."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        owner = _set_of(args, kwargs)
+        if getattr(func, "__name__", "") != "__get__":
+            if func in ZEROING:
+                owner.grads_zeroed()
+            else:
+                owner.settle("reading a gradient")
+        if func in RESHAPES or func in REDUCTIONS:
+            if _all_whole(args, kwargs):
+                return _on_whole(func, args, kwargs)
+            cls._refuse(func, args, kwargs)
+            return owner.norms(func, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def full_tensor(self) -> torch.Tensor:
+        self._shardc_set.settle("reading a gradient")
+        return self._shardc_set.whole(self._shardc_spec, self.to_local())
+
+
+def _all_whole(args, kwargs) -> bool:
+    return all(a._is_whole for a in _flat_args(args, kwargs) if isinstance(a, _Whole))
+
+
+def _on_whole(func, args, kwargs):
+    """A call on pieces that are each the whole parameter (replicated optimizer states):
+    run on the values in their true shape."""
+    def whole(a):
+        if isinstance(a, _Whole):
+            return a.to_local().view(a._shardc_spec.shape)
+        if isinstance(a, (list, tuple)):
+            return type(a)(whole(x) for x in a)
+        return a
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*whole(tuple(args)), **{k: whole(v) for k, v in (kwargs or {}).items()})
+
+
+def _set_of(args, kwargs) -> "ParamSet":
+    return next(a._shardc_set for a in _flat_args(args, kwargs) if isinstance(a, _Whole))
+
+
+def _norm_args(func, args, kwargs) -> tuple[list, float, bool]:
+    """(tensors, p, single) of a norm call, refusing what is not a whole-tensor vector norm."""
+    kw = dict(kwargs or {})
+    if func is torch._foreach_norm:
+        tensors = list(args[0])
+        p = args[1] if len(args) > 1 else kw.get("ord", 2)
+        return tensors, float(p), False
+    names = {torch.linalg.vector_norm: "ord", torch.linalg.norm: "ord"}.get(func, "p")
+    p = args[1] if len(args) > 1 else kw.get(names, None)
+    dim = args[2] if len(args) > 2 else kw.get("dim", None)
+    if dim is not None:
+        raise RuntimeUsageError(f"{func.__name__}(dim=...) on a shardc parameter or gradient reduces rows of "
+                                f"the whole tensor, which this rank does not hold; take the norm of the whole "
+                                f"tensor (no dim), or use full_tensor()")
+    if p is None or p == "fro":
+        p = 2
+    if isinstance(p, str):
+        raise RuntimeUsageError(f"{func.__name__}(p={p!r}) is a matrix norm; on a shardc parameter or "
+                                f"gradient only vector norms of the whole tensor are computed")
+    return [args[0]], float(p), True
+
+
+class ParamSet:
+    """Every parameter of one ShardedModule as a `ShardParam` (see the module notes)."""
+
+    def __init__(self, units, order: list[str], tp: dict, comm, ledger, boundary):
+        self.comm, self.ledger, self.boundary, self.tp = comm, ledger, boundary, tp
+        self.params: dict[str, ShardParam] = {}
+        self.grads: dict[str, tuple] = {}         # name -> (ShardGrad, plain view, storage)
+        found = {}
+        for u in units:
+            for g in u.groups:
+                for spec, local in self._pieces(g.storage):
+                    found[spec.name] = (spec, local, g.storage)
+        for name in order:
+            if name in found and name not in self.params:
+                spec, local, st = found[name]
+                p = ShardParam(local, requires_grad=st.trainable)
+                p._shardc_spec, p._shardc_set = spec, self
+                self.params[name] = p
+                if st.trainable:
+                    self.grads[name] = self._grad_views(spec, st)
+        self.optimizers: list = []                   # weakrefs to adopted optimizers (runtime/optimizer.py)
+        self.owned: list = []                        # those sm.optimizer() built: kept alive, as before
+        self._settled = None                         # the boundary generation the grads were read at
+
+    def _pieces(self, st):
+        """(PieceSpec, local tensor) per parameter of storage `st`: its OS chunk of the
+        master when trainable, its params chunk of the shard when frozen; the chunk's
+        padding rides on the last parameter ([Note: the padding rides on the last piece]
+        in runtime/state/pieces.py)."""
+        plan = st.plan
+        if st.trainable:
+            levels, state, start, length, src = plan.os, "optim", st.os_start, st.os_len, st.master
+        else:
+            levels, state, start, length, src = plan.p, "params", st.p_start, st.p_len, st.shard
+        ranks = plan.s(levels)
+        ranges = st.layout.ranges(start, length)
+        for k, (slot, lo, hi) in enumerate(ranges):
+            a, b = lo, hi
+            if k == len(ranges) - 1:                   # the padding in this chunk, if any
+                a = lo if hi > lo else max(0, min(length, st.layout.phi - start))
+                b = length
+            spec = PieceSpec(slot.fqn, slot.shape, slot.offset, length, levels, plan.order(state),
+                             ranks, start // length if length else 0, self.tp.get(slot.fqn),
+                             pad=(b - a) - (hi - lo))
+            yield spec, src[a:b]
+
+    def _grad_views(self, spec: PieceSpec, st):
+        real = spec.hi - spec.lo
+        lo = spec.offset + spec.lo - st.os_start if real else st.os_len - spec.pad
+        hi = lo + real + spec.pad
+        if st.gdtype == torch.float32:
+            plain = st.grad_shard[st.os_in_g + lo:st.os_in_g + hi]
+        else:                                        # refreshed from the bf16 slice by settle()
+            plain = torch.zeros(hi - lo, dtype=torch.float32, device=st.grad_shard.device)
+        sg = plain.as_subclass(ShardGrad)
+        sg._shardc_spec, sg._shardc_set = spec, self
+        return sg, plain, st, lo, hi
+
+    # -- gradients ---------------------------------------------------------------------------
+    def attach_grads(self) -> None:
+        """End of a backward: every trainable parameter that has none gets its ShardGrad."""
+        for name, p in self.params.items():
+            if name in self.grads and p.requires_grad and _grad(p) is None:
+                _set_grad(p, self.grads[name][0])
+
+    def settle(self, what: str) -> None:
+        """Before a gradient is read: the step's sync completes (waited, averaged); a bf16
+        grad shard's slices are copied into the fp32 gradients."""
+        self.boundary.wait_sync(what)
+        if self._settled == self.boundary.generation:
+            return
+        self._settled = self.boundary.generation
+        for st in {id(st): st for _, _, st, _, _ in self.grads.values()}.values():
+            st.materialize()
+        for _, plain, st, lo, hi in self.grads.values():
+            if st.gdtype != torch.float32 and hi > lo:
+                plain.copy_(st.os_grad[lo:hi])
+
+    def drop_frozen_grads(self) -> None:
+        """Parameters frozen after sharding (`requires_grad_(False)`) get no gradient: their
+        slices of the synced grad shard are zeroed before sm.clip_grad_norm_ reads them."""
+        for name, (_, _, st, lo, hi) in self.grads.items():
+            if not self.params[name].requires_grad and hi > lo:
+                st.os_grad[lo:hi].zero_()
+
+    def grads_changed(self) -> None:
+        """The grad shards were written outside a sync (sm.clip_grad_norm_): re-read them."""
+        self._settled = None
+
+    def live_optimizers(self) -> list:
+        return [o for o in (r() for r in self.optimizers) if o is not None]
+
+    def ours(self, p) -> bool:
+        """Does parameter p hold the gradient shardc gave it (ShardGrad or its plain view)?"""
+        g = _grad(p)
+        entry = self.grads.get(p._shardc_spec.name)
+        return g is not None and entry is not None and (g is entry[0] or g is entry[1])
+
+    def plain_grads(self, params) -> None:
+        """For an optimizer's step: plain views instead of ShardGrads (no per-op dispatch)."""
+        for p in params:
+            entry = self.grads.get(p._shardc_spec.name)
+            if entry is not None and _grad(p) is entry[0]:
+                _set_grad(p, entry[1])
+
+    def shard_grads(self, params) -> None:
+        for p in params:
+            entry = self.grads.get(p._shardc_spec.name)
+            if entry is not None and _grad(p) is entry[1]:
+                _set_grad(p, entry[0])
+
+    def grad_cleared(self, p) -> None:
+        """`p.grad = None` (zero_grad): the step is over; the shards are zeroed lazily."""
+        if p._shardc_spec.name in self.grads:
+            self.grads_zeroed()
+
+    def grads_zeroed(self) -> None:
+        if self.boundary.phase is not StepPhase.FRESH:
+            self.boundary.zero_grad()
+
+    def clear_grads(self) -> None:
+        for p in self.params.values():
+            _set_grad(p, None)
+
+    # -- whole tensors -------------------------------------------------------------------------
+    def whole(self, spec: PieceSpec, local: torch.Tensor) -> torch.Tensor:
+        return gather(self.comm, spec, local)
+
+    def norms(self, func, args, kwargs):
+        """A whole-tensor vector norm of each shardc tensor (see the module notes); plain
+        tensors mixed in keep their own."""
+        tensors, p, single = _norm_args(func, args, kwargs)
+        ours = [i for i, t in enumerate(tensors) if isinstance(t, _Whole)]
+        with torch._C.DisableTorchFunctionSubclass():
+            out = [torch.linalg.vector_norm(t, p) for t in tensors]
+            partial = torch.stack([_partial(tensors[i], p) for i in ours]) if ours else None
+        if partial is not None:
+            self._reduce(partial, [tensors[i]._shardc_spec for i in ours], p)
+            for k, i in enumerate(ours):
+                out[i] = _finish(partial[k], p).to(tensors[i].dtype)
+        return out[0] if single else out
+
+    def _reduce(self, partial: torch.Tensor, specs: list[PieceSpec], p: float) -> None:
+        """Sum (max for p = inf) each entry over its piece's levels, then over tp where the
+        parameter is tp-sharded; recorded as update all-reduces."""
+        op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+        by_levels: dict[tuple, list[int]] = {}
+        for k, s in enumerate(specs):
+            by_levels.setdefault(s.levels, []).append(k)
+        for levels, ks in by_levels.items():
+            group = self.comm.smesh.group(levels)
+            if group is None:
+                continue
+            idx = torch.tensor(ks, device=partial.device)
+            part = partial.index_select(0, idx)
+            dist.all_reduce(part, op=op, group=group)
+            partial.index_copy_(0, idx, part)
+            self.ledger.record(Phase.UPDATE, Op.ALL_REDUCE, levels, part.numel() * part.element_size())
+        sharded = [k for k, s in enumerate(specs) if s.tp is not None and s.tp.sharded]
+        if sharded:
+            idx = torch.tensor(sharded, device=partial.device)
+            part = partial.index_select(0, idx)
+            dist.all_reduce(part, op=op, group=specs[sharded[0]].tp.mesh.get_group())
+            partial.index_copy_(0, idx, part)
+
+
+def _partial(t: torch.Tensor, p: float) -> torch.Tensor:
+    """This rank's share of a p-norm: sum |x|^p (max |x| for p = inf, count for p = 0)."""
+    x = t.detach().float()
+    if math.isinf(p):
+        return x.abs().amax() if x.numel() else torch.zeros((), device=x.device)
+    if p == 0:
+        return (x != 0).sum().float()
+    return x.abs().pow(p).sum()
+
+
+def _finish(total: torch.Tensor, p: float) -> torch.Tensor:
+    if math.isinf(p) or p == 0:
+        return total
+    return total.pow(1.0 / p)
+
+
+def _grad(p):
+    with torch._C.DisableTorchFunctionSubclass():
+        return p.grad
+
+
+def _set_grad(p, g) -> None:
+    with torch._C.DisableTorchFunctionSubclass():
+        p.grad = g
