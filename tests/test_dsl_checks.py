@@ -202,6 +202,20 @@ def test_missing_file_and_bad_types(tmp_path):
         shardc.load_strategy(tmp_path / "bin.shard")
 
 
+@pytest.mark.parametrize("text, word, what", [
+    ("mesh broadcast(2) > gpu(2)\n", "broadcast", "a level name"),
+    ("mesh node(2) > buffers(2)\n", "buffers", "a level name"),
+    (MESH + "params shard over node, world\n", "world", "a level name"),
+    ("strategy mesh\n" + MESH, "mesh", "a strategy name"),
+    (MESH + "units type Block, auto\n", "auto", "a unit type name"),
+])
+def test_a_keyword_as_a_name_is_reserved(text, word, what):
+    (d,) = errors_of(text).errors
+    assert d.message == f"`{word}` is a reserved keyword and cannot be used as {what}"
+    line = text.split("\n")[d.span.line - 1]
+    assert line[d.span.col - 1:].startswith(word) and d.span.end_col - d.span.col == len(word)
+
+
 def test_parse_mesh_text():
     from shardc.dsl import parse_mesh_text
     assert parse_mesh_text("node(2) > gpu(2) > gcd(2)") == Mesh((Level("node", 2), Level("gpu", 2), Level("gcd", 2)))
