@@ -93,7 +93,12 @@ def test_plot_writes_png(tmp_path, capsys):
     assert main(["explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)",
                  "--plot", str(out), "--json"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-    assert json.loads(capsys.readouterr().out)["strategy"] == "paro_iig"
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["strategy"] == "paro_iig"       # stdout stays JSON
+    assert printed.err.strip() == f"wrote the plot to {out}"         # and it says where the plot went
+    assert main(["explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)",
+                 "--plot", str(out)]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"wrote the plot to {out}")
 
 
 def test_bandwidth_profile_drives_the_time(tmp_path, capsys):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 
 from shardc.analysis.costmodel.memory import OPTIMIZERS
 from shardc.cli import predict_args
@@ -82,6 +84,8 @@ def run(args) -> int:
         render(e)
         counted = "6·params·tokens" if graph is None else "FLOPs counted on the traced graph"
         print(f"time model: {bw}; compute {args.tokens} tokens per micro-batch at {flop_rate(rate)} ({counted})")
+    if args.plot:                # after the report; on stderr with --json, which keeps stdout JSON
+        print(f"wrote the plot to {os.path.abspath(args.plot)}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
