@@ -113,16 +113,17 @@ def report(sm, strategy, tokens, seconds, world, losses):
 class Progress:
     """Rank 0's progress: a rich bar on a terminal, one plain line per step otherwise (CI logs)."""
 
-    def __init__(self, total: int, enabled: bool):
+    def __init__(self, total: int, enabled: bool, done: int = 0):
+        """`total` steps of the run, `done` of them before it started (a resumed run)."""
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
-        self.total, self.enabled, self.step = total, enabled, 0
+        self.total, self.enabled, self.step = total, enabled, done
         self.console = Console(stderr=False)
         self.bar = None
         if enabled and self.console.is_terminal:
             self.bar = Bar(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                            TextColumn("loss {task.fields[loss]}"), console=self.console)
-            self.task = self.bar.add_task("train", total=total, loss="-")
+            self.task = self.bar.add_task("train", total=total, completed=done, loss="-")
             self.bar.start()
 
     def update(self, loss: float) -> None:
@@ -256,7 +257,7 @@ def train(args) -> dict:
     opt = sm.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
     M = strategy.accumulate
     first = resume(args.checkpoint_dir, sm, opt)
-    bar, losses = Progress(args.steps - first, rank == 0 and not args.quiet), []
+    bar, losses = Progress(args.steps, rank == 0 and not args.quiet, done=first), []
     t0 = time.perf_counter()
     for step in range(first, args.steps):
         total = torch.zeros((), device=dev)
