@@ -14,7 +14,8 @@ level in the mesh given to the planner (`gpu(2) > lane(4)`). Lins eq. 7 (prefer
 inner levels) is not a filter: the time model already charges the slow outer links.
 Memory = the peak per rank (`costmodel/activations.py`: model states + the transient
 window of gathered units + one micro-batch's activations + framework overhead); a
-candidate fits when that is at most the budget.
+candidate fits when that is at most the budget. The model's traced graph is required:
+a sum without the activations is no peak, and nothing is filtered by one.
 
 [Note: objective]
 `time` (the default) ranks the fitting candidates by predicted step time (ties — equal to
@@ -30,6 +31,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
+from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import STATES, Collectives, DType, GradsSpec, Mesh, OptimSpec, ParamsSpec, Scopes, Strategy
 from shardc.dsl.quantities import duration
 from shardc.dsl.unparse import unparse
@@ -100,7 +102,11 @@ def plan(base: Strategy, units: list[UnitSize], budget: float, *, bandwidth=None
          tokens: int = 4096, flops: float = 150e12, graph=None, checkpoint: bool = False,
          peak_flops: float = 312e12, objective: str = "time", overhead: int | None = None) -> list[Candidate]:
     """All candidates: the fitting ones first, ranked by `objective` ([Note: objective]);
-    then the rest by memory."""
+    then the rest by memory. `graph` (the model's traced `GraphCost`) is required: the
+    budget bounds the peak, and there is no peak without activations."""
+    if graph is None:
+        raise ShardcError("the planner bounds the peak memory per rank, which counts the activations: it needs "
+                          "the model's traced graph (graph=flops.trace(...))")
     out = []
     for sc in enumerate_scopes(base.mesh, dtype):
         s = replace(base, scopes=sc, overrides=(), collectives=Collectives.AUTO)

@@ -258,6 +258,10 @@ def check_example_inputs(model: nn.Module, example_inputs, run: bool = True) -> 
         raise ShardcError(f"the example inputs do not fit {name}: running them " + _located(model, "", e).lstrip()) from None
 
 
+_NEEDS_INPUTS = ("{name} needs example inputs: torch.fx cannot trace it, and capturing it with torch.export runs "
+                 "it on them, so pass example_inputs=(...) to shardc.compile (--example-input to `shardc compile`)")
+
+
 def capture(model: nn.Module, units, example_inputs=None, mode: str = "auto") -> fx.GraphModule:
     """Capture `model` as an fx graph with one region per unit (see the module note)."""
     if mode not in MODES:
@@ -270,8 +274,8 @@ def capture(model: nn.Module, units, example_inputs=None, mode: str = "auto") ->
     try:
         return _capture_fx(model, units)
     except ShardcError as fx_error:
-        if example_inputs is None:
-            raise ShardcError(f"{fx_error} (export capture was not tried: it needs example inputs, --example-input or example_inputs=)") from None
+        if example_inputs is None:     # the fix is the sentence, not fx's reason (Hugging Face: co_varnames)
+            raise ShardcError(_NEEDS_INPUTS.format(name=type(model).__name__)) from None
         try:
             gm = _capture_export(model, units, example_inputs)
         except ShardcError as export_error:

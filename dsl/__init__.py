@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
-from shardc.dsl.diagnostics import Diagnostic, Severity, StrategyError, render_all
+from shardc.dsl.diagnostics import Diagnostic, Severity, StrategyError, render_all, short
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Mesh, MeshDims, Span, Strategy
 from shardc.dsl.unparse import unparse
@@ -18,6 +19,10 @@ from shardc.dsl.unparse import unparse
 __all__ = ["load_strategy", "parse_mesh_text", "unparse", "StrategyError", "Diagnostic", "Severity", "ShardcError"]
 
 MAX_BYTES = 100_000     # a strategy is a dozen lines; refuse megabytes of text
+TEXT_NAME = "unnamed"   # the name of strategy text without a `strategy` line (a keyword would not unparse)
+# The shipped strategies: files of the source tree (examples/ is not package data), named in
+# the error for a strategy given by name; absent from an installed wheel.
+SHIPPED = Path(__file__).resolve().parent.parent / "examples" / "strategies"
 
 
 def load_strategy(path_or_text, world_size: int | None = None, mesh: str | Mesh | MeshDims | None = None) -> Strategy:
@@ -26,7 +31,7 @@ def load_strategy(path_or_text, world_size: int | None = None, mesh: str | Mesh 
     return load_text(text, file, default_name, world_size=world_size, mesh=mesh)
 
 
-def load_text(text: str, file: str = "<string>", default_name: str = "strategy", *,
+def load_text(text: str, file: str = "<string>", default_name: str = TEXT_NAME, *,
               world_size: int | None = None, mesh: str | Mesh | MeshDims | None = None) -> Strategy:
     from shardc.dsl.parser import parse_program
     from shardc.dsl.resolve import MeshOverride, resolve
@@ -99,10 +104,37 @@ def _read(path_or_text) -> tuple[str, str, str]:
             raise ShardcError(f"no such strategy file: {path}") from None
         except OSError as e:
             raise ShardcError(f"cannot read strategy file {path}: {e.strerror or e}") from None
-        return _decode(data, str(path)), str(path), path.stem
+        return _decode(data, str(path)), str(path), name_of_stem(path.stem)
     if not isinstance(path_or_text, str):
         raise ShardcError(f"expected a path or the text of a strategy, got {type(path_or_text).__name__}")
-    return path_or_text, "<string>", "strategy"
+    if len(path_or_text.split()) == 1 and "\n" not in path_or_text:
+        raise ShardcError(_not_a_file(path_or_text.strip()))
+    return path_or_text, "<string>", TEXT_NAME
+
+
+def name_of_stem(stem: str) -> str:
+    """The name of a strategy without a `strategy` line: the file's stem made a name the
+    language accepts (`my-plan` -> `my_plan`, `mesh` -> `mesh_`), so that every loaded
+    strategy unparses (dsl/unparse.py) and reads back the same."""
+    from shardc.dsl.parser import keywords
+    name = re.sub(r"[^A-Za-z0-9_]", "_", stem)
+    if not name or name[0].isdigit():
+        name = "_" + name
+    return name + "_" if name in keywords() else name
+
+
+def _not_a_file(word: str) -> str:
+    """One word, no newline, no such file: a strategy named as if shardc resolved names
+    (`shardc.compile(m, "zero3")`). The shipped strategies are files of the repository's
+    examples/strategies/, not package data, so the message names them."""
+    shipped = sorted(p.stem for p in SHIPPED.glob("*.shard")) if SHIPPED.is_dir() else []
+    if word in shipped:
+        hint = f"the shipped `{word}` is the file {SHIPPED / (word + '.shard')}; pass that path"
+    elif shipped:
+        hint = f"the shipped strategies are files in {SHIPPED} ({', '.join(shipped)}); pass a path"
+    else:
+        hint = "the shipped strategies are files in examples/strategies/ of the shardc repository; pass a path"
+    return f"no strategy file `{short(word)}` (and it is not .shard text): {hint}, or the strategy's text"
 
 
 def _decode(data: bytes, file: str) -> str:

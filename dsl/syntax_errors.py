@@ -24,6 +24,9 @@ STATEMENTS = ("strategy", "mesh", *STATES, "accumulate", "prefetch", "collective
 _NAMES = {"NAME": "a name", "INT": "a number", "STRING": "a quoted string",
           "_NL": "end of line", "$END": "end of file", "STAR": "`*`", "LOCAL": "`local`",
           "WORLD": "`world`", "HO_RING": "`ho-ring`"}
+# What a name stands for, by the statement it is in (a keyword where a name belongs).
+_NAME_OF = {"mesh": "a level name", "strategy": "a strategy name", "units": "a unit type name",
+            **{k: "a level name" for k in STATES}}
 
 
 def describe(e: UnexpectedInput, lines: list[str], file: str, lark) -> Diagnostic:
@@ -96,6 +99,9 @@ def _bad_token(e: UnexpectedToken, lines, file, literals) -> Diagnostic:
         if "_NL" not in expected:
             return error(span, f"expected a statement, found `{text}`{where}",
                          "each line starts with a statement keyword such as `params`")
+    if "NAME" in expected and "_NL" not in expected and raw in _reserved(literals):
+        return error(span, f"`{text}` is a reserved keyword and cannot be used as {_NAME_OF.get(stmt, 'a name')}",
+                     f"rename it, e.g. `{text}_`; keywords are listed in the language reference")
     if text.lower() in STATEMENTS and "_NL" in expected:
         return error(span, f"`{text}` must start its own line",
                      "write one statement per line")
@@ -144,6 +150,11 @@ def _bad_token(e: UnexpectedToken, lines, file, literals) -> Diagnostic:
                      hint or "remove it, or start a new line")
     return error(span, f"unexpected {_found(tok)}",
                  f"expected {_describe_expected(expected, literals)}")
+
+
+def _reserved(literals) -> set[str]:
+    """The grammar's keywords (`mesh`, `broadcast`, `world`, ...): never a name."""
+    return {w for w in literals.values() if w.isidentifier()}
 
 
 def _found(tok) -> str:

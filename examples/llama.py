@@ -47,20 +47,25 @@ def rotary(x, base: float = 10000.0):
 
 
 class Attention(nn.Module):
+    """Multi-head attention as torchtitan's Llama writes it: q, k, v shaped as `n_heads`
+    heads of a fixed `head_dim`, so a tensor-parallel rank holding a block of heads sets
+    `n_heads` to its share (the TP recipe's "adjust attention module to use the local
+    number of heads"; what `explain --tp` assumes, analysis/costmodel/tp.py)."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x):
-        b, t, d = x.shape
-        h = self.n_heads
-        q, k, v = (w(x).view(b, t, h, d // h).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         y = F.scaled_dot_product_attention(rotary(q), rotary(k), v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, d))
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class SwiGLU(nn.Module):

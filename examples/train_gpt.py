@@ -15,7 +15,8 @@ With `--checkpoint-dir DIR` it saves a DCP checkpoint (parameters, optimizer sta
 step) every `--checkpoint-every` steps to DIR/step_NNNNNN and, when started, resumes
 from the latest complete one (the one with DCP's `.metadata`), so under
 `torchrun --max-restarts 1` a job whose rank died continues where it was saved and
-ends with the same parameters as a run that never stopped. `TRAIN_GPT_KILL_AT=RANK:STEP`
+ends with the same parameters as a run that never stopped (the job runs inside
+`shardc.distributed()`, which makes that safe). `TRAIN_GPT_KILL_AT=RANK:STEP`
 SIGKILLs that rank in the middle of that step on the first attempt (a fault-injection
 hook for tests/test_restart.py).
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import os
 import sys
 import time
@@ -113,16 +113,17 @@ def report(sm, strategy, tokens, seconds, world, losses):
 class Progress:
     """Rank 0's progress: a rich bar on a terminal, one plain line per step otherwise (CI logs)."""
 
-    def __init__(self, total: int, enabled: bool):
+    def __init__(self, total: int, enabled: bool, done: int = 0):
+        """`total` steps of the run, `done` of them before it started (a resumed run)."""
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
-        self.total, self.enabled, self.step = total, enabled, 0
+        self.total, self.enabled, self.step = total, enabled, done
         self.console = Console(stderr=False)
         self.bar = None
         if enabled and self.console.is_terminal:
             self.bar = Bar(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                            TextColumn("loss {task.fields[loss]}"), console=self.console)
-            self.task = self.bar.add_task("train", total=total, loss="-")
+            self.task = self.bar.add_task("train", total=total, completed=done, loss="-")
             self.bar.start()
 
     def update(self, loss: float) -> None:
@@ -205,24 +206,6 @@ def data_parallel(args, model, dev):
     return dp, world_mesh[dp.mesh.names], dist.get_rank() // args.tp, world // args.tp
 
 
-def init_process_group(backend: str) -> None:
-    """`dist.init_process_group`, with fresh rendezvous keys after a torchrun restart.
-
-    [Note: restarts and the agent's store]
-    torchrun (c10d rendezvous) keeps one TCPStore across restart rounds and its workers
-    use it unprefixed, so a restarted rank can read a dead peer's address that the
-    previous attempt left there and hang or fail connecting (seen under load). After a
-    restart the workers' keys go under a per-attempt prefix instead."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend)
-        return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"/shardc/attempt_{attempt}", store),
-                            rank=rank, world_size=world)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -233,20 +216,22 @@ def main(argv=None) -> int:
     on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     if on_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    init_process_group("nccl" if on_cuda else "gloo")
-    try:
-        train(args)
-    except shardc.ShardcError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        # The sharded module, its engine and their process-group handles form reference
-        # cycles; collect them while the interpreter is fully alive, so the groups' gloo
-        # threads are joined here and not during interpreter shutdown (seen to abort a
-        # restarted rank at exit, after its training had finished).
-        gc.collect()
-        dist.destroy_process_group()
+    # the process group, made to survive `torchrun --max-restarts` (fresh rendezvous keys
+    # after a restart, torn down in order); under torchrun the process ends with the block
+    with shardc.distributed("nccl" if on_cuda else "gloo"):
+        try:
+            train(args)
+        except shardc.ShardcError as e:
+            if dist.get_rank() == 0:               # every rank has it; the first says it
+                print(error_text(e), file=sys.stderr, flush=True)
+            sys.exit(1)
     return 0
+
+
+def error_text(e: shardc.ShardcError) -> str:
+    """As the CLI prints it: a strategy's diagnostics are rendered already (`error: ...`)."""
+    from shardc.dsl import StrategyError
+    return str(e) if isinstance(e, StrategyError) else f"error: {e}"
 
 
 def train(args) -> dict:
@@ -272,7 +257,7 @@ def train(args) -> dict:
     opt = sm.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
     M = strategy.accumulate
     first = resume(args.checkpoint_dir, sm, opt)
-    bar, losses = Progress(args.steps - first, rank == 0 and not args.quiet), []
+    bar, losses = Progress(args.steps, rank == 0 and not args.quiet, done=first), []
     t0 = time.perf_counter()
     for step in range(first, args.steps):
         total = torch.zeros((), device=dev)
@@ -303,14 +288,4 @@ def train(args) -> dict:
 
 
 if __name__ == "__main__":
-    # [Note: exit without interpreter teardown]
-    # main() has closed everything the run owns: the process groups are destroyed, the
-    # checkpoints and --save-final are written and closed. Interpreter teardown would then
-    # destroy what torch.distributed keeps behind (a restarted attempt's store client and
-    # its threads) in an order that aborted a restarted rank at exit twice ("terminate
-    # called without an active exception", after its training had finished), failing
-    # the job torchrun had just restarted. Flush and leave without it.
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())

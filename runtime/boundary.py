@@ -174,7 +174,8 @@ class StepBoundary:
         self.phase = StepPhase.ACCUMULATING
 
     def _warn(self, what: str) -> None:
-        if not self._warned:
+        import torch.distributed as dist       # once per run: on the job's first rank only
+        if not self._warned and dist.get_rank() == 0:
             self._warned = True
             warnings.warn(f"{what}; the overlap the plan gives that sync is lost (warned once per run)",
                           AccumulationWarning, stacklevel=4)

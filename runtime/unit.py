@@ -2,10 +2,22 @@
 
 Input: the compiler's `UnitSpec`, the unit's flat groups (flat_group.py) and where each of
 its parameters is referenced in the module. Output: `UnitState`, with the engine's
-per-forward flags (running, module calls) and per-backward flag (reduced).
+per-forward flags (running, module calls) and per-backward flag (reduced); and
+`holds_sharded`, whether a module's parameters (or those of a module inside it) were
+taken by a unit.
+
+[Note: sharded modules]
+A unit takes its parameters out of their modules (module.py, [Note: parameters become
+views]), so a module a ShardedModule wraps can never be sharded again: `shardc.compile`
+asks `holds_sharded` and refuses it, a ShardedModule or a module inside one, in one
+sentence. Each UnitState records the (module, attribute) pairs it holds in a weak map (no
+attribute is added to the user's modules); a module counts once an attribute recorded for
+it has really left its `_parameters`, so a ShardedModule that failed before taking them
+leaves its model compilable.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +25,13 @@ import torch
 from shardc.units import UnitSpec
 
 from .flat_group import FlatGroup
+
+_HELD: "weakref.WeakKeyDictionary[torch.nn.Module, set[str]]" = weakref.WeakKeyDictionary()
+
+
+def holds_sharded(module: torch.nn.Module) -> bool:
+    """Whether a unit took the parameters of `module` or of a module inside it ([Note: sharded modules])."""
+    return any(any(a not in m._parameters for a in _HELD.get(m, ())) for m in module.modules())
 
 
 @dataclass
@@ -25,6 +44,12 @@ class UnitState:
     reduced: bool = False
     running: bool = False
     calls: int = 0
+
+    def __post_init__(self) -> None:
+        for slots in self.targets:
+            for pairs in slots:
+                for mod, attr in pairs:
+                    _HELD.setdefault(mod, set()).add(attr)
 
     @property
     def trainable(self) -> FlatGroup | None:

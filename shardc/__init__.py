@@ -1,11 +1,11 @@
 """shardc — a compiler for data-parallel training strategies in PyTorch.
 
-Public API (docs/internals.md): `load_strategy`, `compile`, `ShardcError`. Imports are lazy
-so `import shardc` stays cheap for the CLI.
+Public API (docs/internals.md): `load_strategy`, `compile`, `distributed`, `ShardcError`.
+Imports are lazy so `import shardc` stays cheap for the CLI.
 """
 from shardc.dsl.errors import ShardcError
 
-__all__ = ["ShardcError", "load_strategy", "compile"]
+__all__ = ["ShardcError", "load_strategy", "compile", "distributed"]
 __version__ = "0.1.0"
 
 
@@ -27,3 +27,13 @@ def compile(model, strategy, example_inputs=None, capture="auto", mesh=None, tim
     from shardc.api import compile_model
     return compile_model(model, strategy, example_inputs=example_inputs, capture=capture, mesh=mesh,
                          timeout=timeout, passes=passes, backend=backend)
+
+
+def distributed(backend=None, **init_kwargs):
+    """`with shardc.distributed(): ...` — the block runs on a default process group made so
+    that the job survives `torchrun --max-restarts` (fresh rendezvous keys after a restart;
+    at the end: garbage collected, the group destroyed and, under torchrun, the process
+    ended with the block's exit status, skipping interpreter teardown). An existing default
+    group is used and left alone. See shardc/launch.py."""
+    from shardc.launch import distributed as _distributed
+    return _distributed(backend, **init_kwargs)

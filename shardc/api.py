@@ -17,9 +17,13 @@ from torch import nn
 from shardc.compiler.api import compile_source
 from shardc.dsl.errors import ShardcError
 from shardc.runtime.compile import split_compiled
+from shardc.runtime.unit import holds_sharded
 
-__all__ = ["compile_model", "load_emitted", "NO_PROCESS_GROUP"]
+__all__ = ["compile_model", "load_emitted", "NO_PROCESS_GROUP", "ALREADY_SHARDED"]
 
+ALREADY_SHARDED = ("shardc.compile was given a module that is already sharded (a ShardedModule, or a module "
+                   "inside one, whose parameters shardc has taken): compile the original model once and train "
+                   "the ShardedModule it returns")
 NO_PROCESS_GROUP = ("shardc.compile returns a distributed module, so it runs in one process per rank: "
                     "launch your script with torchrun (e.g. `torchrun --nproc-per-node 4 train.py`) and call "
                     "torch.distributed.init_process_group() before it; `shardc compile ... -o out.py` "
@@ -47,6 +51,8 @@ def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str 
     `passes` names the plan passes to run (None: all, `()`: none); `backend="inductor"` is
     the whole-step compiled mode (docs/compiler.md)."""
     import torch.distributed as dist
+    if isinstance(model, nn.Module) and holds_sharded(model):     # runtime/unit.py [Note: sharded modules]
+        raise ShardcError(ALREADY_SHARDED)
     if not (dist.is_available() and dist.is_initialized()):
         raise ShardcError(NO_PROCESS_GROUP)
     inner, _ = split_compiled(model)      # the compiler sees the module torch.compile wrapped

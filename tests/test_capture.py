@@ -97,8 +97,23 @@ def test_export_failure_is_located_and_auto_reports_it():
         with pytest.raises(ShardcError, match=r"capture export stopped in module 'gate' at .*test_capture\.py:\d+ "
                                               r"\(`if x\.sum\(\) > 0:"):
             capture(m, find_units(m, S), (torch.ones(1, 2),), mode=mode)
-    with pytest.raises(ShardcError, match="export capture was not tried: it needs example inputs"):
+    with pytest.raises(ShardcError, match=r"^Branchy needs example inputs: .* pass example_inputs=\(\.\.\.\)"):
         capture(m, find_units(m, S), None, mode="auto")
+
+
+def test_a_hugging_face_model_without_example_inputs_is_told_to_pass_them():
+    # fx cannot trace transformers 5.x ("ValueError: code: co_varnames is too small"); the
+    # fix comes first and alone: one sentence naming example_inputs=, not fx's reason.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from shardc.compiler.api import compile_source
+    m = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                   bos_token_id=0, eos_token_id=0))
+    with pytest.raises(ShardcError) as e:
+        compile_source(m, "mesh gpu(2)\nparams shard over gpu\ngrads shard over gpu\noptim shard over gpu\n")
+    msg = str(e.value)
+    assert msg.startswith("GPT2LMHeadModel needs example inputs: ") and "pass example_inputs=(...)" in msg
+    assert "co_varnames" not in msg and "\n" not in msg and msg.count(". ") == 0
 
 
 class GatedUnit(Branchy):

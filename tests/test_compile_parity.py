@@ -5,7 +5,8 @@ Parity: W ranks, each on its slice of every micro-batch, with
 (loss/accumulate summed over micro-batches) to float32 rounding (rel 1e-5), after
 several optimizer steps, for AdamW and SGD with momentum. Both routes are checked:
 `shardc.compile(...)` in memory, and a module emitted by codegen imported from a file
-and applied with its `shard_model`.
+and applied with its `shard_model`. Compiling a module that is already sharded is one
+sentence.
 """
 import dataclasses
 import os
@@ -201,3 +202,28 @@ def test_bucketed_unit_is_gathered_once_per_forward():
     expected = sorted([(2624 * 4, 5), (2 * 12608 * 4, 5), (12608 * 4, 5)])
     for _, fwd in results:
         assert fwd == expected
+
+
+def _twice_job(rank, world):
+    from shardc.api import ALREADY_SHARDED
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    sm = shardc.compile(model, os.path.join(STRAT, "zero3.shard"), capture="fx", mesh="gpu(4)")
+    out = {}
+    for label, again in (("sharded", sm), ("wrapped model", model), ("block", model.transformer.h[0]),
+                         ("torch.compile", torch.compile(sm)), ("container", torch.nn.Sequential(sm))):
+        try:
+            shardc.compile(again, os.path.join(STRAT, "zero3.shard"), capture="fx", mesh="gpu(4)")
+            out[label] = "compiled"
+        except shardc.ShardcError as e:
+            out[label] = str(e)
+    return out, ALREADY_SHARDED
+
+
+def test_compiling_a_sharded_module_again_is_one_sentence():
+    # shardc.compile on a ShardedModule, the model it wraps, a block of it, its torch.compile
+    # wrapper or a module holding it: "already sharded", not 600 characters of fx internals
+    # (nor, for the wrapped model, a silent second sharding of meta placeholders).
+    for out, want in dist_run(4, _twice_job):
+        assert "already sharded" in want and "\n" not in want
+        assert out == dict.fromkeys(out, want) and len(out) == 5, out

@@ -174,7 +174,7 @@ def test_units_forms():
 
 
 def test_name_defaults(tmp_path):
-    assert load(MESH).name == "strategy"
+    assert load(MESH).name == "unnamed"        # not `strategy`: a keyword would not unparse
     p = tmp_path / "my_plan.shard"
     p.write_text(MESH)
     assert shardc.load_strategy(p, world_size=8).name == "my_plan"
@@ -200,6 +200,36 @@ def test_missing_file_and_bad_types(tmp_path):
     (tmp_path / "bin.shard").write_bytes(b"mesh gpu(4)\n\xff\xfe\n")
     with pytest.raises(StrategyError, match="not UTF-8"):
         shardc.load_strategy(tmp_path / "bin.shard")
+
+
+@pytest.mark.parametrize("word", ["zero3", "paro_iig", " zero3 ", "nope"])
+def test_a_strategy_named_not_given_as_a_file_is_one_sentence(word):
+    # `shardc.compile(m, "zero3")`: one word, no newline, no such file. shardc resolves no
+    # names (the shipped strategies are files, not package data): one sentence saying so,
+    # naming the file of a shipped name, never "unknown statement `zero3`".
+    with pytest.raises(shardc.ShardcError) as e:
+        shardc.load_strategy(word)
+    msg = str(e.value)
+    assert not isinstance(e.value, StrategyError) and "\n" not in msg
+    assert msg.startswith(f"no strategy file `{word.strip()}` (and it is not .shard text): ")
+    if word.strip() == "nope":
+        assert "zero3, zero_topo, zeropp); pass a path" in msg
+    else:
+        assert f"examples/strategies/{word.strip()}.shard; pass that path" in msg
+
+
+@pytest.mark.parametrize("text, word, what", [
+    ("mesh broadcast(2) > gpu(2)\n", "broadcast", "a level name"),
+    ("mesh node(2) > buffers(2)\n", "buffers", "a level name"),
+    (MESH + "params shard over node, world\n", "world", "a level name"),
+    ("strategy mesh\n" + MESH, "mesh", "a strategy name"),
+    (MESH + "units type Block, auto\n", "auto", "a unit type name"),
+])
+def test_a_keyword_as_a_name_is_reserved(text, word, what):
+    (d,) = errors_of(text).errors
+    assert d.message == f"`{word}` is a reserved keyword and cannot be used as {what}"
+    line = text.split("\n")[d.span.line - 1]
+    assert line[d.span.col - 1:].startswith(word) and d.span.end_col - d.span.col == len(word)
 
 
 def test_parse_mesh_text():

@@ -35,3 +35,13 @@ def test_statement_examples_parse():
     for block in blocks:
         _, diags = parse_program(block, "doc.shard")
         assert diags == [], (block, diags)
+
+
+def test_the_keyword_list_is_the_grammars():
+    # Every word the grammar reserves (its quoted literals: `buffers`, `broadcast`, `ho-ring`, ...)
+    # is in the lexical rules' list, and the list names nothing else.
+    grammar = (regen.ROOT / "grammars" / "shard.lark").read_text()
+    reserved = set(re.findall(r'"([a-z][a-z0-9-]*)"', grammar))
+    listed = re.search(r"^- Keywords are lower case: `([^`]*)`", DOC, re.M).group(1).split()
+    assert len(listed) == len(set(listed))
+    assert set(listed) == reserved, (reserved - set(listed), set(listed) - reserved)

@@ -129,6 +129,19 @@ def test_shipped_example_round_trips(path, monkeypatch):
     assert back.mesh == s.mesh and back.name == path.stem
 
 
+@pytest.mark.parametrize("stem, name", [(None, "unnamed"), ("my-plan", "my_plan"), ("mesh", "mesh_"),
+                                        ("3d", "_3d"), ("broadcast", "broadcast_")])
+def test_a_strategy_without_a_strategy_line_unparses(tmp_path, stem, name):
+    """Its default name (`unnamed` for text, else the file's stem made a name) is never a
+    keyword, so any loaded strategy writes back as text and reads back the same."""
+    text = "mesh node(2) > gpu(2)\nparams shard over gpu\ngrads shard over gpu\noptim shard over world\n"
+    if stem is not None:
+        (tmp_path / f"{stem}.shard").write_text(text)
+    s = load_strategy(text if stem is None else tmp_path / f"{stem}.shard")
+    assert s.name == name
+    assert round_trip(s).name == name
+
+
 STACKED = """\
 strategy stacked
 mesh node(2) > gpu(4)

@@ -93,7 +93,12 @@ def test_plot_writes_png(tmp_path, capsys):
     assert main(["explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)",
                  "--plot", str(out), "--json"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-    assert json.loads(capsys.readouterr().out)["strategy"] == "paro_iig"
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["strategy"] == "paro_iig"       # stdout stays JSON
+    assert printed.err.strip() == f"wrote the plot to {out}"         # and it says where the plot went
+    assert main(["explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)",
+                 "--plot", str(out)]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"wrote the plot to {out}")
 
 
 def test_bandwidth_profile_drives_the_time(tmp_path, capsys):
@@ -148,12 +153,62 @@ def test_slow_rates_print_readably(capsys):
 TINY_NO_GRAPH = ["explain", IIG, "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)", "--no-graph"]
 
 
-def test_without_a_trace_activations_read_as_not_counted(capsys):
-    # No trace, no activations: the peak says so rather than printing "activations 0 B".
+def test_without_a_trace_no_peak_is_printed(capsys):
+    # No trace, no activations, so no peak: a sum that left them out is neither printed
+    # (nor "activations 0 B") nor in the JSON, where the peak and what dominates it are null.
     from shardc.cli import main
     assert main(TINY_NO_GRAPH) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "activations not counted (no trace)" in out and "activations 0 B" not in out
+    assert "peak memory per rank: not estimated, activations not counted (no trace); without them: states " in out
+    assert "activations 0 B" not in out and "dominated by" not in out
+    assert main([*TINY_NO_GRAPH, "--json"]) == 0
+    peak = json.loads(capsys.readouterr().out)["peak"]
+    assert peak["peak"] is None and peak["activations"] is None and peak["dominant"] is None
+    assert peak["states"] > 0
+
+
+def _peak(argv, capsys) -> dict:
+    from shardc.cli import main
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert "cannot trace" not in out.err, out.err
+    return json.loads(out.out)["peak"]
+
+
+@pytest.mark.parametrize("where", [["--world", "64", "--mesh", MESH64], ["--mesh", MESH64]])
+def test_tp_traces_the_cut_llama_and_counts_its_activations(capsys, where):
+    # `--tp 2` on the shipped Llama: the cut divides the attention's `n_heads` (it shapes q,
+    # k, v by a fixed head_dim), so the model traces with split weights: activations are
+    # counted (fewer than without TP: attention and MLP are split, norms and residuals not).
+    argv = ["explain", "examples/strategies/zero3.shard", "--model", "examples/llama.py:llama_7b", *where, "--json"]
+    one, two = _peak(argv, capsys), _peak([*argv, "--tp", "2"], capsys)
+    assert one["activations"] > two["activations"] > one["activations"] / 2
+    assert two["peak"] == sum(two[k] for k in ("states", "gathered", "activations", "overhead"))
+
+
+def test_tp_on_a_model_the_cut_does_not_fit_is_one_sentence(tmp_path, capsys):
+    # An attention that takes its head size from the full width (no `head_dim`, no `-1`)
+    # cannot run with split weights: one sentence, not a peak without activations.
+    from shardc.cli import main
+    (tmp_path / "fullwidth.py").write_text(
+        "import sys\nsys.path.insert(0, %r)\nimport llama\n"
+        "class Attention(llama.Attention):\n"
+        "    def forward(self, x):\n"
+        "        b, t, d = x.shape\n"
+        "        q = self.wq(x).view(b, t, self.n_heads, d // self.n_heads)\n"
+        "        return self.wo(q.reshape(b, t, d))\n"
+        "def build():\n"
+        "    m = llama.Llama(llama.LlamaConfig(dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab=128))\n"
+        "    for layer in m.layers:\n"
+        "        layer.attn.__class__ = Attention\n"
+        "        del layer.attn.head_dim\n"
+        "    return m\n" % os.path.join(ROOT, "examples"))
+    argv = ["explain", IIG, "--model", f"{tmp_path / 'fullwidth.py'}:build", "--mesh", "node(2) > gpu(2)"]
+    assert main([*argv, "--tp", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --tp 2: ") and "does not trace with its attention" in err[0]
+    assert "n_heads" in err[0] and "head_dim" in err[0]
+    assert main(argv) == 0                     # without --tp it traces
 
 
 @pytest.mark.parametrize("flag", [["--link", "node=25"], ["--intra", "5"]])

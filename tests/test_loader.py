@@ -67,3 +67,24 @@ def test_factory_raised(model_file):
 def test_not_a_module(model_file):
     with pytest.raises(ShardcError, match="did not return an nn.Module"):
         build_model(f"{model_file}:wrong")
+
+
+def test_dotted_factory_from_the_working_directory(tmp_path):
+    # `shardc explain ... --model examples.gpt:small` from the repository root: the console
+    # script's sys.path starts with its own directory, not the working directory as with
+    # `python -m`, so the CLI puts the working directory there itself. `-P` runs the CLI
+    # the way the `shardc` script does (nothing prepended to sys.path).
+    import json
+    import os
+    import subprocess
+    import sys
+    (tmp_path / "mymodels").mkdir()
+    (tmp_path / "mymodels" / "net.py").write_text(
+        "from torch import nn\ndef build():\n    return nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8))\n")
+    shard = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "strategies",
+                         "zero3.shard")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    r = subprocess.run([sys.executable, "-P", "-m", "shardc.cli", "explain", shard, "--model", "mymodels.net:build",
+                        "--mesh", "gpu(2)", "--json", "--no-graph"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["params"] == 8 * 4 + 4 * 8 + 8

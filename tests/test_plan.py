@@ -40,16 +40,16 @@ def test_enumeration_count_by_hand():
 def test_best_plan_fits_obeys_rule_and_checks(tmp_path, capsys):
     out = tmp_path / "best.shard"
     # llama_tiny: 10,314 parameters; DDP with AdamW in fp32 holds 16 bytes each = 165,024 bytes,
-    # so a 120,000-byte budget must shard something.
-    budget = 120_000
+    # plus 50,160 bytes of activations at 16 tokens, so a 150,000-byte budget must shard something.
+    budget = 150_000
     rc = run_cmd("plan", ["--model", LLAMA, "--mesh", "node(2) > gpu(2)", "--memory", f"{budget}B",
                           "--micro-batches", "2", "--top", "5", "-o", str(out), "--json",
-                          "--no-graph", "--overhead", "0"])   # model states and gathered units only
+                          "--tokens", "16", "--overhead", "0"])   # model states, gathered units, activations
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["candidates"] == 16 and 0 < doc["fit"] < 16
     best = doc["ranking"][0]
-    assert best["memory"] <= budget
+    assert best["memory"] == best["peak"]["peak"] <= budget and best["peak"]["activations"] == 50_160
     assert set(best["params"]) <= set(best["grads"]) <= set(best["optim"])
     times = [r["step_seconds"] for r in doc["ranking"]]
     assert times == sorted(times)
@@ -63,7 +63,30 @@ def test_best_plan_fits_obeys_rule_and_checks(tmp_path, capsys):
     from shardc.analysis.costmodel.report import explain
     from shardc.cli.loader import load_model_units
     e = explain(s, load_model_units(s, LLAMA), micro_batches=2)
-    assert e.memory["total"] + e.memory["transient"] == best["memory"]
+    assert e.memory["total"] + e.memory["transient"] + best["peak"]["activations"] == best["memory"]
+
+
+def test_plan_never_filters_by_a_peak_without_activations(tmp_path):
+    # --memory bounds the peak, activations included: without them (--no-graph, a model
+    # the meta trace cannot run) there is no peak, and plan says so in one sentence
+    # instead of ranking what fits a sum that left them out.
+    from shardc.dsl.errors import ShardcError
+    argv = ["--mesh", "node(2) > gpu(2)", "--memory", "1GiB"]
+    with pytest.raises(ShardcError, match=r"^--no-graph leaves the activations out, but plan keeps the strategies "
+                                          r"whose peak memory \(activations included\) fits --memory: drop --no-graph$"):
+        run_cmd("plan", ["--model", LLAMA, "--no-graph", *argv])
+    (tmp_path / "branchy.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.e = nn.Embedding(8, 4)\n"
+        "    def forward(self, x):\n        y = self.e(x)\n        return y[y > 0]   # no shape on meta tensors\n"
+        "def build():\n    return M()\n")
+    with pytest.raises(ShardcError) as e:
+        run_cmd("plan", ["--model", f"{tmp_path / 'branchy.py'}:build", *argv])
+    assert " does not trace on the meta device (" in str(e.value) and str(e.value).endswith("fits --memory")
+    from shardc.analysis.planner import plan
+    with pytest.raises(ShardcError, match="needs the model's traced graph"):
+        plan(None, [], 2**30)
 
 
 def test_bf16_plan_writes_loadable_dtypes(tmp_path, capsys):

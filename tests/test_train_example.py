@@ -61,3 +61,42 @@ def test_train_gpt_with_tensor_parallelism():
     assert len(losses) == 6 and all(r["losses"] == losses for r in results)
     assert losses[-1] < losses[0] - 0.3, losses
     assert set(results[0]["comm"]) >= {"gpu", "node"}          # shardc's collectives: the dp levels only
+
+
+def _main(rank, world, argv):
+    """The script's `main(argv)` on the harness's group (shardc.distributed() uses it as is);
+    its exit status and what it printed."""
+    import contextlib
+    import importlib.util
+    import io
+    spec = importlib.util.spec_from_file_location("train_gpt", os.path.join(ROOT, "examples", "train_gpt.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = mod.main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_train_gpt_error_is_printed_once_without_a_doubled_prefix():
+    # A strategy error: every rank has it; the first prints it once, rendered as the CLI
+    # renders it (`error: ...`, not `error: error: ...`), and every rank exits 1.
+    argv = ["--strategy", os.path.join(ROOT, "tests", "corpus", "unknown_statement.shard"), "--mesh", "node(2) > gpu(2)",
+            "--model", "tiny", "--steps", "1", "--quiet"]
+    results = dist_run(4, _main, argv)
+    assert [code for code, _, _ in results] == [1] * 4
+    assert results[0][2].startswith("error: unknown statement `parms`") and "error: error:" not in results[0][2]
+    assert results[0][2].count("error:") == 1 and all(err == "" for _, _, err in results[1:])
+
+
+def test_train_gpt_progress_counts_from_the_resumed_step(tmp_path):
+    # A run of 3 steps saved, then resumed to 5: the progress reads "step 4/5", "step 5/5".
+    argv = ["--strategy", os.path.join(ROOT, "examples", "strategies", "zero3.shard"), "--mesh", "gpu(4)",
+            "--model", "tiny", "--batch", "1", "--capture", "fx", "--checkpoint-dir", str(tmp_path)]
+    assert [r[0] for r in dist_run(4, _main, [*argv, "--steps", "3", "--quiet"])] == [0] * 4
+    code, out, _ = dist_run(4, _main, [*argv, "--steps", "5"])[0]
+    assert code == 0 and "resumed from" in out
+    assert [ln.split(" loss")[0] for ln in out.splitlines() if ln.startswith("step ")] == ["step 4/5", "step 5/5"]

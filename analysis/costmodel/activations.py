@@ -3,7 +3,8 @@
 Input: `predict_memory`'s figures (model states and the transient window of gathered
 units) and a `GraphCost` (saved bytes per unit for one micro-batch, from `flops.trace`).
 Output: `{"states", "gathered", "activations", "overhead", "peak", "dominant"}` in
-bytes per rank; the planner's memory limit applies to "peak".
+bytes per rank; the planner's memory limit applies to "peak". Without a traced graph
+"activations", "peak" and "dominant" are None: there is no peak without activations.
 
 [Note: activation peak]
 Micro-batches run one after the other, so one micro-batch's activations are live at
@@ -35,9 +36,13 @@ def activation_bytes(graph, checkpoint: bool = False) -> int:
 
 
 def peak_memory(memory: dict, graph=None, checkpoint: bool = False, overhead: int = FRAMEWORK_OVERHEAD) -> dict:
-    """The peak per rank and what dominates it; without a graph, activations are 0."""
+    """The peak per rank and what dominates it. Without a graph the activations are unknown,
+    and so are the peak and what dominates it (None): a sum that left them out is no peak,
+    and nothing prints it or filters by it."""
     parts = {"states": int(memory["total"]), "gathered": int(memory["transient"]),
-             "activations": activation_bytes(graph, checkpoint) if graph is not None else 0,
+             "activations": activation_bytes(graph, checkpoint) if graph is not None else None,
              "overhead": int(overhead)}
+    if graph is None:
+        return {**parts, "peak": None, "dominant": None}
     dominant = max(parts, key=parts.get)
     return {**parts, "peak": sum(parts.values()), "dominant": dominant}

@@ -14,8 +14,18 @@ inputs, bias replicated) and the others ColwiseParallel (weight and bias split a
 outputs) — torchtitan's and Megatron's plan, and what `examples/gpt.py`'s
 `tensor_parallel` applies. Embeddings, norms and the head stay replicated. The runtime
 never reads this: it takes the placements of the DTensors it is given. The time model
-counts a rank's FLOPs on its shards (where the model traces with split heads, else
-6·params·tokens over its shards) and no TP collective.
+counts a rank's FLOPs on its shards and no TP collective.
+
+[Note: local head counts]
+A rank of a split attention holds a block of its heads. A model that shapes q, k, v as
+(`n_heads`, `head_dim`) with a fixed `head_dim` (torchtitan's Llama, `examples/llama.py`)
+reads its head counts, which the TP recipe therefore divides ("adjust attention module to
+use the local number of heads"); so does this cut, for every child it splits that has an
+integer `head_dim`: its `HEAD_COUNTS` attributes are divided by tp (one sentence where they
+do not divide). A model that infers the local count (`view(b, t, -1, head_dim)`: Hugging
+Face, `examples/gpt.py`) reads none and traces as it is. A model that reads neither way —
+it takes its head size from the full width — cannot be traced with split weights:
+`explain`/`plan --tp` then refuse in one sentence rather than count no activations.
 """
 from __future__ import annotations
 
@@ -37,7 +47,25 @@ def split_for_tp(model: nn.Module, units, tp: int) -> nn.Module:
                     continue
                 for k, (lname, lin) in enumerate(linears):
                     _split(lin, ".".join(p for p in (mname, cname, lname) if p), k == len(linears) - 1, tp)
+                _local_heads(child, ".".join(p for p in (mname, cname) if p), tp)
     return model
+
+
+# The attributes a split attention's head counts go by (torchtitan, Megatron, Hugging Face).
+HEAD_COUNTS = ("n_heads", "n_kv_heads", "n_head", "num_heads", "num_key_value_heads")
+
+
+def _local_heads(module: nn.Module, fqn: str, tp: int) -> None:
+    """`module`'s head counts made one tp rank's ([Note: local head counts])."""
+    if not isinstance(getattr(module, "head_dim", None), int):
+        return
+    for attr in HEAD_COUNTS:
+        n = getattr(module, attr, None)
+        if not isinstance(n, int) or isinstance(n, bool):
+            continue
+        if n % tp:
+            raise ShardcError(f"--tp {tp}: {fqn}.{attr} is {n}, which does not split evenly over {tp} ranks")
+        setattr(module, attr, n // tp)
 
 
 def _split(lin: nn.Linear, fqn: str, row: bool, tp: int) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 
 from shardc.analysis.costmodel.memory import OPTIMIZERS
 from shardc.cli import predict_args
@@ -79,13 +81,15 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(to_json(e), indent=2))
     else:
-        render(e, traced=graph is not None)
+        render(e)
         counted = "6·params·tokens" if graph is None else "FLOPs counted on the traced graph"
         print(f"time model: {bw}; compute {args.tokens} tokens per micro-batch at {flop_rate(rate)} ({counted})")
+    if args.plot:                # after the report; on stderr with --json, which keeps stdout JSON
+        print(f"wrote the plot to {os.path.abspath(args.plot)}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
-def render(e, traced: bool = True) -> None:
+def render(e) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -124,10 +128,15 @@ def render(e, traced: bool = True) -> None:
               ", ".join(f"{k} {duration(v)}" for k, v in t.comm.items()) + ")")
     r, pk = e.rates, e.peak
     con.print(f"throughput: {_readable(r['tokens_per_s'])} tokens/s per rank, MFU {_readable(100 * r['mfu'])} %")
-    acts = human_bytes(pk['activations']) if traced else "not counted (no trace)"
-    con.print(f"peak memory per rank: {human_bytes(pk['peak'])} = states {human_bytes(pk['states'])} + gathered "
-              f"units {human_bytes(pk['gathered'])} + activations {acts} + overhead "
-              f"{human_bytes(pk['overhead'])}; dominated by {pk['dominant']}")
+    parts = [f"states {human_bytes(pk['states'])}", f"gathered units {human_bytes(pk['gathered'])}",
+             f"overhead {human_bytes(pk['overhead'])}"]
+    if pk["peak"] is None:       # no sum without the activations: it would read as the peak
+        con.print("peak memory per rank: not estimated, activations not counted (no trace); without them: "
+                  + ", ".join(parts), highlight=False)
+    else:
+        parts.insert(2, f"activations {human_bytes(pk['activations'])}")
+        con.print(f"peak memory per rank: {human_bytes(pk['peak'])} = {' + '.join(parts)}; "
+                  f"dominated by {pk['dominant']}")
     for w in s.warnings:
         con.print(w, markup=False, highlight=False)
 

@@ -20,6 +20,10 @@ from shardc.cli.cmd_explain import (
     add_bandwidth_arguments, bandwidth_from_args, flops_from_args,
 )
 
+# why plan needs the traced graph (the activations), in predict_args.graph's errors
+NEED = "plan keeps the strategies whose peak memory (activations included) fits --memory"
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, metavar="PATH:FACTORY", help="model factory, e.g. examples/llama.py:llama_7b")
     predict_args.add_tp_argument(p)
@@ -64,7 +68,8 @@ def run(args) -> int:
     cands = plan(base, units, budget, bandwidth=bw,
                  micro_batches=args.micro_batches, optimizer=args.optimizer, dtype=DType(args.precision),
                  tokens=args.tokens, flops=predict_args.achievable(args, flops_from_args(args, bw)),
-                 graph=predict_args.graph(args, base, args.model, args.precision), checkpoint=args.checkpoint,
+                 graph=predict_args.graph(args, base, args.model, args.precision, need=NEED),
+                 checkpoint=args.checkpoint,
                  peak_flops=predict_args.peak(args), objective=args.objective,
                  overhead=predict_args.overhead(args))
     fit = [c for c in cands if c.fits]

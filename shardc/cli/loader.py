@@ -50,6 +50,12 @@ def _import_file(path: str):
 
 
 def _import_dotted(name: str):
+    """`name` imported as `python -m` would find it: the working directory first on
+    `sys.path` (the `shardc` script's own directory is there instead), so
+    `--model examples.gpt:small` works from the repository root."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:

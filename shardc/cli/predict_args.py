@@ -29,7 +29,8 @@ def add_prediction_arguments(g) -> None:
     g.add_argument("--overhead", metavar="BYTES",
                    help="framework memory per rank counted in the peak (default 2GiB: CUDA context, buffers)")
     g.add_argument("--no-graph", action="store_true",
-                   help="skip tracing the model: compute = 6·params·tokens, activations not counted")
+                   help="skip tracing the model: compute = 6·params·tokens, activations and the peak not counted "
+                        "(explain only: plan bounds the peak)")
 
 
 def add_tp_argument(p) -> None:
@@ -74,10 +75,16 @@ def links(args, fallback, mesh):
     return out
 
 
-def graph(args, strategy, spec: str, dtype: str):
-    """The traced GraphCost of one micro-batch; None with `--no-graph`, or (with a note on
-    stderr) when the model cannot run on meta tensors."""
+def graph(args, strategy, spec: str, dtype: str, *, need: str | None = None):
+    """The traced GraphCost of one micro-batch. Without one (`--no-graph`, or a model the
+    meta trace cannot run) the activations are unknown, so there is no peak: `explain`
+    says so (a note on stderr when the trace failed) and `need` (what requires the peak,
+    for `plan`) makes it one ShardcError sentence. With `--tp` a failed trace is one
+    sentence too: the cut did not fit the model's attention (analysis/costmodel/tp.py,
+    [Note: local head counts])."""
     if args.no_graph:
+        if need:
+            raise ShardcError(f"--no-graph leaves the activations out, but {need}: drop --no-graph")
         return None
     seq = args.seq or args.tokens
     if seq < 1 or args.tokens % seq:
@@ -89,7 +96,15 @@ def graph(args, strategy, spec: str, dtype: str):
     model = meta_model(spec, strategy, args.tp)
     try:
         return trace(model, find_units(model, resolve_bucket(model, strategy)), batch=args.tokens // seq, seq=seq, dtype=dtype)
-    except Exception as e:  # noqa: BLE001 — a model the meta trace cannot run: say so, go on without it
-        print(f"note: cannot trace {spec} on the meta device ({type(e).__name__}: {e}); compute is "
-              f"estimated as 6·params·tokens and activations are not counted", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 — a model the meta trace cannot run: say so
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        if args.tp > 1:
+            raise ShardcError(f"--tp {args.tp}: {spec} does not trace with its attention and MLP split over "
+                              f"{args.tp} ranks ({why}); its attention must read a local head count (`n_heads` "
+                              f"beside a fixed `head_dim`, divided by the cut) or infer it (`view(b, t, -1, "
+                              f"head_dim)`)") from None
+        if need:
+            raise ShardcError(f"{spec} does not trace on the meta device ({why}), but {need}") from None
+        print(f"note: cannot trace {spec} on the meta device ({why}); compute is estimated as 6·params·tokens, "
+              f"activations are not counted and the peak memory is not estimated", file=sys.stderr)
         return None
