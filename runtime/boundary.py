@@ -79,7 +79,8 @@ class StepBoundary:
         self._sync_prev: FlatGroup | None = None   # the last unit synced early, not yet advanced
         self._updates: dict = {}           # unit -> its deferred update all-gather (in flight)
         self.generation = 0                # bumped when the gradients change under a reader (sync, zero)
-        self.backward_listeners: list = [] # called at the end of every backward (the parameters' grads)
+        self.backward_listeners: list = []
+        self.forward_checks: list = []     # called before every forward (the parameters have values) # called at the end of every backward (the parameters' grads)
 
     def trainable_groups(self) -> list[FlatGroup]:
         return [u.trainable for u in self.units if u.trainable is not None]
@@ -90,6 +91,8 @@ class StepBoundary:
 
     # -- the backward's view -----------------------------------------------------------
     def check_forward(self, grad_enabled: bool) -> None:
+        for check in self.forward_checks:
+            check("a forward")
         check_forward(self.phase, grad_enabled)
 
     def begin_backward(self) -> bool:

@@ -36,6 +36,7 @@ class GraphBoundary:
         self.events: list = []
         self.generation = 0                 # as StepBoundary's
         self.backward_listeners: list = []
+        self.forward_checks: list = []     # called before every forward (the parameters have values)
         self._sync = compile_own(self._sync_graph, backend)
         self._update = compile_own(self._update_graph, backend)
         groups = self.trainable_groups()
@@ -72,6 +73,8 @@ class GraphBoundary:
 
     # -- the step ------------------------------------------------------------------------
     def check_forward(self, grad_enabled: bool) -> None:
+        for check in self.forward_checks:
+            check("a forward")
         check_forward(self.phase, grad_enabled)
 
     def end_backward(self) -> None:

@@ -84,6 +84,8 @@ def _mine(opt) -> tuple:
 
 def _pre_step(opt, args, kwargs) -> None:
     for s, params in _mine(opt):
+        if any(s.ours(p) for p in params):        # not torch's state-creating step on zeros
+            s.require("opt.step()")
         s.boundary.wait_sync("opt.step()")
         s.settle("opt.step()")
         s.plain_grads(params)

@@ -1,9 +1,10 @@
 """Flat storage — stage: runtime. The stored states of one flat group (FSDP2's `_fsdp_param.py`).
 
 Input: a `GroupLayout` (parameter offsets in a padded flat buffer), the unit's `RankPlan`
-(`shardc.lowering`: factors and this rank's chunks) and the full initial values (identical
-on every rank).
-Output: `FlatStorage`: the persistent shards (params N/s_P, the optional secondary copy
+(`shardc.lowering`: factors and this rank's chunks) and the device.
+Output: `FlatStorage`: the persistent shards, allocated zero and then given their values by
+the builder (runtime/build.py: `write_param` for one parameter's whole value, `write_chunk`
+for this rank's params chunk), never from an N-element copy of the unit (params N/s_P, the optional secondary copy
 N/s_Q, grads N/s_G, the fp32 master of the OS chunk), the transient full buffer the
 module's parameters are views of while gathered, and the local arithmetic on them. It
 communicates nothing: the collectives that move these tensors are flat_group.py's.
@@ -46,7 +47,7 @@ from .workspace import Workspace
 class FlatStorage:
     """One flat group's tensors (see the module notes); `trainable` groups also hold grads."""
 
-    def __init__(self, layout: GroupLayout, plan: RankPlan, init: torch.Tensor, is_root: bool):
+    def __init__(self, layout: GroupLayout, plan: RankPlan, device: torch.device, is_root: bool):
         self.layout, self.plan, self.is_root = layout, plan, is_root
         sc = plan.scopes
         self.n = layout.n
@@ -58,18 +59,17 @@ class FlatStorage:
         self._sizes = layout.split_sizes                     # made once (see Note)
         self._shapes = tuple(s.shape for s in layout.slots)
         self._stable_views: list[torch.Tensor] | None = None
-        full = torch.empty(self.n, dtype=self.pdtype, device=init.device)
+        full = torch.zeros(self.n, dtype=self.pdtype, device=device)
         self.full = nn.Parameter(full) if self.trainable else full
         self.full_data = self.full.data            # own version counter (see Note)
         if self.s_p == 1:
-            self.full_data.copy_(init)
             self.shard = self.full_data
         else:
-            self.shard = init[self.p_start:self.p_start + self.p_len].to(self.pdtype).clone()
+            self.shard = torch.zeros(self.p_len, dtype=self.pdtype, device=device)
             self.free_full()
-        self._init_secondary(init.device)
+        self._init_secondary(device)
         if self.trainable:
-            self._init_grads(init)
+            self._init_grads(device)
 
     def _init_secondary(self, dev: torch.device) -> None:
         sec = self.plan.scopes.params.secondary
@@ -85,11 +85,11 @@ class FlatStorage:
         else:
             self.secondary = torch.zeros(self.q_len, dtype=self.pdtype, device=dev)
 
-    def _init_grads(self, init: torch.Tensor) -> None:
+    def _init_grads(self, device: torch.device) -> None:
         plan, n = self.plan, self.n
         g_start, g_len = plan.chunk("grads", n)
         self.os_start, self.os_len = plan.chunk("optim", n)
-        self.grad_shard = torch.zeros(g_len, dtype=self.gdtype, device=init.device)
+        self.grad_shard = torch.zeros(g_len, dtype=self.gdtype, device=device)
         self.stale = False                 # zero_grad() ran and no backward wrote the shard yet
         self._gviews = self.plain_views(self.grad_shard) if self.s_g == 1 else None
         self.os_in_g = self.os_start - g_start
@@ -98,8 +98,33 @@ class FlatStorage:
             self.master = self.shard[self.os_in_p:self.os_in_p + self.os_len]
             self.master_separate = False
         else:
-            self.master = init[self.os_start:self.os_start + self.os_len].float().clone()
+            self.master = torch.zeros(self.os_len, dtype=torch.float32, device=device)
             self.master_separate = True
+
+    # -- values (the builder's) ---------------------------------------------------------------
+    def write_param(self, slot, value: torch.Tensor) -> None:
+        """Parameter `slot`'s whole value (any shape of slot.numel elements): the part inside
+        this rank's params chunk into the shard (cast), and into the fp32 master."""
+        value = value.detach().reshape(-1)
+        a, b = max(slot.offset, self.p_start), min(slot.offset + slot.numel, self.p_start + self.p_len)
+        if a < b:
+            self.shard[a - self.p_start:b - self.p_start].copy_(value[a - slot.offset:b - slot.offset])
+            self._master_from_shard(a, b)
+
+    def write_chunk(self, chunk: torch.Tensor) -> None:
+        """This rank's whole params chunk (p_len elements, padding included)."""
+        self.shard.copy_(chunk)
+        self._master_from_shard(self.p_start, self.p_start + self.p_len)
+
+    def _master_from_shard(self, a: int, b: int) -> None:
+        """Elements [a, b) of the flat buffer were written to the shard: the master's part of
+        them follows (as the cast values, so every value source gives the same master)."""
+        if not (self.trainable and self.master_separate):
+            return
+        a, b = max(a, self.os_start), min(b, self.os_start + self.os_len)
+        if a < b:
+            self.master[a - self.os_start:b - self.os_start].copy_(
+                self.shard[a - self.p_start:b - self.p_start])
 
     # -- the full buffer ------------------------------------------------------------------
     def alloc_full(self) -> None:

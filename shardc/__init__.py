@@ -5,7 +5,7 @@ Imports are lazy so `import shardc` stays cheap for the CLI.
 """
 from shardc.dsl.errors import ShardcError
 
-__all__ = ["ShardcError", "load_strategy", "compile", "distributed"]
+__all__ = ["ShardcError", "load_strategy", "compile", "distributed", "buffers_only", "load_safetensors"]
 __version__ = "0.1.0"
 
 
@@ -16,17 +16,41 @@ def load_strategy(path_or_text, world_size=None, mesh=None):
 
 
 def compile(model, strategy, example_inputs=None, capture="auto", mesh=None, timeout=None,  # noqa: A001
-            passes=None, backend="eager"):
+            passes=None, backend="eager", init=None, device=None):
     """Compile `model` under `strategy` into a ShardedModule (run under torchrun).
 
     `timeout` (seconds; default $SHARDC_TIMEOUT or 600) bounds every wait on a peer (see
     docs/checkpoints.md); `passes` names the plan passes to run (None: all, `()`: none;
     see `shardc.lowering.passes`); `backend="inductor"` compiles the whole step (each
     micro-batch's forward and backward one Inductor graph, collectives included, and the
-    step's sync and update one more; docs/compiler.md "The whole-step compiled mode")."""
+    step's sync and update one more; docs/compiler.md "The whole-step compiled mode").
+
+    A model built on the meta device (`with torch.device("meta"): model = ...`) is never
+    built whole: each rank allocates its shards and `init`, called per module in
+    `model.apply`'s order (default: each module's `reset_parameters()`), fills them, giving
+    the values one process's `model.to_empty(...); model.apply(init)` would, whatever the
+    world size (seed with `torch.manual_seed` right before this call); `init=False` leaves
+    them to a load (DCP, `sm.load_state_dict`, `shardc.load_safetensors`). `device`: where the
+    shards live (default: the model's; on meta, the mesh's). See docs/checkpoints.md."""
     from shardc.api import compile_model
     return compile_model(model, strategy, example_inputs=example_inputs, capture=capture, mesh=mesh,
-                         timeout=timeout, passes=passes, backend=backend)
+                         timeout=timeout, passes=passes, backend=backend, init=init, device=device)
+
+
+def buffers_only(fn):
+    """`shardc.compile(meta_model, ..., init=shardc.buffers_only(fn))`: `fn` runs per module
+    with the parameters left without values (a checkpoint loads them next), so only buffers
+    get values (Hugging Face's `model._init_weights` recomputes rotary caches that way)."""
+    from shardc.runtime.state.init import BuffersOnly
+    return BuffersOnly(fn)
+
+
+def load_safetensors(sm, path):
+    """Load a `save_pretrained` directory (or one .safetensors file) straight into the shards
+    of `sm` (a ShardedModule): each rank reads only the slices it keeps, through torch's DCP
+    with its `HuggingFaceStorageReader`. Collective. See docs/checkpoints.md."""
+    from shardc.runtime.state.hf import load_safetensors as _load
+    return _load(sm, path)
 
 
 def distributed(backend=None, **init_kwargs):

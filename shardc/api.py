@@ -45,22 +45,28 @@ def _is_device_mesh(mesh) -> bool:
 
 
 def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str = "auto", mesh=None,
-                  timeout: float | None = None, passes=None, backend: str = "eager"):
+                  timeout: float | None = None, passes=None, backend: str = "eager", init=None, device=None):
     """`shardc.compile`: the same pipeline as `shardc compile`, run in memory. `timeout`
     (seconds) overrides $SHARDC_TIMEOUT for every wait on a peer (runtime/faults.py);
     `passes` names the plan passes to run (None: all, `()`: none); `backend="inductor"` is
-    the whole-step compiled mode (docs/compiler.md)."""
+    the whole-step compiled mode (docs/compiler.md). A model built on the meta device is
+    initialized by `init` from the RNG state as it was when this call began (so
+    `torch.manual_seed(s)` right before it gives the values of one process's
+    `model.apply(init)`), on `device` (runtime/build.py)."""
     import torch.distributed as dist
     if isinstance(model, nn.Module) and holds_sharded(model):     # runtime/unit.py [Note: sharded modules]
         raise ShardcError(ALREADY_SHARDED)
     if not (dist.is_available() and dist.is_initialized()):
         raise ShardcError(NO_PROCESS_GROUP)
+    from shardc.runtime.state.init import rng_state
+    rng = rng_state()                     # what a meta model initializes from (compiling draws nothing)
     inner, _ = split_compiled(model)      # the compiler sees the module torch.compile wrapped
     source, plan = compile_source(inner, strategy, example_inputs, capture, mesh, passes=passes, backend=backend)
     namespace = load_emitted(source, plan.strategy.name)
     # the plan the compiler made, not lowered again
     sm = namespace["shard_model"](model, lowering=plan.lowering, timeout=timeout,
-                                  mesh=mesh if _is_device_mesh(mesh) else None)
+                                  mesh=mesh if _is_device_mesh(mesh) else None, init=init, device=device,
+                                  rng=rng)
     sm.plan = plan
     sm.source = source
     return sm

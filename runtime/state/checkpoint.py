@@ -100,6 +100,7 @@ def load_model_state_dict(sm, sd: dict, strict: bool = True):
             _commit(g, new)
         for buf, value in bufs:
             buf.copy_(value)
+    sm.params.loaded(params)
     return result
 
 

@@ -21,6 +21,7 @@ from .pieces import gather
 
 
 def full_state_dict(sm, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    sm.params.require("full_state_dict()")
     sm.faults.enter("full_state_dict()")
     sm.buffer_sync.settle()
     values = parameter_values(sm, None)                # collective: every rank gathers
@@ -31,6 +32,7 @@ def full_state_dict(sm, rank0_only: bool = False) -> dict[str, torch.Tensor]:
 
 def full_optim_state_dict(sm, opt, rank0_only: bool = False) -> dict:
     """{"state": {name: {key: whole tensor | scalar}}, "param_groups": [... names ...]}."""
+    sm.params.require("full_optim_state_dict()")
     sm.faults.enter("full_optim_state_dict()")
     keep = not rank0_only or dist.get_rank() == 0
     state: dict[str, dict] = {}

@@ -256,6 +256,8 @@ class ParamSet:
         self.optimizers: list = []                   # weakrefs to adopted optimizers (runtime/optimizer.py)
         self.owned: list = []                        # those sm.optimizer() built: kept alive, as before
         self._settled = None                         # the boundary generation the grads were read at
+        self.unset: set[str] = set()                 # parameters without values yet (runtime/build.py)
+        self.unset_buffers: dict = {}                # buffers materialized as NaN, never given a value
 
     def _pieces(self, st):
         """(PieceSpec, local tensor) per parameter of storage `st`: its OS chunk of the
@@ -290,6 +292,30 @@ class ParamSet:
         sg = plain.as_subclass(ShardGrad)
         sg._shardc_spec, sg._shardc_set = spec, self
         return sg, plain, st, lo, hi
+
+    # -- values ------------------------------------------------------------------------------
+    def require(self, what: str) -> None:
+        """`what` needs every parameter's (and buffer's) value: one sentence naming those
+        without one."""
+        if self.unset:
+            names = sorted(self.unset)
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            raise RuntimeUsageError(
+                f"{what} needs the parameters' values, but {names[0]!r}{more} never got one (the model was "
+                f"built on the meta device and neither init nor a load gave it values): pass shardc.compile "
+                f"init=fn, or load a checkpoint (DCP, sm.load_state_dict, shardc.load_safetensors) first")
+        if self.unset_buffers:
+            self.unset_buffers = {n: b for n, b in self.unset_buffers.items() if bool(torch.isnan(b).all())}
+            if self.unset_buffers:
+                name = next(iter(self.unset_buffers))
+                raise RuntimeUsageError(
+                    f"{what} needs the buffers' values, but buffer {name!r} never got one (the model was built "
+                    f"on the meta device, a load does not cover a non-persistent buffer, and no init set it): "
+                    f"pass shardc.compile init=fn, or init=shardc.buffers_only(fn) to set buffers only "
+                    f"(Hugging Face: model._init_weights)")
+
+    def loaded(self, names) -> None:
+        self.unset -= set(names)
 
     # -- gradients ---------------------------------------------------------------------------
     def attach_grads(self) -> None:

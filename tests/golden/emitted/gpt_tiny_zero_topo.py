@@ -191,7 +191,8 @@ def check_structure(model):
         raise ShardcError(f"shard_model: parameter {got[len(PARAMS)][0]} is not in the compiled model")
 
 
-def shard_model(model, mesh=None, schedule=SCHEDULE, timeout=None, lowering=None):
+def shard_model(model, mesh=None, schedule=SCHEDULE, timeout=None, lowering=None, init=None, device=None,
+                rng=None):
     """Shard `model` (the compiled structure) over the mesh; needs the default process group.
 
     `mesh`: a DeviceMesh whose dims are STRATEGY's mesh levels (the world's, or a sub-mesh
@@ -200,11 +201,14 @@ def shard_model(model, mesh=None, schedule=SCHEDULE, timeout=None, lowering=None
     on a peer (default: $SHARDC_TIMEOUT or 600); `lowering`: the plan of UNITS as the
     compiler lowered it (shardc.compile hands it over), else it is lowered once from
     UNITS, STRATEGY and PLAN_PASSES. A `torch.compile`d model is sharded as the module it
-    wraps, then compiled the same way (shardc.runtime.compile)."""
+    wraps, then compiled the same way (shardc.runtime.compile). A model built on the meta
+    device gets its values from `init` (a function per module, in model.apply's order;
+    default: each module's reset_parameters(); False: none, load them), on `device`
+    (default: the mesh's), from RNG state `rng` (default: as it is) (runtime/build.py)."""
     model, compiled = split_compiled(model)
     check_structure(model)
     sm = shard_module(model, STRATEGY, UNITS, mesh=mesh, hooks=False, schedule=schedule, timeout=timeout,
-                      passes=PLAN_PASSES, lowering=lowering)
+                      passes=PLAN_PASSES, lowering=lowering, init=init, device=device, rng=rng)
     sm.forward = types.MethodType(forward, sm)
     compile_like(sm, compiled)
     return sm
