@@ -92,6 +92,15 @@ class GPT(nn.Module):
         self.apply(self._init)
 
     @staticmethod
+    def init_module(m):
+        """Values for one module of a GPT built on the meta device (`shardc.compile(...,
+        init=GPT.init_module)`): its own reset_parameters() (LayerNorm's ones and zeros), then
+        GPT's normal(0.02) weights and zero biases."""
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+        GPT._init(m)
+
+    @staticmethod
     def _init(m):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)

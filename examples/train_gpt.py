@@ -3,7 +3,10 @@
     torchrun --nproc-per-node 4 examples/train_gpt.py \\
         --strategy examples/strategies/paro_iig.shard --mesh "node(2) > gpu(2)"
 
-Each rank reads its own slice of every micro-batch; `accumulate` micro-batches (from the
+The model is built on the meta device (`--build whole` builds it with values on every rank):
+each rank allocates only its shards and initializes them (GPT.init_module, per module, from
+the seed), with the values one process would give whatever the world size. Each rank reads
+its own slice of every micro-batch; `accumulate` micro-batches (from the
 strategy) make one optimizer step, losses are divided by it (DDP semantics). Rank 0
 shows a progress bar with the loss and prints, at the end, tokens/s, the model-state
 memory per rank (`memory_report()`) and the communication per mesh level
@@ -49,6 +52,10 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: every block's attention (by heads) "
                    "and MLP split over this many ranks (torch's parallelize_module); needs --mesh")
     p.add_argument("--model", choices=sorted(CONFIGS), default="small")
+    p.add_argument("--build", choices=("meta", "whole"), default="meta",
+                   help="meta (default, as torchtitan): build the model on the meta device, each rank "
+                   "initializing only its shards (GPT.init_module per module); whole: build it with values "
+                   "on every rank, the first rank's scattered")
     p.add_argument("--steps", type=int, default=int(os.environ.get("SHARDC_EXAMPLE_STEPS", 20)))
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -237,10 +244,16 @@ def error_text(e: shardc.ShardcError) -> str:
 def train(args) -> dict:
     """The training run on an initialised process group; returns losses and the report data."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
     cfg = CONFIGS[args.model]
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = gpt.GPT(cfg).to(dev)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    if args.build == "meta":                        # no rank ever holds the whole model
+        with torch.device("meta"):
+            model = gpt.GPT(cfg)
+    else:
+        model = gpt.GPT(cfg).to(dev)
     data = load_corpus()
     strategy, mesh, dp_rank, dp_world = data_parallel(args, model, dev)
     if rank == 0:
@@ -248,8 +261,10 @@ def train(args) -> dict:
             print(warning, file=sys.stderr, flush=True)
     x0 = get_batch(data, cfg, args.batch, 0, 0, dp_rank, dp_world)[0].to(dev)
     t_compile = time.perf_counter()
+    torch.manual_seed(0)                            # the meta model's values: a function of the seed only
     sm = shardc.compile(model, strategy if mesh is None else args.strategy, example_inputs=(x0,),
-                        capture=args.capture, mesh=mesh)
+                        capture=args.capture, mesh=mesh, device=dev,
+                        init=gpt.GPT.init_module if args.build == "meta" else None)
     strategy = sm.plan.strategy                     # `collectives auto` resolved by the cost model
     if rank == 0:
         print(f"compiled in {time.perf_counter() - t_compile:.1f} s: {len(sm.plan.units)} units, "

@@ -187,3 +187,34 @@ def _scatter(rank, world):
 def test_values_from_the_first_rank_are_scattered():
     for bad, received, kept in dist_run(4, _scatter):
         assert bad == [] and received == kept, (bad, received, kept)
+
+
+def _tensor_parallel(rank, world):
+    """DTensor (TP) parameters built on meta: the same values as the same TP model's
+    to_empty + apply, on a node(1) > gpu(2) > tp(2) world."""
+    import shardc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from examples.gpt import GPT, GPTConfig, tensor_parallel
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    wm = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("node", "gpu", "tp"))
+
+    def tp_meta():
+        with torch.device("meta"):
+            return tensor_parallel(GPT(cfg), wm["tp"])
+    model = tp_meta()
+    torch.manual_seed(SEED)
+    sm = shardc.compile(model, strategy("paro_iig", "node(1) > gpu(2)"), mesh=wm["node", "gpu"],
+                        example_inputs=(torch.zeros(2, 16, dtype=torch.long),), init=GPT.init_module)
+    ref = tp_meta()
+    torch.manual_seed(SEED)
+    ref.to_empty(device="cpu")
+    ref.lm_head.weight = ref.transformer.wte.weight
+    ref.apply(GPT.init_module)
+    want = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in ref.state_dict().items()}
+    return _same(sm.full_state_dict(), want)
+
+
+def test_tensor_parallel_parameters_built_on_meta():
+    for bad in dist_run(4, _tensor_parallel):
+        assert bad == [], bad

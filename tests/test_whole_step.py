@@ -2,7 +2,8 @@
 backward one Inductor graph with the plan's collectives as functional collectives, and
 the step's sync and update one more.
 
-- Every named strategy trains at parity with one process on 4 gloo ranks
+- Every named strategy trains at parity with one process on 4 gloo ranks (zero3's model
+  built on the meta device and initialized on shards)
   `node(2) > gpu(2)` (zero_topo on the 3-level mesh `node(2) > gpu(2) > gcd(2)`, 8 ranks,
   with HO-Ring collectives at parity there too), 2 micro-batches a step,
   `clip_grad_norm_`, AdamW and SGD + momentum in turn; ZeRO++ in full (an int8 hpZ
@@ -98,8 +99,21 @@ def train(model, opt, steps, rank=None, world=None, no_sync_first=False):
     return losses
 
 
-def reference(kind, world, steps=STEPS, layers=1):
-    model = gpt(layers)
+def meta_gpt(layers=1):
+    """One process's values for a GPT built on the meta device: to_empty (the tie restored,
+    as to_empty breaks it), then GPT.init_module in apply order, from seed 0."""
+    from examples.gpt import GPT
+    with torch.device("meta"):
+        model = GPT(cfg(layers))
+    torch.manual_seed(0)
+    model.to_empty(device="cpu")
+    model.lm_head.weight = model.transformer.wte.weight
+    model.apply(GPT.init_module)
+    return model
+
+
+def reference(kind, world, steps=STEPS, layers=1, meta=False):
+    model = meta_gpt(layers) if meta else gpt(layers)
     cls, kw = opt_of(kind)
     losses = train(model, cls(model.parameters(), **kw), data(world, steps, layers))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -116,16 +130,22 @@ def close(results, ref, rtol=1e-5):
                 assert float((sd[k] - v).norm() / v.norm().clamp_min(1e-12)) < 1e-5, k
 
 
-def compiled(strategy_text, mesh, layers=1, rank=0, **kw):
+def compiled(strategy_text, mesh, layers=1, rank=0, meta=False, **kw):
     import shardc
+    from examples.gpt import GPT
+    if meta:                                      # built on meta: each rank initializes its shards
+        with torch.device("meta"):
+            model = GPT(cfg(layers))
+        torch.manual_seed(0)
+        return shardc.compile(model, strategy_text, mesh=mesh, backend="inductor", init=GPT.init_module, **kw)
     model = gpt(layers, seed=0 if rank == 0 else 100 + rank)        # rank 0's weights must win
     return shardc.compile(model, strategy_text, mesh=mesh, backend="inductor", **kw)
 
 
 def _sweep(rank, world, cases, mesh, layers=1):
     out = []
-    for strategy_text, kind in cases:
-        sm = compiled(strategy_text, mesh, layers, rank=rank)
+    for strategy_text, kind, *meta in cases:
+        sm = compiled(strategy_text, mesh, layers, rank=rank, meta=bool(meta))
         cls, kw = opt_of(kind)
         losses = train(sm, sm.optimizer(cls, **kw), data(world, layers=layers), rank, world)
         gathers = [(g.kind, [(lv, b) for op, lv, b, _ in g.collectives if op == "all_gather"])
@@ -157,13 +177,13 @@ def test_every_named_strategy_trains_at_parity():
     """...and ZeRO++ in full (int8 hpZ secondary, qwZ, qgZ) within 1 % of the reference loss."""
     names = [n for n in NAMED if n != "zero_topo"]
     assert len(names) == 11 and "zeropp" in names
-    cases = [(text(n), ("adamw", "sgd")[i % 2]) for i, n in enumerate(names)]
+    cases = [(text(n), ("adamw", "sgd")[i % 2]) + (("meta",) if n == "zero3" else ()) for i, n in enumerate(names)]
     cases.append((QUANTIZED + f"accumulate {ACC}\nbucket 0\n", "sgd"))
     results = dist_run(4, _sweep, cases, MESH, 2)
-    refs = {kind: reference(kind, 4, layers=2) for kind in ("adamw", "sgd")}
-    for i, (_, kind) in enumerate(cases[:-1]):
-        close([r[i][:2] for r in results], refs[kind])
-    close([r[-1][:2] for r in results], refs["sgd"], rtol=1e-2)
+    refs = {(kind, meta): reference(kind, 4, layers=2, meta=meta) for kind in ("adamw", "sgd") for meta in (False, True)}
+    for i, (_, kind, *meta) in enumerate(cases[:-1]):          # zero3's model is built on meta
+        close([r[i][:2] for r in results], refs[kind, bool(meta)])
+    close([r[-1][:2] for r in results], refs["sgd", False], rtol=1e-2)
     for i in (names.index("zeropp"), len(cases) - 1):
         backward_regathers_are_the_rows(results[0][i])
         assert {lv for lv, _ in results[0][i][3]} == {("gpu",)}

@@ -2,8 +2,18 @@
 
 Input: a Strategy's mesh, the model's `UnitSize`s, the optimizer class name and its
 kwargs. Output: `{"params", "params_secondary", "grads", "optim", "total",
-"transient"}` in bytes per rank (docs/internals.md, "Memory"). `total` is the sum of
-the four persistent states, as the runtime reports it; `transient` is extra.
+"transient", "startup"}` in bytes per rank (docs/internals.md, "Memory"). `total` is the
+sum of the four persistent states, as the runtime reports it; `transient` is extra;
+`startup` is the start-up peak (see [Note: start-up peak]).
+
+[Note: start-up peak]
+While a model is sharded (runtime/build.py) a rank holds its shards — params, the hpZ
+secondary, grads and the fp32 master, all allocated before any value is given; the
+optimizer's moments come at its first step — plus the values being given: on the meta
+device one module's whole parameters at a time (the init), or one unit's chunk (the
+scatter). `startup` bounds that by the shards plus the largest unit's whole parameters
+(params dtype, padded), so a model whose `startup` fits starts. The mesh's first rank on
+the scatter path also holds the model it was built with.
 
 [Note: transient window]
 The root unit stays gathered through forward and backward; every other unit is held
@@ -43,7 +53,16 @@ def memory_of(plan: Lowering, *, k_state: int, prefetch: int = 1) -> dict[str, i
                optim=sum(g.optim_elems * k_state + g.master_bytes for g in groups))
     mem["total"] = sum(mem.values())
     mem["transient"] = transient_bytes(plan, prefetch)
+    mem["startup"] = startup_bytes(plan)
     return mem
+
+
+def startup_bytes(plan: Lowering) -> int:
+    """The start-up peak per rank (see [Note: start-up peak])."""
+    groups = [g for u in plan.units for g in u.groups]
+    shards = sum(g.params_bytes + g.secondary_bytes + g.grads_bytes + g.master_bytes for g in groups)
+    unit = max((sum(g.params_bytes * u.factors.p for g in u.groups) for u in plan.units), default=0)
+    return shards + unit
 
 
 def predict_memory(mesh: Mesh, units, *, optimizer: str = DEFAULT_OPTIMIZER,
