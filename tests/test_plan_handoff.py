@@ -43,7 +43,7 @@ def _explained(passes, file="paro_iig.shard"):
 
 def _counting_lower():
     """Count the runtime's calls of `lower` (restored by the returned function)."""
-    import shardc.runtime.module as module
+    import shardc.runtime.build as module
     calls, original = [], module.lower
     module.lower = lambda *a, **kw: calls.append(1) or original(*a, **kw)
 

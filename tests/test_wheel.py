@@ -100,7 +100,8 @@ def test_wheel_ships_grammar_and_cli_runs_outside_the_repo(tmp_path):
                        capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     compile(out.read_text(), str(out), "exec")
-    assert "def shard_model(model, mesh=None, schedule=SCHEDULE, timeout=None, lowering=None):" in out.read_text()
+    assert ("def shard_model(model, mesh=None, schedule=SCHEDULE, timeout=None, lowering=None, init=None, device=None,"
+            in out.read_text())
     r = subprocess.run([str(exe), "explain", str(example), "--model", f"{gpt}:tiny",
                         "--mesh", "node(2) > gpu(2)", "--json"],
                        capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path, env=env)
