@@ -185,6 +185,14 @@ def _save_job(rank, world, path):
         out["broadcast"] = "loaded"
     except Exception as e:                          # noqa: BLE001
         out["broadcast"] = f"{type(e).__name__}: {e}"
+    # any other miss is torch's own error (here: the hook cannot fuse without v)
+    partial = HookedNet(seed=5).state_dict()
+    del partial["blocks.0.0.v.weight"]
+    try:
+        sm.load_state_dict(partial)
+        out["torch_error"] = "loaded"
+    except Exception as e:                          # noqa: BLE001
+        out["torch_error"] = f"{type(e).__name__}: {e}"
     out["unchanged"] = _equal(sm.full_state_dict(), full, 0)
     return out
 
@@ -206,7 +214,10 @@ def _resume_job(rank, world, path):
 def test_hooks_run_on_every_state_dict_path(tmp_path):
     path = str(tmp_path / "ckpt")
     for r in dist_run(4, _save_job, path):
-        said = r.pop("broadcast")
+        said, torch_error = r.pop("broadcast"), r.pop("torch_error")
+        assert torch_error.startswith("RuntimeError: Error(s) in loading state_dict for HookedNet:\n\tMissing "
+                                      "key(s) in state_dict: \"blocks.0.0.wqkv.weight\". \n\tUnexpected key(s) in "
+                                      "state_dict: \"blocks.0.0.q.weight\", \"blocks.0.0.k.weight\""), torch_error
         assert r == dict(keys=True, start=[], trained=[], torch_full=[], unchanged=[]), r
         assert said.startswith("RuntimeUsageError: "), said           # on every rank, rank 0 included
         assert ("the state dict has no 'blocks.0.0.wqkv.weight', which FusedQKV 'blocks.0.0' saves under other "

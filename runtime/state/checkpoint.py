@@ -140,19 +140,27 @@ def _agree(sm, error: Exception | None) -> None:
 
 
 def _renamed_missing(sm, sd, error: RuntimeError) -> None:
-    """A strict load missing parameters whose own module saves them under other keys (a
-    state-dict hook) and none of those keys: one sentence naming the module. torch's
-    `set_model_state_dict(..., broadcast_from_rank0=True)` gives exactly that: it keeps only
-    entries named like the model's parameters."""
+    """A strict load missing only parameters whose own module saves them under other keys
+    (a state-dict hook), with none of those keys in the dict: one sentence naming the
+    module. torch's `set_model_state_dict(..., broadcast_from_rank0=True)` gives exactly
+    that (it keeps only entries named like the model's parameters); any other miss is
+    torch's own error."""
     if "Missing key(s)" not in str(error):
         return
-    gone = sorted(n for n in hooks.renamed(sm.module, sm.param_targets, _shapes(sm))
-                  if not any(a in sd for a in sm.names_of[n]))
-    if not gone:
+    shapes = _shapes(sm)
+    _, _, result = hooks.load(sm.module, sm.param_targets, shapes, sd, strict=False)    # nothing live changes
+    renamed = hooks.renamed(sm.module, sm.param_targets, shapes)
+    by_alias = {a: n for n in renamed for a in sm.names_of[n]}
+    missing = list(result.missing_keys)
+    if not missing or any(k not in by_alias for k in missing):
         return
-    path, mod = hooks.hook_owner(sm.module, gone[0])
+    path, mod = hooks.hook_owner(sm.module, by_alias[missing[0]])
+    own = [k for k in hooks.saved_keys(sm.module, sm.param_targets, shapes)
+           if not path or k.startswith(path + ".")]
+    if any(k in sd for k in own):
+        return
     raise RuntimeUsageError(
-        f"the state dict has no {gone[0]!r}, which {type(mod).__name__} {path!r} saves under other keys "
+        f"the state dict has no {missing[0]!r}, which {type(mod).__name__} {path!r} saves under other keys "
         f"through its own state-dict hook, and not those keys either (torch's set_model_state_dict with "
         f"broadcast_from_rank0=True keeps only entries named like the model's parameters); give every rank "
         f"the dict (sm.load_full_state_dict) or load through DCP (get_state_dict, dcp.load, set_state_dict)"

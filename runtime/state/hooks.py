@@ -71,6 +71,12 @@ def renamed(model: nn.Module, targets: dict[str, list], shapes: dict[str, tuple]
     return _probe(model, targets, shapes)[1]
 
 
+def saved_keys(model: nn.Module, targets: dict[str, list], shapes: dict[str, tuple]) -> list[str]:
+    """The keys the model's `state_dict()` gives (hooks run on meta probes)."""
+    probes = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
+    return list(_state_dict(model, targets, probes))
+
+
 def _probe(model, targets, shapes) -> tuple[set[str], set[str]]:
     probes = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
     try:
