@@ -27,6 +27,10 @@ parity      8 ranks; ZeRO-3 and PaRO-IIG and hpZ (`zeropp.shard`) on "node(2) > 
             ZeRO-topo (`zero_topo.shard`) on "node(2) > gpu(2) > gcd(2)"; `--steps` steps
             of AdamW and of SGD+momentum; `sm.full_state_dict()` against the reference's
             `state_dict()` (keys equal and in order: wq/wk/wv made by the model's hook).
+meta-init   the model built on the meta device, `shardc.compile(..., init=titan_init)`
+            (torchtitan's own per-module init: `_init_self_parameters`, `_init_self_buffers`):
+            every value bit-equal to one process's `to_empty` + `apply(titan_init)` from the
+            same seed, and the same logits.
 full        8 ranks, ZeRO-3; the sharded model built with seed = rank (shardc broadcasts
             rank 0's values), the reference with seed 0: `full_state_dict()` equal to the
             unsharded model's `state_dict()` right after compile (bit for bit) and after
@@ -72,7 +76,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 STRATEGIES = os.path.join(ROOT, "examples", "strategies")
-CHECKS = ("parity", "full", "dcp-save", "dcp-resume", "fsdp2", "torch-save")
+CHECKS = ("parity", "full", "meta-init", "dcp-save", "dcp-resume", "fsdp2", "torch-save")
 OPTIMS = {"adamw": ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
           "sgd": ("SGD", dict(lr=0.1, momentum=0.9, weight_decay=0.01))}
 TOL = 1e-5          # fp32 rounding of a different reduction order
@@ -355,6 +359,54 @@ def check_full(args) -> dict:
     return out
 
 
+def titan_init(m) -> None:
+    """torchtitan's own init of one module: what its `Module.init_states` runs for each module
+    after its children (`_init_self_parameters`, `_init_self_buffers`); a plain nn.Module's
+    `reset_parameters()`."""
+    import torch
+    from torchtitan.protocols.module import Module
+    if isinstance(m, Module):
+        m._init_self_parameters()
+        m._init_self_buffers(buffer_device=torch.device("cpu"))
+    elif callable(getattr(m, "reset_parameters", None)):
+        m.reset_parameters()
+
+
+def check_meta_init(args) -> dict:
+    """The model built on meta, `init=titan_init`: every value equal to one process's
+    to_empty + apply(titan_init) from the same seed, and the same logits."""
+    import torch
+
+    import shardc
+    from torchtitan.experiments.graph_trainer.llama3 import model_registry
+
+    def meta():
+        spec = model_registry("debugmodel", attn_backend="sdpa")
+        spec.model.layers = spec.model.layers[:args.layers]
+        with torch.device("meta"):
+            return spec.model.build()
+    world = _world()
+    x = batches(args, 1)[0][:2, :-1]
+    model = meta()
+    torch.manual_seed(11)
+    t0 = time.perf_counter()
+    sm = shardc.compile(model, strategy("zero3", two_level(world)), example_inputs=(x,), init=titan_init)
+    secs = time.perf_counter() - t0
+    ref = meta()
+    torch.manual_seed(11)
+    ref.to_empty(device="cpu")
+    ref.apply(titan_init)
+    full = plain(sm.full_state_dict())
+    sm.eval()
+    ref.eval()
+    with torch.no_grad():
+        logits = float((sm(x) - ref(x)).abs().max())
+    ok = bit_equal(full, plain(ref.state_dict())) and logits == 0.0
+    say(f"meta-init: values bit-equal to one process's to_empty + apply(titan_init) {ok}, logits differ by "
+        f"{logits:.1e} (compile and init {secs:.1f} s)  {_verdict(ok)}")
+    return dict(bit_equal=ok, logits_diff=logits, seconds=secs, ok=ok)
+
+
 def _torch_recipe_save(model, opt, path, flatten=False):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -631,7 +683,7 @@ def main(argv=None) -> int:
             rank = dist.get_rank()
             if args.dir and rank == 0:
                 os.makedirs(args.dir, exist_ok=True)
-            fn = {"parity": check_parity, "full": check_full, "dcp-save": check_dcp_save,
+            fn = {"parity": check_parity, "full": check_full, "meta-init": check_meta_init, "dcp-save": check_dcp_save,
                   "dcp-resume": check_dcp_resume, "fsdp2": check_fsdp2}[args.check]
             res = fn(args)
             ok = res["ok"] if "ok" in res else all(v.get("ok", False) for v in res.values() if isinstance(v, dict))
