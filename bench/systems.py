@@ -32,10 +32,11 @@ import torch.distributed as dist
 from torch import nn
 
 from models import ROOT, block_list, block_modules
+import shardc.algorithms as algorithms
 from shardc.dsl.ir import Collectives, MeshDims, Strategy
 
 LR = 3e-4
-ALGOS = tuple(c.value for c in Collectives)     # `shardc:NAME@ALGO` overrides `collectives`
+ALGOS = ("auto", *algorithms.names())     # `shardc:NAME@ALGO` overrides `collectives`
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from shardc.dsl import ast
 from shardc.dsl.diagnostics import Diagnostic, Note, error, warning
+import shardc.algorithms as algorithms
 from shardc.dsl.ir import DEPENDENCY, STATES, Collectives, Mesh, Scopes
 
 RULE_HINT = ("a rank must hold the gradients and optimizer states of every parameter chunk it owns: "
@@ -78,7 +79,10 @@ def _partial(mesh: Mesh, what: str, levels, span, diags) -> None:
 
 
 def _ho_ring(bounds, options, top, diags) -> None:
-    if options.get("collectives") is not Collectives.HO_RING:
+    """An algorithm that pipelines pieces of multi-level stages (ho-ring), with no scope
+    spanning two levels: a warning (every collective is then one stage, the ring)."""
+    name = options.get("collectives")
+    if name is None or name == Collectives.AUTO or algorithms.get(name).pieces == 1:
         return
     widest = 0
     for b in bounds:
@@ -89,8 +93,8 @@ def _ho_ring(bounds, options, top, diags) -> None:
                 widest = max(widest, len(spec.secondary.levels))
     if widest < 2:
         word = top["collectives"].args[0]
-        diags.append(warning(word.span, "`collectives ho-ring` has nothing to pipeline: no scope spans two levels",
-                             "ho-ring overlaps the stages of a multi-level collective; use `auto` or `ring`"))
+        diags.append(warning(word.span, f"`collectives {name}` has nothing to pipeline: no scope spans two levels",
+                             f"{name} overlaps the stages of a multi-level collective; use `auto` or `ring`"))
 
 
 def _accumulate(bounds, options, top, diags) -> None:

@@ -32,12 +32,35 @@ class CodeEnum(enum.Enum):
         return f"{type(self).__name__}.{self.name}"
 
 
-class Collectives(CodeEnum):
-    AUTO = "auto"
-    RING = "ring"
-    HIERARCHICAL = "hierarchical"
-    HO_RING = "ho-ring"
+class Collectives(str):
+    """A collective algorithm by its strategy keyword: `auto` (the cost model picks) or a
+    name `shardc.algorithms` registers (ring, hierarchical, ho-ring, ...: one file each).
+    Interned, so `is` compares; its repr reads back as code."""
+    __slots__ = ()
+    _interned: dict = {}
 
+    def __new__(cls, name):
+        name = str(name)
+        got = cls._interned.get(name)
+        if got is None:
+            got = cls._interned[name] = super().__new__(cls, name)
+        return got
+
+    @property
+    def value(self) -> str:
+        return str(self)
+
+    def __repr__(self) -> str:
+        return f"Collectives({str(self)!r})"
+
+    def __reduce__(self):
+        return (Collectives, (str(self),))
+
+
+Collectives.AUTO = Collectives("auto")
+Collectives.RING = Collectives("ring")
+Collectives.HIERARCHICAL = Collectives("hierarchical")
+Collectives.HO_RING = Collectives("ho-ring")
 
 
 class BufferSync(CodeEnum):

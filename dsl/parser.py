@@ -199,7 +199,6 @@ class _ToAst(Transformer):
         return self._w(children[0])
 
     quant = dtype_word
-    collective_algo = dtype_word
 
     def comm_opt(self, meta, children):
         return ast.Option("comm", children[0], (), self._s(meta))
@@ -239,6 +238,13 @@ class _ToAst(Transformer):
 
     def collectives_stmt(self, meta, children):
         return self._words("collectives", meta, children)
+
+    def algo_name(self, meta, children):
+        """An algorithm's name, hyphens joined (`ho-ring`): one word spanning them."""
+        first, last = children[0], children[-1]
+        joined = type(first)("NAME", "".join(str(t) for t in children), first.start_pos, first.line,
+                             first.column, last.end_line, last.end_column, last.end_pos)
+        return self._w(joined)
 
     def buffers_stmt(self, meta, children):
         return self._words("buffers", meta, children)

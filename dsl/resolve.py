@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardc.dsl import ast, checks
+import shardc.algorithms as algorithms
 from shardc.dsl.diagnostics import Diagnostic, Note, did_you_mean, error, short
 from shardc.dsl.ir import (STATES, BufferSync, Collectives, DType, GradsSpec, Mesh, MeshDims, OptimSpec,
                            Override, ParamsSpec, Scopes, Secondary, Span, Strategy, UnitsKind, UnitsSpec)
@@ -267,7 +268,7 @@ def _options(top: dict[str, ast.Statement], ctx: _Ctx) -> dict:
         out["prefetch"] = parse_int(top["prefetch"].args[0], "`prefetch`", d, minimum=0, maximum=1024,
                                     hint="prefetch counts units gathered ahead of use (0 = no overlap)")
     if "collectives" in top:
-        out["collectives"] = Collectives(top["collectives"].args[0].text)
+        out["collectives"] = _algorithm(top["collectives"].args[0], d)
     if "buffers" in top:
         out["buffers"] = BufferSync(top["buffers"].args[0].text)
     if "units" in top:
@@ -275,6 +276,16 @@ def _options(top: dict[str, ast.Statement], ctx: _Ctx) -> dict:
     if "bucket" in top:
         out["bucket"] = _bucket(top["bucket"], ctx)
     return out
+
+
+def _algorithm(word: ast.Word, diags) -> Collectives | None:
+    """`collectives NAME`: `auto` or an algorithm `shardc.algorithms` registers."""
+    known = (algorithms.AUTO, *algorithms.names())
+    if word.text in known:
+        return Collectives(word.text)
+    diags.append(error(word.span, f"unknown collectives algorithm `{word.text}`",
+                       did_you_mean(word.text, known) or f"choose {', '.join(known[:-1])} or {known[-1]}"))
+    return None
 
 
 def _units(stmt: ast.Statement, ctx: _Ctx) -> UnitsSpec | None:

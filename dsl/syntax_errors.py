@@ -23,7 +23,7 @@ STATEMENTS = ("strategy", "mesh", *STATES, "accumulate", "prefetch", "collective
               "buffers", "override")
 _NAMES = {"NAME": "a name", "INT": "a number", "STRING": "a quoted string",
           "_NL": "end of line", "$END": "end of file", "STAR": "`*`", "LOCAL": "`local`",
-          "WORLD": "`world`", "HO_RING": "`ho-ring`"}
+          "WORLD": "`world`"}
 # What a name stands for, by the statement it is in (a keyword where a name belongs).
 _NAME_OF = {"mesh": "a level name", "strategy": "a strategy name", "units": "a unit type name",
             **{k: "a level name" for k in STATES}}
@@ -121,8 +121,8 @@ def _bad_token(e: UnexpectedToken, lines, file, literals) -> Diagnostic:
     if "WORLD" in expected:
         return error(span, f"expected mesh levels, found {_found(tok)}",
                      "write `world` or level names separated by commas, e.g. `node, gpu`")
-    if "RING" in expected:
-        return error(span, f"unknown collectives algorithm {_found(tok)}",
+    if stmt == "collectives" and ("NAME" in expected or "DASH" in expected):
+        return error(span, f"expected a collectives algorithm, found {_found(tok)}",
                      hint or "choose auto, ring, hierarchical or ho-ring")
     if "BROADCAST" in expected:
         what = f"unknown buffers mode {_found(tok)}" if tok.type == "NAME" else \

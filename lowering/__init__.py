@@ -11,12 +11,12 @@ from shardc.lowering.ir import (Factors, GroupPlan, LedgerRecord, Lowering, Op, 
                                 UnitPlan)
 from shardc.lowering.layout import RankPlan, coords, factors, mixed_index, pad_multiple, padded
 from shardc.lowering.lower import UnitSize, lower, lower_unit, unit_sizes
-from shardc.lowering.rows import (BLOCK, CLIP_BYTES, HO_PIECES, PHASE_ORDER, code_bytes, elem_bytes, merged,
+from shardc.lowering.rows import (BLOCK, CLIP_BYTES, PHASE_ORDER, code_bytes, elem_bytes, merged,
                                   payload_bytes, shard_payload_bytes)
 from shardc.lowering.schedule import schedule
 from shardc.lowering.scopes import unit_scopes, unused_override
 
-__all__ = ["BLOCK", "CLIP_BYTES", "HO_PIECES", "Factors", "GroupPlan", "LedgerRecord", "Lowering", "Op", "Per", "Phase", "RankPlan",
+__all__ = ["BLOCK", "CLIP_BYTES", "Factors", "GroupPlan", "LedgerRecord", "Lowering", "Op", "Per", "Phase", "RankPlan",
            "Row", "Schedule", "Stage", "UnitPlan", "UnitSize", "code_bytes", "coords", "elem_bytes", "factors", "lower",
            "lower_unit", "merged", "mixed_index", "PHASE_ORDER", "pad_multiple", "padded", "payload_bytes", "schedule",
            "shard_payload_bytes", "unit_scopes", "unit_sizes", "unused_override"]

@@ -26,8 +26,6 @@ from .layout import minus
 
 BLOCK = 256            # elements per fp32 scale of a quantized payload
 CLIP_BYTES = 4         # the squared-norm scalar of clip_grad_norm_
-HO_PIECES = 4          # pieces an HO-Ring collective is pipelined over (PaRO §3.3): the
-                       # runtime issues them, the cost model pays a latency per piece and stage
 
 
 def elem_bytes(dtype: DType) -> int:

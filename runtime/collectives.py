@@ -1,29 +1,29 @@
 """Collectives library — all_gather / reduce_scatter / all_reduce over mesh levels.
 
 Input: flat 1-D tensors, a `ShardMesh`, the group's levels and the chunk digit order,
-an algorithm (`Collectives`) and a comm dtype. Output: a `Work` handle; the result is in
-`out` (or `t`) once `.wait()` returns. Contract: docs/internals.md "Mesh and collectives".
+an algorithm (`Collectives`: its name; the object, with its stages, is shardc.algorithms')
+and a comm dtype. Output: a `Work` handle; the result is in `out` (or `t`) once `.wait()`
+returns. Contract: docs/internals.md "Mesh and collectives".
 
 [Note: chunk placement]
 Chunk c of a full buffer (n elements, chunk size m = n/s) belongs to the rank whose
 index over `order` is c (`ShardMesh.index(levels, order)`). Every algorithm and comm
-dtype gives exactly this placement: RING uses the group positioned by `order`;
-HIERARCHICAL/HO_RING view the buffer as [s_d for d in order] + [m] and permute it
-locally so that the level of each stage is the leading digit of what is left.
+dtype gives exactly this placement: each stage runs on the group positioned by its own
+digits, and the buffer is permuted locally before (reduce-scatter) or after (all-gather)
+the stages by the algorithm's stage order (shardc.algorithms [Note: an algorithm is its
+stages]); the whole-step mode's funcol.py runs the same stages.
 
 [Note: stages and handles]
-Each algorithm is written as generators ("pieces") that issue async torch.distributed
-ops and yield the handles the next stage depends on. `Work` starts every piece at once
-(so the first stage of every piece is in flight when the call returns) and `wait()`
-drives them round-robin: piece k's next stage is issued as soon as its previous stage
-is done, while the other pieces' stages are still in flight. RING is one piece with one
-stage; HIERARCHICAL is one piece with one stage per level (reduce-scatter innermost
-level first, all-gather outermost first, so the outer links carry 1/inner of the data);
-HO_RING (PaRO §3.3) splits the chunk into HO_PIECES pieces so that the intra-level
-stage of one piece and the inter-level stage of another are in flight together. Later
-stages are issued from `wait()` in the caller's thread, never from a helper thread:
-collectives on a group must be issued in the same order on every rank, which the
-caller's program order guarantees. `wait()` must be called before reading the result.
+This executor runs an algorithm's stages as generators ("pieces") that issue async
+torch.distributed ops and yield the handles the next stage depends on. `Work` starts every
+piece at once (so the first stage of every piece is in flight when the call returns) and
+`wait()` drives them round-robin: piece k's next stage is issued as soon as its previous
+stage is done, while the other pieces' stages are still in flight (an algorithm with
+`pieces` > 1, HO-Ring, has an intra-level stage of one piece and an inter-level stage of
+another in flight together). Later stages are issued from `wait()` in the caller's thread,
+never from a helper thread: collectives on a group must be issued in the same order on
+every rank, which the caller's program order guarantees. `wait()` must be called before
+reading the result.
 
 [Note: reduce-scatter on gloo]
 gloo's reduce_scatter is an all-reduce followed by a slice: it moves 2(s-1)/s·n bytes
@@ -58,8 +58,10 @@ from math import prod
 import torch
 import torch.distributed as dist
 
+import shardc.algorithms as algorithms
+from shardc.algorithms.base import bounds, gather_perm, scatter_perm
 from shardc.dsl.ir import Collectives, DType
-from shardc.lowering import HO_PIECES, Op
+from shardc.lowering import Op
 
 from . import device, quant
 from .dtypes import torch_dtype
@@ -132,60 +134,41 @@ def _rs(dst, src, pg, scratch=None):
         scratch.give(recv)
 
 
-def _stage_levels(sm: ShardMesh, key: tuple[str, ...]) -> tuple[str, ...]:
-    """Levels of `key` in mesh order (outermost first)."""
-    return sm.mesh.ordered(key)
-
-
-def perm(src_names, dst_names) -> list[int]:
-    """The permutation from chunk digits named `src_names` (then the piece) to `dst_names`."""
-    return [list(src_names).index(n) for n in dst_names] + [len(src_names)]
-
-
-def pieces(m: int, k: int) -> list[tuple[int, int]]:
-    """[lo, hi) of k near-equal pieces of m elements (HO-Ring's pieces; at most m)."""
-    k = max(1, min(k, m))
-    step, extra = divmod(m, k)
-    bounds, lo = [], 0
-    for i in range(k):
-        hi = lo + step + (1 if i < extra else 0)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
+def _n(sm: ShardMesh, levels) -> int:
+    return prod(sm.mesh.size(n) for n in levels)
 
 
 # -- all_gather ---------------------------------------------------------------------------
-def _ag_ring(out, inp, sm, key):
-    yield [_ag(out, inp, sm.group(key, key))]
-
-
-def _ag_hier_piece(out_view, src, sm, key, lo, hi):
-    """Gather piece [lo:hi) of every chunk level by level, outermost first; place by `key`."""
-    stages = _stage_levels(sm, key)
+def _ag_piece(out_view, src, sm, stages, key, lo, hi):
+    """Gather piece [lo:hi) of every chunk stage by stage; place it by `key`."""
     buf = src
-    for lvl in stages:                               # buf dims: reversed(done stages) + [piece]
-        nxt = buf.new_empty(sm.mesh.size(lvl) * buf.numel())
-        yield [_ag(nxt, buf, sm.group((lvl,)))]
+    for st in stages:
+        nxt = buf.new_empty(_n(sm, st) * buf.numel())
+        yield [_ag(nxt, buf, sm.group(st, st))]
         buf = nxt
-    names = tuple(reversed(stages))
+    names = [d for st in reversed(stages) for d in st]
     shaped = buf.view(*[sm.mesh.size(n) for n in names], hi - lo)
-    out_view[..., lo:hi].copy_(shaped.permute(perm(names, key)))
+    out_view[..., lo:hi].copy_(shaped.permute(gather_perm(stages, key)))
+
+
+def _ag_one(out, inp, pg):
+    yield [_ag(out, inp, pg)]
 
 
 def _ag_bytes(out, inp, sm, key, algo):
-    """The algorithm part of all_gather, for buffers already in the comm dtype."""
-    if algo is Collectives.RING:
-        return [_ag_ring(out, inp, sm, key)]
+    """The algorithm's stages of all_gather, for buffers already in the comm dtype."""
+    stages = algo.gather(key, sm.mesh.ordered)
+    if stages == (key,) and algo.pieces == 1:          # one flat stage: straight into `out`
+        return [_ag_one(out, inp, sm.group(key, key))]
     m = inp.numel()
     out_view = out.view(*[sm.mesh.size(n) for n in key], m)
-    k = HO_PIECES if algo is Collectives.HO_RING else 1
-    return [_ag_hier_piece(out_view, inp[lo:hi].contiguous(), sm, key, lo, hi) for lo, hi in pieces(m, k)]
+    return [_ag_piece(out_view, inp[lo:hi].contiguous(), sm, stages, key, lo, hi) for lo, hi in bounds(m, algo.pieces)]
 
 
 def _prologue(out, inp, mesh: ShardMesh, levels, order, algo):
     """The group's digit key, the resolved algorithm, flat views and the group size."""
     key = mesh.digits(levels, order)
-    return (key, _resolve(mesh, key, algo), out.view(-1), inp.reshape(-1),
+    return (key, algorithms.resolve(algo, key), out.view(-1), inp.reshape(-1),
             prod(mesh.mesh.size(n) for n in key))
 
 
@@ -222,26 +205,23 @@ def _ag_plan(out, inp, mesh, key, algo, comm, s):
 
 
 # -- reduce_scatter -----------------------------------------------------------------------
-def _rs_hier_piece(dst, src, sm, key, scratch=None):
-    """Reduce-scatter `src` (dims: stage levels innermost first, then piece) level by level."""
-    stages = tuple(reversed(_stage_levels(sm, key)))
+def _rs_piece(dst, src, sm, stages, scratch=None):
+    """Reduce-scatter `src` (dims: the stages' digits in order, then the piece) stage by stage."""
     buf = src
-    for i, lvl in enumerate(stages):
-        last = i == len(stages) - 1
-        nxt = dst if last else buf.new_empty(buf.numel() // sm.mesh.size(lvl))
-        yield from _rs(nxt, buf, sm.group((lvl,)), scratch)
+    for i, st in enumerate(stages):
+        nxt = dst if i == len(stages) - 1 else buf.new_empty(buf.numel() // _n(sm, st))
+        yield from _rs(nxt, buf, sm.group(st, st), scratch)
         buf = nxt
 
 
 def _rs_pieces(out, inp, sm, key, algo, scratch=None):
-    if algo is Collectives.RING:
+    stages = algo.scatter(key, sm.mesh.ordered)
+    if stages == (key,) and algo.pieces == 1:          # one flat stage
         return [_rs(out, inp, sm.group(key, key), scratch)]
     m = out.numel()
-    names = tuple(reversed(_stage_levels(sm, key)))       # innermost first: the first stage's digit leads
-    full = inp.view(*[sm.mesh.size(n) for n in key], m).permute(perm(key, names))
-    k = HO_PIECES if algo is Collectives.HO_RING else 1
-    return [_rs_hier_piece(out[lo:hi], full[..., lo:hi].contiguous().view(-1), sm, key, scratch)
-            for lo, hi in pieces(m, k)]
+    full = inp.view(*[sm.mesh.size(n) for n in key], m).permute(scatter_perm(stages, key))
+    return [_rs_piece(out[lo:hi], full[..., lo:hi].contiguous().view(-1), sm, stages, scratch)
+            for lo, hi in bounds(m, algo.pieces)]
 
 
 def _qgz(out, inp, sm, key, comm):
@@ -280,26 +260,25 @@ def reduce_scatter(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collec
 
 
 # -- all_reduce ---------------------------------------------------------------------------
-def _ar_hier_piece(buf, sm, key):
-    """All-reduce `buf` (numel divisible by the inner factor): RS inner→outer, AR outermost, AG back."""
-    stages = _stage_levels(sm, key)
-    outer, inner = stages[0], stages[1:]
+def _ar_piece(buf, sm, plan):
+    """All-reduce `buf` (numel divisible by the scatter stages' ranks): reduce-scatter down
+    the plan's scatter stages, all-reduce over its `reduce` group, all-gather back up."""
     chunks = [buf]
-    for lvl in reversed(inner):                              # reduce-scatter, innermost first
-        nxt = buf.new_empty(chunks[-1].numel() // sm.mesh.size(lvl))
-        yield from _rs(nxt, chunks[-1], sm.group((lvl,)))
+    for st in plan.scatter:
+        nxt = buf.new_empty(chunks[-1].numel() // _n(sm, st))
+        yield from _rs(nxt, chunks[-1], sm.group(st, st))
         chunks.append(nxt)
-    yield [dist.all_reduce(chunks[-1], group=sm.group((outer,)), async_op=True)]
-    for i, lvl in enumerate(inner):                          # all-gather, outermost first
-        yield [_ag(chunks[-2 - i], chunks[-1 - i], sm.group((lvl,)))]
+    yield [dist.all_reduce(chunks[-1], group=sm.group(plan.reduce, plan.reduce), async_op=True)]
+    for i, st in enumerate(plan.gather):
+        yield [_ag(chunks[-2 - i], chunks[-1 - i], sm.group(st, st))]
 
 
 def all_reduce(t, mesh: ShardMesh, levels, *, algo=Collectives.RING) -> Work:
     """Sum `t` in place over the group of `levels`."""
     key = mesh.digits(levels, None)
-    algo = _resolve(mesh, key, algo)
     if not key:
         return Work()
+    algo = algorithms.resolve(algo, key)
     on = device.launch(Op.ALL_REDUCE, t)
     with on.active():
         pieces, then = _ar_plan(t, mesh, key, algo)
@@ -307,32 +286,25 @@ def all_reduce(t, mesh: ShardMesh, levels, *, algo=Collectives.RING) -> Work:
 
 
 def _ar_plan(t, mesh, key, algo):
-    inner = prod(mesh.mesh.size(n) for n in key[1:])
+    plan = algo.reduce(key, mesh.mesh.ordered)
+    if plan.gather != tuple(reversed(plan.scatter)):
+        raise ValueError(f"{algo!r}: an all-reduce gathers back up the stages it scattered down")
+    inner = prod(_n(mesh, st) for st in plan.scatter)
     n = t.numel()
-    if algo is Collectives.RING or len(key) < 2 or n < inner:   # n < inner: too small to split
+    if not plan.scatter or n < inner:                 # one flat all-reduce (or too small to split)
         return [_ar_flat(t, mesh.group(key))], None
     flat = t.new_zeros(-(-n // inner) * inner)
     flat[:n] = t.reshape(-1)
     view = flat.view(inner, -1)
-    k = HO_PIECES if algo is Collectives.HO_RING else 1
-    bounds = pieces(view.shape[1], k)
-    bufs = [view[:, lo:hi].contiguous().view(-1) for lo, hi in bounds]
+    spans = bounds(view.shape[1], algo.pieces)
+    bufs = [view[:, lo:hi].contiguous().view(-1) for lo, hi in spans]
 
     def finish():
-        for (lo, hi), b in zip(bounds, bufs):
+        for (lo, hi), b in zip(spans, bufs):
             view[:, lo:hi].copy_(b.view(inner, -1))
         t.copy_(flat[:n].view(t.shape))
-    return [_ar_hier_piece(b, mesh, key) for b in bufs], finish
+    return [_ar_piece(b, mesh, plan) for b in bufs], finish
 
 
 def _ar_flat(t, pg):
     yield [dist.all_reduce(t, group=pg, async_op=True)]
-
-
-def _resolve(sm: ShardMesh, key: tuple[str, ...], algo: Collectives) -> Collectives:
-    """A leftover AUTO: hierarchical over two or more levels of size > 1, else ring."""
-    if algo is Collectives.AUTO:
-        return Collectives.HIERARCHICAL if len(key) >= 2 else Collectives.RING
-    if len(key) < 2:
-        return Collectives.RING
-    return algo

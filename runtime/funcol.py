@@ -9,14 +9,14 @@ here places chunks exactly as it does (its [Note: chunk placement]), so either r
 loads the other's state.
 
 [Note: the same algorithms, as graph ops]
-RING is one functional collective over the group positioned by the chunk order. A
-reduce-scatter stage on a gloo group is an `all_to_all_single` and a sum, as in the
-eager runtime (gloo's own reduce-scatter is an all-reduce and a slice: 4/3 of a ring's
-bytes at 4 ranks); the choice is made per group when the comm is built, not traced.
-HIERARCHICAL is one per level, all-gather outermost level first and reduce-scatter
-innermost first, with the same local permutes; HO_RING splits the chunk into
-`HO_PIECES` pieces, each its own chain of per-level collectives, so the graph holds the
-pieces' stages side by side for Inductor to overlap. int8/int4 all-gathers (qwZ) gather
+An algorithm is its stages (shardc.algorithms [Note: an algorithm is its stages]): each
+stage is one functional collective over the group positioned by its digits, with the same
+local permutes before and after as the eager runtime's, and an algorithm with `pieces` > 1
+(HO-Ring) runs each piece as its own chain of stages, so the graph holds the pieces'
+stages side by side for Inductor to overlap. A reduce-scatter stage on a gloo group is an
+`all_to_all_single` and a sum, as in the eager runtime (gloo's own reduce-scatter is an
+all-reduce and a slice: 4/3 of a ring's bytes at 4 ranks); the choice is made per group
+when the comm is built, not traced. int8/int4 all-gathers (qwZ) gather
 the quantized payloads (runtime/quant.py) with the row's algorithm and decode every chunk;
 int8/int4 reduce-scatters (qgZ) are an `all_to_all_single` of the quantized chunks,
 decoded and summed in fp32.
@@ -37,11 +37,12 @@ import torch
 import torch.distributed._functional_collectives as fc
 import torch.fx.traceback as fx_traceback
 
+import shardc.algorithms as algorithms
+from shardc.algorithms.base import bounds, gather_perm, scatter_perm
 from shardc.dsl.ir import Collectives, DType
-from shardc.lowering import HO_PIECES, Row
+from shardc.lowering import Row
 
 from . import device, quant_ops
-from .collectives import perm, pieces
 from .dtypes import torch_dtype
 from .mesh import ShardMesh
 
@@ -57,20 +58,21 @@ class FunctionalComm:
     """Plan rows as functional collectives over a ShardMesh (see the module notes)."""
 
     def __init__(self, smesh: ShardMesh, algo: Collectives, rows=()):
-        self.smesh, self.algo = smesh, algo
+        self.smesh, self.algo = smesh, str(algo)        # a plain str: traced code looks it up
         self._native: dict[int, bool] = {}   # a group's reduce-scatter: its own op? (decided untraced)
         for row in rows:                     # every group made now, in the same order on every rank:
-            key = smesh.digits(row.levels, row.order)    # a traced graph only looks them up
-            for pg in (smesh.group(key, key), *(smesh.group((lvl,)) for lvl in key)):
+            key, algo = self._key(row)       # a traced graph only looks them up
+            plan = algo.reduce(key, smesh.mesh.ordered)
+            stages = (key, *algo.gather(key, smesh.mesh.ordered), *algo.scatter(key, smesh.mesh.ordered),
+                      *plan.scatter, plan.reduce, *plan.gather)
+            for st in dict.fromkeys(stages):             # in order: groups are made collectively
+                pg = smesh.group(st, st)
                 if pg is not None:
                     self._native[id(pg)] = device.native_reduce_scatter(pg, smesh.device_type)
 
-    def _key(self, row: Row) -> tuple[tuple[str, ...], Collectives]:
+    def _key(self, row: Row):
         key = self.smesh.digits(row.levels, row.order)
-        algo = self.algo
-        if algo is Collectives.AUTO:
-            algo = Collectives.HIERARCHICAL if len(key) >= 2 else Collectives.RING
-        return key, (Collectives.RING if len(key) < 2 else algo)
+        return key, algorithms.resolve(self.algo, key)
 
     def _size(self, lvl: str) -> int:
         return self.smesh.mesh.size(lvl)
@@ -101,19 +103,18 @@ class FunctionalComm:
                           for c in range(s)])
 
     def _gather(self, inp: torch.Tensor, key, algo) -> torch.Tensor:
-        if algo is Collectives.RING:
+        stages = algo.gather(key, self.smesh.mesh.ordered)
+        if stages == (key,) and algo.pieces == 1:
             return _wait(fc.all_gather_single(inp, 0, self.smesh.group(key, key)))
         m = inp.numel()
-        k = HO_PIECES if algo is Collectives.HO_RING else 1
-        stages = self.smesh.mesh.ordered(key)
-        names = tuple(reversed(stages))
+        names = [d for st in reversed(stages) for d in st]
         parts = []
-        for lo, hi in pieces(m, k):
+        for lo, hi in bounds(m, algo.pieces):
             buf = inp[lo:hi].contiguous()
-            for lvl in stages:                              # outermost first
-                buf = _wait(fc.all_gather_single(buf, 0, self.smesh.group((lvl,))))
+            for st in stages:
+                buf = _wait(fc.all_gather_single(buf, 0, self.smesh.group(st, st)))
             shaped = buf.view(*[self._size(n) for n in names], hi - lo)
-            parts.append(shaped.permute(perm(names, key)))
+            parts.append(shaped.permute(gather_perm(stages, key)))
         return torch.cat(parts, dim=-1).reshape(-1)
 
     # -- reduce_scatter -------------------------------------------------------------------
@@ -140,17 +141,16 @@ class FunctionalComm:
         return parts.float().sum(0).to(inp.dtype) if inp.dtype in (torch.float16, torch.bfloat16) else parts.sum(0)
 
     def _scatter(self, inp: torch.Tensor, key, algo, s: int) -> torch.Tensor:
-        if algo is Collectives.RING:
+        stages = algo.scatter(key, self.smesh.mesh.ordered)
+        if stages == (key,) and algo.pieces == 1:
             return self._rs(inp, self.smesh.group(key, key), s)
         m = inp.numel() // s
-        names = tuple(reversed(self.smesh.mesh.ordered(key)))        # innermost first
-        full = inp.view(*[self._size(n) for n in key], m).permute(perm(key, names))
-        k = HO_PIECES if algo is Collectives.HO_RING else 1
+        full = inp.view(*[self._size(n) for n in key], m).permute(scatter_perm(stages, key))
         out = []
-        for lo, hi in pieces(m, k):
+        for lo, hi in bounds(m, algo.pieces):
             buf = full[..., lo:hi].contiguous().view(-1)
-            for lvl in names:
-                buf = self._rs(buf, self.smesh.group((lvl,)), self._size(lvl))
+            for st in stages:
+                buf = self._rs(buf, self.smesh.group(st, st), prod([self._size(n) for n in st]))
             out.append(buf)
         return torch.cat(out)
 
@@ -171,17 +171,16 @@ class FunctionalComm:
         if row is None:
             return t
         key, algo = self._key(row)
-        inner = prod([self._size(n) for n in key[1:]]) if len(key) > 1 else 1
-        if algo is Collectives.RING or t.numel() < inner:
+        plan = algo.reduce(key, self.smesh.mesh.ordered)
+        inner = prod([prod([self._size(n) for n in st]) for st in plan.scatter])
+        if not plan.scatter or t.numel() < inner:
             return _wait(fc.all_reduce(t, "sum", self.smesh.group(key)))
-        stages = self.smesh.mesh.ordered(key)
-        outer, rest = stages[0], stages[1:]
         n = t.numel()
         flat = torch.cat([t.reshape(-1), t.new_zeros(-(-n // inner) * inner - n)])
         chunk = flat
-        for lvl in reversed(rest):                                   # reduce-scatter, innermost first
-            chunk = self._rs(chunk, self.smesh.group((lvl,)), self._size(lvl))
-        chunk = _wait(fc.all_reduce(chunk, "sum", self.smesh.group((outer,))))
-        for lvl in rest:                                             # all-gather, outermost first
-            chunk = _wait(fc.all_gather_single(chunk, 0, self.smesh.group((lvl,))))
+        for st in plan.scatter:                                      # reduce-scatter down
+            chunk = self._rs(chunk, self.smesh.group(st, st), prod([self._size(x) for x in st]))
+        chunk = _wait(fc.all_reduce(chunk, "sum", self.smesh.group(plan.reduce, plan.reduce)))
+        for st in plan.gather:                                       # all-gather back up
+            chunk = _wait(fc.all_gather_single(chunk, 0, self.smesh.group(st, st)))
         return chunk[:n].view(t.shape)

@@ -183,7 +183,8 @@ def test_bf16_comm():
 
 @pytest.mark.distributed
 def test_ho_ring_pieces_in_flight():
-    from shardc.runtime.collectives import HO_PIECES
+    from shardc import algorithms
+    HO_PIECES = algorithms.get("ho-ring").pieces
 
     for in_flight, ok in dist_run(4, _ho_ring_is_pipelined, M22):
         assert ok and in_flight == HO_PIECES

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import shardc.algorithms as algorithms
 from shardc.dsl import ShardcError, load_strategy, unparse
 from shardc.dsl.ir import (DEPENDENCY, STATES, BufferSync, Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec, Scopes,
                            Secondary, Strategy, UnitsKind, UnitsSpec)
@@ -97,7 +98,7 @@ def strategies(draw) -> Strategy:
     return Strategy(
         name=draw(NAMES), mesh=mesh, scopes=top,
         accumulate=draw(st.integers(1, 1_000_000)), prefetch=draw(st.integers(0, 1024)),
-        collectives=draw(st.sampled_from(Collectives)), units=draw(units()), buffers=draw(st.sampled_from(BufferSync)),
+        collectives=draw(st.sampled_from([Collectives(n) for n in ("auto", *algorithms.names())])), units=draw(units()), buffers=draw(st.sampled_from(BufferSync)),
         bucket=draw(st.none() | bucket | st.integers(1, 10**MAX_DIGITS - 1)),
         overrides=tuple(partial_override(draw, pt, mesh, top) for pt in patterns))
 

@@ -275,8 +275,8 @@ def test_a_profile_composes_in_node_stages_on_one_link():
 
 
 def test_a_profile_composes_ho_ring_from_its_pieces():
-    # [Note: staged algorithms] with measured stages: ho-ring runs each stage on HO_PIECES
-    # pieces, so a stage costs HO_PIECES measured rings on a quarter of its payload (each
+    # [Note: staged algorithms] with measured stages: ho-ring runs each stage on its pieces
+    # pieces, so a stage costs `pieces` measured rings on a quarter of its payload (each
     # paying its own latency); hierarchical one ring on the whole payload. Entries are
     # measured at exactly the payloads used, seconds = latency + bytes / rate.
     from shardc import load_strategy

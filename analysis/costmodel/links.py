@@ -1,6 +1,7 @@
 """Link traffic — bytes each rank sends over each mesh level's links per step.
 
-Input: ledger records, the mesh, and the collective algorithm for multi-level groups.
+Input: ledger records, the mesh, and the collective algorithm for multi-level groups
+(its stages: shardc.algorithms).
 Output: `{level: bytes}` averaged over ranks (the sum over all ranks is `world` times
 this; PaRO Table 2 reports that sum), and the intra/inter split.
 
@@ -14,9 +15,10 @@ differ ("inter" = the outermost mesh level, "intra" = every other level).
   reduce-scatter (twice that for an all-reduce), so per rank, averaged:
   bytes_i = edges_i / p · (p−1)/p · V.  For node(g) > gpu(M) this is PaRO's
   "g·(N−1)·V/N inter + (N−g)·(N−1)·V/N intra" summed over ranks.
-- hierarchical (and ho-ring, which only overlaps the same stages): one ring per level,
-  innermost first for a reduce-scatter (outermost first for an all-gather); the stage
-  on level i moves V_i = V / Π_{j>i} p_j, so bytes_i = (p_i − 1)/p_i · V_i.
+- staged algorithms (hierarchical, ho-ring: shardc.algorithms): the sum over the
+  algorithm's stages of each stage's flat collective; hierarchically, one ring per
+  level, innermost first for a reduce-scatter (outermost first for an all-gather); the
+  stage on level i moves V_i = V / Π_{j>i} p_j, so bytes_i = (p_i − 1)/p_i · V_i.
 - all_to_all: each rank sends V/p to each peer; (p_i − 1)·Π_{j>i} p_j peers differ
   first at level i. The runtime's qgZ all_to_all ignores the algorithm (one flat
   all-to-all over the group), so all_to_all is always counted flat.
@@ -24,12 +26,12 @@ Levels of size 1 carry nothing and are dropped first.
 """
 from __future__ import annotations
 
-from math import prod
-
+import shardc.algorithms as algorithms
+from shardc.algorithms.base import FACTOR as _FACTOR, flat_bytes
 from shardc.dsl.ir import Collectives, Mesh
 from shardc.lowering import Op
 
-FACTOR = {Op.ALL_GATHER: 1, Op.REDUCE_SCATTER: 1, Op.ALL_REDUCE: 2, Op.ALL_TO_ALL: 1, Op.BROADCAST: 1}
+FACTOR = {Op(k): v for k, v in _FACTOR.items()}
 
 
 def _sizes(mesh: Mesh, levels) -> list[tuple[str, int]]:
@@ -38,48 +40,20 @@ def _sizes(mesh: Mesh, levels) -> list[tuple[str, int]]:
 
 def flat_ring(op: Op, sizes: list[tuple[str, int]], v: float) -> dict[str, float]:
     """Per-rank bytes per level for one flat collective over the flattened group."""
-    p = prod(s for _, s in sizes)
-    out: dict[str, float] = {}
-    if p <= 1:
-        return out
-    outer = 1
-    for i, (name, s) in enumerate(sizes):
-        inner = prod(x for _, x in sizes[i + 1:])
-        if op is Op.ALL_TO_ALL:
-            out[name] = (s - 1) * inner * v / p
-        else:
-            edges = outer * (s - 1) + (1 if i == 0 else 0)
-            out[name] = FACTOR[op] * edges / p * (p - 1) / p * v
-        outer *= s
-    return out
-
-
-def staged(op: Op, sizes: list[tuple[str, int]], v: float) -> dict[str, float]:
-    """Per-rank bytes per level for the hierarchical (level-by-level) algorithm."""
-    out: dict[str, float] = {}
-    for i, (name, s) in enumerate(sizes):
-        inner = prod(x for _, x in sizes[i + 1:])
-        out[name] = FACTOR[op] * (s - 1) / s * v / inner
-    return out
-
-
-def _chain(sizes: list[tuple[str, int]], v: float) -> dict[str, float]:
-    p = prod(s for _, s in sizes)
-    out, outer = {}, 1
-    for name, s in sizes:
-        out[name] = outer * (s - 1) * v / p
-        outer *= s
-    return out
+    return flat_bytes(Op(op).value, sizes, v)
 
 
 def record_links(op: Op, levels, nbytes: float, mesh: Mesh, algo: Collectives) -> dict[str, float]:
-    """Per-rank bytes per level of one collective of `nbytes` over `levels`."""
-    sizes = _sizes(mesh, levels)
-    if len(sizes) > 1 and op is not Op.ALL_TO_ALL and algo in (Collectives.HIERARCHICAL, Collectives.HO_RING, Collectives.AUTO):
-        return staged(op, sizes, nbytes)
-    if op is Op.BROADCAST:   # a chain of p − 1 edges, each carrying the whole V
-        return _chain(sizes, nbytes)
-    return flat_ring(op, sizes, nbytes)
+    """Per-rank bytes per level of one collective of `nbytes` over `levels`: the sum over
+    the algorithm's stages of each stage's flat collective (shardc.algorithms)."""
+    key = tuple(l for l, _ in _sizes(mesh, levels))
+    out: dict[str, float] = {}
+    if not key:
+        return out
+    for sop, slv, v in algorithms.resolve(algo, key).stages(Op(op).value, key, mesh.ordered, mesh.size, nbytes):
+        for level, b in flat_bytes(sop, _sizes(mesh, slv), v).items():
+            out[level] = out.get(level, 0.0) + b
+    return out
 
 
 def link_bytes(records, mesh: Mesh, algo: Collectives = Collectives.RING) -> dict[str, float]:

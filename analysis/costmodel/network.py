@@ -20,11 +20,13 @@ too slow, and predicted HO-Ring 92 % faster where PaRO measured 32.6 %.)
 
 [Note: staged algorithms]
 `hierarchical` runs one ring per level on V_i = V/Π(inner sizes), one after the
-other: Σ t_i with t_i = FACTOR·(p_i−1)·(α_i + V_i/(p_i·w_i)). `ho-ring` runs the same
-stages on both link tiers at once, pipelined over the runtime's HO_PIECES pieces
-(lowering/rows.py, PaRO §3.3): each stage pays `chunks` latencies, and the time is the
-slowest stage plus the others' share of one chunk, max t_i + (Σ t_i − max t_i)/chunks.
-An all-to-all (qgZ) is always one flat exchange.
+other: Σ t_i with t_i = FACTOR·(p_i−1)·(α_i + V_i/(p_i·w_i)) (an all-reduce is its
+reduce-scatter, all-reduce and all-gather stages: the same sum). `ho-ring` runs the same
+stages on both link tiers at once, pipelined over its pieces (shardc.algorithms, PaRO
+§3.3): each stage pays `pieces` latencies, and the time is the slowest stage plus the
+others' share of one piece, max t_i + (Σ t_i − max t_i)/pieces. The stages and the rule
+are the algorithm object's (shardc.algorithms), which the runtime executes. An
+all-to-all (qgZ) is always one flat exchange.
 
 [Note: shared links]
 Mesh levels are how a strategy names groups, and a group of 4 of a node's 8 GPUs needs
@@ -46,7 +48,8 @@ from math import prod
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Mesh
 from shardc.dsl.quantities import parse_rate, parse_seconds
-from shardc.lowering import HO_PIECES, Op
+import shardc.algorithms as algorithms
+from shardc.lowering import Op
 
 from shardc.analysis.costmodel.links import FACTOR, flat_ring
 
@@ -63,43 +66,41 @@ def stage_sizes(mesh: Mesh, levels) -> list[tuple[str, int]]:
     return [(l, mesh.size(l)) for l in mesh.ordered(levels) if mesh.size(l) > 1]
 
 
-def combine(stages: list[tuple[str, float]], algo: Collectives) -> float:
-    """Seconds of a staged collective from its per-level stages `[(link, seconds)]`
-    ([Note: staged algorithms]); stages on one link run in turn, as one stage of their
-    summed time ([Note: shared links])."""
+def combine(stages: list[tuple[str, float]], algo: Collectives, key=()) -> float:
+    """Seconds of a staged collective from its stages `[(link, seconds)]` ([Note: staged
+    algorithms]; the algorithm's own rule); stages on one link run in turn, as one stage of
+    their summed time ([Note: shared links])."""
     on: dict[str, float] = {}
     for link, t in stages:
         on[link] = on.get(link, 0.0) + t
-    if not on:
-        return 0.0
-    if algo == Collectives.HO_RING:
-        top = max(on.values())
-        return top + (sum(on.values()) - top) / HO_PIECES
-    return sum(on.values())
+    return algorithms.resolve(algo, key or ("", "")).combine(list(on.values()))
 
 
 def collective_seconds(op: Op, levels, nbytes: float, mesh: Mesh, algo: Collectives, link,
                        key=None) -> float:
     """Seconds of one collective; `link(level) -> (latency s, bytes/s)`; `key(level)`: the
-    link a level's traffic goes through (default its own; [Note: shared links])."""
+    link a level's traffic goes through (default its own; [Note: shared links]). Each of
+    the algorithm's stages is a flat collective over its levels ([Note: flat ring over
+    several levels]) that pays a latency per piece."""
     key = key or (lambda l: l)
     sizes = stage_sizes(mesh, levels)
     if not sizes:
         return 0.0
-    if len(sizes) == 1 or algo == Collectives.RING or op is Op.ALL_TO_ALL:
-        p = prod(s for _, s in sizes)
+    group = tuple(l for l, _ in sizes)
+    algo_ = algorithms.resolve(algo, group)
+    stages = []
+    for sop, slv, v in algo_.stages(Op(op).value, group, mesh.ordered, mesh.size, nbytes):
+        sz = stage_sizes(mesh, slv)
+        p = prod(s for _, s in sz)
         on: dict[str, list] = {}
-        for l, b in flat_ring(op, sizes, nbytes).items():
+        for l, b in flat_ring(Op(sop), sz, v).items():
             on.setdefault(key(l), [0.0, link(l)[1]])[0] += b
         wire = max(b / w for b, w in on.values())
-        return FACTOR[op] * (p - 1) * max(link(l)[0] for l, _ in sizes) + wire
-    chunks = HO_PIECES if algo == Collectives.HO_RING else 1
-    stages = []
-    for i, (l, s) in enumerate(sizes):
-        alpha, w = link(l)
-        v = nbytes / prod(x for _, x in sizes[i + 1:])
-        stages.append((key(l), FACTOR[op] * (s - 1) * (chunks * alpha + v / (s * w))))
-    return combine(stages, algo)
+        t = FACTOR[Op(sop)] * (p - 1) * algo_.pieces * max(link(l)[0] for l, _ in sz) + wire
+        stages.append((key(sz[0][0]) if len(on) == 1 else next(iter(on)), t))
+    if len(stages) == 1:
+        return stages[0][1]
+    return combine(stages, algo, group)
 
 
 @dataclass(frozen=True, slots=True)

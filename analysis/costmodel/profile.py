@@ -4,8 +4,8 @@ Input: one or several profile files of one mesh (`shardc profile`, merged by
 `profile_merge.py`). Output: `Profile`, a bandwidth model like `AlphaBeta` and
 `LevelLinks` (`seconds`, `cost`, `key`) that reads each collective's time off the
 measured group, interpolating between measured sizes and composing staged algorithms
-from one-level entries where the group itself was not measured (HO-Ring: HO_PIECES
-rings per stage, on a piece's share).
+from measured rings where the group itself was not measured (each of the algorithm's
+stages, shardc.algorithms; HO-Ring: `pieces` rings per stage, on a piece's share).
 
 [Note: below the measured sizes]
 Between and above its measured sizes a profile interpolates bandwidth (linear in
@@ -39,7 +39,8 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Level, Mesh
 from shardc.dsl.quantities import flop_rate
 
-from shardc.lowering import HO_PIECES, Op
+import shardc.algorithms as algorithms
+from shardc.lowering import Op
 from shardc.analysis.costmodel.network import in_node_link
 from shardc.analysis.costmodel.network import combine as _combine, stage_sizes as _stage_sizes
 from shardc.analysis.costmodel.profile_merge import merge
@@ -147,19 +148,18 @@ class Profile:
         t = self._lookup(op, names, algo.value, nbytes, comm)
         if t is not None:
             return t
-        if len(sizes) > 1 and algo != Collectives.RING:   # compose the stages from one-level entries
-            # ho-ring runs each stage on HO_PIECES pieces, each a measured ring on its share
-            pieces = HO_PIECES if algo is Collectives.HO_RING else 1
+        algo_ = algorithms.resolve(algo, names)
+        if len(sizes) > 1 and algo_.name != "ring":     # compose the stages from measured rings
+            # a piece of a pipelined algorithm is a measured ring on its share, `pieces` times
             stages, busy = [], 0.0
-            for i, (l, _) in enumerate(sizes):
-                inner = prod(x for _, x in sizes[i + 1:])
-                st = self._lookup(op, (l,), "ring", nbytes / inner / pieces, comm)
+            for sop, slv, v in algo_.stages(op.value, names, mesh.ordered, mesh.size, nbytes):
+                st = self._lookup(Op(sop), tuple(slv), "ring", v / algo_.pieces, comm)
                 if st is None:
                     break
-                stages.append((self.key(mesh, l), pieces * st[0]))
-                busy += pieces * st[1]
+                stages.append((self.key(mesh, slv[0]), algo_.pieces * st[0]))
+                busy += algo_.pieces * st[1]
             else:
-                return _combine(stages, algo), busy
+                return _combine(stages, algo, names), busy
         raise ShardcError(f"the bandwidth profile has no {op.value} entry over {', '.join(names)} "
                           f"({algo.value}); profile that group or pass --intra/--inter")
 

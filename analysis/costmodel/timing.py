@@ -51,6 +51,7 @@ from shardc.dsl.ir import Collectives, Mesh, Strategy
 from shardc.analysis.costmodel.ledger import counted_rows
 from shardc.lowering import PHASE_ORDER, Op, lower
 from shardc.analysis.costmodel.network import collective_seconds, in_node_link
+import shardc.algorithms as algorithms
 from shardc.analysis.costmodel.network import stage_sizes as _stage_sizes
 from shardc.analysis.costmodel.pipeline import step, update_wait, waits_of
 from shardc.analysis.costmodel.sizes import UnitSize, dense_flops
@@ -174,7 +175,7 @@ def choose_collectives(strategy: Strategy, unit_numels, *, bandwidth=None,
         return Collectives.RING
     bw = bandwidth or AlphaBeta()
     best, best_t, missing = None, math.inf, None
-    for algo in (Collectives.HIERARCHICAL, Collectives.RING, Collectives.HO_RING):
+    for algo in (Collectives(n) for n in algorithms.names()):      # registration order breaks ties
         try:
             t = sum(phase_costs(rows, mesh, bw, algo)[0].values())
         except ShardcError as e:      # a profile without this algorithm: choose among the others

@@ -1,0 +1,19 @@
+"""shardc.algorithms — collective algorithms, one object each (one file each).
+
+Stage: below the DSL. Input: an algorithm's name (the strategy's `collectives` keyword).
+Output: the `Algorithm` registered under it: the stages a collective runs over a group's
+levels and how many pieces it pipelines (algorithms/base.py). The DSL checks names
+against this registry, the cost model turns the stages into bytes per link level and
+seconds, and both executors (the eager runtime, runtime/collectives.py; the whole-step
+mode's functional collectives, runtime/funcol.py) run the same stages. A new algorithm is
+one file defining an `Algorithm` subclass with `@register` (and its import below, or in
+the user's code before the strategy is read): nothing else names it.
+"""
+from .base import AUTO, Algorithm, ReducePlan, get, names, register, resolve
+
+# the shipped algorithms register themselves; registration order breaks ties in `auto`
+from . import hierarchical  # noqa: F401,E402,I001
+from . import ring  # noqa: F401,E402
+from . import ho_ring  # noqa: F401,E402
+
+__all__ = ["AUTO", "Algorithm", "ReducePlan", "get", "names", "register", "resolve"]
