@@ -16,7 +16,11 @@ parameters), buffers (`buffers broadcast|local`), faults (timeouts, failed peers
 guarded collectives), ledger, comm (the communication interface: plan rows issued on
 mesh/collectives and recorded), dtypes (the DType -> torch.dtype table), device (the
 model's device, the backend per device type, communication streams), compile (what
-torch.compile must run eagerly; compile-then-shard), module (entry point).
+torch.compile must run eagerly; compile-then-shard), graph_mode/graph_step/graph_boundary/
+graph_backend/graph_secondary/funcol/quant_ops (the whole-step compiled mode,
+`backend="inductor"`: each micro-batch one Inductor graph, the plan's collectives in it as
+functional collectives, and the step boundary one more), build (construction: the
+shards, their values, the engine), module (the API).
 `sm.module` keeps no registered parameters: `sm.parameters()` are the model's parameters
 (this rank's pieces, runtime/state/params.py); read whole values with `full_state_dict()`.
 """

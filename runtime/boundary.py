@@ -82,6 +82,16 @@ class StepBoundary:
         self.backward_listeners: list = []
         self.forward_checks: list = []     # called before every forward (the parameters have values) # called at the end of every backward (the parameters' grads)
 
+    # -- the loop's switches (ShardedModule.set_requires_gradient_sync, no_sync) ----------------
+    def set_requires_sync(self, flag: bool) -> None:
+        self.requires_sync = bool(flag)
+
+    def enter_no_sync(self) -> None:
+        self.no_sync_depth += 1
+
+    def exit_no_sync(self) -> None:
+        self.no_sync_depth -= 1
+
     def trainable_groups(self) -> list[FlatGroup]:
         return [u.trainable for u in self.units if u.trainable is not None]
 

@@ -23,7 +23,7 @@ import abc
 import torch
 
 from shardc.dsl.ir import Collectives, DType, Mesh
-from shardc.lowering import Op, Phase, Row
+from shardc.lowering import Phase, Row
 
 from . import collectives as C
 from .ledger import Ledger
@@ -83,27 +83,27 @@ class Comm(UnitCollectives):
     def rank(self) -> int:
         return self.smesh.rank
 
-    def _record(self, row: Row, op: Op, phase: Phase | None = None) -> None:
-        self.ledger.record(phase or row.phase, op, row.levels, row.bytes)
+    def _record(self, row: Row, phase: Phase | None = None) -> None:
+        self.ledger.record_row(row, phase)
 
     def all_gather(self, row, out, inp, *, phase=None, record=True):
         if row is None:
             return C.local_copy(out, inp)
         if record:
-            self._record(row, Op.ALL_GATHER, phase)
+            self._record(row, phase)
         return C.all_gather(out, inp, self.smesh, row.levels, row.order, algo=self.algo, comm=row.comm)
 
     def reduce_scatter(self, row, out, inp, *, scratch=None):
         if row is None:
             return C.local_copy(out, inp)
-        self._record(row, Op.ALL_TO_ALL if row.comm.quantized else Op.REDUCE_SCATTER)
+        self._record(row)
         return C.reduce_scatter(out, inp, self.smesh, row.levels, row.order, algo=self.algo,
                                 comm=row.comm, scratch=scratch)
 
     def all_reduce(self, row, t):
         if row is None:
             return DoneWork()
-        self._record(row, Op.ALL_REDUCE)
+        self._record(row)
         return C.all_reduce(t, self.smesh, row.levels, algo=self.algo)
 
     def gather(self, out: torch.Tensor, inp: torch.Tensor, levels, order) -> torch.Tensor:

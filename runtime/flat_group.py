@@ -219,7 +219,7 @@ class FlatGroup:
 
     def zero_grads(self) -> None:
         self.finish_grads()
-        self.storage.stale = True              # zeroed lazily, see storage.py [Note: grad accumulation]
+        self.storage.mark_zero()               # zeroed lazily, see storage.py [Note: grad accumulation]
         self.syncing = None
 
     # -- update ---------------------------------------------------------------------

@@ -43,6 +43,15 @@ class GraphBoundary:
         self.sync_rows = [r for g in groups for r in g.gplan.rows if r.phase is Phase.SYNC]
         self.update_rows = [r for g in groups for r in g.gplan.rows if r.phase is Phase.UPDATE]
 
+    def set_requires_sync(self, flag: bool) -> None:
+        self.requires_sync = bool(flag)
+
+    def enter_no_sync(self) -> None:
+        self.no_sync_depth += 1
+
+    def exit_no_sync(self) -> None:
+        self.no_sync_depth -= 1
+
     def trainable_groups(self):
         return [u.trainable for u in self.units if u.trainable is not None]
 
@@ -69,7 +78,7 @@ class GraphBoundary:
 
     def _record(self, rows) -> None:
         for r in rows:
-            self.ledger.record(r.phase, r.op, r.levels, r.bytes)
+            self.ledger.record_row(r)
 
     # -- the step ------------------------------------------------------------------------
     def check_forward(self, grad_enabled: bool) -> None:
@@ -103,8 +112,7 @@ class GraphBoundary:
 
     def zero_grad(self) -> None:
         for g in self.trainable_groups():
-            g.storage.grad_shard.zero_()
-            g.storage.stale = False
+            g.storage.zero_now()
         self.micro = 0
         self.generation += 1
         self.phase = StepPhase.FRESH

@@ -168,7 +168,7 @@ class GraphStep:
     def __call__(self, *args, **kwargs):
         out = self._compiled(*args, **kwargs)
         for r in self.forward_rows:
-            self.ledger.record(r.phase, r.op, r.levels, r.bytes)
+            self.ledger.record_row(r)
         tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             register_multi_grad_hook(tensors, lambda grads: self._backward_starts(), mode="any")
@@ -178,5 +178,5 @@ class GraphStep:
         """The compiled backward runs every unit's re-gather and reduce-scatter: record them;
         when the autograd engine is done, the micro-batch counts (`on_backward`)."""
         for r in self.backward_rows:
-            self.ledger.record(r.phase, r.op, r.levels, r.bytes)
+            self.ledger.record_row(r)
         torch.autograd.Variable._execution_engine.queue_callback(self.on_backward)

@@ -1,7 +1,10 @@
 """Communication ledger — stage: runtime.
 
-Input: one logical record per collective call, made by the communication interface (comm.py),
-each carrying the bytes of the plan row it executes. Output: `comm_ledger()`, a merged,
+Input: the plan row of every collective run (`record_row`: the one place a record is made),
+whichever executor runs it — the eager communication interface (comm.py) as it issues a
+row, the whole-step mode as each compiled graph runs (its rows: graph_step.py,
+graph_boundary.py), the whole-tensor norms of `clip_grad_norm_(sm.parameters())`
+(state/params.py). Output: `comm_ledger()`, a merged,
 sorted `list[LedgerRecord]` (docs/internals.md "Ledger"; merging and order are the
 lowering's, shared with `explain`).
 
@@ -24,8 +27,10 @@ class Ledger:
     def __init__(self) -> None:
         self._counts: Counter = Counter()
 
-    def record(self, phase: Phase, op: Op, levels: tuple[str, ...], nbytes: int) -> None:
-        self._counts[(Phase(phase).value, Op(op).value, tuple(levels), int(nbytes))] += 1
+    def record_row(self, row, phase: Phase | None = None) -> None:
+        """One run of plan row `row` (`phase` overrides the row's: a backward re-gather that
+        reuses the forward row)."""
+        self._counts[(Phase(phase or row.phase).value, Op(row.op).value, tuple(row.levels), int(row.bytes))] += 1
 
     def reset(self) -> None:
         self._counts.clear()

@@ -58,7 +58,14 @@ _CACHE: dict[tuple, "ShardMesh"] = {}
 
 
 class ShardMesh:
-    """A Mesh bound to the running world: coordinates, cached process groups."""
+    """A Mesh bound to the running world: coordinates, cached process groups.
+
+    [Note: one ShardMesh per mesh, process-wide]
+    `ShardMesh(mesh, device_type, device_mesh)` returns the same object for the same mesh,
+    device type and DeviceMesh while the default process group is the same (`__new__`
+    caches it in `_CACHE`): every ShardedModule of a process on one mesh shares its process
+    groups, which are collective to create and costly to make twice. A new default group
+    (a test's fresh world, a restarted job) makes a new one."""
 
     def __new__(cls, mesh: Mesh, device_type: str = "cpu", device_mesh: DeviceMesh | None = None):
         default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None

@@ -31,7 +31,7 @@ from .compile import compile_like
 from .errors import RuntimeUsageError
 from .ledger import LedgerRecord
 from .optimizer import build_optimizer, install
-from .state import checkpoint, full
+from .state import StateView, checkpoint, full
 from .state.hooks import AnyKey, KeyModifiers
 
 
@@ -48,6 +48,9 @@ class ShardedModule(nn.Module):
         self.runtime.boundary.backward_listeners.append(self.params.attach_grads)
         self.runtime.boundary.forward_checks.append(self.params.require)
         self._shardc_keys = AnyKey()           # torch's key check walks here (`_fqn_modifiers`)
+        # what the state-dict code reads, handed over (it never reads this module's fields)
+        self.state_view = StateView(self.module, self.params, self.param_targets, self.names_of, self.comm,
+                                    self.runtime.units, self.runtime.release, self.tp, self.buffer_sync, self.faults)
         install()
 
     @property
@@ -76,16 +79,16 @@ class ShardedModule(nn.Module):
         """FSDP2's spelling, after which the loop decides: backwards with it False accumulate
         without the step's gradient sync; each backward with it True ends by issuing it (see
         boundary.py's [Note: accumulation]). `recurse` is accepted for FSDP2 compatibility."""
-        self.runtime.boundary.requires_sync = bool(requires_gradient_sync)
+        self.runtime.boundary.set_requires_sync(requires_gradient_sync)
 
     @contextlib.contextmanager
     def no_sync(self):
         """DDP's spelling: backwards inside do not issue the step's gradient sync."""
-        self.runtime.boundary.no_sync_depth += 1
+        self.runtime.boundary.enter_no_sync()
         try:
             yield
         finally:
-            self.runtime.boundary.no_sync_depth -= 1
+            self.runtime.boundary.exit_no_sync()
 
     # -- optimizer and gradients ----------------------------------------------------
     def optimizer(self, cls, param_groups=None, **kw) -> torch.optim.Optimizer:
@@ -137,7 +140,7 @@ class ShardedModule(nn.Module):
         Collective: every rank must call it (a lone caller gets an error naming it after
         the shardc timeout). With `rank0_only`, ranks other than 0 return {}."""
         self.runtime.boundary.complete_updates()          # deferred update all-gathers (plan pass)
-        return full.full_state_dict(self, rank0_only)
+        return full.full_state_dict(self.state_view, rank0_only)
 
     def full_optim_state_dict(self, optimizer, rank0_only: bool = False) -> dict:
         """`optimizer`'s state as torch's layout keyed by parameter names, each state tensor
@@ -145,7 +148,7 @@ class ShardedModule(nn.Module):
 
         Collective, like `full_state_dict`."""
         self.runtime.boundary.complete_updates()
-        return full.full_optim_state_dict(self, optimizer, rank0_only)
+        return full.full_optim_state_dict(self.state_view, optimizer, rank0_only)
 
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load full (unsharded) tensors, e.g. from `full_state_dict()`: `load_state_dict`
@@ -159,14 +162,14 @@ class ShardedModule(nn.Module):
         training forward: then a collective (rank 0's buffers are broadcast first), so call
         it on every rank."""
         self.runtime.boundary.complete_updates()
-        return checkpoint.model_state_dict(self)
+        return checkpoint.model_state_dict(self.state_view)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load `state_dict()`-shaped (or full-tensor) entries; checks every name and shape
         before changing anything. Collective (re-gathers the params shards)."""
         self.runtime.boundary.complete_updates()
         self.faults.enter("load_state_dict()")
-        return checkpoint.load_model_state_dict(self, state_dict, strict)
+        return checkpoint.load_model_state_dict(self.state_view, state_dict, strict)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """Every parameter of the model under its original name, from construction on: this

@@ -197,6 +197,14 @@ class FlatStorage:
         else:
             self.grad_shard.add_(chunk)
 
+    def mark_zero(self) -> None:
+        """zero_grad(): the grad shard is logically zero (written lazily, see Note)."""
+        self.stale = True
+
+    def zero_now(self) -> None:
+        self.grad_shard.zero_()
+        self.stale = False
+
     def materialize(self) -> None:
         """A stale grad shard (zero_grad() ran, no backward wrote it) becomes zeros."""
         if self.stale:

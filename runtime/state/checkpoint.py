@@ -1,11 +1,11 @@
 """Checkpoints — stage: runtime (state). Strategy-independent state dicts for DCP.
 
-Input: a `ShardedModule` (its parameters' pieces, its buffers, the original model and its
-state-dict hooks) and the optimizers over its parameters.
-Output: `model_state_dict(sm)` / `load_model_state_dict(sm, sd)` behind
-`sm.state_dict()` / `sm.load_state_dict()`, and the optimizer hooks that make
+Input: a sharded model's `StateView` (runtime/state/__init__.py: its parameters' pieces, its
+buffers, the original model and its state-dict hooks) and the optimizers over its parameters.
+Output: `model_state_dict(v)` / `load_model_state_dict(v, sd)` behind
+`v.state_dict()` / `v.load_state_dict()`, and the optimizer hooks that make
 `opt.state_dict()` / `opt.load_state_dict()` speak the same language, so torch's own
-`get_state_dict(sm, opt)`, `dcp.save`, `dcp.load`, `set_state_dict(...)` work unchanged.
+`get_state_dict(v, opt)`, `dcp.save`, `dcp.load`, `set_state_dict(...)` work unchanged.
 
 [Note: the keys are torch's]
 The model state dict is what the original model's `state_dict()` gives, hooks included
@@ -30,60 +30,60 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RuntimeUsageError
-from . import hooks
+from . import StateView, hooks
 from .params import ShardParam
 from .pieces import gather, local_piece, wrap
 
 OPTIM_CLASS = "shardc_optimizer"    # full_optim_state_dict()'s param-group entry: the optimizer class
 
 
-def _shapes(sm) -> dict[str, tuple]:
-    return {n: p._shardc_spec.global_shape for n, p in sm.params.params.items()}
+def _shapes(v: StateView) -> dict[str, tuple]:
+    return {n: p._shardc_spec.global_shape for n, p in v.params.params.items()}
 
 
-def parameter_values(sm, whole: set[str] | None) -> dict[str, torch.Tensor]:
+def parameter_values(v: StateView, whole: set[str] | None) -> dict[str, torch.Tensor]:
     """Each parameter's value for the model's state-dict machinery: the whole tensor for the
     names in `whole` (None: all; gathered in parameter order, a collective), else this
     rank's piece (`ShardcPiece`)."""
-    mesh = sm.comm.smesh.device_mesh
+    mesh = v.comm.smesh.device_mesh
     out = {}
-    for name, p in sm.params.params.items():
+    for name, p in v.params.params.items():
         spec, local = p._shardc_spec, p.to_local()
         if whole is None or name in whole:
-            out[name] = gather(sm.comm, spec, local)
+            out[name] = gather(v.comm, spec, local)
         else:
-            out[name] = wrap(local.clone(), spec, mesh, sm.comm)
+            out[name] = wrap(local.clone(), spec, mesh, v.comm)
     return out
 
 
 # -- model ------------------------------------------------------------------------------
-def model_state_dict(sm) -> dict:
+def model_state_dict(v: StateView) -> dict:
     """The original model's `state_dict()` (see [Note: the keys are torch's]). Local, except
     that under `buffers broadcast` rank 0's buffers are broadcast first if a training forward
     changed them (runtime/buffers.py), and that entries a model's hook computes gather their
     parameters."""
-    sm.buffer_sync.settle("state_dict()")
-    whole = hooks.whole_needed(sm.module, sm.param_targets, _shapes(sm))
-    return hooks.save(sm.module, sm.param_targets, parameter_values(sm, whole))
+    v.buffer_sync.settle("state_dict()")
+    whole = hooks.whole_needed(v.module, v.targets, _shapes(v))
+    return hooks.save(v.module, v.targets, parameter_values(v, whole))
 
 
-def load_model_state_dict(sm, sd: dict, strict: bool = True):
+def load_model_state_dict(v: StateView, sd: dict, strict: bool = True):
     """torch checks every name and shape and runs the model's load hooks; then masters,
     shards and buffers are written. Returns torch's `_IncompatibleKeys`. Collective over the
     OS∖P levels (the params shards are re-gathered from the loaded masters)."""
-    sd = _tied_filled(sm, sd)
+    sd = _tied_filled(v, sd)
     error = None
     try:
         try:
-            params, bufs, result = hooks.load(sm.module, sm.param_targets, _shapes(sm), sd, strict)
+            params, bufs, result = hooks.load(v.module, v.targets, _shapes(v), sd, strict)
         except RuntimeError as e:
-            _renamed_missing(sm, sd, e)
+            _renamed_missing(v, sd, e)
             raise
     except Exception as e:                  # noqa: BLE001 — re-raised below, on every rank
         error = e
-    _agree(sm, error)
+    _agree(v, error)
     staged = []
-    for u in sm.runtime.units:
+    for u in v.units:
         for g in u.groups:
             src, start = g.storage.checkpoint_chunk()
             new = src.detach().clone()
@@ -92,23 +92,23 @@ def load_model_state_dict(sm, sd: dict, strict: bool = True):
                 if value is not None and hi > lo:
                     first = start + lo - s.offset
                     new[lo:hi].copy_(local_piece(value, s.shape, first, first + hi - lo, repr(s.fqn),
-                                                 sm.tp.get(s.fqn)))
+                                                 v.tp.get(s.fqn)))
             staged.append((u.index, g, new))
     with torch.no_grad():
         for i, g, new in staged:
-            sm.runtime.release(i)
+            v.release(i)
             _commit(g, new)
         for buf, value in bufs:
             buf.copy_(value)
-    sm.params.loaded(params)
+    v.params.loaded(params)
     return result
 
 
-def _tied_filled(sm, sd):
+def _tied_filled(v: StateView, sd):
     """A tied parameter given under one of its names is given under all of them (torch's
     broadcast_from_rank0 keeps one name per parameter object)."""
     fill = {}
-    for names in sm.names_of.values():
+    for names in v.names_of.values():
         given = next((n for n in names if n in sd), None)
         if given is not None:
             fill.update({n: sd[given] for n in names if n not in sd})
@@ -121,10 +121,10 @@ def _tied_filled(sm, sd):
     return out
 
 
-def _agree(sm, error: Exception | None) -> None:
+def _agree(v: StateView, error: Exception | None) -> None:
     """Every rank loads, or none does: a rank's failed checks fail the load everywhere
     (with `broadcast_from_rank0` only rank 0 holds the dict, so the ranks can disagree)."""
-    group = sm.comm.smesh.dp_group()
+    group = v.comm.smesh.dp_group()
     if group is None:
         if error is not None:
             raise error
@@ -139,7 +139,7 @@ def _agree(sm, error: Exception | None) -> None:
                                 f"anything: {' '.join(bad[1].split())}")
 
 
-def _renamed_missing(sm, sd, error: RuntimeError) -> None:
+def _renamed_missing(v: StateView, sd, error: RuntimeError) -> None:
     """A strict load missing only parameters whose own module saves them under other keys
     (a state-dict hook), with none of those keys in the dict: one sentence naming the
     module. torch's `set_model_state_dict(..., broadcast_from_rank0=True)` gives exactly
@@ -147,15 +147,15 @@ def _renamed_missing(sm, sd, error: RuntimeError) -> None:
     torch's own error."""
     if "Missing key(s)" not in str(error):
         return
-    shapes = _shapes(sm)
-    _, _, result = hooks.load(sm.module, sm.param_targets, shapes, sd, strict=False)    # nothing live changes
-    renamed = hooks.renamed(sm.module, sm.param_targets, shapes)
-    by_alias = {a: n for n in renamed for a in sm.names_of[n]}
+    shapes = _shapes(v)
+    _, _, result = hooks.load(v.module, v.targets, shapes, sd, strict=False)    # nothing live changes
+    renamed = hooks.renamed(v.module, v.targets, shapes)
+    by_alias = {a: n for n in renamed for a in v.names_of[n]}
     missing = list(result.missing_keys)
     if not missing or any(k not in by_alias for k in missing):
         return
-    path, mod = hooks.hook_owner(sm.module, by_alias[missing[0]])
-    own = [k for k in hooks.saved_keys(sm.module, sm.param_targets, shapes)
+    path, mod = hooks.hook_owner(v.module, by_alias[missing[0]])
+    own = [k for k in hooks.saved_keys(v.module, v.targets, shapes)
            if not path or k.startswith(path + ".")]
     if any(k in sd for k in own):
         return
@@ -163,7 +163,7 @@ def _renamed_missing(sm, sd, error: RuntimeError) -> None:
         f"the state dict has no {missing[0]!r}, which {type(mod).__name__} {path!r} saves under other keys "
         f"through its own state-dict hook, and not those keys either (torch's set_model_state_dict with "
         f"broadcast_from_rank0=True keeps only entries named like the model's parameters); give every rank "
-        f"the dict (sm.load_full_state_dict) or load through DCP (get_state_dict, dcp.load, set_state_dict)"
+        f"the dict (v.load_full_state_dict) or load through DCP (get_state_dict, dcp.load, set_state_dict)"
     ) from error
 
 
@@ -202,12 +202,12 @@ def attach_optimizer_hooks(opt) -> None:
     opt.register_load_state_dict_pre_hook(load_hook)
 
 
-def _saved(v, p):
+def _saved(value, p):
     """A state value as saved: element-wise state tensors as pieces, the rest copies."""
-    if isinstance(v, torch.Tensor) and v.dim() > 0:
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
         s = p._shardc_set
-        return wrap(v.detach().clone(), p._shardc_spec, s.comm.smesh.device_mesh, s.comm)
-    return _copy(v)
+        return wrap(value.detach().clone(), p._shardc_spec, s.comm.smesh.device_mesh, s.comm)
+    return _copy(value)
 
 
 def _copy(v):
