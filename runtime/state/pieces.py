@@ -130,15 +130,7 @@ def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple, tuple, 
 
 class _Flat(torch.Tensor):
     """A rank's elements [lo, hi) of a parameter-shaped tensor, flattened (DCP hooks; see
-    [Note: uneven pieces as DCP chunks] and [Note: the padding rides on the last piece]
-A flat group's buffer is padded to a multiple of its factors (shardc.lowering); the
-padding sits after its last parameter, and the optimizer states cover it, as `explain`
-counts them (N·K/s_OS per rank). So the last parameter's tensor on a rank whose chunk holds
-padding is its piece followed by that padding (`pad` elements, zero gradients, never
-saved): an optimizer over the parameters holds exactly the planned state. Everything
-that reads a piece's values takes its first `hi - lo` elements.
-
-[Note: torch's full-state-dict recipes])."""
+    [Note: uneven pieces as DCP chunks] and [Note: torch's full-state-dict recipes])."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
