@@ -181,15 +181,7 @@ class _Flat(torch.Tensor):
 
 class ShardcPiece(DTensor):
     """A state-dict entry: one rank's piece of a parameter (or of an optimizer state of its
-    shape) as a DTensor of the global shape; see [Note: the padding rides on the last piece]
-A flat group's buffer is padded to a multiple of its factors (shardc.lowering); the
-padding sits after its last parameter, and the optimizer states cover it, as `explain`
-counts them (N·K/s_OS per rank). So the last parameter's tensor on a rank whose chunk holds
-padding is its piece followed by that padding (`pad` elements, zero gradients, never
-saved): an optimizer over the parameters holds exactly the planned state. Everything
-that reads a piece's values takes its first `hi - lo` elements.
-
-[Note: torch's full-state-dict recipes]."""
+    shape) as a DTensor of the global shape; see [Note: torch's full-state-dict recipes]."""
 
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
         return self._local_tensor
