@@ -359,16 +359,17 @@ class ParamSet:
 
     def plain_grads(self, params) -> None:
         """For an optimizer's step: plain views instead of ShardGrads (no per-op dispatch)."""
-        for p in params:
-            entry = self.grads.get(p._shardc_spec.name)
-            if entry is not None and _grad(p) is entry[0]:
-                _set_grad(p, entry[1])
+        self._swap(params, 0, 1)
 
     def shard_grads(self, params) -> None:
+        """After the step: the ShardGrads again."""
+        self._swap(params, 1, 0)
+
+    def _swap(self, params, have: int, want: int) -> None:
         for p in params:
             entry = self.grads.get(p._shardc_spec.name)
-            if entry is not None and _grad(p) is entry[1]:
-                _set_grad(p, entry[0])
+            if entry is not None and _grad(p) is entry[have]:
+                _set_grad(p, entry[want])
 
     def grad_cleared(self, p) -> None:
         """`p.grad = None` (zero_grad): the step is over; the shards are zeroed lazily."""
