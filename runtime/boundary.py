@@ -2,7 +2,9 @@
 
 Input: the units (their flat groups), the plan's `Schedule`, the strategy's accumulate,
 the engine's event record and reduce workspace; the loop's sync switches
-(`no_sync_depth`, `requires_sync`). Output: `StepPhase`, and `StepBoundary`, the object
+(`no_sync_depth`, `requires_sync`, changed through methods); the executor of the step's
+collectives (`ops`: eagerly, step_ops.py; or as compiled graphs in the whole-step mode,
+graph_boundary.py) — one state machine for both. Output: `StepPhase`, and `StepBoundary`, the object
 the engine (engine.py) composes that owns the step's state: it decides when the step's
 gradient sync is issued and completed (`wait_sync`, called by opt.step() and
 clip_grad_norm_), folds micro-batches run past it, issues the update all-gathers after
@@ -34,6 +36,7 @@ from shardc.lowering import Schedule
 
 from .errors import AccumulationWarning, RuntimeUsageError
 from .flat_group import FlatGroup
+from .step_ops import EagerStepOps
 from .unit import UnitState
 from .workspace import Workspace
 
@@ -62,8 +65,9 @@ class StepBoundary:
     """The step's state and its transitions (see [Note: accumulation])."""
 
     def __init__(self, units: list[UnitState], accumulate: int, schedule: Schedule,
-                 events: list, workspace: Workspace | None):
+                 events: list, workspace: Workspace | None, ops=None):
         self.units = units
+        self.ops = ops if ops is not None else EagerStepOps(units)   # eagerly, or as graphs
         self.accumulate = max(1, accumulate)
         self.schedule = schedule
         self.events = events
@@ -119,7 +123,7 @@ class StepBoundary:
         self._sync_unit(u)
         earlier, self._sync_prev = self._sync_prev, u.trainable
         if earlier is not None:
-            earlier.sync_advance_early()
+            self.ops.advance_early(earlier)
 
     def end_backward(self) -> None:
         """A backward is done: count it; issue the step's sync when it is due."""
@@ -149,7 +153,7 @@ class StepBoundary:
     def _sync_unit(self, u: UnitState) -> None:
         if u.index not in self._synced:
             self._synced.add(u.index)
-            u.trainable.sync_issue()
+            self.ops.sync_unit(u)
             self.events.append(("issue_sync", u.index))
 
     def _issue_sync(self) -> None:
@@ -161,11 +165,7 @@ class StepBoundary:
         self.phase = StepPhase.SYNCING
 
     def _complete_sync(self) -> None:
-        groups = self.trainable_groups()
-        for g in groups:
-            g.sync_advance()
-        for g in groups:
-            g.sync_wait()
+        self.ops.complete()
         self.phase = StepPhase.SYNCED
         self.generation += 1
         self.events.append(("sync_done", -1))
@@ -183,11 +183,13 @@ class StepBoundary:
                 done = self._carry.get(u.index)
                 self._carry[u.index] = (g.storage.os_grad.clone() if done is None
                                          else done.add_(g.storage.os_grad))
-                g.zero_grads()
+        self.ops.zero()
         self.phase = StepPhase.ACCUMULATING
 
     def _warn(self, what: str) -> None:
         import torch.distributed as dist       # once per run: on the job's first rank only
+        if not self.ops.early:                 # no sync is issued before the step: nothing is lost
+            return
         if not self._warned and dist.get_rank() == 0:
             self._warned = True
             warnings.warn(f"{what}; the overlap the plan gives that sync is lost (warned once per run)",
@@ -211,7 +213,7 @@ class StepBoundary:
     def after_step(self) -> None:
         """Issue every unit's update all-gather; wait those the schedule does not defer."""
         self.complete_updates()
-        works = [(u.index, u.trainable.update_issue()) for u in self.units if u.trainable is not None]
+        works = self.ops.update()
         deferred = set(self.schedule.update_deferred)
         for i, w in works:
             if i in deferred:
@@ -232,8 +234,7 @@ class StepBoundary:
             self.complete_update(i)
 
     def zero_grad(self) -> None:
-        for g in self.trainable_groups():
-            g.zero_grads()
+        self.ops.zero()
         self.clear_workspace()
         self.micro = 0
         self._loop_decides = False

@@ -20,7 +20,8 @@ from shardc.dsl.errors import ShardcError
 
 from .funcol import FunctionalComm
 from .graph_backend import ScheduledInductor
-from .graph_boundary import GraphBoundary
+from .boundary import StepBoundary
+from .graph_boundary import GraphStepOps
 from .graph_secondary import Secondaries
 from .graph_step import GraphStep
 
@@ -50,9 +51,11 @@ class GraphRuntime:
         self.comm = FunctionalComm(smesh, strategy.collectives, rows)
         secondaries = Secondaries(self.comm)
         self.backend = ScheduledInductor(schedule, _levels_of(smesh, rows), secondaries)
-        self.boundary = GraphBoundary(units, strategy.accumulate, self.comm, ledger, world, self.backend)
+        ops = GraphStepOps(units, self.comm, ledger, world, self.backend)
+        self.boundary = StepBoundary(units, strategy.accumulate, schedule, self.events, None, ops=ops)
         self.step = GraphStep(model, units, self.comm, names_of, ledger, self.backend,
-                              on_backward=self._backward_done, secondaries=secondaries)
+                              on_backward=self._backward_done, secondaries=secondaries,
+                              on_backward_start=self.boundary.begin_backward)
 
     def collectives(self) -> list:
         """Every compiled graph's collectives in the order they are issued (the schedule that

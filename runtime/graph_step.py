@@ -87,9 +87,10 @@ def gather_function(comm, gather_row, reduce_row):
 class GraphStep:
     """One micro-batch as one compiled graph (see the module note)."""
 
-    def __init__(self, model, units, comm, names_of, ledger, backend, on_backward, secondaries):
+    def __init__(self, model, units, comm, names_of, ledger, backend, on_backward, secondaries,
+                 on_backward_start=lambda: None):
         self.model, self.units, self.comm, self.names_of, self.ledger = model, units, comm, names_of, ledger
-        self.on_backward = on_backward
+        self.on_backward, self.on_backward_start = on_backward, on_backward_start
         self.anchors, self.gathers, self.secondary = {}, {}, {}
         for u in units:
             for g in u.groups:
@@ -177,6 +178,7 @@ class GraphStep:
     def _backward_starts(self) -> None:
         """The compiled backward runs every unit's re-gather and reduce-scatter: record them;
         when the autograd engine is done, the micro-batch counts (`on_backward`)."""
+        self.on_backward_start()               # the step boundary: a backward after the step ended folds
         for r in self.backward_rows:
             self.ledger.record_row(r)
         torch.autograd.Variable._execution_engine.queue_callback(self.on_backward)

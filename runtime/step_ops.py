@@ -1,0 +1,42 @@
+"""The step's collectives, issued eagerly — stage: runtime (what the step boundary runs).
+
+Input: the units (their trainable flat groups, flat_group.py). Output: `EagerStepOps`, the
+executor `StepBoundary` (boundary.py) runs the step's sync, update and zeroing through:
+each unit's sync issued as its own collectives (so a plan pass can issue it early, during
+the last backward), completed and averaged at the step, the update all-gathers issued after
+opt.step() as work the boundary may wait later (a deferred update). The whole-step mode's
+executor runs the same steps as compiled graphs (graph_boundary.py `GraphStepOps`).
+"""
+from __future__ import annotations
+
+
+class EagerStepOps:
+    """The step's collectives as eager work, unit by unit (see the module docstring)."""
+    early = True                        # a unit's sync can be issued before the step (plan passes)
+
+    def __init__(self, units):
+        self.units = units
+
+    def _groups(self):
+        return [u.trainable for u in self.units if u.trainable is not None]
+
+    def sync_unit(self, u) -> None:
+        u.trainable.sync_issue()
+
+    def advance_early(self, group) -> None:
+        group.sync_advance_early()
+
+    def complete(self) -> None:
+        groups = self._groups()
+        for g in groups:
+            g.sync_advance()
+        for g in groups:
+            g.sync_wait()
+
+    def update(self) -> list:
+        """Every unit's update all-gather issued: [(unit index, work)]."""
+        return [(u.index, u.trainable.update_issue()) for u in self.units if u.trainable is not None]
+
+    def zero(self) -> None:
+        for g in self._groups():
+            g.zero_grads()
