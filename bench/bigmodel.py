@@ -1,20 +1,22 @@
 """Start-up of a big model on one machine (bench stage: systems x a Llama's depth -> start-up
 time, peak RSS per rank, model states per rank, the first step's loss; information only).
 
-    python bench/bigmodel.py --layers 16 --workdir /tmp/bigmodel --json bench/results/OUT.json
-    python bench/bigmodel.py --layers 2 --workdir /tmp/bigmodel-2 --systems shardc:init,fsdp2:init
+    python bench/bigmodel.py --layers 16 --no-step --workdir /tmp/bigmodel-16 --json OUT.json
+    python bench/bigmodel.py --layers 1 --workdir /tmp/bigmodel-1 --json OUT.json \
+        --systems shardc:init@ring,shardc:dcp@ring,shardc:safetensors@ring,fsdp2:init,fsdp2:dcp,shardc:init
+    python bench/bigmodel.py --table OUT.json ...        # docs/BENCHMARKS.md's rows
 
 Input: `--layers N`, the depth of a Hugging Face `LlamaForCausalLM` of TinyLlama's width
 (hidden 2048, intermediate 5632, vocab 32000, 32 heads, 4 KV heads, untied head, fp32;
 `llama_N` below is its factory, e.g. `shardc explain ... --model bench/bigmodel.py:llama_16`),
 and `--systems`, each run by this script (the driver) in its own `torchrun --nproc-per-node 8`
-(gloo, CPU) so that every figure comes from fresh processes:
+(gloo, CPU, OMP_NUM_THREADS=1) so that every figure comes from fresh processes:
 
 - `shardc:init`: built on the meta device, `shardc.compile(model, zero3.shard, mesh
-  "node(2) > gpu(4)", init=model._init_weights)` after `torch.manual_seed`; it also saves
-  the initial values as a DCP checkpoint (`WORKDIR/dcp`, torch's recipe: `dcp.save` of
-  `get_model_state_dict`; the model only, as torchtitan's seed checkpoint), after its
-  start-up figures are taken and before its step;
+  "node(2) > gpu(4)", init=model._init_weights)` after `torch.manual_seed`; the first
+  `shardc:init*` of a run also saves the initial values as a DCP checkpoint (`WORKDIR/dcp`,
+  torch's recipe: `dcp.save` of `get_model_state_dict`; the model only, as torchtitan's
+  seed checkpoint), after its start-up figures are taken and before its step;
 - `shardc:dcp`: meta, `init=shardc.buffers_only(model._init_weights)` (the rotary cache),
   then torch's recipe: `get_model_state_dict`, `dcp.load`, `set_model_state_dict`;
 - `shardc:safetensors`: meta, the same buffers-only init, `shardc.load_safetensors` of
@@ -26,25 +28,38 @@ and `--systems`, each run by this script (the driver) in its own `torchrun --npr
 - `fsdp2:dcp`: the same without the init (only the rotary cache recomputed), then the
   recipe above from `WORKDIR/dcp`.
 
-Then one training step: batch 1 x 128 random tokens per rank (seeded by rank), forward, the
-next-token cross-entropy from the logits, backward, AdamW (lr 3e-4) `step()`, `zero_grad()`.
+A shardc system may end in `@ring|@hierarchical|@ho-ring|@auto` (bench/systems.py's
+suffix): the strategy with that `collectives` line (zero3 on this 2-level mesh is `auto`,
+which resolves to HO-Ring); `--strategy FILE` replaces zero3.shard.
+
+Then, unless `--no-step`, one training step: batch 1 x 128 random tokens per rank (seeded
+by rank), forward, the next-token cross-entropy from the logits, backward, AdamW (lr 3e-4)
+`step()`, `zero_grad()`.
 
 Output: per system and per rank, the start-up wall time (the meta build to values ready,
-after a barrier: the slowest rank's), the peak RSS of start-up and of the first step (Linux
-`VmHWM` from /proc/self/status, reset by writing 5 to /proc/self/clear_refs after the
-start-up figure is read, so the step's peak is its own; `ru_maxrss` for the whole process
-beside it), the RSS after importing torch and transformers and after start-up (`VmRSS`), the
-model states per rank after `opt.step()` (shardc: `sm.memory_report()`; FSDP2: the local
-shards of parameters, gradients and optimizer states), the step's time and its loss (every
-rank's, and their mean); plus `shardc explain ... --json`'s `memory` (`startup` where the
-installed shardc reports it) and the whole-build arithmetic. `--json` writes it all (result
-files: `systems_100gbit_DATE_bigmodel-LN.json`, docs/BENCHMARKS.md "Result files": 8 ranks
-of one machine over loopback, unshaped; no MODEL field, this model is not a preset).
+after a barrier: the slowest rank's) and its phases (compile, the init's own time inside
+`_init_weights`, the load), the peak RSS of start-up and of the first step (Linux `VmHWM`
+from /proc/self/status, reset by writing 5 to /proc/self/clear_refs after the start-up
+figure is read, so the step's peak is its own; `ru_maxrss` of the whole process beside it),
+the RSS after importing torch, transformers and shardc and after start-up (`VmRSS`), the
+model states per rank at start-up and after `opt.step()` (shardc: `sm.memory_report()`;
+FSDP2: the local shards of parameters, gradients and optimizer states), the parameter norm
+(float64 over every rank's pieces: equal loads give equal norms), the step's time and its
+loss (every rank's, and their mean); plus `shardc explain ... --json`'s `memory` (`startup`,
+`total`), the whole-build arithmetic (8 ranks x parameters x 4 bytes), and the init's cost
+per parameter in one process on one thread (`init_rate`). `--json` writes it all (result
+files: `systems_100gbit_DATE_bigmodel-lN-{startup,step}.json`, docs/BENCHMARKS.md "Result
+files": 8 ranks of one machine over loopback, unshaped; no MODEL field, this model is not a
+preset).
 
-Before each torchrun the driver waits (up to `--wait` seconds) until /proc/meminfo's
-MemAvailable holds `--need-gib` (default: 8 ranks x an estimate of a rank's step peak,
-plus 1 GiB); a machine that never frees it is one sentence, as is any other bad input
-(a system, a depth, a missing workdir checkpoint), and a failed torchrun names its log.
+Memory: before each torchrun the driver waits (up to `--wait` seconds) until /proc/meminfo's
+MemAvailable holds `--need-gib` (default: an estimate, at most the machine's memory less
+1 GiB); while it runs, a watchdog kills the job when MemAvailable falls below `--floor-gib`
+(the run is recorded as not fitting, with the ranks' RSS then and the start-up figures
+written before the step), and every rank sets its oom_score_adj to 1000, so that a job that
+does not fit never makes the kernel kill another one. A machine that never frees the memory
+is one sentence, as is any other bad input (a system, a depth, a strategy file, a load with
+no checkpoint saved), and a failed torchrun names its log.
 """
 from __future__ import annotations
 
@@ -54,6 +69,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -68,6 +84,7 @@ SEED = 1234
 TOKENS = 128
 LR = 3e-4
 SYSTEMS = ("shardc:init", "shardc:dcp", "shardc:safetensors", "fsdp2:init", "fsdp2:dcp")
+ALGOS = ("ring", "hierarchical", "ho-ring", "auto")     # `shardc:HOW@ALGO`: zero3 with `collectives ALGO`
 WIDTH = dict(hidden_size=2048, intermediate_size=5632, vocab_size=32000, num_attention_heads=32,
              num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,
              tie_word_embeddings=False, use_cache=False)
@@ -184,7 +201,16 @@ class Timed:
         self.cpu += time.thread_time() - c
 
 
-def start_shardc(how: str, layers: int, workdir: str, x: torch.Tensor, phases: dict):
+def strategy(path: str, algo: str | None) -> str:
+    """The strategy file's path, or its text with `collectives ALGO` (bench/systems.py's `@ALGO`)."""
+    if algo is None:
+        return path
+    with open(path) as f:
+        return f.read() + f"\ncollectives {algo}\n"
+
+
+def start_shardc(how: str, layers: int, workdir: str, x: torch.Tensor, phases: dict, algo: str | None = None,
+                 path: str = STRATEGY):
     import shardc
     t = time.perf_counter()
     with torch.device("meta"):
@@ -193,7 +219,7 @@ def start_shardc(how: str, layers: int, workdir: str, x: torch.Tensor, phases: d
     init = Timed(model._init_weights)
     torch.manual_seed(SEED)
     t = time.perf_counter()
-    sm = shardc.compile(model, STRATEGY, example_inputs=(x,), mesh=MESH,
+    sm = shardc.compile(model, strategy(path, algo), example_inputs=(x,), mesh=MESH,
                         init=init if how == "init" else shardc.buffers_only(init))
     phases["compile_s"] = time.perf_counter() - t       # with the init (in shardc:init)
     phases["init_wall_s"], phases["init_cpu_s"] = init.wall, init.cpu
@@ -282,7 +308,7 @@ def worker(args) -> None:
     if world != WORLD:
         raise BadInput(f"bench/bigmodel.py runs on {WORLD} ranks (mesh {MESH}), not {world}: "
                        f"torchrun --nproc-per-node {WORLD}")
-    system, (kind, how) = args.worker, args.worker.split(":")
+    system, (kind, how), algo = args.worker, args.worker.split("@")[0].split(":"), parse_algo(args.worker)
     x = batch(rank)
     gc.collect()
     dist.barrier()
@@ -291,7 +317,7 @@ def worker(args) -> None:
     t0 = time.perf_counter()
     r["phases"] = {}
     if kind == "shardc":
-        model = start_shardc(how, args.layers, args.workdir, x, r["phases"])
+        model = start_shardc(how, args.layers, args.workdir, x, r["phases"], algo, args.strategy)
     else:
         model = start_fsdp2(how, args.layers, args.workdir, r["phases"])
     r["startup_rank_s"] = time.perf_counter() - t0
@@ -440,7 +466,7 @@ def wait_for_memory(need: int, wait: float) -> int:
             raise BadInput(f"the machine has {have / GIB:.1f} GiB available, {need / GIB:.1f} GiB needed "
                            f"(waited {wait:.0f}s): wait for other jobs, or pass fewer --layers or --need-gib")
         print(f"  {have / GIB:.1f} GiB available, {need / GIB:.1f} GiB needed: waiting", flush=True)
-        time.sleep(min(60, max(1, deadline - time.time())))
+        time.sleep(min(10, max(1, deadline - time.time())))
 
 
 def descendants(pid: int) -> list[int]:
@@ -484,7 +510,7 @@ def watch(proc, floor: int, seen: dict) -> None:
         time.sleep(0.05)
 
 
-def run_system(system: str, args, need: int) -> dict:
+def run_system(system: str, args, need: int, save: bool) -> dict:
     import threading
     have = wait_for_memory(need, args.wait)
     name = system.replace(":", "-") + ("" if args.step else "-startup")
@@ -493,8 +519,8 @@ def run_system(system: str, args, need: int) -> dict:
         os.remove(out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            os.path.abspath(__file__), "--worker", system, "--layers", str(args.layers), "--workdir", args.workdir,
-           "--out", out, "--timeout", str(args.timeout)] + \
-        (["--save"] if system == "shardc:init" else []) + ([] if args.step else ["--no-step"])
+           "--out", out, "--timeout", str(args.timeout), "--strategy", os.path.abspath(args.strategy)] + \
+        (["--save"] if save else []) + ([] if args.step else ["--no-step"])
     env = dict(os.environ, OMP_NUM_THREADS="1", SHARDC_TIMEOUT=str(args.timeout))
     print(f"{system}: torchrun ({have / GIB:.1f} GiB available), log {log}", flush=True)
     load0 = os.getloadavg()
@@ -543,15 +569,22 @@ def summarize(ranks: list[dict]) -> dict:
     return dict(out, ranks=ranks)
 
 
-def explain(layers: int) -> dict:
-    cmd = [sys.executable, "-m", "shardc.cli", "explain", STRATEGY,
-           "--model", f"{os.path.abspath(__file__)}:llama_{layers}", "--mesh", MESH, "--json",
-           "--micro-batches", "1", "--tokens", str(TOKENS)]
+def parse_algo(system: str) -> str | None:
+    return system.split("@")[1] if "@" in system else None
+
+
+def explain(layers: int, algo: str | None = None, path: str = STRATEGY) -> dict:
+    """`shardc explain --json` of zero3 on this model: its memory (`startup`, `total`, ...),
+    its peak, and the note it prints (on stderr) when it cannot trace the model."""
+    cmd = [sys.executable, "-m", "shardc.cli", "explain", os.path.relpath(path, ROOT),
+           "--model", f"{os.path.relpath(__file__, ROOT)}:llama_{layers}", "--mesh", MESH, "--json",
+           "--micro-batches", "1", "--tokens", str(TOKENS)] + (["--collectives", algo] if algo else [])
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if p.returncode != 0:
         raise BadInput(f"shardc explain failed: {p.stderr.strip().splitlines()[-1:]}")
     rep = json.loads(p.stdout)
-    return dict(command="shardc " + " ".join(cmd[3:]), memory=rep["memory"])
+    return dict(command="shardc " + " ".join(cmd[3:]), memory=rep["memory"], peak=rep.get("peak"),
+                collectives=rep.get("collectives"), note=p.stderr.strip())
 
 
 def gib(b) -> str:
@@ -560,19 +593,24 @@ def gib(b) -> str:
 
 def driver(args) -> None:
     systems = [s for s in args.systems.split(",") if s]
-    bad = [s for s in systems if s not in SYSTEMS]
+    bad = [s for s in systems if s.split("@")[0] not in SYSTEMS or
+           ("@" in s and (not s.startswith("shardc") or parse_algo(s) not in ALGOS))]
     if bad:
-        raise BadInput(f"unknown system {bad[0]!r}: use some of {','.join(SYSTEMS)}")
+        raise BadInput(f"unknown system {bad[0]!r}: use some of {','.join(SYSTEMS)}, a shardc one "
+                       f"optionally @{'|@'.join(ALGOS)}")
     if args.layers < 1:
         raise BadInput(f"--layers must be at least 1, not {args.layers}")
-    os.makedirs(args.workdir, exist_ok=True)
+    if not os.path.isfile(args.strategy):
+        raise BadInput(f"--strategy {args.strategy}: no such file")
     ckpt = os.path.join(args.workdir, "dcp", ".metadata")
-    loads = [s for s in systems if s.endswith((":dcp", ":safetensors"))]
-    if loads and "shardc:init" not in systems and not os.path.exists(ckpt):
+    loads = [s for s in systems if s.split("@")[0].endswith((":dcp", ":safetensors"))]
+    saver = next((s for s in systems if s.startswith("shardc:init")), None)
+    if loads and saver is None and not os.path.exists(ckpt):
         raise BadInput(f"{loads[0]} loads {args.workdir}/dcp, which no run saved: add shardc:init to --systems")
     need = int(args.need_gib * GIB) if args.need_gib else need_bytes(args.layers, args.step)
     p = n_params(args.layers)
-    res = dict(layers=args.layers, params=p, world=WORLD, mesh=MESH, strategy="examples/strategies/zero3.shard",
+    os.makedirs(args.workdir, exist_ok=True)
+    res = dict(layers=args.layers, params=p, world=WORLD, mesh=MESH, strategy=os.path.relpath(args.strategy, ROOT),
                step=args.step, tokens_per_rank=TOKENS, dtype="float32", torch=torch.__version__,
                machine=dict(mem_total=mem_total(), cpus=os.cpu_count()),
                whole_build=dict(bytes_per_rank=p * 4, bytes_all_ranks=WORLD * p * 4),
@@ -581,13 +619,15 @@ def driver(args) -> None:
           f"{WORLD} x {p * 4 / GIB:.2f} GiB = {WORLD * p * 4 / GIB:.1f} GiB of fp32 parameters "
           f"(the machine: {mem_total() / GIB:.1f} GiB)", flush=True)
     for s in systems:
-        if s.endswith(":safetensors") and not os.path.isdir(os.path.join(args.workdir, "hf")):
+        if s.split("@")[0].endswith(":safetensors") and not os.path.isdir(os.path.join(args.workdir, "hf")):
             if not os.path.exists(ckpt):
                 raise BadInput(f"{s} needs {args.workdir}/hf, made from the checkpoint shardc:init saves, "
                                "but it saved none")
             res["prepare_hf"] = prepare_hf(args.layers, args.workdir)
             print(f"  prepared {args.workdir}/hf: {res['prepare_hf']}", flush=True)
-        r = res["systems"][s] = run_system(s, args, need)
+        if s == saver:                         # it saves WORKDIR/dcp anew: the safetensors copy goes with the old one
+            shutil.rmtree(os.path.join(args.workdir, "hf"), ignore_errors=True)
+        r = res["systems"][s] = run_system(s, args, need, save=s == saver)
         print(f"  {s}: start-up {r.get('startup_s') or 0:.1f}s, peak RSS start-up {gib(r.get('hwm_startup_max'))}"
               f", step {gib(r.get('hwm_step_max'))}, states {gib(r.get('states_max', r.get('states_ready_max')))}"
               f", norm {r.get('param_norm') or 0:.4f}, loss {r.get('loss_mean') or 0:.4f}", flush=True)
@@ -597,10 +637,36 @@ def driver(args) -> None:
     print(f"  init in one process, one thread: {res['init_rate']['s_per_param'] * 1e9:.2f} s per 1e9 parameters "
           f"(a 7B model's 6.7e9: {res['init_rate']['derived_7b_s']:.0f} s)", flush=True)
     if not args.no_explain:
-        res["explain"] = explain(args.layers)
-        print(f"  explain: {res['explain']['memory']}", flush=True)
+        algos = sorted({parse_algo(s) or "" for s in systems if s.startswith("shardc")})
+        name = os.path.splitext(os.path.basename(args.strategy))[0]
+        res["explain"] = {name + ("@" + a if a else ""): explain(args.layers, a or None, args.strategy) for a in algos}
+        for a, e in res["explain"].items():
+            print(f"  explain {a}: {e['memory']}", flush=True)
     if args.json:
         dump(res, args.json)
+
+
+def table(paths: list[str]) -> None:
+    """docs/BENCHMARKS.md's rows ("Start-up of big models") from result files."""
+    print("| layers (params) | system | start-up (s) | peak RSS start-up (GiB) | peak RSS step (GiB) "
+          "| model states (GiB) | explain start-up + import (GiB) | step-1 loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    for path in paths:
+        with open(path) as f:
+            res = json.load(f)
+        for s, r in res["systems"].items():
+            e = res.get("explain", {})
+            name = os.path.splitext(os.path.basename(res["strategy"]))[0] + ("@" + parse_algo(s) if parse_algo(s) else "")
+            e = e.get(name, {}) if s.startswith("shardc") else {}
+            start = e.get("memory", {}).get("startup")
+            step = (f"{r['hwm_step_max'] / GIB:.2f}" if r.get("hwm_step_max") else
+                    f"stopped at {sum(r['killed']['ranks_rss']) / GIB:.1f} (8 ranks)" if r.get("killed") else "-")
+            states = r.get("states_max") if res["step"] and r.get("states_max") else r.get("states_ready_max")
+            states = f"{states / GIB:.2f}" + (" (start-up)" if res["step"] and not r.get("states_max") else "")
+            told = "-" if start is None else f"{start / GIB:.2f} + {r['rss_imported_max'] / GIB:.2f}"
+            loss = "-" if r.get("loss_mean") is None else f"{r['loss_mean']:.6f}"
+            print(f"| {res['layers']} ({res['params'] / 1e6:.0f} M) | {s} | {r['startup_s']:.1f} "
+                  f"| {r['hwm_startup_max'] / GIB:.2f} | {step} | {states} | {told} | {loss} |")
 
 
 def dump(res: dict, path: str) -> None:
@@ -615,6 +681,7 @@ def main(argv=None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--workdir", default="/tmp/bigmodel")
     ap.add_argument("--json")
+    ap.add_argument("--strategy", default=STRATEGY, help="the shardc systems' strategy (default zero3.shard)")
     ap.add_argument("--no-step", dest="step", action="store_false", help="start-up only, no training step")
     ap.add_argument("--need-gib", type=float, help="memory to wait for before each torchrun (default: estimated)")
     ap.add_argument("--wait", type=float, default=3600, help="seconds to wait for that memory")
@@ -622,12 +689,15 @@ def main(argv=None) -> int:
                     help="stop a run when the machine's available memory falls below this")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds for each torchrun and each collective")
     ap.add_argument("--no-explain", action="store_true")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the docs' table rows of these result files")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--save", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
-        if args.worker:
+        if args.table:
+            table(args.table)
+        elif args.worker:
             worker(args)
         else:
             driver(args)
