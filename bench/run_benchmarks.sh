@@ -56,3 +56,20 @@ TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python bench/cluster_bench.py --nodes 2 --p
     --micro-batch 2 --accumulate 4 --steps 3 --warmup 1 --rounds 2 \
     --systems fsdp2:full,fsdp2:full+compile,shardc:zero3,shardc:zero3+inductor,shardc:paro_iig,shardc:paro_iig+inductor,shardc:paro_nig,shardc:paro_nig+inductor \
     --json "$OUT/systems_250mbit_bench_${DATE}_inductor.json" --logdir "$OUT/logs_inductor"
+
+# 7. start-up of big models (docs/BENCHMARKS.md "Start-up of big models"): 8 ranks over loopback, no
+#    namespaces. A 16-layer Llama of TinyLlama's width (836 M parameters, too big for 8 whole builds)
+#    starts from the meta device (initialize, DCP, safetensors; FSDP2's recipe), then the first step at
+#    the depths where it fits. Checkpoints (~7 GB at 16 layers) go to a scratch directory.
+BIG=$(mktemp -d)
+python bench/bigmodel.py --layers 16 --no-step --workdir "$BIG/l16" \
+    --json "$OUT/systems_100gbit_${DATE}_bigmodel-l16-startup.json"
+python bench/bigmodel.py --layers 1 --workdir "$BIG/l1" --need-gib 20.5 \
+    --systems shardc:init@ring,shardc:dcp@ring,shardc:safetensors@ring,fsdp2:init,fsdp2:dcp,shardc:init \
+    --json "$OUT/systems_100gbit_${DATE}_bigmodel-l1-step.json"
+python bench/bigmodel.py --layers 2 --workdir "$BIG/l2" --need-gib 20.5 --systems shardc:init@ring,shardc:init,fsdp2:init \
+    --json "$OUT/systems_100gbit_${DATE}_bigmodel-l2-step.json"
+python bench/bigmodel.py --layers 8 --workdir "$BIG/l8" --need-gib 21 --no-explain --systems fsdp2:init \
+    --json "$OUT/systems_100gbit_${DATE}_bigmodel-l8-step.json"
+rm -rf "$BIG"
+python bench/bigmodel.py --table "$OUT"/systems_100gbit_"${DATE}"_bigmodel-l{16-startup,1-step,2-step,8-step}.json
