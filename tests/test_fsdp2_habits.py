@@ -9,6 +9,7 @@ one process on the whole batch:
   `clip_grad_norm_(m.parameters(), 0.5)` train at parity, each step's norm equal;
 - `parameters_to_vector` and `copy.deepcopy` fail (FSDP2: its errors; shardc: one sentence
   naming the call), except on whole pieces (DDP), where `parameters_to_vector` is right;
+  `p.detach()` and `p.data` keep the whole tensor's shape and norm;
 - a parameter frozen after sharding (`requires_grad_(False)`) gets no gradient and keeps
   its value; `zero_grad(set_to_none=False)` steps at parity;
 - `get_model_state_dict` / `get_optimizer_state_dict` with `full_state_dict=True` (with and
@@ -110,6 +111,13 @@ def _misuse(rank, world):
         m = _build(system, Tiny())
         out[system, "p2v"] = _raises(lambda: torch.nn.utils.parameters_to_vector(m.parameters()))
         out[system, "deepcopy"] = _raises(lambda: copy.deepcopy(m))
+        if system == "zero3":             # detach() and .data keep the whole tensor's rules (FSDP2: DTensors)
+            w = dict(m.named_parameters())["blocks.0.up.weight"]
+            whole = w.full_tensor()
+            out["detach_norm"] = float(torch.linalg.vector_norm(w.detach()) - whole.norm())
+            out["data_norm"] = float(w.data.norm() - whole.norm())
+            out["detach_shape"] = tuple(w.detach().shape) == tuple(whole.shape)
+            out["data_view"] = _raises(lambda: w.data.view(-1))
         if system == "ddp":
             vec = torch.nn.utils.parameters_to_vector(m.parameters())
             out["ddp_vector"] = bool(torch.equal(vec, torch.nn.utils.parameters_to_vector(Tiny().parameters())))
@@ -134,6 +142,8 @@ def test_misuse_fails_as_fsdp2_does_and_freezing_works():
                                             "shardc model that tensor is this rank's piece"), r
         assert r["ddp", "p2v"] == "no error" and r["ddp_vector"], r
         assert r["fsdp2", "deepcopy"].startswith("AssertionError: FSDP does not support deepcopy"), r
+        assert abs(r["detach_norm"]) < 1e-6 and abs(r["data_norm"]) < 1e-6 and r["detach_shape"], r
+        assert r["data_view"].startswith("RuntimeUsageError: view() reshapes or indexes 'blocks.0.up.weight'"), r
         for s in ("zero3", "ddp"):
             assert r[s, "deepcopy"].startswith("RuntimeUsageError: a ShardedModule cannot be deep-copied"), r
         assert r["fsdp2", "frozen"] == r["zero3", "frozen"] == (True, True, True), r

@@ -99,6 +99,10 @@ class _Whole:
     def __len__(self) -> int:
         return self.shape[0]
 
+    def full_tensor(self) -> torch.Tensor:
+        """The whole tensor (global shape), gathered from every rank's piece. Collective."""
+        return self._shardc_set.whole(self._shardc_spec, self.to_local())
+
     def to_local(self) -> torch.Tensor:
         """This rank's piece (a plain tensor sharing its storage; without the padding a last
         piece carries)."""
@@ -151,19 +155,9 @@ class ShardParam(_Whole, nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in RESHAPES or func in REDUCTIONS:
-            if _all_whole(args, kwargs):
-                return _on_whole(func, args, kwargs)
-            cls._refuse(func, args, kwargs)
-            return _set_of(args, kwargs).norms(func, args, kwargs)
         if getattr(func, "__name__", "") == "__set__" and func == _GRAD_SET and args[1] is None:
             args[0]._shardc_set.grad_cleared(args[0])
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-
-    def full_tensor(self) -> torch.Tensor:
-        """The whole parameter (global shape), gathered from every rank. Collective."""
-        return self._shardc_set.whole(self._shardc_spec, self.to_local())
+        return _dispatch(cls, func, args, kwargs)
 
 
 class ShardGrad(_Whole, torch.Tensor):
@@ -171,23 +165,53 @@ class ShardGrad(_Whole, torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        owner = _set_of(args, kwargs)
         if getattr(func, "__name__", "") != "__get__":
+            owner = _set_of(args, kwargs)
             if func in ZEROING:
                 owner.grads_zeroed()
             else:
                 owner.settle("reading a gradient")
-        if func in RESHAPES or func in REDUCTIONS:
-            if _all_whole(args, kwargs):
-                return _on_whole(func, args, kwargs)
-            cls._refuse(func, args, kwargs)
-            return owner.norms(func, args, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+        return _dispatch(cls, func, args, kwargs)
 
     def full_tensor(self) -> torch.Tensor:
         self._shardc_set.settle("reading a gradient")
         return self._shardc_set.whole(self._shardc_spec, self.to_local())
+
+
+class ShardTensor(_Whole, torch.Tensor):
+    """`p.detach()`, `p.data` or `p.clone()` of a parameter or gradient: the same piece (a copy,
+    for clone) with the same whole-tensor metadata and rules (see [Note: a parameter is this
+    rank's piece])."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(cls, func, args, kwargs)
+
+
+KEEPS = {_T.detach, _T.clone, torch.clone, torch.detach}
+_DATA_GET = _T.data.__get__                        # a method-wrapper: compared with ==
+
+
+def _dispatch(cls, func, args, kwargs):
+    """The rules every shardc tensor follows (see [Note: a parameter is this rank's piece])."""
+    if func in RESHAPES or func in REDUCTIONS:
+        if _all_whole(args, kwargs):
+            return _on_whole(func, args, kwargs)
+        cls._refuse(func, args, kwargs)
+        return _set_of(args, kwargs).norms(func, args, kwargs)
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **(kwargs or {}))
+    keep = func in KEEPS or (getattr(func, "__name__", "") == "__get__" and func == _DATA_GET)
+    return _kept(out, args[0]) if keep and isinstance(args[0], _Whole) else out
+
+
+def _kept(out, of: "_Whole"):
+    """A detached or cloned piece keeps its whole-tensor metadata (a ShardTensor)."""
+    if not isinstance(out, torch.Tensor) or isinstance(out, _Whole):
+        return out
+    kept = out.as_subclass(ShardTensor)
+    kept._shardc_spec, kept._shardc_set = of._shardc_spec, of._shardc_set
+    return kept
 
 
 def _all_whole(args, kwargs) -> bool:
