@@ -209,7 +209,7 @@ def test_cli_writes_the_module(tmp_path):
     assert r.returncode == 0, r.stderr
     src = out.read_text()
     compile(src, str(out), "exec")
-    assert "def shard_model(model, mesh=None, schedule=SCHEDULE, timeout=None, lowering=None):" in src and "rt.run_unit(1, " in src
+    assert "def shard_model(model, mesh=None, schedule=SCHEDULE, timeout=None, lowering=None, init=None, device=None," in src and "rt.run_unit(1, " in src
 
 
 def test_cli_unwritable_output_is_one_line(tmp_path):

@@ -22,14 +22,20 @@ from pathlib import Path
 from tests.harness import HANG_S
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("shardc", "dsl", "compiler", "analysis", "runtime", "units", "lowering", "grammars")
+
+
+def _package_dirs() -> list[str]:
+    """The top-level source directories pyproject maps packages to (its package-dir owns the list)."""
+    import tomllib
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return sorted({d.split("/")[0] for d in dirs.values()})
 
 
 def _copy_sources(dst: Path) -> None:
     for name in ("pyproject.toml", "README.md"):
         if (ROOT / name).exists():
             shutil.copy(ROOT / name, dst / name)
-    for pkg in PACKAGES:
+    for pkg in _package_dirs():
         shutil.copytree(ROOT / pkg, dst / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
 
 
