@@ -14,6 +14,19 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def held_tensors(engine) -> list[torch.Tensor]:
+    """Every tensor the units' storages hold (shards, secondary copies, grad shards, fp32
+    masters, and the full buffers, whose storage is empty between gathers): what a memory
+    tracker entered after construction must be told about (shardc/simulate.py)."""
+    out = []
+    for u in engine.units:
+        for st in (g.storage for g in u.groups):
+            out += [t for t in (st.full_data, st.shard, st.secondary) if t is not None]
+            if st.trainable:
+                out += [st.grad_shard] + ([st.master] if st.master_separate else [])
+    return out
+
+
 def memory_report(engine, optimizers) -> dict[str, int]:
     rep = {"params": 0, "params_secondary": 0, "grads": 0, "optim": 0}
     for u in engine.units:

@@ -37,6 +37,7 @@ backward attaches the gradients again. A parameter frozen after sharding
 from __future__ import annotations
 
 import math
+import types
 from math import prod
 
 import torch
@@ -158,8 +159,7 @@ class ShardParam(_Whole, nn.Parameter):
             return _set_of(args, kwargs).norms(func, args, kwargs)
         if getattr(func, "__name__", "") == "__set__" and func == _GRAD_SET and args[1] is None:
             args[0]._shardc_set.grad_cleared(args[0])
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+        return _plain(func, args, kwargs)
 
     def full_tensor(self) -> torch.Tensor:
         """The whole parameter (global shape), gathered from every rank. Collective."""
@@ -182,12 +182,31 @@ class ShardGrad(_Whole, torch.Tensor):
                 return _on_whole(func, args, kwargs)
             cls._refuse(func, args, kwargs)
             return owner.norms(func, args, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+        return _plain(func, args, kwargs)
 
     def full_tensor(self) -> torch.Tensor:
         self._shardc_set.settle("reading a gradient")
         return self._shardc_set.whole(self._shardc_spec, self.to_local())
+
+
+def _plain(func, args, kwargs):
+    """`func` on the pieces as they are. On meta tensors (a simulated rank:
+    runtime/simulation.py) torch's meta kernels are Python and read `.shape`, which is the
+    whole parameter's here, so torch's operators (not attributes, not Python-level methods
+    such as hook registration) get the pieces as plain tensors (aliases of the same storage)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if not isinstance(func, types.FunctionType) and getattr(func, "__name__", "") not in ("__get__", "__set__") \
+                and any(isinstance(a, _Whole) and a.is_meta for a in _flat_args(args, kwargs)):
+            args, kwargs = _unwrapped(tuple(args)), {k: _unwrapped(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **(kwargs or {}))
+
+
+def _unwrapped(a):
+    if isinstance(a, _Whole):
+        return a.as_subclass(torch.Tensor)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_unwrapped(x) for x in a)
+    return a
 
 
 def _all_whole(args, kwargs) -> bool:
