@@ -210,9 +210,8 @@ def _ag_plan(out, inp, mesh, key, algo, comm, s):
         payload = quant.quantize(inp, comm)
         gathered = payload.new_empty(s * p)
 
-        def decode():
-            for c in range(s):
-                quant.dequantize(gathered[c * p:(c + 1) * p], m, comm, out=out[c * m:(c + 1) * m])
+        def decode():                            # every rank's payload at once ([Note: rows at once])
+            out.view(s, m).copy_(quant.dequantize_rows(gathered.view(s, p), m, comm))
         return _ag_bytes(gathered, payload, mesh, key, algo), decode
     cdt = torch_dtype(comm)
     if cdt == out.dtype and cdt == inp.dtype:
@@ -249,15 +248,10 @@ def _qgz(out, inp, sm, key, comm):
     pg = sm.group(key, key)
     s, m = dist.get_world_size(pg), out.numel()
     p = quant.shard_payload_bytes(m, comm)
-    send = inp.new_empty(s * p, dtype=torch.uint8)
-    for c in range(s):
-        quant.quantize(inp[c * m:(c + 1) * m], comm, out=send[c * p:(c + 1) * p])
+    send = quant.quantize_rows(inp.view(s, m), comm).view(-1)     # [Note: rows at once] in runtime/quant.py
     recv = torch.empty_like(send)
     yield [dist.all_to_all_single(recv, send, group=pg, async_op=True)]
-    acc = out.new_zeros(m, dtype=torch.float32)
-    for c in range(s):
-        acc += quant.dequantize(recv[c * p:(c + 1) * p], m, comm)
-    out.copy_(acc)
+    out.copy_(quant.dequantize_rows(recv.view(s, p), m, comm).sum(0))
 
 
 def reduce_scatter(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collectives.RING,
