@@ -7,6 +7,8 @@ group (shardc/simulate.py), with the real compile, runtime and optimizer step.
   docs/internals.md ("Memory", "Ledger"), worked out here by hand, on every rank.
 - ZeRO++ (int8 weights, int4 gradients, an hpZ secondary) on 1000 ranks, where every unit
   needs padding: the same, with the quantized payload formula.
+- One flat group of 2.69e9 elements (three blocks of that width in one unit) on 1024 ranks:
+  sizes, the last rank's offsets past 2**31 and the ledger's bytes are exact.
 - A quantized collective runs the same operators whatever the group's size (it once
   decoded one rank's payload at a time: a Python loop over 1024 ranks per collective).
 - Bad input is one sentence: a rank outside the world, a mesh that does not divide the
@@ -75,13 +77,33 @@ def _cli(model, strategy, mesh, ranks, mb, world=None):
             "--micro-batches", str(mb), "--tokens", "64", "--clip", "--no-graph", "--json"]
 
 
+WHOLE = """strategy whole
+mesh node(*) > gpu(8)
+params shard over world
+grads  shard over world
+optim  shard over world
+units type Embedding
+accumulate 1
+"""
+THREE_BLOCKS = f"""import sys
+sys.path.insert(0, {os.path.join(ROOT, "examples")!r})
+from llama import Llama, LlamaConfig
+def three():
+    return Llama(LlamaConfig(dim={DIM}, n_layers=3, n_heads=64, ffn_dim={FFN}))
+"""
+
+
 @pytest.fixture(scope="module")
-def runs():
-    """The two simulations' reports and the operator counts, from one subprocess."""
+def runs(tmp_path_factory):
+    """The three simulations' reports and the operator counts, from one subprocess."""
+    tmp = tmp_path_factory.mktemp("sim")
+    (tmp / "whole.shard").write_text(WHOLE)
+    (tmp / "three.py").write_text(THREE_BLOCKS)
     argvs = [_cli("examples/llama.py:llama_65b_2l", "examples/strategies/paro_igg.shard", "node(128) > gpu(8)",
                   "0,515,last", 4),
              _cli("examples/llama.py:llama_65b_2l", "examples/strategies/zeropp.shard", "node(*) > gpu(8)",
-                  "last", 2, world=1000)]
+                  "last", 2, world=1000),
+             _cli(f"{tmp / 'three.py'}:three", str(tmp / "whole.shard"), "node(128) > gpu(8)", "last", 1)]
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -141,6 +163,26 @@ def test_zeropp_padded_on_1000_ranks(runs):
               ("backward", "all_to_all", ("node", "gpu"), q(n_block, 1000, 4), 2 * m),
               ("update", "all_reduce", ("node", "gpu"), 4, 1)]
     assert r["memory"] == memory
+    assert _rows(r["ledger"]) == sorted(ledger)
+    assert r["memory_equal"] and r["ledger_equal"]
+
+
+def test_one_flat_group_past_two_to_the_31_elements(runs):
+    # three blocks of LLaMA-65B's width in the root unit (`units type Embedding`: the
+    # embedding is the one other unit): a flat group of 2.69e9 elements, the last rank's
+    # chunk starting past 2**31
+    (r,) = runs[0][2]
+    n_root, n_emb = (math.ceil(phi / 1024) * 1024 for phi in (3 * PHI_BLOCK + DIM + VOCAB * DIM, VOCAB * DIM))
+    assert n_root > 2**31 and 1023 * (n_root // 1024) > 2**31
+    n = n_root + n_emb
+    assert r["memory"] == {"params": 4 * n // 1024, "params_secondary": 0, "grads": 4 * n // 1024,
+                           "optim": 8 * n // 1024, "total": 16 * n // 1024}
+    ledger = [("forward", "all_gather", ("node", "gpu"), 4 * n_root, 1),
+              ("forward", "all_gather", ("node", "gpu"), 4 * n_emb, 1),
+              ("backward", "all_gather", ("node", "gpu"), 4 * n_emb, 1),      # the root stays gathered
+              ("backward", "reduce_scatter", ("node", "gpu"), 4 * n_root, 1),
+              ("backward", "reduce_scatter", ("node", "gpu"), 4 * n_emb, 1),
+              ("update", "all_reduce", ("node", "gpu"), 4, 1)]
     assert _rows(r["ledger"]) == sorted(ledger)
     assert r["memory_equal"] and r["ledger_equal"]
 
