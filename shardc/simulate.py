@@ -24,9 +24,9 @@ step); the second, a step as every later one runs, is measured. Per rank:
     (the same micro-batches and clip), and summed by mesh level set;
   * the peak during the step: torch's `MemTracker` (torch.distributed._tools.mem_tracker)
     over the step, with every tensor held before it registered as external (the runtime's
-    storages, runtime/memory.py `held_tensors`, and the optimizer's states); beside it explain's peak without the framework
-    overhead (states + the gathered window + one micro-batch's activations), which a
-    tracker of tensors cannot see;
+    storages, runtime/memory.py `held_tensors`, and the optimizer's states); beside it
+    explain's peak without its framework overhead, which a tracker of tensors cannot see
+    (states + the gathered window + one micro-batch's activations);
   * seconds: building the mesh's process groups (`ShardMesh`, every group the plan uses,
     made before the compile, which then finds them cached), lowering the plan (`lower`
     on the model's units, timed once apart), `shardc.compile` (capture, lowering, codegen,
@@ -38,7 +38,7 @@ import time
 
 from shardc.dsl.errors import ShardcError
 
-__all__ = ["simulate_rank", "check_rank", "FACTORY_NOT_META"]
+__all__ = ["simulate_rank", "check_rank", "init_fake", "meta_model", "FACTORY_NOT_META"]
 
 STATE_KEYS = ("params", "params_secondary", "grads", "optim", "total")
 # MemTracker's kinds as the report names them: what the runtime held before the step (its
@@ -100,13 +100,13 @@ def _where(model, name: str) -> str:
     return str(t.device)
 
 
-def simulate_rank(strategy, factory, rank: int, *, spec: str = "the model factory", micro_batches: int | None = None, optimizer: str = "adamw",
-                  clip: bool = False, batch: int = 1, seq: int = 2048, graph=None, passes=None) -> dict:
+def simulate_rank(strategy, factory, rank: int, *, spec: str = "the model factory", micro_batches: int | None = None,
+                  optimizer: str = "adamw", clip: bool = False, batch: int = 1, seq: int = 2048, graph=None,
+                  passes=None, peak: bool = True) -> dict:
     """Run one training step as rank `rank` of `strategy`'s mesh in this process (see the
     module note); the process must have no default process group (it makes the fake one,
     and leaves it). `graph`: the model's traced `GraphCost` for explain's peak (None: no
-    predicted peak)."""
-    import torch
+    predicted peak). `peak=False` runs one step, untracked: states and ledger only."""
     import torch.distributed as dist
 
     from shardc.analysis.costmodel.report import explain, model_units
@@ -126,7 +126,7 @@ def simulate_rank(strategy, factory, rank: int, *, spec: str = "the model factor
     units = model_units(strategy, meta_model(factory, spec))   # what explain sizes
     predicted = explain(strategy, units, micro_batches=m, optimizer=optimizer, clip_grad_norm=clip,
                         graph=graph, passes=passes)
-    _init_fake(rank, world)
+    init_fake(rank, world)
     try:
         with clock("groups"):
             smesh = ShardMesh(strategy.mesh, "cpu")
@@ -137,7 +137,7 @@ def simulate_rank(strategy, factory, rank: int, *, spec: str = "the model factor
                         smesh.group(lv)
         with clock("lowering"):
             lower(strategy.mesh, units, strategy.prefetch, passes)
-        measured = _run(strategy, meta_model(factory, spec), m, cls, clip, batch, seq, passes, clock)
+        measured = _run(strategy, meta_model(factory, spec), m, cls, clip, batch, seq, passes, clock, peak)
     finally:
         dist.destroy_process_group()
     return _report(strategy, rank, m, optimizer, clip, batch, seq, predicted, measured, clock.seconds)
@@ -153,13 +153,14 @@ def _optimizer_class(name: str):
     return getattr(torch.optim, kind.name)
 
 
-def _init_fake(rank: int, world: int) -> None:
+def init_fake(rank: int, world: int) -> None:
+    """The default process group: torch's fake one, as `rank` of `world`."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore   # registers the "fake" backend
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
 
 
-def _run(strategy, model, m, cls, clip, batch, seq, passes, clock) -> dict:
+def _run(strategy, model, m, cls, clip, batch, seq, passes, clock, track: bool) -> dict:
     import torch
     import torch.nn.functional as F
     import shardc
@@ -182,14 +183,20 @@ def _run(strategy, model, m, cls, clip, batch, seq, passes, clock) -> dict:
                 sm.clip_grad_norm_(1.0)
             opt.step()
             opt.zero_grad()
-        with flash_sdpa_mode():
-            step()                              # the first step makes the optimizer's states
-        sm.reset_comm_ledger()
-        tracker = _step_tracker()
-        tracker.track_external(*held_tensors(sm.runtime), opt)
-        with clock("step"), tracker, flash_sdpa_mode():
-            step()                              # a step as every later one runs: measured
-        peak = {getattr(k, "value", k): v for k, v in next(iter(tracker.get_tracker_snapshot("peak").values()), {}).items()}
+        if not track:
+            with clock("step"), flash_sdpa_mode():
+                step()
+            peak = None
+        else:
+            with flash_sdpa_mode():
+                step()                          # the first step makes the optimizer's states
+            sm.reset_comm_ledger()
+            tracker = _step_tracker()
+            tracker.track_external(*held_tensors(sm.runtime), opt)
+            with clock("step"), tracker, flash_sdpa_mode():
+                step()                          # a step as every later one runs: measured
+            snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+            peak = {getattr(k, "value", k): v for k, v in snap.items()}
         ledger = [dict(phase=r.phase, op=r.op, levels=list(r.levels), bytes=r.bytes, count=r.count)
                   for r in sm.comm_ledger()]
         return {"memory": dict(sm.memory_report()), "ledger": ledger, "peak": peak,
@@ -241,8 +248,8 @@ def _report(strategy, rank, m, optimizer, clip, batch, seq, predicted, measured,
         "memory": memory, "explain_memory": p_memory, "memory_equal": memory == p_memory,
         "ledger": ledger, "explain_ledger": p_ledger, "ledger_equal": _normal(ledger) == _normal(p_ledger),
         "ledger_by_levels": by_levels(ledger),
-        "peak": {"measured": int(measured["peak"].get("Total", 0)),
-                 "by_kind": {KINDS.get(k, k): int(v) for k, v in measured["peak"].items() if k != "Total"},
+        "peak": {"measured": None if measured["peak"] is None else int(measured["peak"].get("Total", 0)),
+                 "by_kind": {KINDS.get(k, k): int(v) for k, v in (measured["peak"] or {}).items() if k != "Total"},
                  "tracker": "torch.distributed._tools.mem_tracker.MemTracker",
                  "explain": None if peak["peak"] is None else peak["peak"] - peak["overhead"],
                  "explain_parts": {k: peak[k] for k in ("states", "gathered", "activations")}},

@@ -40,6 +40,8 @@ def add_arguments(p) -> None:
     p.add_argument("--clip", action="store_true", help="run clip_grad_norm_(1.0) before the step")
     p.add_argument("--passes", default=None, metavar="NAMES", help="plan passes, as for `shardc compile --passes`")
     p.add_argument("--no-graph", action="store_true", help="do not trace the model: no predicted peak")
+    p.add_argument("--no-peak", action="store_true",
+                   help="one untracked step: states and ledger only (no measured peak; half the time)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
 
 
@@ -75,7 +77,7 @@ def run(args) -> int:
         args.checkpoint, args.tp = False, 1
         graph = predict_args.graph(args, strategy, args.model, strategy.scopes.params.dtype.value)
     job = dict(strategy=strategy, factory=factory, spec=args.model, micro_batches=args.micro_batches, optimizer=args.optimizer,
-               clip=args.clip, batch=args.tokens // seq, seq=seq, graph=graph, passes=parse_passes(args.passes))
+               clip=args.clip, batch=args.tokens // seq, seq=seq, graph=graph, passes=parse_passes(args.passes), peak=not args.no_peak)
     reports = [_one(job, r) for r in ranks]
     if args.json:
         print(json.dumps(reports, indent=2))
@@ -89,7 +91,7 @@ def _one(job: dict, rank: int) -> dict:
     from shardc.simulate import simulate_rank
     return simulate_rank(job["strategy"], job["factory"], rank, spec=job["spec"], micro_batches=job["micro_batches"],
                          optimizer=job["optimizer"], clip=job["clip"], batch=job["batch"], seq=job["seq"],
-                         graph=job["graph"], passes=job["passes"])
+                         graph=job["graph"], passes=job["passes"], peak=job["peak"])
 
 
 def render(rep: dict) -> None:
@@ -119,7 +121,8 @@ def render(rep: dict) -> None:
     pk = rep["peak"]
     predicted = "not predicted (no trace)" if pk["explain"] is None else human_bytes(pk["explain"])
     kinds = ", ".join(f"{k} {human_bytes(v)}" for k, v in pk["by_kind"].items() if v)
-    con.print(f"peak during the step (torch's MemTracker): {human_bytes(pk['measured'])} ({kinds}); explain: "
+    measured = "not measured (--no-peak)" if pk["measured"] is None else f"{human_bytes(pk['measured'])} ({kinds})"
+    con.print(f"peak during the step (torch's MemTracker): {measured}; explain: "
               f"{predicted} (states + gathered units + activations, without the framework overhead)", highlight=False)
     sec = rep["seconds"]
     con.print("seconds (wall / CPU): " + ", ".join(f"{k} {v['wall']:.2f} / {v['cpu']:.2f}" for k, v in sec.items()),
