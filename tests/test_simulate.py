@@ -9,6 +9,8 @@ group (shardc/simulate.py), with the real compile, runtime and optimizer step.
   needs padding: the same, with the quantized payload formula.
 - One flat group of 2.69e9 elements (three blocks of that width in one unit) on 1024 ranks:
   sizes, the last rank's offsets past 2**31 and the ledger's bytes are exact.
+- A bf16 step puts bf16 on the wire in every collective, the step's sync and update
+  included (they went out in fp32, twice the bytes their ledger rows count).
 - A quantized collective runs the same operators whatever the group's size (it once
   decoded one rank's payload at a time: a Python loop over 1024 ranks per collective).
 - Bad input is one sentence: a rank outside the world, a mesh that does not divide the
@@ -68,6 +70,28 @@ for levels in (("gpu",), ("node", "gpu")):
                          comm=DType.INT4).wait()
     counts[s] = Count.n
 print(json.dumps(counts))
+dist.destroy_process_group()
+print("#END", flush=True)
+
+# the dtypes a bf16 step puts on the wire: every c10d collective's tensors
+import shardc
+from shardc.simulate import simulate_rank
+from shardc.cli.loader import load_factory
+wire = []
+for name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):
+    def spy(*a, _f=getattr(dist, name), _n=name, **kw):
+        wire.append((_n, str(a[0].dtype)))
+        return _f(*a, **kw)
+    setattr(dist, name, spy)
+simulate_rank(shardc.load_strategy(sys.argv[2]), load_factory(sys.argv[3]), 5, micro_batches=2, seq=8, peak=False)
+print(json.dumps(sorted(set(wire))))
+"""
+BF16 = """strategy bf16_steps
+mesh node(2) > gpu(2) > gcd(2)
+params shard over gcd dtype bf16
+grads  shard over gcd dtype bf16
+optim  shard over gpu, gcd
+accumulate 2
 """
 
 
@@ -105,11 +129,13 @@ def runs(tmp_path_factory):
              _cli("examples/llama.py:llama_65b_2l", "examples/strategies/zeropp.shard", "node(*) > gpu(8)",
                   "last", 2, world=1000, peak=False),
              _cli(f"{tmp / 'three.py'}:three", str(tmp / "whole.shard"), "node(128) > gpu(8)", "last", 1, peak=False)]
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], cwd=ROOT, capture_output=True,
+    (tmp / "bf16.shard").write_text(BF16)
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs), str(tmp / "bf16.shard"),
+                           os.path.join(ROOT, "examples/llama.py:llama_tiny")], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    *docs, counts = proc.stdout.split("#END")
-    return [json.loads(d) for d in docs], json.loads(counts)
+    *docs, counts, wire = proc.stdout.split("#END")
+    return [json.loads(d) for d in docs], json.loads(counts), json.loads(wire.strip().splitlines()[-1])
 
 
 def _rows(ledger):
@@ -192,6 +218,16 @@ def test_quantized_collectives_run_the_same_operators_on_8_and_1024_ranks(runs):
     counts = runs[1]
     assert set(counts) == {"8", "1024"}
     assert counts["8"] == counts["1024"] > 0
+
+
+def test_a_bf16_step_sends_bf16(runs):
+    # params and grads in bf16 over gcd, optimizer states over gpu, gcd: the backward's
+    # gathers and reduce-scatters, the sync's reduce-scatter (over gpu) and all-reduce (over
+    # node) of the grad shard, and the update all-gather (over gpu) all carry bf16, the 2 bytes per element the ledger
+    # counts (docs/internals.md "Ledger"); the sync and update once went out in fp32
+    wire = {tuple(w) for w in runs[2]}
+    assert {op for op, _ in wire} == {"all_gather_single", "reduce_scatter_single", "all_reduce"}
+    assert {dt for _, dt in wire} == {"torch.bfloat16"}, wire
 
 
 def test_codec_rows_are_the_one_row_codec():
