@@ -210,8 +210,10 @@ def _ag_plan(out, inp, mesh, key, algo, comm, s):
         payload = quant.quantize(inp, comm)
         gathered = payload.new_empty(s * p)
 
-        def decode():                            # every rank's payload at once ([Note: rows at once])
-            out.view(s, m).copy_(quant.dequantize_rows(gathered.view(s, p), m, comm))
+        def decode():                            # rows at once (runtime/quant.py [Note: rows at once])
+            rows, got = out.view(s, m), gathered.view(s, p)
+            for lo, hi in quant.row_batches(s, m):
+                rows[lo:hi].copy_(quant.dequantize_rows(got[lo:hi], m, comm))
         return _ag_bytes(gathered, payload, mesh, key, algo), decode
     cdt = torch_dtype(comm)
     if cdt == out.dtype and cdt == inp.dtype:
@@ -248,10 +250,15 @@ def _qgz(out, inp, sm, key, comm):
     pg = sm.group(key, key)
     s, m = dist.get_world_size(pg), out.numel()
     p = quant.shard_payload_bytes(m, comm)
-    send = quant.quantize_rows(inp.view(s, m), comm).view(-1)     # [Note: rows at once] in runtime/quant.py
+    send = inp.new_empty(s, p, dtype=torch.uint8)          # rows at once: runtime/quant.py
+    for lo, hi in quant.row_batches(s, m):
+        quant.quantize_rows(inp.view(s, m)[lo:hi], comm, out=send[lo:hi])
     recv = torch.empty_like(send)
-    yield [dist.all_to_all_single(recv, send, group=pg, async_op=True)]
-    out.copy_(quant.dequantize_rows(recv.view(s, p), m, comm).sum(0))
+    yield [dist.all_to_all_single(recv.view(-1), send.view(-1), group=pg, async_op=True)]
+    acc = out.new_zeros(m, dtype=torch.float32)
+    for lo, hi in quant.row_batches(s, m):
+        acc += quant.dequantize_rows(recv[lo:hi], m, comm).sum(0)
+    out.copy_(acc)
 
 
 def reduce_scatter(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collectives.RING,

@@ -15,10 +15,12 @@ the even element in the low nibble. A block of zeros has scale 0 and decodes to 
 
 [Note: rows at once]
 A collective over s ranks quantizes s chunks (qgZ's reduce-scatter) or decodes s payloads
-(a quantized all-gather, hpZ's secondary gather). Each is one call on an (s, ·) tensor,
-never a Python loop over the group: at 1024 ranks a loop of per-rank codec calls was
-most of a simulated step (docs/explain.md, "The papers' runs, simulated"). A row is
-coded exactly as the 1-D functions code it (they are the one-row case).
+(a quantized all-gather, hpZ's secondary gather). They are coded as rows of an (s, ·)
+tensor, in batches of at most `ROWS_AT_ONCE` elements (`row_batches`), never one Python
+call per rank: at 1024 ranks such a loop was most of a simulated step (docs/simulate.md).
+The number of calls follows the unit's size, not the group's, and the codec's fp32 working
+copies stay bounded (coding every row at once would hold several fp32 copies of a whole
+unit). A row is coded exactly as the 1-D functions code it (they are the one-row case).
 """
 from __future__ import annotations
 
@@ -31,6 +33,16 @@ from shardc.lowering import BLOCK, code_bytes, payload_bytes, shard_payload_byte
 
 # The payload layout's sizes (BLOCK, `shard_payload_bytes`) and the ledger's byte formula
 # (`payload_bytes`) are owned by the lowering; the codecs below follow them.
+
+
+ROWS_AT_ONCE = 1 << 24          # elements coded per call ([Note: rows at once])
+
+
+def row_batches(rows: int, m: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of `rows` rows of m elements, each at most ROWS_AT_ONCE elements (and
+    at least one row)."""
+    k = max(1, ROWS_AT_ONCE // max(m, 1))
+    return [(lo, min(lo + k, rows)) for lo in range(0, rows, k)]
 
 
 def _qmax(dtype: DType) -> int:

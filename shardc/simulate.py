@@ -24,7 +24,8 @@ step); the second, a step as every later one runs, is measured. Per rank:
     (the same micro-batches and clip), and summed by mesh level set;
   * the peak during the step: torch's `MemTracker` (torch.distributed._tools.mem_tracker)
     over the step, with every tensor held before it registered as external (the runtime's
-    storages, runtime/memory.py `held_tensors`, and the optimizer's states); beside it
+    storages and the gradients the optimizer reads, runtime/memory.py `held_tensors`, and
+    the optimizer's states); beside it
     explain's peak without its framework overhead, which a tracker of tensors cannot see
     (states + the gathered window + one micro-batch's activations);
   * seconds: building the mesh's process groups (`ShardMesh`, every group the plan uses,
@@ -41,10 +42,11 @@ from shardc.dsl.errors import ShardcError
 __all__ = ["simulate_rank", "check_rank", "init_fake", "meta_model", "FACTORY_NOT_META"]
 
 STATE_KEYS = ("params", "params_secondary", "grads", "optim", "total")
-# MemTracker's kinds as the report names them: what the runtime held before the step (its
-# storages, registered as external: shards, grad shards, masters, the full buffers a
-# gather refills), tensors made in the forward, in the backward, by the optimizer
-KINDS = {"Other": "runtime storages", "Activation": "forward", "Temp": "backward", "Optstate": "optimizer states",
+# MemTracker's kinds as the report names them: what the runtime held before the step
+# (registered as external: shards, grad shards, masters, the full buffers a gather refills,
+# the gradients the optimizer reads), the optimizer's states, tensors made in the forward,
+# in the backward
+KINDS = {"Other": "held by the runtime", "Activation": "forward", "Temp": "backward", "Optstate": "optimizer states",
          "Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients"}
 FACTORY_NOT_META = ("the model factory {spec} cannot build the model on the meta device ({why}); a simulated "
                     "rank builds it there (`with torch.device('meta'): model = factory()`), so create every "
@@ -192,7 +194,7 @@ def _run(strategy, model, m, cls, clip, batch, seq, passes, clock, track: bool) 
                 step()                          # the first step makes the optimizer's states
             sm.reset_comm_ledger()
             tracker = _step_tracker()
-            tracker.track_external(*held_tensors(sm.runtime), opt)
+            tracker.track_external(*held_tensors(sm.runtime, sm.params), opt)
             with clock("step"), tracker, flash_sdpa_mode():
                 step()                          # a step as every later one runs: measured
             snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})

@@ -243,6 +243,13 @@ def test_codec_rows_are_the_one_row_codec():
             assert torch.equal(rows, torch.stack([quant.quantize(r, dt) for r in x]))
             assert torch.equal(quant.dequantize_rows(rows, m, dt),
                                torch.stack([quant.dequantize(p, m, dt) for p in rows]))
+    # batches of rows: every row once, at most ROWS_AT_ONCE elements a call (a single row may
+    # be more), as few calls as that allows
+    for rows, m in ((1024, 1000), (1024, 790_544), (8, 2**25), (3, 1)):
+        batches = quant.row_batches(rows, m)
+        assert [lo for lo, _ in batches] + [rows] == [0] + [hi for _, hi in batches]
+        assert all((hi - lo) * m <= quant.ROWS_AT_ONCE or hi - lo == 1 for lo, hi in batches)
+        assert len(batches) == math.ceil(rows / max(1, quant.ROWS_AT_ONCE // m))
 
 
 def _error(capsys, argv):
