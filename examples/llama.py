@@ -127,3 +127,12 @@ def llama_30b() -> Llama:
 def llama_tiny() -> Llama:
     """Two blocks with sizes no mesh divides (root 3654, block 3330 elements): shards need padding."""
     return _build(LlamaConfig(dim=18, n_layers=2, n_heads=3, ffn_dim=37, vocab=101, max_seq=32))
+
+
+def llama_65b() -> Llama:
+    return _build(LlamaConfig(dim=8192, n_layers=80, n_heads=64, ffn_dim=22016))
+
+
+def llama_65b_2l() -> Llama:
+    """LLaMA-65B's width with two blocks: the suite's simulated rank (tests/test_simulate.py)."""
+    return _build(LlamaConfig(dim=8192, n_layers=2, n_heads=64, ffn_dim=22016))

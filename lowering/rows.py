@@ -14,6 +14,14 @@ This module owns the payload formula, bytes per element and the quantized block 
   update    all_gather      OS∖P     N/s_P · b(params.dtype)             once per step
   update    all_reduce      OS       4                                   per clip call, per distinct OS
 A collective over a group whose factor is 1 is never issued, so it has no row.
+
+[Note: step payloads]
+A row's `comm` is the dtype on the wire, and its bytes count that dtype. The step's rows
+(sync, update) move the stored shards as they are: the sync in the grad shard's dtype, the
+update all-gather in the params' dtype. (Until 2026-11-27 they defaulted to fp32: a bf16
+strategy sent twice the bytes its ledger recorded for them and cast each unit's shard to an
+fp32 copy, every update all-gather's in flight at once after opt.step(): a simulated
+LLaMA-65B rank under ZeRO-2 in bf16 held 261 GB of those copies, docs/simulate.md.)
 """
 from __future__ import annotations
 
@@ -77,15 +85,16 @@ def _gradients(sc: Scopes, f: Factors, mesh: Mesh, n: int):
     os_g = minus(mesh, OS, G)
     if mesh.factor(os_g) > 1:
         order = tuple(l for l in sc.chunk_order("optim") if l not in sc.chunk_order("grads"))
-        yield Row(Phase.SYNC, Op.REDUCE_SCATTER, os_g, order, n // f.g * gb, Per.STEP, state="optim")
+        # the wire dtype is the one the bytes count: the grad shard's ([Note: step payloads])
+        yield Row(Phase.SYNC, Op.REDUCE_SCATTER, os_g, order, n // f.g * gb, Per.STEP, sc.grads.dtype, "optim")
     outside = minus(mesh, mesh.names, OS)
     if mesh.factor(outside) > 1:
-        yield Row(Phase.SYNC, Op.ALL_REDUCE, outside, outside, n // f.os * gb, Per.STEP, state="optim")
+        yield Row(Phase.SYNC, Op.ALL_REDUCE, outside, outside, n // f.os * gb, Per.STEP, sc.grads.dtype, "optim")
     os_p = minus(mesh, OS, P)
     if mesh.factor(os_p) > 1:
         order = tuple(l for l in sc.chunk_order("optim") if l not in sc.chunk_order("params"))
         yield Row(Phase.UPDATE, Op.ALL_GATHER, os_p, order, n // f.p * elem_bytes(sc.params.dtype),
-                  Per.STEP, state="optim")
+                  Per.STEP, sc.params.dtype, "optim")
 
 
 def _secondary_bytes(sc: Scopes, f: Factors, n: int, root: bool) -> int:

@@ -36,7 +36,7 @@ from shardc.dsl.ir import Strategy
 from shardc.lowering import Lowering, RankPlan, Schedule, Stage, lower, unit_sizes
 from shardc.units import UnitSpec, canonical_names, local_params, unit_members
 
-from . import buffers, graph_mode
+from . import buffers, graph_mode, simulation
 from .comm import Comm
 from .device import model_device
 from .engine import Engine
@@ -107,7 +107,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     check_root_dims(comm.smesh.device_mesh, tp)
     if backend == "inductor":
         graph_mode.refuse(tp)
-    source = _source(meta, init, comm.smesh, dev)
+    source = Source.NONE if simulation.active() else _source(meta, init, comm.smesh, dev)
     local = local_params(model)                          # shapes; a DTensor's local shard
     specs = list(units)
     per_unit = unit_members(specs, aliases)              # [Note: unit membership]
@@ -138,8 +138,9 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
         _install_hooks(model, runtime)
     canon = list(dict.fromkeys(aliases[n] for n in order))
     pset = ParamSet(states, canon, tp, comm, ledger, runtime.boundary)
-    pset.unset |= unset
-    pset.unset_buffers = unset_buffers(model)
+    if not simulation.active():                          # a simulated rank needs no values
+        pset.unset |= unset
+        pset.unset_buffers = unset_buffers(model)
     return Built(model, strategy, specs, backend, faults, ledger, dev, comm, aliases, order, targets,
                  names_of, frozen, tp, lowering, runtime, hooks, pset)
 
@@ -158,7 +159,13 @@ def _on_meta(model: nn.Module) -> bool:
 
 def _device(model: nn.Module, mesh, device, meta: bool) -> torch.device:
     """Where the shards live: `device` when named, else the model's, else (on meta) the
-    mesh's device type (an NCCL group: this rank's current CUDA device; gloo: the CPU)."""
+    mesh's device type (an NCCL group: this rank's current CUDA device; gloo: the CPU);
+    meta on a simulated rank (runtime/simulation.py)."""
+    if simulation.active():
+        if not meta:
+            raise ShardcError("a simulated rank shards a model built on the meta device (with torch.device"
+                              "('meta'): model = ...), not one with values")
+        return torch.device("meta")
     if device is not None:
         return _indexed(torch.device(device))
     if not meta:
@@ -284,7 +291,8 @@ def _shard_mesh(mesh, strategy: Strategy, dev: torch.device) -> ShardMesh:
         return mesh
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise ShardcError(f"mesh must be a DeviceMesh (or None for the whole world), not {type(mesh).__name__}")
-    return ShardMesh(strategy.mesh, dev.type, mesh)
+    # a simulated rank's meta shards use the groups of the process group's CPU backend
+    return ShardMesh(strategy.mesh, "cpu" if dev.type == "meta" else dev.type, mesh)
 
 
 def _param_maps(model: nn.Module):

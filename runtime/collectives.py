@@ -193,9 +193,10 @@ def _ag_plan(out, inp, mesh, key, algo, comm, s):
         payload = quant.quantize(inp, comm)
         gathered = payload.new_empty(s * p)
 
-        def decode():
-            for c in range(s):
-                quant.dequantize(gathered[c * p:(c + 1) * p], m, comm, out=out[c * m:(c + 1) * m])
+        def decode():                            # rows at once (runtime/quant.py [Note: rows at once])
+            rows, got = out.view(s, m), gathered.view(s, p)
+            for lo, hi in quant.row_batches(s, m):
+                rows[lo:hi].copy_(quant.dequantize_rows(got[lo:hi], m, comm))
         return _ag_bytes(gathered, payload, mesh, key, algo), decode
     cdt = torch_dtype(comm)
     if cdt == out.dtype and cdt == inp.dtype:
@@ -229,14 +230,14 @@ def _qgz(out, inp, sm, key, comm):
     pg = sm.group(key, key)
     s, m = dist.get_world_size(pg), out.numel()
     p = quant.shard_payload_bytes(m, comm)
-    send = inp.new_empty(s * p, dtype=torch.uint8)
-    for c in range(s):
-        quant.quantize(inp[c * m:(c + 1) * m], comm, out=send[c * p:(c + 1) * p])
+    send = inp.new_empty(s, p, dtype=torch.uint8)          # rows at once: runtime/quant.py
+    for lo, hi in quant.row_batches(s, m):
+        quant.quantize_rows(inp.view(s, m)[lo:hi], comm, out=send[lo:hi])
     recv = torch.empty_like(send)
-    yield [dist.all_to_all_single(recv, send, group=pg, async_op=True)]
+    yield [dist.all_to_all_single(recv.view(-1), send.view(-1), group=pg, async_op=True)]
     acc = out.new_zeros(m, dtype=torch.float32)
-    for c in range(s):
-        acc += quant.dequantize(recv[c * p:(c + 1) * p], m, comm)
+    for lo, hi in quant.row_batches(s, m):
+        acc += quant.dequantize_rows(recv[lo:hi], m, comm).sum(0)
     out.copy_(acc)
 
 

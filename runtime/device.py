@@ -105,6 +105,8 @@ def native_reduce_scatter(pg: dist.ProcessGroup, device_type: str) -> bool:
     """True when a reduce-scatter over `pg` should use the backend's own op."""
     if _native_rs_override is not None:
         return _native_rs_override
+    if device_type == "meta":                # a simulated rank's tensors (runtime/simulation.py)
+        return True
     return backend_name(pg, device_type) not in ALLREDUCE_RS_BACKENDS
 
 

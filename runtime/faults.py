@@ -90,6 +90,8 @@ class Faults:
     def apply_timeout(self, smesh) -> None:
         """Set the shardc timeout on the default process group and on every group of `smesh`."""
         from datetime import timedelta
+        if _fake():                                 # torch sets no timeout there (and warns)
+            return
         for g in [None, *smesh.process_groups()]:
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self.timeout), g)
 
@@ -101,12 +103,18 @@ class Faults:
     def register(self) -> None:
         """Publish this rank's host and pid, so survivors can tell which peer died."""
         import socket
-        if dist.get_world_size() > 1:
+        if dist.get_world_size() > 1 and not _fake():     # a fake group's store may not store
             store = dist.distributed_c10d._get_default_store()
             store.set(f"{self.prefix}/pid/{dist.get_rank()}", f"{socket.gethostname()}:{os.getpid()}")
 
     def guard(self, comm: UnitCollectives, unit: str) -> "GuardedComm":
         return GuardedComm(comm, unit, self.prefix)
+
+
+def _fake() -> bool:
+    """Whether the default group is torch's `fake` one (one process simulating a rank of N:
+    its peers do not exist, so there is no peer to time out or to find dead)."""
+    return dist.get_backend() == "fake"
 
 
 # -- process-group timeout and failed peers ---------------------------------------------------

@@ -120,9 +120,10 @@ class FlatGroup:
         raw = dataclasses.replace(row, comm=DType.FP32)      # already quantized: bytes as words
         work = self.comm.all_gather(raw, got.view(torch.float32), send.view(torch.float32))
 
-        def decode():
-            for c in range(s_q):
-                quant.dequantize(got[c * p4:c * p4 + p], m, qd, out=st.full_data[c * m:(c + 1) * m])
+        def decode():                                # rows at once (runtime/quant.py)
+            rows, payloads = st.full_data.view(s_q, m), got.view(s_q, p4)
+            for lo, hi in quant.row_batches(s_q, m):
+                rows[lo:hi].copy_(quant.dequantize_rows(payloads[lo:hi], m, qd))
         return ThenWork(work, decode)
 
     def release(self) -> bool:

@@ -14,6 +14,24 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def held_tensors(engine, params=None) -> list[torch.Tensor]:
+    """Every tensor the units' storages hold (shards, secondary copies, grad shards, fp32
+    masters, and the full buffers, whose storage is empty between gathers), and with
+    `params` (the ParamSet) the gradients the optimizer reads (views of the grad shard, or
+    fp32 copies of its optimizer slice when it is kept in bf16: held, and not in
+    `memory_report()`): what a memory tracker entered after construction must be told
+    about (shardc/simulate.py)."""
+    out = []
+    for u in engine.units:
+        for st in (g.storage for g in u.groups):
+            out += [t for t in (st.full_data, st.shard, st.secondary) if t is not None]
+            if st.trainable:
+                out += [st.grad_shard] + ([st.master] if st.master_separate else [])
+    if params is not None:
+        out += [views[1] for views in params.grads.values()]
+    return out
+
+
 def memory_report(engine, optimizers) -> dict[str, int]:
     rep = {"params": 0, "params_secondary": 0, "grads": 0, "optim": 0}
     for u in engine.units:

@@ -12,6 +12,15 @@ clamped to [-qmax, qmax] with qmax = 2^(b-1)-1 and scale = absmax(block)/qmax, s
 error of an element is at most scale/2 = absmax(block)/(2*qmax). int8 codes are stored
 as two's-complement bytes; int4 codes are stored offset by 8 (1..15), two per byte,
 the even element in the low nibble. A block of zeros has scale 0 and decodes to zeros.
+
+[Note: rows at once]
+A collective over s ranks quantizes s chunks (qgZ's reduce-scatter) or decodes s payloads
+(a quantized all-gather, hpZ's secondary gather). They are coded as rows of an (s, ·)
+tensor, in batches of at most `ROWS_AT_ONCE` elements (`row_batches`), never one Python
+call per rank: at 1024 ranks such a loop was most of a simulated step (docs/simulate.md).
+The number of calls follows the unit's size, not the group's, and the codec's fp32 working
+copies stay bounded (coding every row at once would hold several fp32 copies of a whole
+unit). A row is coded exactly as the 1-D functions code it (they are the one-row case).
 """
 from __future__ import annotations
 
@@ -26,6 +35,16 @@ from shardc.lowering import BLOCK, code_bytes, payload_bytes, shard_payload_byte
 # (`payload_bytes`) are owned by the lowering; the codecs below follow them.
 
 
+ROWS_AT_ONCE = 1 << 24          # elements coded per call ([Note: rows at once])
+
+
+def row_batches(rows: int, m: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of `rows` rows of m elements, each at most ROWS_AT_ONCE elements (and
+    at least one row)."""
+    k = max(1, ROWS_AT_ONCE // max(m, 1))
+    return [(lo, min(lo + k, rows)) for lo in range(0, rows, k)]
+
+
 def _qmax(dtype: DType) -> int:
     return (1 << (dtype.bits - 1)) - 1
 
@@ -34,57 +53,82 @@ def encode(x: torch.Tensor, dtype: DType) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of the 1-D float tensor `x`: the payload's two parts, apart
     ([Note: payload layout]; int8 codes as int8, int4 as packed uint8 bytes; the whole-step
     mode gathers them as two buffers, runtime/funcol.py)."""
+    codes, scale = encode_rows(x.reshape(1, -1), dtype)
+    return codes[0], scale[0]
+
+
+def encode_rows(x: torch.Tensor, dtype: DType) -> tuple[torch.Tensor, torch.Tensor]:
+    """`encode` of each row of the 2-D float tensor `x` (s rows of m elements) at once:
+    codes (s, code_bytes) and scales (s, blocks). See [Note: rows at once]."""
     if not dtype.quantized:
         raise ValueError(f"{dtype!r} is not a quantized dtype")
-    m = x.numel()
+    rows, m = x.shape
     nblocks = ceil(m / BLOCK)
-    xf = torch.zeros(nblocks * BLOCK, dtype=torch.float32, device=x.device)
-    xf[:m] = x.reshape(-1)
-    blocks = xf.view(nblocks, BLOCK)
+    xf = torch.zeros(rows, nblocks * BLOCK, dtype=torch.float32, device=x.device)
+    xf[:, :m] = x
+    blocks = xf.view(rows, nblocks, BLOCK)
     qmax = _qmax(dtype)
-    scale = blocks.abs().amax(dim=1) / qmax
-    q = torch.round(blocks / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
-    q = q.clamp(-qmax, qmax).to(torch.int8).view(-1)[:m]
+    scale = blocks.abs().amax(dim=2) / qmax
+    q = torch.round(blocks / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, :, None])
+    q = q.clamp(-qmax, qmax).to(torch.int8).view(rows, -1)[:, :m]
     if dtype is DType.INT8:
         return q, scale                 # int8 codes (the payload holds their bytes)
     u = (q + 8).to(torch.uint8)
     if m % 2:
-        u = torch.cat([u, u.new_zeros(1)])
-    return u[0::2] | (u[1::2] << 4), scale
+        u = torch.cat([u, u.new_zeros(rows, 1)], dim=1)
+    return u[:, 0::2] | (u[:, 1::2] << 4), scale
 
 
 def decode(codes: torch.Tensor, scale: torch.Tensor, m: int, dtype: DType) -> torch.Tensor:
     """The m float32 values of (codes, scales) (see `encode`)."""
-    nblocks = ceil(m / BLOCK)
+    return decode_rows(codes.reshape(1, -1), scale.reshape(1, -1), m, dtype)[0]
+
+
+def decode_rows(codes: torch.Tensor, scale: torch.Tensor, m: int, dtype: DType) -> torch.Tensor:
+    """`decode` of each row of (codes (s, code_bytes), scales (s, blocks)): (s, m) float32."""
+    rows, nblocks = codes.shape[0], ceil(m / BLOCK)
     if dtype is DType.INT8:
         q = (codes if codes.dtype == torch.int8 else codes.view(torch.int8)).to(torch.float32)
     else:
-        q = torch.stack([codes & 0xF, codes >> 4], dim=1).view(-1)[:m].to(torch.float32) - 8
-    full = torch.zeros(nblocks * BLOCK, dtype=torch.float32, device=codes.device)
-    full[:m] = q
-    return (full.view(nblocks, BLOCK) * scale[:, None]).view(-1)[:m]
+        q = torch.stack([codes & 0xF, codes >> 4], dim=2).view(rows, -1)[:, :m].to(torch.float32) - 8
+    full = torch.zeros(rows, nblocks * BLOCK, dtype=torch.float32, device=codes.device)
+    full[:, :m] = q
+    return (full.view(rows, nblocks, BLOCK) * scale[:, :, None]).view(rows, -1)[:, :m]
 
 
 def quantize(x: torch.Tensor, dtype: DType, out: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize the 1-D float tensor `x` into a uint8 payload (see [Note: payload layout])."""
-    codes, scale = encode(x, dtype)
-    ncode = codes.numel()
+    return quantize_rows(x.reshape(1, -1), dtype, None if out is None else out.view(1, -1))[0]
+
+
+def quantize_rows(x: torch.Tensor, dtype: DType, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row of the 2-D float tensor `x` quantized into one row of a uint8 payload
+    (s, payload bytes); `out` may be given (a 2-D view, one payload per row)."""
+    codes, scale = encode_rows(x, dtype)
+    ncode = codes.shape[1]
     if out is None:
-        out = torch.empty(ncode + scale.numel() * 4, dtype=torch.uint8, device=x.device)
-    out[:ncode].copy_(codes.view(torch.uint8))
-    out[ncode:].copy_(scale.view(torch.uint8))
+        out = torch.empty(x.shape[0], ncode + scale.shape[1] * 4, dtype=torch.uint8, device=x.device)
+    out[:, :ncode].copy_(codes.view(torch.uint8))
+    out[:, ncode:].copy_(scale.view(torch.uint8))
     return out
 
 
 def dequantize(buf: torch.Tensor, m: int, dtype: DType, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode a payload of an m-element shard into `out` (float32 unless given)."""
-    nblocks = ceil(m / BLOCK)
-    ncode = code_bytes(m, dtype)
-    vals = decode(buf[:ncode], buf[ncode:ncode + nblocks * 4].clone().view(torch.float32), m, dtype)
+    vals = dequantize_rows(buf.reshape(1, -1), m, dtype)[0]
     if out is None:
         return vals
     out.copy_(vals.view(out.shape))
     return out
+
+
+def dequantize_rows(buf: torch.Tensor, m: int, dtype: DType) -> torch.Tensor:
+    """Decode each row of `buf` (s payloads of m-element shards, one per row, possibly
+    longer than a payload): (s, m) float32."""
+    nblocks = ceil(m / BLOCK)
+    ncode = code_bytes(m, dtype)
+    scale = buf[:, ncode:ncode + nblocks * 4].clone(memory_format=torch.contiguous_format).view(torch.float32)
+    return decode_rows(buf[:, :ncode], scale, m, dtype)
 
 
 def error_bound(x: torch.Tensor, dtype: DType) -> torch.Tensor:

@@ -70,8 +70,9 @@ def sample_input(model, batch: int, seq: int):
                       f"nn.Embedding; give the model an `example_input(batch, seq)` method")
 
 
-def _flash_sdpa_mode():
-    """A TorchFunctionMode that runs F.scaled_dot_product_attention as the flash kernel."""
+def flash_sdpa_mode():
+    """A TorchFunctionMode that runs F.scaled_dot_product_attention as the flash kernel
+    (the trace's, and a simulated rank's step: shardc/simulate.py)."""
     import torch
     from torch.overrides import TorchFunctionMode
 
@@ -145,12 +146,12 @@ def trace(model, units, *, batch: int, seq: int, dtype: str = "bf16") -> GraphCo
             handles.append(mods[name].register_forward_hook(_leave(i, current, counter, fwd)))
     x = sample_input(m, batch, seq)
     try:
-        with _meta_grouped_mm(), counter, _flash_sdpa_mode(), \
+        with _meta_grouped_mm(), counter, flash_sdpa_mode(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = m(x)
             forward = counter.get_total_flops()
             loss = (out if torch.is_tensor(out) else out[0]).float().sum()
-        with _meta_grouped_mm(), counter, _flash_sdpa_mode():   # entering the counter again starts from zero
+        with _meta_grouped_mm(), counter, flash_sdpa_mode():   # entering the counter again starts from zero
             loss.backward()
             backward = counter.get_total_flops()
     finally:

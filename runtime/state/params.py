@@ -37,6 +37,7 @@ backward attaches the gradients again. A parameter frozen after sharding
 from __future__ import annotations
 
 import math
+import types
 from math import prod
 
 import torch
@@ -199,8 +200,7 @@ def _dispatch(cls, func, args, kwargs):
             return _on_whole(func, args, kwargs)
         cls._refuse(func, args, kwargs)
         return _set_of(args, kwargs).norms(func, args, kwargs)
-    with torch._C.DisableTorchFunctionSubclass():
-        out = func(*args, **(kwargs or {}))
+    out = _plain(func, args, kwargs)
     keep = func in KEEPS or (getattr(func, "__name__", "") == "__get__" and func == _DATA_GET)
     return _kept(out, args[0]) if keep and isinstance(args[0], _Whole) else out
 
@@ -212,6 +212,26 @@ def _kept(out, of: "_Whole"):
     kept = out.as_subclass(ShardTensor)
     kept._shardc_spec, kept._shardc_set = of._shardc_spec, of._shardc_set
     return kept
+
+
+def _plain(func, args, kwargs):
+    """`func` on the pieces as they are. On meta tensors (a simulated rank:
+    runtime/simulation.py) torch's meta kernels are Python and read `.shape`, which is the
+    whole parameter's here, so torch's operators (not attributes, not Python-level methods
+    such as hook registration) get the pieces as plain tensors (aliases of the same storage)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if not isinstance(func, types.FunctionType) and getattr(func, "__name__", "") not in ("__get__", "__set__") \
+                and any(isinstance(a, _Whole) and a.is_meta for a in _flat_args(args, kwargs)):
+            args, kwargs = _unwrapped(tuple(args)), {k: _unwrapped(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **(kwargs or {}))
+
+
+def _unwrapped(a):
+    if isinstance(a, _Whole):
+        return a.as_subclass(torch.Tensor)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_unwrapped(x) for x in a)
+    return a
 
 
 def _all_whole(args, kwargs) -> bool:

@@ -17,6 +17,7 @@ COMMANDS = {
     "compile": "emit a distributed training module for a model",
     "plan": "search every valid strategy on a mesh and rank them",
     "profile": "measure collective bandwidth (run under torchrun)",
+    "simulate": "run ranks of a big job in one process (fake process group) beside explain",
 }
 
 

@@ -1,0 +1,277 @@
+"""Simulation — stage: public API. One process runs the real `shardc.compile` and runtime
+as rank r of an N-rank job, so a job of 1024 ranks and a 65B model is checked on one CPU.
+
+Input: a resolved `Strategy` (its mesh names the world), a model factory (a zero-argument
+callable, built on the meta device; the CLI loads it from `PATH.py:FACTORY`), the rank, the step (micro-batches of
+`batch` x `seq` tokens, the optimizer class by name, whether `clip_grad_norm_` runs) and
+optionally the model's traced graph for the predicted peak. Output: `simulate_rank`'s
+report (a dict, what `shardc simulate --json` prints per rank).
+
+[Note: what a simulated rank runs]
+The default process group is torch's `fake` one (`init_process_group("fake",
+store=FakeStore(), rank=r, world_size=N)`): every collective completes at once and moves
+nothing. Inside `runtime.simulation.simulation()` (runtime/simulation.py) `shardc.compile`
+traces the meta model, lowers the plan, builds the mesh's process groups, allocates the
+shards as meta tensors (bytes without storage) and takes no values; then two steps run
+as a training loop would: `micro_batches` forwards and backwards (a cross-entropy loss on
+meta tokens, attention as the flash kernel, as explain's trace runs it), optionally
+`clip_grad_norm_`, `opt.step()` with the torch optimizer class and `opt.zero_grad()`.
+The first makes the optimizer's states (torch's optimizers make them at their first
+step); the second, a step as every later one runs, is measured. Per rank:
+  * model states: `memory_report()` (the tensors the runtime holds, the optimizer's states
+    included) beside explain's `memory`, key by key;
+  * the ledger: `comm_ledger()` of the measured step beside explain's, record by record
+    (the same micro-batches and clip), and summed by mesh level set;
+  * the peak during the step: torch's `MemTracker` (torch.distributed._tools.mem_tracker)
+    over the step, with every tensor held before it registered as external (the runtime's
+    storages and the gradients the optimizer reads, runtime/memory.py `held_tensors`, and
+    the optimizer's states); beside it
+    explain's peak without its framework overhead, which a tracker of tensors cannot see
+    (states + the gathered window + one micro-batch's activations);
+  * seconds: building the mesh's process groups (`ShardMesh`, every group the plan uses,
+    made before the compile, which then finds them cached), lowering the plan (`lower`
+    on the model's units, timed once apart), `shardc.compile` (capture, lowering, codegen,
+    construction) and the measured step. Wall seconds and the process's CPU seconds.
+"""
+from __future__ import annotations
+
+import time
+
+from shardc.dsl.errors import ShardcError
+
+__all__ = ["simulate_rank", "check_rank", "init_fake", "meta_model", "FACTORY_NOT_META"]
+
+STATE_KEYS = ("params", "params_secondary", "grads", "optim", "total")
+# MemTracker's kinds as the report names them: what the runtime held before the step
+# (registered as external: shards, grad shards, masters, the full buffers a gather refills,
+# the gradients the optimizer reads), the optimizer's states, tensors made in the forward,
+# in the backward
+KINDS = {"Other": "held by the runtime", "Activation": "forward", "Temp": "backward", "Optstate": "optimizer states",
+         "Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients"}
+FACTORY_NOT_META = ("the model factory {spec} cannot build the model on the meta device ({why}); a simulated "
+                    "rank builds it there (`with torch.device('meta'): model = factory()`), so create every "
+                    "parameter without an explicit device and without reading values")
+
+
+def check_rank(rank: int, world: int) -> None:
+    if not 0 <= rank < world:
+        raise ShardcError(f"rank {rank} is outside the world: the mesh has {world} ranks, 0..{world - 1}")
+
+
+class _Clock:
+    """Wall and CPU seconds of named phases."""
+
+    def __init__(self):
+        self.seconds: dict[str, dict[str, float]] = {}
+
+    def __call__(self, name: str):
+        clock = self
+
+        class _Phase:
+            def __enter__(self):
+                self.w, self.c = time.perf_counter(), time.process_time()
+
+            def __exit__(self, *exc):
+                clock.seconds[name] = {"wall": time.perf_counter() - self.w, "cpu": time.process_time() - self.c}
+        return _Phase()
+
+
+def meta_model(factory, spec: str):
+    """`factory()`'s model on the meta device (`spec` names the factory in messages); one
+    sentence when it cannot be built there."""
+    import torch
+    from torch import nn
+
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as e:  # noqa: BLE001 — user code: one sentence, no traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ShardcError(FACTORY_NOT_META.format(spec=spec, why=f"it raised {type(e).__name__}: {first}")) from None
+    if not isinstance(model, nn.Module):
+        raise ShardcError(f"factory {spec} did not return an nn.Module (got {type(model).__name__})")
+    real = next((n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                 if t.device != torch.device("meta")), None)
+    if real is not None:
+        raise ShardcError(FACTORY_NOT_META.format(spec=spec, why=f"{real!r} was created on {_where(model, real)}"))
+    return model
+
+
+def _where(model, name: str) -> str:
+    t = dict([*model.named_parameters(), *model.named_buffers()])[name]
+    return str(t.device)
+
+
+def simulate_rank(strategy, factory, rank: int, *, spec: str = "the model factory", micro_batches: int | None = None,
+                  optimizer: str = "adamw", clip: bool = False, batch: int = 1, seq: int = 2048, graph=None,
+                  passes=None, peak: bool = True) -> dict:
+    """Run one training step as rank `rank` of `strategy`'s mesh in this process (see the
+    module note); the process must have no default process group (it makes the fake one,
+    and leaves it). `graph`: the model's traced `GraphCost` for explain's peak (None: no
+    predicted peak). `peak=False` runs one step, untracked: states and ledger only."""
+    import torch.distributed as dist
+
+    from shardc.analysis.costmodel.report import explain, model_units
+    from shardc.lowering import RankPlan, lower
+    from shardc.runtime.mesh import ShardMesh
+
+    world = strategy.mesh.world
+    check_rank(rank, world)
+    m = strategy.accumulate if micro_batches is None else micro_batches
+    if m < 1:
+        raise ShardcError(f"--micro-batches must be at least 1, got {m}")
+    cls = _optimizer_class(optimizer)
+    if dist.is_initialized():
+        raise ShardcError("a simulated rank makes its own (fake) default process group, but this process "
+                          "already has one; simulate in a fresh process")
+    clock = _Clock()
+    units = model_units(strategy, meta_model(factory, spec))   # what explain sizes
+    predicted = explain(strategy, units, micro_batches=m, optimizer=optimizer, clip_grad_norm=clip,
+                        graph=graph, passes=passes)
+    init_fake(rank, world)
+    try:
+        with clock("groups"):
+            smesh = ShardMesh(strategy.mesh, "cpu")
+            for u in units:
+                plan = RankPlan(strategy.mesh, u.scopes, smesh.rank)
+                for lv in plan.groups():
+                    if lv and plan.s(lv) > 1:
+                        smesh.group(lv)
+        with clock("lowering"):
+            lower(strategy.mesh, units, strategy.prefetch, passes)
+        measured = _run(strategy, meta_model(factory, spec), m, cls, clip, batch, seq, passes, clock, peak)
+    finally:
+        dist.destroy_process_group()
+    return _report(strategy, rank, m, optimizer, clip, batch, seq, predicted, measured, clock.seconds)
+
+
+def _optimizer_class(name: str):
+    import torch
+
+    from shardc.lowering.optimizers import optimizer_kind
+    kind = optimizer_kind(name)
+    if kind is None or not hasattr(torch.optim, kind.name):
+        raise ShardcError(f"unknown optimizer {name!r}; torch.optim has no such class")
+    return getattr(torch.optim, kind.name)
+
+
+def init_fake(rank: int, world: int) -> None:
+    """The default process group: torch's fake one, as `rank` of `world`."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore   # registers the "fake" backend
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def _run(strategy, model, m, cls, clip, batch, seq, passes, clock, track: bool) -> dict:
+    import torch
+    import torch.nn.functional as F
+    import shardc
+    from shardc.analysis.costmodel.flops import flash_sdpa_mode, sample_input
+    from shardc.runtime.memory import held_tensors
+    from shardc.runtime.simulation import simulation
+
+    x = sample_input(model, batch, seq)
+    with simulation():
+        with clock("compile"):
+            sm = shardc.compile(model, strategy, example_inputs=(x,), passes=passes)
+        opt = sm.optimizer(cls)
+
+        def step():
+            for _ in range(m):
+                out = sm(x)
+                logits = out if torch.is_tensor(out) else out[0]
+                F.cross_entropy(logits.flatten(0, -2).float(), x.flatten()).div(m).backward()
+            if clip:
+                sm.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        if not track:
+            with clock("step"), flash_sdpa_mode():
+                step()
+            peak = None
+        else:
+            with flash_sdpa_mode():
+                step()                          # the first step makes the optimizer's states
+            sm.reset_comm_ledger()
+            tracker = _step_tracker()
+            tracker.track_external(*held_tensors(sm.runtime, sm.params), opt)
+            with clock("step"), tracker, flash_sdpa_mode():
+                step()                          # a step as every later one runs: measured
+            snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+            peak = {getattr(k, "value", k): v for k, v in snap.items()}
+        ledger = [dict(phase=r.phase, op=r.op, levels=list(r.levels), bytes=r.bytes, count=r.count)
+                  for r in sm.comm_ledger()]
+        return {"memory": dict(sm.memory_report()), "ledger": ledger, "peak": peak,
+                "strategy": sm.plan.strategy}
+
+
+def _step_tracker():
+    """torch's MemTracker keeping the step's peak only. Its per-module bookkeeping is left out:
+    its module hooks read every parameter's `.grad` before each forward (on a shardc model
+    reading a gradient completes the step's sync: the run would change), and its per-module
+    peaks walk every module seen so far on every operator (minutes for 80 layers). What it
+    counts is unchanged: every tensor an operator makes, every storage resize, the tensors
+    registered as external, the optimizer's states."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    class StepPeak(MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+        def _pre_fw_hook(self, module, inputs) -> None:
+            pass
+
+        def _post_fw_hook(self, module, inputs, outputs) -> None:
+            pass
+
+        def _pre_bw_hook(self, module, args) -> None:
+            pass
+
+        def _post_bw_hook(self, module, args) -> None:
+            pass
+    return StepPeak()
+
+
+def _report(strategy, rank, m, optimizer, clip, batch, seq, predicted, measured, seconds) -> dict:
+    from shardc.analysis.costmodel.ledger import ledger_dicts
+    p_memory = {k: int(predicted.memory[k]) for k in STATE_KEYS}
+    memory = {k: int(measured["memory"][k]) for k in STATE_KEYS}
+    p_ledger = ledger_dicts(predicted.ledger)
+    ledger = measured["ledger"]
+    peak = predicted.peak
+    return {
+        "strategy": strategy.name, "mesh": str(strategy.mesh), "world": strategy.mesh.world, "rank": rank,
+        "coords": dict(zip(strategy.mesh.names, _coords(strategy.mesh, rank))),
+        "params": sum(u.trainable + u.frozen for u in predicted.units),
+        "step": {"micro_batches": m, "batch": batch, "seq": seq, "optimizer": optimizer, "clip": clip},
+        "memory": memory, "explain_memory": p_memory, "memory_equal": memory == p_memory,
+        "ledger": ledger, "explain_ledger": p_ledger, "ledger_equal": _normal(ledger) == _normal(p_ledger),
+        "ledger_by_levels": by_levels(ledger),
+        "peak": {"measured": None if measured["peak"] is None else int(measured["peak"].get("Total", 0)),
+                 "by_kind": {KINDS.get(k, k): int(v) for k, v in (measured["peak"] or {}).items() if k != "Total"},
+                 "tracker": "torch.distributed._tools.mem_tracker.MemTracker",
+                 "explain": None if peak["peak"] is None else peak["peak"] - peak["overhead"],
+                 "explain_parts": {k: peak[k] for k in ("states", "gathered", "activations")}},
+        "seconds": seconds,
+    }
+
+
+def _coords(mesh, rank: int):
+    from shardc.lowering import coords
+    return coords(mesh, rank)
+
+
+def _normal(ledger) -> list:
+    return [(r["phase"], r["op"], tuple(r["levels"]), r["bytes"], r["count"]) for r in ledger]
+
+
+def by_levels(ledger) -> dict[str, int]:
+    """Bytes per step by the level set a collective spans (bytes x count)."""
+    out: dict[str, int] = {}
+    for r in ledger:
+        key = ",".join(r["levels"])
+        out[key] = out.get(key, 0) + r["bytes"] * r["count"]
+    return out
