@@ -18,7 +18,7 @@ the timeout machinery itself pass a short `timeout`.
 Spawning W fresh Python processes that import torch and rendezvous costs seconds per
 test on a 2-core machine, so each world size keeps one pool of worker processes for the
 whole pytest session: torch is imported once (the workers are forked from a
-forkserver that preloads torch), the default process group is initialised once, and
+forkserver that preloads torch and shardc), the default process group is initialised once, and
 jobs are dispatched over pipes. Each job ends with a barrier, so all ranks leave it
 together and the next job starts from a quiet process group. Workers are reused, so a
 job must not rely on fresh global state: seed RNGs itself, and leave the default
@@ -43,6 +43,9 @@ from collections import OrderedDict
 MAX_POOLS = 3
 HANG_S = 1800.0         # see [Note: generous limits]
 _GRACE_S = 3.0          # how long the other ranks get to report after one rank failed
+# what every worker imports before it forks (see [Note: persistent pools]): shardc too, so a
+# pool rebuilt after a failing job does not import it again on each rank
+PRELOAD = ["torch", "torch.distributed", "shardc", "shardc.runtime", "shardc.compiler"]
 _pools: "OrderedDict[int, _Pool]" = OrderedDict()
 _ctx = None
 
@@ -51,7 +54,7 @@ def _context():
     global _ctx
     if _ctx is None:
         _ctx = mp.get_context("forkserver")
-        _ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        _ctx.set_forkserver_preload(PRELOAD)
     return _ctx
 
 
