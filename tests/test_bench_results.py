@@ -11,12 +11,12 @@ from tests.bench_modules import load_bench
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 KINDS = ("systems", "collectives", "profile", "predict", "collective-models", "torch-profile", "profile-raw")
-WORLD_1 = ("overhead", "compile-time")                # KINDs of one process: no link, no LINK field
+WORLD_1 = ("overhead", "compile-time", "simulate")    # KINDs of one process: no LINK, no MODEL field
 MODELS = tuple(load_bench("models").PRESETS)          # MODEL: `--model`, one of bench/models.py's presets
 DATE = r"\d{4}-\d\d-\d\d"
 NAME = re.compile(rf"(?:({'|'.join(KINDS)})_(\d+[mg]bit)(_(?:{'|'.join(MODELS)}))?|({'|'.join(WORLD_1)}))"
-                  rf"_({DATE})(_[a-z0-9-]+)?\.(json|md|txt|jsonl\.gz)")
-PAGES = [ROOT / "docs" / "BENCHMARKS.md", ROOT / "docs" / "explain.md", ROOT / "README.md"]
+                  rf"_({DATE})(_[a-z0-9-]+)?\.(json|md|txt|jsonl|jsonl\.gz)")
+PAGES = [ROOT / "docs" / "BENCHMARKS.md", ROOT / "docs" / "explain.md", ROOT / "docs" / "simulate.md", ROOT / "README.md"]
 CITATION = re.compile(rf"(?:[\w{{}},*-]+_\d+[mg]bit|\b(?:{'|'.join(WORLD_1)})_{DATE})[\w{{}},*.-]*[\w}}*]")
 OUTPUTS = ("gpu_trace",)       # written by bench scripts when they run, not shipped
 
