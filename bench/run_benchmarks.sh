@@ -73,3 +73,13 @@ python bench/bigmodel.py --layers 8 --workdir "$BIG/l8" --need-gib 21 --no-expla
     --json "$OUT/systems_100gbit_${DATE}_bigmodel-l8-step.json"
 rm -rf "$BIG"
 python bench/bigmodel.py --table "$OUT"/systems_100gbit_"${DATE}"_bigmodel-l{16-startup,1-step,2-step,8-step}.json
+
+# 8. The papers' settings as simulated ranks (docs/simulate.md, issue 38): one process, torch's fake
+#    process group, no namespaces. LLaMA-7B..65B on 64/128/1024 GPUs and GPT-NeoX-20B on ZeRO-topo's
+#    meshes under every named strategy (about an hour of one core), then planning/compile timings.
+python bench/simulate_papers.py sweep --out "$OUT/simulate_${DATE}_llama.jsonl"
+python bench/simulate_papers.py neox --out "$OUT/simulate_${DATE}_neox.jsonl"
+python bench/simulate_papers.py neox --meshes "node(2) > gpu(4) > gcd(2)" --strategies zero3,zero_topo \
+    --out "$OUT/simulate_${DATE}_neox.jsonl"
+python bench/simulate_papers.py timing --out "$OUT/simulate_${DATE}_timing.json"
+python bench/simulate_papers.py table "$OUT"/simulate_"${DATE}"_{llama,neox}.jsonl --out /dev/stdout

@@ -2,10 +2,13 @@
 memory per rank, the ledger against explain's, and the seconds each takes (information and
 the docs' tables; no asserts).
 
-    python bench/simulate_papers.py sweep --models llama_7b,llama_65b --nodes 8,16,128 --out OUT.jsonl
-    python bench/simulate_papers.py neox --out OUT.jsonl     # GPT-NeoX-20B, node(48) > gpu(4) > gcd(2)
-    python bench/simulate_papers.py timing --out OUT.json    # lowering/plan/explain vs world, compile vs depth
-    python bench/simulate_papers.py table IN.jsonl [...] --out OUT.md   # the docs' tables
+    # docs/simulate.md's runs (DATE: the day; a stopped run resumes, skipping the ranks done):
+    python bench/simulate_papers.py sweep --out bench/results/simulate_DATE_llama.jsonl   # LLaMA-7B..65B, 64/128/1024
+    python bench/simulate_papers.py neox --out bench/results/simulate_DATE_neox.jsonl     # node(48) > gpu(4) > gcd(2)
+    python bench/simulate_papers.py neox --meshes "node(2) > gpu(4) > gcd(2)" --strategies zero3,zero_topo \
+        --out bench/results/simulate_DATE_neox.jsonl                                      # ZeRO-topo's 16 GCDs
+    python bench/simulate_papers.py timing --out bench/results/simulate_DATE_timing.json  # planning vs world, compile vs depth
+    python bench/simulate_papers.py table bench/results/simulate_DATE_{llama,neox}.jsonl --out OUT.md   # the tables
 
 Settings: every named strategy (examples/strategies/*.shard) in the papers' precision —
 `dtype bf16` added to its params and grads lines (bf16 parameters, gradients and
