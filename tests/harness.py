@@ -41,6 +41,9 @@ import traceback
 from collections import OrderedDict
 
 MAX_POOLS = 3
+# SHARDC_FULL_SWEEPS=1: the sweeps that are too slow for the suite's budget on 2 cores run in
+# full (every named strategy, every order); otherwise each runs the cases named in its test
+FULL_SWEEPS = os.environ.get("SHARDC_FULL_SWEEPS") == "1"
 HANG_S = 1800.0         # see [Note: generous limits]
 _GRACE_S = 3.0          # how long the other ranks get to report after one rank failed
 # what every worker imports before it forks (see [Note: persistent pools]): shardc too, so a

@@ -5,11 +5,11 @@ the step's sync and update one more.
 - Strategies train at parity with one process on 4 gloo ranks `node(2) > gpu(2)`, 2
   micro-batches a step, `clip_grad_norm_`, AdamW and SGD + momentum in turn: one of each
   shape the mode's graphs take (see `SHAPES`; zero3's model built on the meta device and
-  initialized on shards), HO-Ring collectives, and ZeRO++ in full (an int8 hpZ secondary,
-  int8 weights, int4 gradients, hierarchical) within 1 % of the reference loss; zero_topo
-  on the 3-level mesh `node(2) > gpu(2) > gcd(2)`, 8 ranks. SHARDC_FULL_SWEEPS=1 runs every
-  named strategy (each Inductor compile costs every rank seconds of CPU, so the suite
-  keeps the shapes).
+  initialized on shards) and ZeRO++ in full (an int8 hpZ secondary,
+  int8 weights, int4 gradients, hierarchical) within 1 % of the reference loss.
+  SHARDC_FULL_SWEEPS=1 runs every named strategy, HO-Ring collectives, and zero_topo on the 3-level mesh
+  `node(2) > gpu(2) > gcd(2)`, 8 ranks (each Inductor compile costs every rank seconds of
+  CPU, so the suite keeps the shapes).
   With a secondary copy (hpZ) the backward graph re-gathers over Q from the saved chunk,
   never over P: its all-gathers are the plan's backward rows.
 - What runs is the plan: the measured ledger and memory equal `shardc explain` (the real
@@ -35,7 +35,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.harness import dist_run, failure
+from tests.harness import FULL_SWEEPS as FULL, dist_run, failure
 
 pytestmark = pytest.mark.distributed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -175,16 +175,17 @@ HO_RING = "mesh node(*) > gpu(2)\nparams shard over gpu\ngrads shard over world\
           "collectives ho-ring\n"
 
 
-# The shapes the mode's graphs take, one named strategy each (the others repeat one of them):
-# every state over the world, params gathered in the forward and backward (zero3, built on
-# meta); params and grads whole, the grads all-reduced and the update all-gathered over the
-# world (zero1); params whole, grads reduce-scattered over gpu and reduced over node at the
-# step, the update all-gathered over the world (paro_nig); params over the world with an hpZ
-# secondary re-gathered over gpu in the backward (zeropp, exact here); params over gpu,
-# grads and optim over the world (paro_igg); every state over gpu, replicated over node
-# (mics).
-SHAPES = ("zero3", "zero1", "paro_nig", "zeropp", "paro_igg", "mics")
-FULL = os.environ.get("SHARDC_FULL_SWEEPS") == "1"
+# The shapes the mode's graphs take, one named strategy each: every state over the world,
+# params gathered in the forward and re-gathered in the backward (zero3, built on meta);
+# params whole, grads reduce-scattered over gpu and reduced over node at the step, the update
+# all-gathered over the world (paro_nig); params over the world with an hpZ secondary
+# re-gathered over gpu in the backward (zeropp, exact here); ZeRO++ in full (codecs) is one
+# more case. SHARDC_FULL_SWEEPS=1 adds HO-Ring (in the suite, test_algorithms.py runs a test-only
+# staged algorithm through this mode's executor, and HO-Ring trains in the eager runtime), the other named strategies (each
+# repeats one of these shapes: ddp, zero1 and lins_7b all-reduce whole grads; zero2,
+# paro_igg, paro_iig, mics and hsdp_zero2 mix the shapes above over gpu and world) and
+# zero_topo's 3-level mesh on 8 ranks.
+SHAPES = ("zero3", "paro_nig", "zeropp")
 
 
 def test_strategies_train_at_parity():
@@ -192,7 +193,8 @@ def test_strategies_train_at_parity():
     names = [n for n in NAMED if n != "zero_topo"] if FULL else list(SHAPES)
     assert set(SHAPES) <= set(NAMED) and "zeropp" in names
     cases = [(text(n), ("adamw", "sgd")[i % 2]) + (("meta",) if n == "zero3" else ()) for i, n in enumerate(names)]
-    cases.append((HO_RING + f"accumulate {ACC}\nbucket 0\n", "adamw"))
+    if FULL:
+        cases.append((HO_RING + f"accumulate {ACC}\nbucket 0\n", "adamw"))
     cases.append((QUANTIZED + f"accumulate {ACC}\nbucket 0\n", "sgd"))
     results = dist_run(4, _sweep, cases, MESH, 2)
     refs = {(kind, meta): reference(kind, 4, layers=2, meta=meta) for kind in ("adamw", "sgd") for meta in (False, True)}
@@ -204,6 +206,8 @@ def test_strategies_train_at_parity():
         assert {lv for lv, _ in results[0][i][3]} == {("gpu",)}
 
 
+@pytest.mark.skipif(not FULL, reason="8 compiling ranks on the suite's 2 cores: opt-in, SHARDC_FULL_SWEEPS=1 "
+                    "(zero_topo trains at parity on its 3-level mesh in the eager runtime: test_runtime_parity.py)")
 def test_three_levels_zero_topo_at_parity():
     results = dist_run(8, _sweep, [(text("zero_topo"), "sgd")], MESH3, 2)
     close([r[0][:2] for r in results], reference("sgd", 8, layers=2))
