@@ -67,7 +67,7 @@ def _executors(rank, world):
     from shardc.runtime import collectives as C
     from shardc.runtime.funcol import FunctionalComm
     from shardc.runtime.mesh import ShardMesh
-    from tests.test_collectives import cases, data, members
+    from tests.test_collectives import cases, data, members, references
     mesh = Mesh((Level("node", 2), Level("gpu", 2)))
     algo, sm, m, bad = Collectives("outer-first"), ShardMesh(mesh), 6, []
     rows = [Row(Phase.FORWARD, Op.ALL_GATHER, mesh.ordered(lv), order, 0, Per.FORWARD, DType.FP32)
@@ -76,10 +76,7 @@ def _executors(rank, world):
     for case, ((levels, order), row) in enumerate(zip(cases(mesh), rows)):
         grp = members(mesh, rank, order)
         s, me = len(grp), grp.index(rank)
-        ag = torch.cat([data(r, case, m) for r in grp])
-        full = [data(r, case, s * m) for r in grp]
-        rs = sum(x[me * m:(me + 1) * m] for x in full)
-        ar = sum(data(r, case, 2 * m + 1) for r in grp)
+        ag, full, rs, ar = references(grp, me, case, m)
         out = torch.empty(s * m)
         C.all_gather(out, data(rank, case, m), sm, levels, order, algo=algo).wait()
         got = torch.empty(m)

@@ -44,6 +44,17 @@ def data(rank: int, case: int, n: int) -> torch.Tensor:
     return torch.randn(n, generator=g)
 
 
+def references(grp: list[int], me: int, case: int, m: int):
+    """What rank `grp[me]` must get on `case`, from the inputs alone: the all-gather (the
+    group's chunks in chunk order), the reduce-scatter's inputs (every member's full
+    tensor) and result (the sum of their chunk `me`), the all-reduce (the members' sum)."""
+    ag = torch.cat([data(r, case, m) for r in grp])
+    full = [data(r, case, len(grp) * m) for r in grp]
+    rs = sum(x[me * m:(me + 1) * m] for x in full)
+    ar = sum(data(r, case, 2 * m + 1) for r in grp)
+    return ag, full, rs, ar
+
+
 def cases(mesh: Mesh):
     for k in range(1, len(mesh.names) + 1):
         for levels in itertools.combinations(mesh.names, k):
@@ -61,10 +72,7 @@ def _float_paths(rank, world, mesh, m):
     for case, (levels, order) in enumerate(cases(mesh)):
         grp = members(mesh, rank, order)
         s, me = len(grp), grp.index(rank)
-        ag_ref = torch.cat([data(r, case, m) for r in grp])
-        rs_full = [data(r, case, s * m) for r in grp]
-        rs_ref = sum(x[me * m:(me + 1) * m] for x in rs_full)
-        ar_ref = sum(data(r, case, 2 * m + 1) for r in grp)
+        ag_ref, rs_full, rs_ref, ar_ref = references(grp, me, case, m)
         ring_rs = None
         for algo in ALGOS:
             out = torch.full((s * m,), float("nan"))
