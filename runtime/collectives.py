@@ -35,6 +35,18 @@ Other backends (NCCL) use their native `reduce_scatter_single`, which sums in th
 dtype (like FSDP2's reduce dtype); the choice is the group's backend for the tensors'
 device (`device.native_reduce_scatter`), not the device (gloo also runs CUDA tensors).
 
+[Note: bounded all-to-all]
+The all-to-all's receive buffer is a second copy of the stage's input: for a unit of
+N elements, N more. Past `RS_RECV_BYTES` per stage, the stage goes in blocks of columns
+(the same columns of every chunk, sent from the input's rows in place by the list
+`all_to_all`): each block is exchanged and summed into its columns of the output before
+the next is issued, so a stage holds at most one block's receive buffer beside its
+input and output. The bytes on the wire
+are the same; the blocks after the first are issued from `wait()` ([Note: stages and
+handles]), so only the first one overlaps the caller's compute. Below the bound (every
+unit of the test models and the cluster benchmarks' 13M-parameter model) it is one
+exchange, as before.
+
 [Note: streams]
 Every call runs on a communication stream of its kind where the device has streams
 (`device.launch`, see runtime/device.py "communication streams"): the body (casts,
@@ -117,21 +129,52 @@ def _ag(dst, src, pg):
     return dist.all_gather_single(dst, src, group=pg, async_op=True)
 
 
+RS_RECV_BYTES = 32 << 20        # [Note: bounded all-to-all]: one block's receive buffer, at most
+
+
 def _rs(dst, src, pg, scratch=None):
-    """One flat reduce-scatter stage; yields its handle, finishes into dst. `scratch` (a
-    runtime Workspace, or None) lends the all-to-all's receive buffer."""
+    """One flat reduce-scatter stage; yields its handle(s), finishes into dst. `scratch` (a
+    runtime Workspace, or None) lends the all-to-all's buffers."""
     if device.native_reduce_scatter(pg, src.device.type):
         yield [dist.reduce_scatter_single(dst, src, group=pg, async_op=True)]
         return
-    recv = torch.empty_like(src) if scratch is None else scratch.take(src.numel(), src.dtype, src.device)
+    s, m = dist.get_world_size(pg), dst.numel()
+    cols = max(1, RS_RECV_BYTES // (s * src.element_size()))
+    if cols >= m:
+        yield from _a2a_sum(dst, src, pg, s, scratch)
+        return
+    rows = src.view(s, m)
+    for lo in range(0, m, cols):               # one block of columns at a time
+        hi = min(m, lo + cols)
+        recv = _take(scratch, s * (hi - lo), src)
+        yield [dist.all_to_all(list(recv.view(s, -1)), [r[lo:hi] for r in rows], group=pg, async_op=True)]
+        _sum_rows(dst[lo:hi], recv.view(s, -1))
+        _give(scratch, recv)
+
+
+def _a2a_sum(dst, src, pg, s, scratch):
+    """All-to-all `src` (s rows of dst's size), then sum the s rows received into dst."""
+    recv = _take(scratch, src.numel(), src)
     yield [dist.all_to_all_single(recv, src, group=pg, async_op=True)]
-    parts = recv.view(dist.get_world_size(pg), -1)
+    _sum_rows(dst, recv.view(s, -1))
+    _give(scratch, recv)
+
+
+def _sum_rows(dst, parts):
     if dst.dtype in (torch.float16, torch.bfloat16):
         dst.copy_(parts.float().sum(0))
     else:
         torch.sum(parts, 0, out=dst)
+
+
+def _take(scratch, n, like):
+    return torch.empty(n, dtype=like.dtype, device=like.device) if scratch is None \
+        else scratch.take(n, like.dtype, like.device)
+
+
+def _give(scratch, t):
     if scratch is not None:
-        scratch.give(recv)
+        scratch.give(t)
 
 
 def _n(sm: ShardMesh, levels) -> int:

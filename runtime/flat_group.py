@@ -46,7 +46,8 @@ class GatherInFlight(NamedTuple):
 class ReduceInFlight(NamedTuple):
     work: object
     chunk: torch.Tensor          # workspace: the reduce-scatter's output (N/s_G)
-    flat: torch.Tensor           # workspace: its input, the flat local gradient (N)
+    flat: torch.Tensor           # its input, the flat local gradient (N)
+    pooled: bool                 # `flat` is the workspace's (else the gradient itself)
 
 
 class SyncStage(enum.Enum):
@@ -143,19 +144,23 @@ class FlatGroup:
         st = self.storage
         if st.s_g == 1:
             st.add_slot_grads(grads)
+        elif (whole := st.whole_grad(grads)) is not None:
+            self.reduce_grad(whole, pooled=False)
         else:
             self.reduce_grad(st.flat_grads(grads, self.workspace))
 
-    def reduce_grad(self, flat: torch.Tensor | None) -> None:
+    def reduce_grad(self, flat: torch.Tensor | None, pooled: bool = True) -> None:
         """Reduce-scatter one backward's full local gradient over G (async). `flat` is a
-        workspace tensor of the grad dtype, handed back by `finish_grads`; None: this
-        backward gave the group no gradient (zeros, so every rank issues the same rows)."""
+        workspace tensor of the grad dtype, handed back by `finish_grads` (`pooled=False`:
+        a gradient reduce-scattered as it is, storage.whole_grad); None: this backward
+        gave the group no gradient (zeros, so every rank issues the same rows)."""
         st = self.storage
         if st.s_g == 1:
             st.materialize()
             if flat is not None:
                 st.grad_shard.add_(flat)
-                self.workspace.give(flat)
+                if pooled:
+                    self.workspace.give(flat)
             return
         dev = st.grad_shard.device
         if flat is None:
@@ -163,15 +168,16 @@ class FlatGroup:
         chunk = self.workspace.take(st.grad_shard.numel(), st.gdtype, dev)
         row = self._row(Phase.BACKWARD, Op.ALL_TO_ALL) or self._row(Phase.BACKWARD, Op.REDUCE_SCATTER)
         work = self.comm.reduce_scatter(row, chunk, flat, scratch=self.workspace)
-        self.reducing.append(ReduceInFlight(work, chunk, flat))
+        self.reducing.append(ReduceInFlight(work, chunk, flat, pooled))
 
     def finish_grads(self) -> None:
         """Wait this group's backward reduce-scatters, add them in, hand the scratch back."""
-        for work, chunk, flat in self.reducing:
+        for work, chunk, flat, pooled in self.reducing:
             work.wait()
             self.storage.accumulate(chunk)
             self.workspace.give(chunk)
-            self.workspace.give(flat)
+            if pooled:
+                self.workspace.give(flat)
         self.reducing.clear()
 
     # -- the step's sync ---------------------------------------------------------------

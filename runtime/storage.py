@@ -29,7 +29,10 @@ shard before a backward wrote it (`os_grad`, the sync, a backward that gave the 
 gradient) zeroes it first (`materialize`). With s_G = 1 the gradients are added into the
 shard's slot views (made once) by one `torch._foreach_add_` (`add_slot_grads`); otherwise
 they are laid out flat (`flat_grads`), reduce-scattered, and the chunk is added in
-(`accumulate`).
+(`accumulate`). A group of one parameter with no padding has its layout already: its
+gradient, when contiguous and of the grad dtype, is reduce-scattered as it is
+(`whole_grad`), with no flat copy beside it (an embedding's or a head's unit: the largest
+of a language model, where that copy is the backward's peak).
 """
 from __future__ import annotations
 
@@ -172,6 +175,16 @@ class FlatStorage:
             self.stale = False
         elif dst:
             torch._foreach_add_(dst, src)
+
+    def whole_grad(self, grads) -> torch.Tensor | None:
+        """The one gradient of a one-parameter group, flat, when it is the layout itself
+        (no padding, contiguous, the grad dtype and device: see [Note: grad accumulation])."""
+        if len(self._sizes) != 1 or self.layout.phi != self.n or grads[0] is None:
+            return None
+        g = grads[0]
+        if g.dtype != self.gdtype or g.device != self.grad_shard.device or not g.is_contiguous():
+            return None
+        return g.view(-1)
 
     def flat_grads(self, grads, workspace: Workspace) -> torch.Tensor:
         """One backward's gradients laid out flat (N elements, zeros where none) in a

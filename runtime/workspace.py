@@ -7,8 +7,10 @@ Output: a view of a pooled tensor, handed back once its reduce-scatter is waited
 
 [Note: reduce workspace]
 A backward with s_G > 1 needs, per unit, one N-element buffer (the unit's gradients laid
-out flat, the reduce-scatter's input), one N/s_G-element chunk (its output) and, on gloo,
-the all-to-all's N-element receive buffer (runtime/collectives.py; handed back as soon
+out flat, the reduce-scatter's input; none for a one-parameter unit whose gradient is
+the layout already, storage.py [Note: grad accumulation]), one N/s_G-element chunk (its
+output) and, on gloo, the all-to-all's receive buffer (at most `RS_RECV_BYTES`, in
+blocks past it: runtime/collectives.py [Note: bounded all-to-all]; handed back as soon
 as its local sum is done), all alive until the reduce-scatter is waited. The engine keeps
 at most one unit's reduce-scatter in flight while the next unit's is issued (engine.py),
 so at most two of each are taken at a time. Allocating them fresh per unit and backward
@@ -17,10 +19,10 @@ page faults on every use; the pool hands back a view of a tensor an earlier unit
 micro-batch returned (the first one large enough, or a new one). The engine empties the
 pool (`clear`) at the end of the backward that issues the step's sync and in
 zero_grad(), so between steps, in opt.step() and in the forward that follows it the pool
-holds nothing. Within a step's accumulation window it holds at most 2·(2N + N/s_G)
-elements of the largest unit (the in-flight bound above). The parameters' gathered full
-buffers are not pooled: their storage is freed on release, so the transient window stays
-what the plan says.
+holds nothing. Within a step's accumulation window it holds at most 2·(N + N/s_G) elements
+of the largest unit plus two receive blocks (the in-flight bound above). The parameters'
+gathered full buffers are not pooled: their storage is freed on release, so the
+transient window stays what the plan says.
 """
 from __future__ import annotations
 

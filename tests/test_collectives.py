@@ -154,6 +154,30 @@ def _quant_paths(rank, world, mesh, m):
     return bad
 
 
+def _bounded_blocks(rank, world, mesh, m, cap):
+    """The gloo reduce-scatter past its receive bound ([Note: bounded all-to-all]): the
+    same result for every algorithm and order, no receive buffer over the bound."""
+    from shardc.runtime import collectives as C
+    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.workspace import Workspace
+
+    C.RS_RECV_BYTES = cap
+    sm, ws, taken = ShardMesh(mesh), Workspace(), []
+    take = ws.take
+    ws.take = lambda n, dtype, dev: taken.append(n * dtype.itemsize) or take(n, dtype, dev)
+    bad = []
+    for case, (levels, order) in enumerate(cases(mesh)):
+        grp = members(mesh, rank, order)
+        me = grp.index(rank)
+        _, rs_full, rs_ref, _ = references(grp, me, case, m)
+        for algo in ALGOS:
+            rs = torch.full((m,), float("nan"))
+            C.reduce_scatter(rs, rs_full[me], sm, levels, order, algo=algo, scratch=ws).wait()
+            if not torch.allclose(rs, rs_ref, rtol=1e-5, atol=1e-6):
+                bad.append((levels, order, algo))
+    return bad, max(taken)
+
+
 def _ho_ring_is_pipelined(rank, world, mesh):
     from shardc.runtime import collectives as C
     from shardc.runtime.mesh import ShardMesh
@@ -187,6 +211,14 @@ def test_quantized_within_bound(mesh):
 def test_bf16_comm():
     for bad in dist_run(8, _lowp_paths, M222, 33):
         assert not bad, bad
+
+
+@pytest.mark.distributed
+def test_reduce_scatter_receives_in_bounded_blocks():
+    # 48 bytes: 3 fp32 columns per block over 4 ranks, 6 over 2; 7 columns: uneven blocks
+    for bad, biggest in dist_run(4, _bounded_blocks, M22, 7, 48):
+        assert not bad, bad[:5]
+        assert biggest <= 48
 
 
 @pytest.mark.distributed

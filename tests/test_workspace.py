@@ -2,9 +2,11 @@
 units and micro-batches, bounded, and empty outside a step's accumulation window.
 
 Bounds from [Note: reduce workspace]: at most two reduce-scatters in flight, each with an
-N-element input, an N-element all-to-all receive buffer (gloo) and an N/s_G chunk, so the
-pool holds at most 2·(2N + N/s_G) elements of the largest unit (fp32: 4 bytes each);
-every tensor is made during the first micro-batch of a step.
+N-element input, an all-to-all receive buffer (gloo: N elements for units as small as
+these, under the receive bound) and an N/s_G chunk, so the pool holds at most
+2·(2N + N/s_G) elements of the largest unit (fp32: 4 bytes each); every tensor is made
+during the first micro-batch of a step. A unit of one parameter reduce-scatters its
+gradient as it is, with no flat copy, and trains at parity.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import pytest
 import torch
 
 from tests.harness import dist_run
-from tests.test_runtime_util import Tiny, batches, loss_fn, strategy, units_for
+from tests.test_runtime_util import (V, Block, D, H, Tiny, batches, loss_fn, max_rel_err, reference, strategy,
+                                     train_sharded, units_for)
 
 
 def test_take_reuses_what_was_given_back():
@@ -62,3 +65,38 @@ def test_reduce_buffers_reused_and_bounded():
         assert a[0] == a[1] == a[2] and a[3] == a[4] == a[5], a      # made in micro-batch 1 only
         assert 0 < held[0] <= r["bound"] and 0 < held[3] <= r["bound"], (held, r["bound"])
         assert held[2] == 0 and held[5] == 0, held                   # emptied by the step's sync
+
+
+def _one_param_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(V, D), Block(D, H), torch.nn.Linear(D, V, bias=False))
+
+
+def _one_param_units(rank, world, opt_kind):
+    """Embedding and head as units of one parameter each (V·D = 66 elements: no padding on
+    2 ranks); which groups laid their gradients out flat, and the trained parameters."""
+    from shardc.runtime import UnitSpec, shard_module
+    from shardc.runtime.storage import FlatStorage
+    model = _one_param_model()
+    s = strategy("zero3", "gpu(2)")
+    block = tuple(n for n, _ in model.named_parameters() if n.startswith("1."))
+    specs = [UnitSpec("<root>", (), s.scopes), UnitSpec("0", ("0.weight",), s.scopes, ("0",)),
+             UnitSpec("1", block, s.scopes, ("1",)), UnitSpec("2", ("2.weight",), s.scopes, ("2",))]
+    flat_n, whole_n = [], []
+    flat, whole = FlatStorage.flat_grads, FlatStorage.whole_grad
+    FlatStorage.flat_grads = lambda st, grads, ws: flat_n.append(st.n) or flat(st, grads, ws)
+    FlatStorage.whole_grad = lambda st, grads: (lambda g: g is not None and whole_n.append(st.n) or g)(whole(st, grads))
+    sm = shard_module(copy.deepcopy(model), s, specs)
+    got, _, _ = train_sharded(sm, batches(2, world, 1), rank, world, 1, opt_kind)
+    return got, flat_n, whole_n
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("opt_kind", ["sgd", "adamw"])
+def test_one_parameter_units_reduce_their_gradient_as_is(opt_kind):
+    want, _ = reference(_one_param_model(), batches(2, 2, 1), opt_kind)
+    block_n = sum(p.numel() for p in _one_param_model()[1].parameters())
+    for got, flat_n, whole_n in dist_run(2, _one_param_units, opt_kind):
+        assert max_rel_err(got, want) < 1e-5
+        assert whole_n == [V * D, V * D] * 2          # head, then embedding, in each of 2 backwards
+        assert len(flat_n) == 2 and all(n >= block_n for n in flat_n)   # the block's, laid out flat
