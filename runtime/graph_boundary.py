@@ -9,8 +9,8 @@ into the params shard and all-gathered over OS∖P — each one `torch.compile(f
 graph over every unit (the eager executor is step_ops.py).
 
 [Note: the graphs sync at the step]
-Every micro-batch's graph reduces its gradients over G (graph_step.py) and autograd adds
-them into the grad shard; the rest of the sync runs as one graph when it completes (at
+Every micro-batch's graph reduces its gradients over G (graph_step.py), handed into the
+grad shard when its backward is done ([Note: gradient hand-off] there); the rest of the sync runs as one graph when it completes (at
 opt.step() or clip_grad_norm_, or before a micro-batch that runs after the loop said the
 step ended: the boundary then folds it in exactly, as it does eagerly). A unit's sync is
 never issued on its own before that (`early` is False), so no plan pass applies and no
@@ -43,6 +43,8 @@ class GraphStepOps:
         for g in self._groups():
             st, gp = g.storage, g.gplan
             rs, ar = gp.row(Phase.SYNC, Op.REDUCE_SCATTER), gp.row(Phase.SYNC, Op.ALL_REDUCE)
+            if rs is None and ar is None and self.world == 1:
+                continue                # one rank: nothing to move, nothing to divide
             mine = self.comm.reduce_scatter(rs, st.grad_shard) if rs is not None else st.os_grad
             mine = self.comm.all_reduce(ar, mine)
             st.grad_shard[st.os_in_g:st.os_in_g + st.os_len].copy_(mine / self.world)
@@ -80,4 +82,4 @@ class GraphStepOps:
 
     def zero(self) -> None:
         for g in self._groups():
-            g.storage.zero_now()
+            g.storage.mark_zero()        # no fill: the next hand-off copies (graph_step.py)

@@ -72,6 +72,7 @@ class GraphRuntime:
                               f"({first}); {EAGER}") from None
 
     def _backward_done(self) -> None:
+        self.step.hand_off()
         self.boundary.end_backward()
 
     def release(self, i: int) -> None:

@@ -15,9 +15,19 @@ gathers (`MUST_RECOMPUTE`), so AOTAutograd's partitioner re-gathers each unit's 
 in the backward instead of keeping them: the backward re-gather rows of the plan. The
 root unit is gathered once, outside any region, and kept for the backward (it has no
 re-gather row). The gather function's backward reduce-scatters the unit's full gradient over G (the
-backward rows) and returns it as the gradient of the group's anchor, a leaf whose `.grad`
-is the grad shard, so autograd accumulates micro-batches into it in place. The step's sync
-and update are graph_boundary.py's graph.
+backward rows) and returns it as the gradient of the group's anchor, a leaf shaped like the
+grad shard. The step's sync and update are graph_boundary.py's graph.
+
+[Note: gradient hand-off]
+The anchors' `.grad` is None when a backward starts, so autograd hands the graph's output
+over as it is (it keeps the tensor, with no add and no copy); when the backward is done
+(`hand_off`) it goes into the grad shard the way the eager runtime's does (storage.py
+[Note: grad accumulation]): copied in when the shard is stale (after zero_grad(), which
+only marks it: no zero fill), added otherwise, and the anchor's `.grad` is None again.
+A group with no reduce-scatter (s_G = 1, so s_P = 1: the shard is the full buffer) has
+one anchor per parameter, and its parameters are the anchors' own views of the shard
+(`slots_function`): the backward hands over each parameter's gradient, which
+`add_slot_grads` adds into its slice of the shard, and no flat gradient is built.
 """
 from __future__ import annotations
 
@@ -84,6 +94,19 @@ def gather_function(comm, gather_row, reduce_row):
     return Gather
 
 
+class Slots(torch.autograd.Function):
+    """A group with no collectives ([Note: gradient hand-off]): forward, the parameters'
+    views of the shard; backward, each parameter's gradient to its own anchor."""
+
+    @staticmethod
+    def forward(ctx, views, *anchors):
+        return tuple(v.view_as(v) for v in views)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *grads)
+
+
 class GraphStep:
     """One micro-batch as one compiled graph (see the module note)."""
 
@@ -100,14 +123,8 @@ class GraphStep:
                     self.secondary[id(g)] = (st.q_start, st.q_len, bits, secondaries.add(
                         g.gplan.row(Phase.BACKWARD, Op.ALL_GATHER), st.q_len, bits, st.pdtype))
                     st.secondary = None
-                if g.trainable:                 # one element, expanded: only its .grad is used
-                    gs = g.storage.grad_shard
-                    anchor = torch.nn.Parameter(gs.new_zeros(1).expand(gs.shape))
-                    anchor.grad = gs                # autograd accumulates into the grad shard in place
-                    self.anchors[id(g)] = anchor
-                    gp = g.gplan
-                    reduce = gp.row(Phase.BACKWARD, Op.ALL_TO_ALL) or gp.row(Phase.BACKWARD, Op.REDUCE_SCATTER)
-                    self.gathers[id(g)] = gather_function(comm, gp.row(Phase.FORWARD, Op.ALL_GATHER), reduce)
+                if g.trainable:
+                    self._anchor(g)
         for u in units[1:]:
             if len(u.spec.modules) != 1:
                 raise ShardcError(f"unit {u.spec.name!r} merges {len(u.spec.modules)} modules (a bucket); "
@@ -118,12 +135,34 @@ class GraphStep:
         self.forward_rows = [r for u in units for g in u.groups for r in g.gplan.rows if r.per is Per.FORWARD]
         self.backward_rows = [r for u in units for g in u.groups for r in g.gplan.rows if r.per is Per.BACKWARD]
 
-    def reset_anchors(self) -> None:
-        """After the grad shards were zeroed: every anchor's `.grad` is its grad shard again."""
+    def _anchor(self, g) -> None:
+        """Group g's anchors (one element each, expanded: only their `.grad` is used) and
+        its gather function, or none for a group of slots ([Note: gradient hand-off])."""
+        st, gp = g.storage, g.gplan
+        gather = gp.row(Phase.FORWARD, Op.ALL_GATHER)
+        reduce = gp.row(Phase.BACKWARD, Op.ALL_TO_ALL) or gp.row(Phase.BACKWARD, Op.REDUCE_SCATTER)
+        if reduce is None and gather is None and id(g) not in self.secondary:
+            shapes = [v.shape for v in st.plain_views(st.shard)]
+        else:
+            shapes = [st.grad_shard.shape]
+            self.gathers[id(g)] = gather_function(self.comm, gather, reduce)
+        self.anchors[id(g)] = [torch.nn.Parameter(st.grad_shard.new_zeros(1).expand(s)) for s in shapes]
+
+    def hand_off(self) -> None:
+        """A backward is done: the anchors' gradients into the grad shards ([Note: gradient
+        hand-off])."""
         for u in self.units:
-            for g in u.groups:
-                if g.trainable:
-                    self.anchors[id(g)].grad = g.storage.grad_shard
+            g = u.trainable
+            if g is None:
+                continue
+            anchors, st = self.anchors[id(g)], g.storage
+            grads = [a.grad for a in anchors]
+            if id(g) not in self.gathers:
+                st.add_slot_grads(grads)
+            elif grads[0] is not None:
+                st.accumulate(grads[0])
+            for a in anchors:
+                a.grad = None
 
     # -- the traced code -----------------------------------------------------------------
     def _views(self, u) -> dict[str, torch.Tensor]:
@@ -134,8 +173,14 @@ class GraphStep:
             st, gp = g.storage, g.gplan
             gather = gp.row(Phase.FORWARD, Op.ALL_GATHER)
             with fx_traceback.annotate({GATHER_TAG: u.index}):       # graph_backend.py's schedule pass
+                if g.trainable and id(g) not in self.gathers:      # slots: views of the shard
+                    views = Slots.apply(st.plain_views(st.shard), *self.anchors[id(g)])
+                    for s, view in zip(st.layout.slots, views):
+                        for name in self.names_of[s.fqn]:
+                            out[name[len(prefix):]] = view
+                    continue
                 if g.trainable:
-                    full = self.gathers[id(g)].apply(st.shard, self.anchors[id(g)])
+                    full = self.gathers[id(g)].apply(st.shard, self.anchors[id(g)][0])
                 else:
                     full = self.comm.all_gather(gather, st.shard) if gather is not None else st.shard
                 if id(g) in self.secondary:

@@ -175,17 +175,19 @@ HO_RING = "mesh node(*) > gpu(2)\nparams shard over gpu\ngrads shard over world\
           "collectives ho-ring\n"
 
 
-# The shapes the mode's graphs take, one named strategy each: every state over the world,
-# params gathered in the forward and re-gathered in the backward (zero3, built on meta);
+# The shapes the mode's graphs take, one named strategy each: params and grads whole, each
+# parameter's gradient handed over on its own and all-reduced at the step (ddp); every
+# state over the world, params gathered in the forward and re-gathered in the backward
+# (zero3, built on meta);
 # params whole, grads reduce-scattered over gpu and reduced over node at the step, the update
 # all-gathered over the world (paro_nig); params over the world with an hpZ secondary
 # re-gathered over gpu in the backward (zeropp, exact here); ZeRO++ in full (codecs) is one
 # more case. SHARDC_FULL_SWEEPS=1 adds HO-Ring (in the suite, test_algorithms.py runs a test-only
 # staged algorithm through this mode's executor, and HO-Ring trains in the eager runtime), the other named strategies (each
-# repeats one of these shapes: ddp, zero1 and lins_7b all-reduce whole grads; zero2,
+# repeats one of these shapes: zero1 and lins_7b all-reduce whole grads as ddp; zero2,
 # paro_igg, paro_iig, mics and hsdp_zero2 mix the shapes above over gpu and world) and
 # zero_topo's 3-level mesh on 8 ranks.
-SHAPES = ("zero3", "paro_nig", "zeropp")
+SHAPES = ("ddp", "zero3", "paro_nig", "zeropp")
 
 
 def test_strategies_train_at_parity():
