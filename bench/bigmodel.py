@@ -24,7 +24,8 @@ and `--systems`, each run by this script (the driver) in its own `torchrun --npr
   at most 1 GiB, their index) that the driver writes from the DCP checkpoint in one
   process, a file's tensors at a time (preparation, not measured: `prepare_hf`);
 - `fsdp2:init`: FSDP2's meta recipe: meta build, `fully_shard` per decoder layer and the
-  root on a 1-D mesh of 8, `model.to_empty(device="cpu")`, `model.apply(model._init_weights)`;
+  root on a 1-D mesh of 8 (`--fsdp2-wrap units`: the embedding and the head each on their
+  own too, as `bench/llama_zero3_units.shard` makes them shardc's units), `model.to_empty(device="cpu")`, `model.apply(model._init_weights)`;
 - `fsdp2:dcp`: the same without the init (only the rotary cache recomputed), then the
   recipe above from `WORKDIR/dcp`.
 
@@ -233,7 +234,7 @@ def start_shardc(how: str, layers: int, workdir: str, x: torch.Tensor, phases: d
     return sm
 
 
-def start_fsdp2(how: str, layers: int, workdir: str, phases: dict):
+def start_fsdp2(how: str, layers: int, workdir: str, phases: dict, wrap: str = "layers"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     t = time.perf_counter()
@@ -242,8 +243,11 @@ def start_fsdp2(how: str, layers: int, workdir: str, phases: dict):
     phases["build_s"] = time.perf_counter() - t
     t = time.perf_counter()
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("shard",))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
+    mods = list(model.model.layers)
+    if wrap == "units":                    # bench/llama_zero3_units.shard's units
+        mods = [model.model.embed_tokens] + mods + [model.lm_head]
+    for mod in mods:
+        fully_shard(mod, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
     phases["shard_s"] = time.perf_counter() - t
@@ -319,7 +323,7 @@ def worker(args) -> None:
     if kind == "shardc":
         model = start_shardc(how, args.layers, args.workdir, x, r["phases"], algo, args.strategy)
     else:
-        model = start_fsdp2(how, args.layers, args.workdir, r["phases"])
+        model = start_fsdp2(how, args.layers, args.workdir, r["phases"], args.fsdp2_wrap)
     r["startup_rank_s"] = time.perf_counter() - t0
     dist.barrier()
     r["startup_s"] = time.perf_counter() - t0
@@ -519,7 +523,8 @@ def run_system(system: str, args, need: int, save: bool) -> dict:
         os.remove(out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            os.path.abspath(__file__), "--worker", system, "--layers", str(args.layers), "--workdir", args.workdir,
-           "--out", out, "--timeout", str(args.timeout), "--strategy", os.path.abspath(args.strategy)] + \
+           "--out", out, "--timeout", str(args.timeout), "--strategy", os.path.abspath(args.strategy),
+           "--fsdp2-wrap", args.fsdp2_wrap] + \
         (["--save"] if save else []) + ([] if args.step else ["--no-step"])
     env = dict(os.environ, OMP_NUM_THREADS="1", SHARDC_TIMEOUT=str(args.timeout))
     print(f"{system}: torchrun ({have / GIB:.1f} GiB available), log {log}", flush=True)
@@ -611,6 +616,7 @@ def driver(args) -> None:
     p = n_params(args.layers)
     os.makedirs(args.workdir, exist_ok=True)
     res = dict(layers=args.layers, params=p, world=WORLD, mesh=MESH, strategy=os.path.relpath(args.strategy, ROOT),
+               fsdp2_wrap=args.fsdp2_wrap,
                step=args.step, tokens_per_rank=TOKENS, dtype="float32", torch=torch.__version__,
                machine=dict(mem_total=mem_total(), cpus=os.cpu_count()),
                whole_build=dict(bytes_per_rank=p * 4, bytes_all_ranks=WORLD * p * 4),
@@ -682,6 +688,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="/tmp/bigmodel")
     ap.add_argument("--json")
     ap.add_argument("--strategy", default=STRATEGY, help="the shardc systems' strategy (default zero3.shard)")
+    ap.add_argument("--fsdp2-wrap", choices=("layers", "units"), default="layers",
+                    help="FSDP2's fully_shard calls: each decoder layer and the root (layers), or also "
+                         "the embedding and the head each on its own (units: bench/llama_zero3_units.shard's)")
     ap.add_argument("--no-step", dest="step", action="store_false", help="start-up only, no training step")
     ap.add_argument("--need-gib", type=float, help="memory to wait for before each torchrun (default: estimated)")
     ap.add_argument("--wait", type=float, default=3600, help="seconds to wait for that memory")

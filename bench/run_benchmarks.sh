@@ -59,20 +59,15 @@ TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python bench/cluster_bench.py --nodes 2 --p
 
 # 7. start-up of big models (docs/BENCHMARKS.md "Start-up of big models"): 8 ranks over loopback, no
 #    namespaces. A 16-layer Llama of TinyLlama's width (836 M parameters, too big for 8 whole builds)
-#    starts from the meta device (initialize, DCP, safetensors; FSDP2's recipe), then the first step at
-#    the depths where it fits. Checkpoints (~7 GB at 16 layers) go to a scratch directory.
+#    starts from the meta device (initialize, DCP, safetensors; FSDP2's recipe with the same units)
+#    and takes its first training step. Checkpoints (~7 GB) go to a scratch directory.
 BIG=$(mktemp -d)
-python bench/bigmodel.py --layers 16 --no-step --workdir "$BIG/l16" \
-    --json "$OUT/systems_100gbit_${DATE}_bigmodel-l16-startup.json"
-python bench/bigmodel.py --layers 1 --workdir "$BIG/l1" --need-gib 20.5 \
-    --systems shardc:init@ring,shardc:dcp@ring,shardc:safetensors@ring,fsdp2:init,fsdp2:dcp,shardc:init \
-    --json "$OUT/systems_100gbit_${DATE}_bigmodel-l1-step.json"
-python bench/bigmodel.py --layers 2 --workdir "$BIG/l2" --need-gib 20.5 --systems shardc:init@ring,shardc:init,fsdp2:init \
-    --json "$OUT/systems_100gbit_${DATE}_bigmodel-l2-step.json"
-python bench/bigmodel.py --layers 8 --workdir "$BIG/l8" --need-gib 21 --no-explain --systems fsdp2:init \
-    --json "$OUT/systems_100gbit_${DATE}_bigmodel-l8-step.json"
+python bench/bigmodel.py --layers 16 --workdir "$BIG/l16" --need-gib 21 \
+    --strategy bench/llama_zero3_units.shard --fsdp2-wrap units \
+    --systems shardc:init,shardc:dcp,shardc:safetensors,fsdp2:init,fsdp2:dcp \
+    --json "$OUT/systems_100gbit_${DATE}_bigmodel-l16-step.json"
 rm -rf "$BIG"
-python bench/bigmodel.py --table "$OUT"/systems_100gbit_"${DATE}"_bigmodel-l{16-startup,1-step,2-step,8-step}.json
+python bench/bigmodel.py --table "$OUT/systems_100gbit_${DATE}_bigmodel-l16-step.json"
 
 # 8. The papers' settings as simulated ranks (docs/simulate.md, issue 38): one process, torch's fake
 #    process group, no namespaces. LLaMA-7B..65B on 64/128/1024 GPUs and GPT-NeoX-20B on ZeRO-topo's
