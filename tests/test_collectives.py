@@ -161,20 +161,23 @@ def _bounded_blocks(rank, world, mesh, m, cap):
     from shardc.runtime.mesh import ShardMesh
     from shardc.runtime.workspace import Workspace
 
-    C.RS_RECV_BYTES = cap
     sm, ws, taken = ShardMesh(mesh), Workspace(), []
     take = ws.take
     ws.take = lambda n, dtype, dev: taken.append(n * dtype.itemsize) or take(n, dtype, dev)
-    bad = []
-    for case, (levels, order) in enumerate(cases(mesh)):
-        grp = members(mesh, rank, order)
-        me = grp.index(rank)
-        _, rs_full, rs_ref, _ = references(grp, me, case, m)
-        for algo in ALGOS:
-            rs = torch.full((m,), float("nan"))
-            C.reduce_scatter(rs, rs_full[me], sm, levels, order, algo=algo, scratch=ws).wait()
-            if not torch.allclose(rs, rs_ref, rtol=1e-5, atol=1e-6):
-                bad.append((levels, order, algo))
+    bad, bound = [], C.RS_RECV_BYTES
+    C.RS_RECV_BYTES = cap                 # this pooled worker runs later tests: put it back
+    try:
+        for case, (levels, order) in enumerate(cases(mesh)):
+            grp = members(mesh, rank, order)
+            me = grp.index(rank)
+            _, rs_full, rs_ref, _ = references(grp, me, case, m)
+            for algo in ALGOS:
+                rs = torch.full((m,), float("nan"))
+                C.reduce_scatter(rs, rs_full[me], sm, levels, order, algo=algo, scratch=ws).wait()
+                if not torch.allclose(rs, rs_ref, rtol=1e-5, atol=1e-6):
+                    bad.append((levels, order, algo))
+    finally:
+        C.RS_RECV_BYTES = bound
     return bad, max(taken)
 
 

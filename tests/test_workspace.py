@@ -86,8 +86,11 @@ def _one_param_units(rank, world, opt_kind):
     flat, whole = FlatStorage.flat_grads, FlatStorage.whole_grad
     FlatStorage.flat_grads = lambda st, grads, ws: flat_n.append(st.n) or flat(st, grads, ws)
     FlatStorage.whole_grad = lambda st, grads: (lambda g: g is not None and whole_n.append(st.n) or g)(whole(st, grads))
-    sm = shard_module(copy.deepcopy(model), s, specs)
-    got, _, _ = train_sharded(sm, batches(2, world, 1), rank, world, 1, opt_kind)
+    try:                                 # this pooled worker runs later tests: put them back
+        sm = shard_module(copy.deepcopy(model), s, specs)
+        got, _, _ = train_sharded(sm, batches(2, world, 1), rank, world, 1, opt_kind)
+    finally:
+        FlatStorage.flat_grads, FlatStorage.whole_grad = flat, whole
     return got, flat_n, whole_n
 
 
