@@ -116,6 +116,12 @@ class StepBoundary:
             self._fold()
         return self._sync_due(self.micro + 1)
 
+    def backward_ends_step(self) -> bool:
+        """Would a backward that starts now end the step (the rule `begin_backward` applies)?
+        The whole-step mode asks when a forward runs, to compile its sync into that
+        backward (graph_sync.py)."""
+        return self._sync_due(self.micro + 1)
+
     def sync_early(self, u: UnitState) -> None:
         """On the backward that ends the step, unit u's reduce-scatter is in: issue its sync;
         the unit synced before it had a unit's backward for its reduce-scatter to land, so

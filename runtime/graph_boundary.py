@@ -27,20 +27,33 @@ class GraphStepOps:
     """The step's sync and update as compiled graphs over every unit (see Note)."""
     early = False
 
-    def __init__(self, units, comm, ledger, world: int, backend):
+    def __init__(self, units, comm, ledger, world: int, backend, early=None):
         self.units, self.comm, self.ledger, self.world = units, comm, ledger, world
+        self.early = early                       # graph_sync.py: groups synced in the last backward
         self._sync = compile_own(self._sync_graph, backend)
+        self._sync_rest = compile_own(self._sync_rest_graph, backend)
         self._update = compile_own(self._update_graph, backend)
         groups = self._groups()
         self.sync_rows = [r for g in groups for r in g.gplan.rows if r.phase is Phase.SYNC]
+        self.rest_rows = [r for g in self._rest() for r in g.gplan.rows if r.phase is Phase.SYNC]
         self.update_rows = [r for g in groups for r in g.gplan.rows if r.phase is Phase.UPDATE]
 
     def _groups(self):
         return [u.trainable for u in self.units if u.trainable is not None]
 
+    def _rest(self):
+        """The groups the early sync does not cover (all of them without it)."""
+        return [g for g in self._groups() if self.early is None or not self.early.covers(g)]
+
     # -- the graphs ------------------------------------------------------------------------
     def _sync_graph(self) -> None:
-        for g in self._groups():
+        self._sync_groups(self._groups())
+
+    def _sync_rest_graph(self) -> None:
+        self._sync_groups(self._rest())
+
+    def _sync_groups(self, groups) -> None:
+        for g in groups:
             st, gp = g.storage, g.gplan
             rs, ar = gp.row(Phase.SYNC, Op.REDUCE_SCATTER), gp.row(Phase.SYNC, Op.ALL_REDUCE)
             if rs is None and ar is None and self.world == 1:
@@ -72,6 +85,12 @@ class GraphStepOps:
     def complete(self) -> None:
         for g in self._groups():
             g.storage.materialize()      # a zero_grad() no backward followed: zeros
+        if self.early is not None and self.early.synced:   # the last backward synced the rest
+            self.early.synced = False
+            if self._rest():
+                self._sync_rest()
+            self._record(self.rest_rows)
+            return
         self._sync()
         self._record(self.sync_rows)
 
@@ -83,3 +102,5 @@ class GraphStepOps:
     def zero(self) -> None:
         for g in self._groups():
             g.storage.mark_zero()        # no fill: the next hand-off copies (graph_step.py)
+        if self.early is not None:
+            self.early.synced = False

@@ -9,8 +9,9 @@ all-reduce) stay as they are.
 
 [Note: what the mode refuses]
 Each in one sentence naming the eager alternative, before anything is compiled: DTensor
-parameters, a unit of several modules (a bucket), plan passes, and a model dynamo cannot
-capture in one graph. It never falls back to eager silently.
+parameters, a unit of several modules (a bucket), plan passes other than `early_sync`
+(graph_sync.py; compiler/api.py `GRAPH_PASSES`), and a model dynamo cannot capture in one
+graph. It never falls back to eager silently.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .boundary import StepBoundary
 from .graph_boundary import GraphStepOps
 from .graph_secondary import Secondaries
 from .graph_step import GraphStep
+from .graph_sync import EarlySync
 
 BACKENDS = ("eager", "inductor")
 EAGER = "use the eager runtime (backend='eager', the default)"
@@ -51,11 +53,13 @@ class GraphRuntime:
         self.comm = FunctionalComm(smesh, strategy.collectives, rows)
         secondaries = Secondaries(self.comm)
         self.backend = ScheduledInductor(schedule, _levels_of(smesh, rows), secondaries)
-        ops = GraphStepOps(units, self.comm, ledger, world, self.backend)
+        early = EarlySync(units, schedule, self.comm, world)
+        ops = GraphStepOps(units, self.comm, ledger, world, self.backend, early)
         self.boundary = StepBoundary(units, strategy.accumulate, schedule, self.events, None, ops=ops)
         self.step = GraphStep(model, units, self.comm, names_of, ledger, self.backend,
                               on_backward=self._backward_done, secondaries=secondaries,
-                              on_backward_start=self.boundary.begin_backward)
+                              on_backward_start=self.boundary.begin_backward, early=early,
+                              ends_step=self.boundary.backward_ends_step)
 
     def collectives(self) -> list:
         """Every compiled graph's collectives in the order they are issued (the schedule that

@@ -111,10 +111,13 @@ class GraphStep:
     """One micro-batch as one compiled graph (see the module note)."""
 
     def __init__(self, model, units, comm, names_of, ledger, backend, on_backward, secondaries,
-                 on_backward_start=lambda: None):
+                 on_backward_start=lambda: None, early=None, ends_step=lambda: False):
         self.model, self.units, self.comm, self.names_of, self.ledger = model, units, comm, names_of, ledger
         self.on_backward, self.on_backward_start = on_backward, on_backward_start
+        self.early, self.ends_step = early, ends_step      # graph_sync.py: the early sync, or None
         self.anchors, self.gathers, self.secondary = {}, {}, {}
+        self._sync = False                 # read while tracing: which of the two graphs this is
+        self._backward_sync = False        # the running backward is the sync graph's
         for u in units:
             for g in u.groups:
                 st = g.storage
@@ -132,6 +135,7 @@ class GraphStep:
                                   f"or use the eager runtime (backend='eager')")
             self._wrap(u)
         self._compiled = compile_own(self._micro, backend)
+        self._compiled_sync = compile_own(self._micro_sync, backend) if early and early.functions else None
         self.forward_rows = [r for u in units for g in u.groups for r in g.gplan.rows if r.per is Per.FORWARD]
         self.backward_rows = [r for u in units for g in u.groups for r in g.gplan.rows if r.per is Per.BACKWARD]
 
@@ -150,7 +154,9 @@ class GraphStep:
 
     def hand_off(self) -> None:
         """A backward is done: the anchors' gradients into the grad shards ([Note: gradient
-        hand-off])."""
+        hand-off]); after the sync graph's backward, the synced slices too (graph_sync.py)."""
+        synced, self._backward_sync = self._backward_sync, False
+        due = synced and self.ends_step()
         for u in self.units:
             g = u.trainable
             if g is None:
@@ -163,6 +169,8 @@ class GraphStep:
                 st.accumulate(grads[0])
             for a in anchors:
                 a.grad = None
+            if synced and self.early.covers(g):
+                self.early.hand_off(g, due)
 
     # -- the traced code -----------------------------------------------------------------
     def _views(self, u) -> dict[str, torch.Tensor]:
@@ -179,7 +187,11 @@ class GraphStep:
                         for name in self.names_of[s.fqn]:
                             out[name[len(prefix):]] = view
                     continue
-                if g.trainable:
+                if g.trainable and self._sync and self.early.covers(g):     # graph_sync.py
+                    full = self.early.functions[id(g)].apply(st.shard, self.anchors[id(g)][0],
+                                                             self.early.anchors[id(g)], st.grad_shard,
+                                                             self.early.keeps[id(g)])
+                elif g.trainable:
                     full = self.gathers[id(g)].apply(st.shard, self.anchors[id(g)][0])
                 else:
                     full = self.comm.all_gather(gather, st.shard) if gather is not None else st.shard
@@ -210,20 +222,33 @@ class GraphStep:
         with _reparametrize_module(self.model, self._views(self.units[0])):
             return self.model(*args, **kwargs)
 
+    def _micro_sync(self, *args, **kwargs):
+        """The micro-batch whose backward ends the step (graph_sync.py [Note: early sync as graphs])."""
+        return self._micro(*args, **kwargs)
+
     # -- running it ----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        out = self._compiled(*args, **kwargs)
+        sync = self._compiled_sync is not None and torch.is_grad_enabled() and self.ends_step()
+        if sync:
+            self.early.prepare(u.trainable for u in self.units if u.trainable is not None)
+        self._sync = sync
+        try:
+            out = (self._compiled_sync if sync else self._compiled)(*args, **kwargs)
+        finally:
+            self._sync = False
         for r in self.forward_rows:
             self.ledger.record_row(r)
         tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
-            register_multi_grad_hook(tensors, lambda grads: self._backward_starts(), mode="any")
+            register_multi_grad_hook(tensors, lambda grads: self._backward_starts(sync), mode="any")
         return out
 
-    def _backward_starts(self) -> None:
-        """The compiled backward runs every unit's re-gather and reduce-scatter: record them;
-        when the autograd engine is done, the micro-batch counts (`on_backward`)."""
+    def _backward_starts(self, sync: bool = False) -> None:
+        """The compiled backward runs every unit's re-gather and reduce-scatter (and, in the
+        sync graph, the early sync's rows): record them; when the autograd engine is done,
+        the micro-batch counts (`on_backward`)."""
         self.on_backward_start()               # the step boundary: a backward after the step ended folds
-        for r in self.backward_rows:
+        self._backward_sync = sync
+        for r in self.backward_rows + (self.early.rows if sync else []):
             self.ledger.record_row(r)
         torch.autograd.Variable._execution_engine.queue_callback(self.on_backward)

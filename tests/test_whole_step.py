@@ -15,7 +15,9 @@ the step's sync and update one more.
 - What runs is the plan: the measured ledger and memory equal `shardc explain` (the real
   strategy text through the CLI); the compiled graphs hold exactly the plan's collectives (forward:
   every unit's gather; backward: every non-root unit's re-gather, recomputed, and every
-  unit's reduce-scatter; the step boundary: the sync and update rows), and they issue the
+  unit's reduce-scatter; the backward that ends the step: the sync rows too, `early_sync`
+  overlapping them with the backward's compute, exact when the loop turns sync off after
+  choosing it; the step boundary: the update rows), and they issue the
   gathers where the emitted SCHEDULE says (prefetch 1: unit i+1's gather before unit i's
   compute, forward and backward), and each unit's reduce-scatter stays in flight over the
   next unit's backward compute.
@@ -250,14 +252,17 @@ def test_the_compiled_graphs_run_the_plan(tmp_path):
     assert {k: memory[k] for k in ("params", "grads", "optim", "total")} == \
         {k: predicted["memory"][k] for k in ("params", "grads", "optim", "total")}
     # each compiled graph holds exactly the plan's rows: the micro-batch's forward every
-    # gather, its backward every re-gather and reduce-scatter; the boundary the sync and update
+    # gather, its backward every re-gather and reduce-scatter, and the backward that ends
+    # the step (its own graph, early_sync: graph_sync.py) the sync rows too; the boundary
+    # the update (every unit synced in that backward: no sync graph runs)
     coll = [(kind, sorted((op, tuple(lv), b) for op, lv, b, _ in c if op not in ("matmul", "wait")))
             for kind, c in graphs]
-    micro = [c for k, c in coll if c and any(op == "all_gather" for op, _, _ in c)]
-    assert sorted(micro[0]) == sorted(rows["forward"])
-    assert sorted(micro[1]) == sorted(rows["backward"])
-    boundary = sorted(x for _, c in coll[2:] for x in c)
-    assert boundary == sorted(rows["sync"] + rows["update"])
+    assert [k for k, _ in coll[:4]] == ["forward", "backward", "forward", "backward"]
+    assert coll[0][1] == coll[2][1] == sorted(rows["forward"])
+    assert coll[1][1] == sorted(rows["backward"])
+    assert coll[3][1] == sorted(rows["backward"] + rows["sync"]) and rows["sync"]
+    boundary = sorted(x for _, c in coll[4:] for x in c)
+    assert boundary == sorted(rows["update"])
     # ... issuing the gathers where SCHEDULE says (prefetch 1), forward and backward
     assert "backend inductor" in source.lower() and repr(schedule.forward[0]) in source
     for kind, stages in (("forward", schedule.forward), ("backward", schedule.backward)):
@@ -276,6 +281,55 @@ def test_the_compiled_graphs_run_the_plan(tmp_path):
     waited = next(i for i, e in enumerate(seq) if e[0] == "wait")
     second = next(i for i, e in enumerate(seq) if e[0] == "reduce_scatter" and i > first)
     assert first < waited < second and any(e[0] == "matmul" for e in seq[first:waited]), seq
+
+
+# -- the early sync in the backward that ends the step -----------------------------------------
+def _early_job(rank, world):
+    """paro_nig (G = gpu, OS = world: the sync reduce-scatters over node), 3 layers (so a
+    unit's sync has a unit's backward compute after it to overlap): the graphs that ran, and training where the loop turns gradient sync off between the forward the sync
+    graph was chosen for and its backward (graph_sync.py [Note: early sync as graphs])."""
+    sm = compiled(text("paro_nig"), MESH, layers=3, rank=rank)
+    opt = sm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    losses = train(sm, opt, data(world, 1, layers=3), rank, world)
+    first = {k: v.clone() for k, v in sm.full_state_dict().items()}
+    graphs = [(g.kind, [(e[0], tuple(e[1])) for e in g.collectives]) for g in sm.runtime.collectives()]
+    rows = sorted((r.op.value, tuple(r.levels)) for u in sm.lowering.units for g in u.groups for r in g.rows
+                  if r.phase.value == "sync")
+    off = compiled(text("paro_nig"), MESH, layers=3, rank=rank, passes=())
+    sm = compiled(text("paro_nig"), MESH, layers=3, rank=rank)
+    opt = sm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    changed = []
+    for step in data(world, layers=3):
+        changed.append(0.0)
+        for m, (x, y) in enumerate(step):
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+            loss = F.cross_entropy(sm(x).flatten(0, 1), y.flatten()) / ACC
+            if m == ACC - 1:                       # chosen as the step's last: then sync turned off
+                with sm.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+            changed[-1] += loss.item()
+        sm.clip_grad_norm_(CLIP)
+        opt.step()
+        opt.zero_grad()
+    return (losses, first, graphs, rows, off.runtime.step._compiled_sync is None,
+            changed, {k: v.clone() for k, v in sm.full_state_dict().items()})
+
+
+def test_the_backward_that_ends_the_step_syncs_in_its_graph():
+    results = dist_run(4, _early_job)
+    _, _, graphs, rows, off_has_none, _, _ = results[0]
+    sync_rs = ("reduce_scatter", ("node",))
+    assert rows and {lv for _, lv in rows} == {("node",)} and off_has_none
+    backward = [c for kind, c in graphs if kind == "backward" and any(e[0] == "reduce_scatter" for e in c)]
+    plain, synced = backward[0], backward[1]             # micro-batch 1, then the step's last
+    node = [i for i, e in enumerate(synced) if e == sync_rs]
+    assert sync_rs not in plain and len(node) == sum(1 for op, _ in rows if op == "reduce_scatter")
+    assert any(e[0] == "matmul" for e in synced[node[0]:]), synced     # overlapped with backward compute
+    assert sum(c.count(sync_rs) for _, c in graphs) == len(node)      # no step graph runs it again
+    close([(r[0], r[1]) for r in results], reference("sgd", 4, steps=1, layers=3))
+    close([(r[5], r[6]) for r in results], reference("sgd", 4, layers=3))
 
 
 # -- everything else the eager runtime does ---------------------------------------------------
@@ -398,7 +452,7 @@ def _refusals_job(rank, world):
         out[label] = failure(fn)
 
     attempt("bucket", lambda: compiled(text("zero3").replace("bucket 0", "bucket 120KB"), MESH, rank=rank))
-    attempt("passes", lambda: compiled(text("zero3"), MESH, rank=rank, passes=("early_sync",)))
+    attempt("passes", lambda: compiled(text("zero3"), MESH, rank=rank, passes=("early_sync", "defer_update")))
     branchy = shardc.compile(_Branchy(), "mesh node(2) > gpu(2)\nparams shard over world\ngrads shard over world\n"
                              "optim shard over world\nbucket 0\n", backend="inductor",
                              example_inputs=(torch.ones(2, 4),), capture="fx")
@@ -413,7 +467,7 @@ def _refusals_job(rank, world):
 def test_what_the_mode_cannot_take_fails_in_one_sentence():
     for out in dist_run(4, _refusals_job):
         assert "runs one module per unit" in out["bucket"] and "bucket 0" in out["bucket"], out
-        assert "runs no plan passes" in out["passes"] and "early_sync" in out["passes"], out
+        assert "runs only the early_sync plan pass" in out["passes"] and "but defer_update" in out["passes"], out
         assert "cannot capture the model's forward in one graph" in out["capture"], out
         assert "does not take DTensor (tensor-parallel) parameters" in out["dtensor"], out
         for msg in out.values():
