@@ -286,35 +286,33 @@ def test_the_compiled_graphs_run_the_plan(tmp_path):
 # -- the early sync in the backward that ends the step -----------------------------------------
 def _early_job(rank, world):
     """paro_nig (G = gpu, OS = world: the sync reduce-scatters over node), 3 layers (so a
-    unit's sync has a unit's backward compute after it to overlap): the graphs that ran, and training where the loop turns gradient sync off between the forward the sync
-    graph was chosen for and its backward (graph_sync.py [Note: early sync as graphs])."""
+    unit's sync has a unit's backward compute after it to overlap): the graphs step 1 ran;
+    then step 2 with the loop turning gradient sync off between the forward the sync graph
+    was chosen for and its backward (graph_sync.py [Note: early sync as graphs])."""
     sm = compiled(text("paro_nig"), MESH, layers=3, rank=rank)
     opt = sm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
-    losses = train(sm, opt, data(world, 1, layers=3), rank, world)
+    steps = data(world, layers=3)
+    losses = train(sm, opt, steps[:1], rank, world)
     first = {k: v.clone() for k, v in sm.full_state_dict().items()}
     graphs = [(g.kind, [(e[0], tuple(e[1])) for e in g.collectives]) for g in sm.runtime.collectives()]
     rows = sorted((r.op.value, tuple(r.levels)) for u in sm.lowering.units for g in u.groups for r in g.rows
                   if r.phase.value == "sync")
     off = compiled(text("paro_nig"), MESH, layers=3, rank=rank, passes=())
-    sm = compiled(text("paro_nig"), MESH, layers=3, rank=rank)
-    opt = sm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
-    changed = []
-    for step in data(world, layers=3):
-        changed.append(0.0)
-        for m, (x, y) in enumerate(step):
-            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-            loss = F.cross_entropy(sm(x).flatten(0, 1), y.flatten()) / ACC
-            if m == ACC - 1:                       # chosen as the step's last: then sync turned off
-                with sm.no_sync():
-                    loss.backward()
-            else:
+    total = 0.0
+    for m, (x, y) in enumerate(steps[1]):
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        loss = F.cross_entropy(sm(x).flatten(0, 1), y.flatten()) / ACC
+        if m == ACC - 1:                           # chosen as the step's last: then sync turned off
+            with sm.no_sync():
                 loss.backward()
-            changed[-1] += loss.item()
-        sm.clip_grad_norm_(CLIP)
-        opt.step()
-        opt.zero_grad()
+        else:
+            loss.backward()
+        total += loss.item()
+    sm.clip_grad_norm_(CLIP)
+    opt.step()
+    opt.zero_grad()
     return (losses, first, graphs, rows, off.runtime.step._compiled_sync is None,
-            changed, {k: v.clone() for k, v in sm.full_state_dict().items()})
+            losses + [total], {k: v.clone() for k, v in sm.full_state_dict().items()})
 
 
 def test_the_backward_that_ends_the_step_syncs_in_its_graph():
