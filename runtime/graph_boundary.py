@@ -10,11 +10,15 @@ graph over every unit (the eager executor is step_ops.py).
 
 [Note: the graphs sync at the step]
 Every micro-batch's graph reduces its gradients over G (graph_step.py), handed into the
-grad shard when its backward is done ([Note: gradient hand-off] there); the rest of the sync runs as one graph when it completes (at
-opt.step() or clip_grad_norm_, or before a micro-batch that runs after the loop said the
-step ended: the boundary then folds it in exactly, as it does eagerly). A unit's sync is
-never issued on its own before that (`early` is False), so no plan pass applies and no
-overlap is lost when the loop's micro-batch count differs from the plan.
+grad shard when its backward is done ([Note: gradient hand-off] there). Under the
+`early_sync` pass the backward that ends the step syncs the units with a G row itself
+(graph_sync.py [Note: early sync as graphs]); the rest of the sync (every unit's, without
+that pass or when the loop turned sync off after choosing that graph) runs as one graph
+when the step completes (at opt.step() or clip_grad_norm_, or before a micro-batch that
+runs after the loop said the step ended: the boundary then folds it in exactly, as it
+does eagerly). No unit's sync is issued here before that (`early` is False: the boundary
+never calls `sync_unit` for an early sync in this mode), so no overlap is lost when the
+loop's micro-batch count differs from the plan.
 """
 from __future__ import annotations
 
