@@ -229,8 +229,6 @@ class GraphStep:
     # -- running it ----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         sync = self._compiled_sync is not None and torch.is_grad_enabled() and self.ends_step()
-        if sync:
-            self.early.prepare(u.trainable for u in self.units if u.trainable is not None)
         self._sync = sync
         try:
             out = (self._compiled_sync if sync else self._compiled)(*args, **kwargs)
@@ -249,6 +247,8 @@ class GraphStep:
         the micro-batch counts (`on_backward`)."""
         self.on_backward_start()               # the step boundary: a backward after the step ended folds
         self._backward_sync = sync
+        if sync:                               # after the fold: which shards the graph adds to
+            self.early.prepare(u.trainable for u in self.units if u.trainable is not None)
         for r in self.backward_rows + (self.early.rows if sync else []):
             self.ledger.record_row(r)
         torch.autograd.Variable._execution_engine.queue_callback(self.on_backward)

@@ -83,11 +83,12 @@ class EarlySync:
         return id(g) in self.functions
 
     def prepare(self, groups) -> None:
-        """Before the forward of the backward that ends the step: which grad shards hold
-        gradients (not stale) for the graph to add to."""
-        for g in groups:
-            if self.covers(g):
-                self.keeps[id(g)].fill_(not g.storage.stale)
+        """When the sync graph's backward starts (after the boundary folded a finished
+        step's sync, which leaves the shards stale): which grad shards hold gradients for
+        the graph to add to."""
+        for g in groups:               # through `.data`: its own version counter, so the
+            if self.covers(g):         # graph's saved `keep` passes autograd's check
+                self.keeps[id(g)].data.fill_(not g.storage.stale)
 
     def hand_off(self, g, due: bool) -> None:
         """After the G chunk went into the shard: the synced OS slice over it, when the

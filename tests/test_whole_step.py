@@ -288,10 +288,12 @@ def _early_job(rank, world):
     """paro_nig (G = gpu, OS = world: the sync reduce-scatters over node), 3 layers (so a
     unit's sync has a unit's backward compute after it to overlap): the graphs step 1 ran;
     then step 2 with the loop turning gradient sync off between the forward the sync graph
-    was chosen for and its backward (graph_sync.py [Note: early sync as graphs])."""
+    was chosen for and its backward (graph_sync.py [Note: early sync as graphs]); then step
+    3 with the loop asking for the sync on every backward (FSDP2's habit): each micro-batch
+    takes the sync graph, the first on a stale shard, the second after a fold."""
     sm = compiled(text("paro_nig"), MESH, layers=3, rank=rank)
     opt = sm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
-    steps = data(world, layers=3)
+    steps = data(world, 3, layers=3)
     losses = train(sm, opt, steps[:1], rank, world)
     first = {k: v.clone() for k, v in sm.full_state_dict().items()}
     graphs = [(g.kind, [(e[0], tuple(e[1])) for e in g.collectives]) for g in sm.runtime.collectives()]
@@ -311,13 +313,25 @@ def _early_job(rank, world):
     sm.clip_grad_norm_(CLIP)
     opt.step()
     opt.zero_grad()
+    second = {k: v.clone() for k, v in sm.full_state_dict().items()}
+    every = 0.0
+    for x, y in steps[2]:
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        sm.set_requires_gradient_sync(True)
+        loss = F.cross_entropy(sm(x).flatten(0, 1), y.flatten()) / ACC
+        loss.backward()
+        every += loss.item()
+    sm.clip_grad_norm_(CLIP)
+    opt.step()
+    opt.zero_grad()
     return (losses, first, graphs, rows, off.runtime.step._compiled_sync is None,
-            losses + [total], {k: v.clone() for k, v in sm.full_state_dict().items()})
+            losses + [total], second, losses + [total, every],
+            {k: v.clone() for k, v in sm.full_state_dict().items()})
 
 
 def test_the_backward_that_ends_the_step_syncs_in_its_graph():
     results = dist_run(4, _early_job)
-    _, _, graphs, rows, off_has_none, _, _ = results[0]
+    _, _, graphs, rows, off_has_none, *_ = results[0]
     sync_rs = ("reduce_scatter", ("node",))
     assert rows and {lv for _, lv in rows} == {("node",)} and off_has_none
     backward = [c for kind, c in graphs if kind == "backward" and any(e[0] == "reduce_scatter" for e in c)]
@@ -327,7 +341,8 @@ def test_the_backward_that_ends_the_step_syncs_in_its_graph():
     assert any(e[0] == "matmul" for e in synced[node[0]:]), synced     # overlapped with backward compute
     assert sum(c.count(sync_rs) for _, c in graphs) == len(node)      # no step graph runs it again
     close([(r[0], r[1]) for r in results], reference("sgd", 4, steps=1, layers=3))
-    close([(r[5], r[6]) for r in results], reference("sgd", 4, layers=3))
+    close([(r[5], r[6]) for r in results], reference("sgd", 4, steps=2, layers=3))
+    close([(r[7], r[8]) for r in results], reference("sgd", 4, steps=3, layers=3))
 
 
 # -- everything else the eager runtime does ---------------------------------------------------
