@@ -25,6 +25,7 @@ from __future__ import annotations
 from shardc.lowering import Op, Phase
 
 from .graph_backend import compile_own
+from .graph_sync import synced_slice
 
 
 class GraphStepOps:
@@ -62,9 +63,8 @@ class GraphStepOps:
             rs, ar = gp.row(Phase.SYNC, Op.REDUCE_SCATTER), gp.row(Phase.SYNC, Op.ALL_REDUCE)
             if rs is None and ar is None and self.world == 1:
                 continue                # one rank: nothing to move, nothing to divide
-            mine = self.comm.reduce_scatter(rs, st.grad_shard) if rs is not None else st.os_grad
-            mine = self.comm.all_reduce(ar, mine)
-            st.grad_shard[st.os_in_g:st.os_in_g + st.os_len].copy_(mine / self.world)
+            lo, n = st.os_in_g, st.os_len                 # complete() materialized the shard
+            st.grad_shard[lo:lo + n].copy_(synced_slice(self.comm, rs, ar, self.world, st.grad_shard, lo, n))
 
     def _update_graph(self) -> None:
         for g in self._groups():

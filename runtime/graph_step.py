@@ -76,6 +76,12 @@ def _is_view(op) -> bool:
 _CONTEXT = functools.partial(create_selective_checkpoint_contexts, _policy)
 
 
+def gathered(comm, gather_row, shard):
+    """A trainable group's full buffer from its params shard (the gather row; none: the
+    shard is the full buffer)."""
+    return comm.all_gather(gather_row, shard) if gather_row is not None else shard.view(-1)
+
+
 def gather_function(comm, gather_row, reduce_row):
     """An autograd function for one trainable flat group: forward, its full buffer from its
     params shard (the gather row; none: the shard is the full buffer); backward, the full
@@ -85,7 +91,7 @@ def gather_function(comm, gather_row, reduce_row):
     class Gather(torch.autograd.Function):
         @staticmethod
         def forward(ctx, shard, anchor):
-            return comm.all_gather(gather_row, shard) if gather_row is not None else shard.view(-1)
+            return gathered(comm, gather_row, shard)
 
         @staticmethod
         def backward(ctx, grad):
@@ -135,7 +141,8 @@ class GraphStep:
                                   f"or use the eager runtime (backend='eager')")
             self._wrap(u)
         self._compiled = compile_own(self._micro, backend)
-        self._compiled_sync = compile_own(self._micro_sync, backend) if early and early.functions else None
+        # the step's last micro-batch: the same function, its own graphs (compile_own's copy)
+        self._compiled_sync = compile_own(self._micro, backend) if early and early.functions else None
         self.forward_rows = [r for u in units for g in u.groups for r in g.gplan.rows if r.per is Per.FORWARD]
         self.backward_rows = [r for u in units for g in u.groups for r in g.gplan.rows if r.per is Per.BACKWARD]
 
@@ -221,10 +228,6 @@ class GraphStep:
     def _micro(self, *args, **kwargs):
         with _reparametrize_module(self.model, self._views(self.units[0])):
             return self.model(*args, **kwargs)
-
-    def _micro_sync(self, *args, **kwargs):
-        """The micro-batch whose backward ends the step (graph_sync.py [Note: early sync as graphs])."""
-        return self._micro(*args, **kwargs)
 
     # -- running it ----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -10,7 +10,7 @@ result out; `EarlySync.hand_off` writes it where the eager runtime's sync writes
 [Note: early sync as graphs]
 The eager runtime issues unit i's sync as soon as unit i's reduce-scatter is in, on the
 backward that ends the step (lowering/passes/early_sync.py). The whole-step mode compiles
-that backward as its own graph (graph_step.py, `sync=True`): each such group's gather
+that backward as its own graph (graph_step.py, `_compiled_sync`): each such group's gather
 function, in its backward, reduce-scatters the gradient over G as always (returned as the
 grad anchor's gradient), adds it to what the grad shard holds (`acc`, where `keep`: the
 shard is not stale), reduce-scatters that over OS∖G, all-reduces the OS slice over the
@@ -34,6 +34,17 @@ import torch
 
 from shardc.lowering import Op, Phase
 
+from .graph_step import gathered
+
+
+def synced_slice(comm, rs_row, ar_row, world: int, grad, lo: int, n: int):
+    """One group's step sync of its whole grad shard `grad`: reduce-scattered over OS∖G
+    (or, with no such row, its OS slice [lo, lo + n) taken), all-reduced over the replicas
+    outside OS, divided by the world size (the only division). The step's sync graph
+    (graph_boundary.py) and the early sync below both run it."""
+    mine = comm.reduce_scatter(rs_row, grad) if rs_row is not None else grad[lo:lo + n]
+    return comm.all_reduce(ar_row, mine) / world
+
 
 def sync_gather_function(comm, gather_row, reduce_row, rs_row, ar_row, world: int, lo: int, n: int):
     """Like graph_step.gather_function, whose backward also syncs (see Note): `lo`, `n` the
@@ -43,16 +54,14 @@ def sync_gather_function(comm, gather_row, reduce_row, rs_row, ar_row, world: in
         @staticmethod
         def forward(ctx, shard, anchor, sync_anchor, acc, keep):
             ctx.save_for_backward(acc, keep)
-            return comm.all_gather(gather_row, shard) if gather_row is not None else shard.view(-1)
+            return gathered(comm, gather_row, shard)
 
         @staticmethod
         def backward(ctx, grad):
             acc, keep = ctx.saved_tensors
             chunk = comm.reduce_scatter(reduce_row, grad.contiguous())
             total = torch.where(keep, acc, torch.zeros_like(acc)) + chunk
-            mine = comm.reduce_scatter(rs_row, total) if rs_row is not None else total[lo:lo + n]
-            mine = comm.all_reduce(ar_row, mine)
-            return None, chunk, mine / world, None, None
+            return None, chunk, synced_slice(comm, rs_row, ar_row, world, total, lo, n), None, None
 
     return GatherSync
 
