@@ -21,7 +21,7 @@ chunk a contiguous slice of the grad chunk, itself a slice of the params chunk.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from math import prod
 
 
@@ -127,6 +127,10 @@ class Mesh:
         s = set(levels)
         return tuple(n for n in self.names if n in s)
 
+    def divided(self, name: str, k: int) -> "Mesh":
+        """This mesh with level `name`'s size divided by `k` (the ranks an ep of k leaves)."""
+        return Mesh(tuple(Level(l.name, l.size // k) if l.name == name else l for l in self.levels))
+
     def __str__(self) -> str:
         return " > ".join(f"{l.name}({l.size})" for l in self.levels)
 
@@ -214,6 +218,31 @@ class Override:
         return tuple(k for k in STATES if getattr(self, k) is not None)
 
 
+@dataclass(frozen=True, slots=True)
+class Experts:
+    """The `experts` statement: the MoE expert parameters (a glob over parameter and module
+    FQNs), the expert-parallel degree `ep` and the level it borrows its ranks from (the
+    innermost ranks of `level`; `ep` = that level's size: the whole level), and the
+    experts' scopes, a partial block over the top-level statements like an override's.
+
+    [Note: the experts' mesh]
+    Expert parameters are data-parallel over the ranks ep leaves: the mesh with `level`'s
+    size divided by `ep` (`Strategy.expert_mesh`), its levels named as the strategy's. A
+    scope over `level` then spans the level's ranks outside ep (1 when ep takes it whole).
+    Their gradients are averaged over the whole data-parallel degree, not that mesh's: each
+    expert's gradient already sums the tokens routed to it from every ep rank."""
+    pattern: str
+    ep: int = 1
+    level: str = ""                   # the level ep borrows from ("" when ep is 1)
+    params: ParamsSpec | None = None
+    grads: GradsSpec | None = None
+    optim: OptimSpec | None = None
+    line: int = 0
+
+    def sets(self) -> tuple[str, ...]:
+        return tuple(k for k in STATES if getattr(self, k) is not None)
+
+
 class UnitsKind(CodeEnum):
     AUTO = "auto"
     PATTERNS = "patterns"
@@ -242,6 +271,7 @@ class Strategy:
     lines: tuple[tuple[str, int], ...] = field(default=())   # statement -> line, e.g. ("mesh", 2)
     warnings: tuple[str, ...] = ()    # rendered warning diagnostics
     buffers: BufferSync = BufferSync.BROADCAST
+    experts: Experts | None = None    # the `experts` statement ([Note: the experts' mesh])
 
     # Convenience accessors used everywhere.
     @property
@@ -261,3 +291,18 @@ class Strategy:
 
     def factor(self, levels: tuple[str, ...]) -> int:
         return self.mesh.factor(levels)
+
+    @property
+    def expert_mesh(self) -> Mesh:
+        """The mesh the experts are data-parallel over ([Note: the experts' mesh]); the
+        strategy's mesh when there is no `experts` statement or ep is 1."""
+        e = self.experts
+        return self.mesh if e is None or e.ep == 1 else self.mesh.divided(e.level, e.ep)
+
+    @property
+    def expert_scopes(self) -> Scopes:
+        """The experts' scopes: the `experts` block over the top-level statements."""
+        e = self.experts
+        if e is None:
+            return self.scopes
+        return replace(self.scopes, **{k: getattr(e, k) for k in e.sets()})
