@@ -31,7 +31,7 @@ from shardc.compiler.plan import Plan, build_plan
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, MeshDims, Strategy
 from shardc.dsl.unparse import unparse
-from shardc.lowering import unit_sizes
+from shardc.lowering import expert_group, unit_sizes
 from shardc.units import find_units, local_params
 
 __all__ = ["compile_source", "resolve_strategy"]
@@ -75,7 +75,7 @@ def _resolve_collectives(strategy: Strategy, model: nn.Module, units) -> Strateg
     if strategy.collectives is not Collectives.AUTO:
         return strategy
     from shardc.analysis.costmodel.timing import choose_collectives
-    sizes = unit_sizes(local_params(model), units)
+    sizes = unit_sizes(local_params(model), units, expert_group(strategy))
     return dataclasses.replace(strategy, collectives=choose_collectives(strategy, sizes))
 
 

@@ -7,16 +7,18 @@ with payload bytes = the ledger rows, storage bytes, and the forward/backward
 schedule). It imports only the DSL's IR; the runtime executes the plan, the cost model
 adds it up and codegen prints it (docs/internals.md "The plan").
 """
-from shardc.lowering.ir import (Factors, GroupPlan, LedgerRecord, Lowering, Op, Per, Phase, Row, Schedule, Stage,
+from shardc.lowering.ir import (ExpertGroup, Factors, GroupPlan, LedgerRecord, Lowering, Op, Per, Phase, Row, Schedule, Stage,
                                 UnitPlan)
 from shardc.lowering.layout import RankPlan, coords, factors, mixed_index, pad_multiple, padded
 from shardc.lowering.lower import UnitSize, lower, lower_unit, unit_sizes
-from shardc.lowering.rows import (BLOCK, CLIP_BYTES, PHASE_ORDER, code_bytes, elem_bytes, merged,
+from shardc.lowering.rows import (BLOCK, CLIP_BYTES, PHASE_ORDER, code_bytes, elem_bytes, ledger_key, merged,
                                   payload_bytes, shard_payload_bytes)
 from shardc.lowering.schedule import schedule
-from shardc.lowering.scopes import unit_scopes, unused_override
+from shardc.lowering.scopes import (expert_clip_levels, expert_clip_weight, expert_group, is_expert, unit_scopes,
+                                    unused_override)
 
-__all__ = ["BLOCK", "CLIP_BYTES", "Factors", "GroupPlan", "LedgerRecord", "Lowering", "Op", "Per", "Phase", "RankPlan",
+__all__ = ["BLOCK", "CLIP_BYTES", "ExpertGroup", "expert_clip_levels", "expert_clip_weight", "expert_group",
+           "is_expert", "Factors", "ledger_key", "GroupPlan", "LedgerRecord", "Lowering", "Op", "Per", "Phase", "RankPlan",
            "Row", "Schedule", "Stage", "UnitPlan", "UnitSize", "code_bytes", "coords", "elem_bytes", "factors", "lower",
            "lower_unit", "merged", "mixed_index", "PHASE_ORDER", "pad_multiple", "padded", "payload_bytes", "schedule",
            "shard_payload_bytes", "unit_scopes", "unit_sizes", "unused_override"]

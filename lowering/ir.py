@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.dsl.ir import CodeEnum, DType, Scopes
+from shardc.dsl.ir import CodeEnum, DType, Mesh, Scopes
 
 
 class Phase(CodeEnum):
@@ -53,16 +53,19 @@ class Row:
     per: Per
     comm: DType = DType.FP32          # wire dtype (quantized payloads: INT8/INT4)
     state: str = "params"             # the strategy statement that causes it
+    experts: bool = False             # an expert group's: its levels are the experts' mesh's
 
 
 @dataclass(frozen=True, slots=True)
 class LedgerRecord:
-    """One merged ledger line: rows (predicted) or calls (measured) with equal keys, counted."""
+    """One merged ledger line: rows (predicted) or calls (measured) with equal keys, counted.
+    `experts`: the rows of expert groups, whose levels are the experts' mesh's."""
     phase: str
     op: str
     levels: tuple[str, ...]
     bytes: int
     count: int
+    experts: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +78,23 @@ class Factors:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpertGroup:
+    """The strategy's `experts` statement as the lowering reads it: which parameters are
+    experts (`pattern`, a glob over parameter and module FQNs), the mesh they are
+    data-parallel over and their scopes on it, and the ep degree and the level it borrows
+    from (dsl/ir.py [Note: the experts' mesh]). `lowering.expert_group(strategy)` makes it."""
+    pattern: str
+    mesh: Mesh
+    scopes: Scopes
+    ep: int = 1
+    level: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class GroupPlan:
-    """One flat group (trainable or frozen) of a unit: sizes, storage and rows."""
+    """One flat group of a unit: its parameters share (trainable, data-parallel mesh,
+    scopes) — the unit's dense parameters on the strategy's mesh, or its experts
+    (`experts`) on the experts' mesh with their scopes (`UnitPlan.expert_factors`)."""
     trainable: bool
     phi: int                          # real elements
     n: int                            # padded elements (internals.md "Padding")
@@ -87,6 +105,7 @@ class GroupPlan:
     optim_elems: int                  # N / s_OS: elements of the optimizer chunk
     master_bytes: int                 # fp32 master copy (params dtype not fp32)
     gathered_bytes: int               # full params while gathered (0 when s_P = 1)
+    experts: bool = False
 
     def row(self, phase: Phase, op: Op | None = None) -> Row | None:
         return next((r for r in self.rows if r.phase is phase and (op is None or r.op is op)), None)
@@ -99,10 +118,15 @@ class UnitPlan:
     factors: Factors
     groups: tuple[GroupPlan, ...]
     root: bool = False
+    expert_factors: Factors | None = None   # the experts' groups' factors (None: no experts)
+
+    def factors_of(self, g: GroupPlan) -> Factors:
+        """The shard factors of group `g`: the experts' for an expert group."""
+        return self.expert_factors if g.experts else self.factors
 
     @property
     def gathered(self) -> bool:
-        return self.factors.p > 1
+        return any(self.factors_of(g).p > 1 for g in self.groups) if self.groups else self.factors.p > 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,50 +11,77 @@ from dataclasses import dataclass
 
 from shardc.dsl.ir import Mesh, Scopes
 
-from .ir import Lowering, UnitPlan
+from .ir import ExpertGroup, Lowering, UnitPlan
 from .layout import factors, pad_multiple, padded
 from .passes import run_plan_passes
 from .rows import clip_rows, group_plan
+from .scopes import expert_clip_levels, is_expert
 from .schedule import schedule
 
 
 @dataclass(frozen=True, slots=True)
 class UnitSize:
-    """Element counts of one unit (before padding) and its resolved scopes."""
+    """Element counts of one unit (before padding) and its resolved scopes; with an
+    `experts` statement, the counts of its expert parameters apart (`experts` says where
+    they go) — the dense counts then leave them out."""
     name: str
     trainable: int
     frozen: int
     scopes: Scopes
     root: bool = False
+    expert_trainable: int = 0
+    expert_frozen: int = 0
+    experts: ExpertGroup | None = None
 
 
-def unit_sizes(params, units) -> list[UnitSize]:
+def unit_sizes(params, units, experts: ExpertGroup | None = None) -> list[UnitSize]:
     """Sizes of `units` (name, params, scopes; root first): `params` maps each canonical
-    FQN to a tensor-like object (`numel()`, `requires_grad`; a meta tensor will do)."""
+    FQN to a tensor-like object (`numel()`, `requires_grad`; a meta tensor will do), each
+    an expert's local shard where `experts` names it (`is_expert`)."""
     out = []
     for i, u in enumerate(units):
-        trainable = sum(params[n].numel() for n in u.params if params[n].requires_grad)
-        frozen = sum(params[n].numel() for n in u.params if not params[n].requires_grad)
-        out.append(UnitSize(u.name, trainable, frozen, u.scopes, root=(i == 0)))
+        mine = [n for n in u.params if experts is not None and is_expert(experts, n)]
+        dense = [n for n in u.params if n not in mine]
+        count = lambda names, t: sum(params[n].numel() for n in names if params[n].requires_grad == t)
+        out.append(UnitSize(u.name, count(dense, True), count(dense, False), u.scopes, root=(i == 0),
+                            expert_trainable=count(mine, True), expert_frozen=count(mine, False),
+                            experts=experts if mine else None))
     return out
 
 
-def lower_unit(mesh: Mesh, u: UnitSize) -> UnitPlan:
-    sc = u.scopes
+def _groups(sc: Scopes, mesh: Mesh, counts, root: bool, experts: bool):
     f = factors(sc, mesh)
-    groups = []
-    for phi, trainable in ((u.trainable, True), (u.frozen, False)):
+    out = []
+    for phi, trainable in counts:
         if phi:
             n = padded(phi, pad_multiple(f, trainable))
-            groups.append(group_plan(sc, f, mesh, phi, n, trainable, u.root))
-    return UnitPlan(u.name, sc, f, tuple(groups), u.root)
+            out.append(group_plan(sc, f, mesh, phi, n, trainable, root, experts))
+    return f, out
+
+
+def lower_unit(mesh: Mesh, u: UnitSize) -> UnitPlan:
+    f, groups = _groups(u.scopes, mesh, ((u.trainable, True), (u.frozen, False)), u.root, False)
+    ef = None
+    if u.experts is not None:
+        e = u.experts
+        ef, more = _groups(e.scopes, e.mesh, ((u.expert_trainable, True), (u.expert_frozen, False)), u.root, True)
+        groups += more
+    return UnitPlan(u.name, u.scopes, f, tuple(groups), u.root, ef)
+
+
+def _clip_levels(mesh: Mesh, p: UnitPlan, experts: ExpertGroup | None):
+    """The level sets of the strategy's mesh whose clip all-reduce adds this unit's
+    squared norms ([Note: clip rows of experts])."""
+    if any(g.trainable and not g.experts for g in p.groups):
+        yield p.scopes.optim.levels
+    if experts is not None and any(g.trainable and g.experts for g in p.groups):
+        yield expert_clip_levels(mesh, experts)
 
 
 def lower(mesh: Mesh, units, prefetch: int = 1, passes=None) -> Lowering:
     """The plan over `units` (UnitSizes, forward order, root first) on `mesh` with `prefetch`,
     rewritten by the plan passes named in `passes` (None: all of `passes.PLAN_PASSES`)."""
     plans = tuple(lower_unit(mesh, u) for u in units)
-    clip = clip_rows(mesh, [p.scopes.optim.levels for p in plans
-                                     if any(g.trainable for g in p.groups)])
+    clip = clip_rows(mesh, [lv for p, u in zip(plans, units) for lv in _clip_levels(mesh, p, u.experts)])
     sched = schedule([p.gathered and bool(p.groups) for p in plans], prefetch)
     return run_plan_passes(Lowering(plans, clip, sched), passes)

@@ -25,6 +25,7 @@ LLaMA-65B rank under ZeRO-2 in bf16 held 261 GB of those copies, docs/simulate.m
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from math import ceil
 
 from shardc.dsl.ir import DType, Mesh, Scopes
@@ -105,8 +106,11 @@ def _secondary_bytes(sc: Scopes, f: Factors, n: int, root: bool) -> int:
     return shard_payload_bytes(per, sec.quant) if sec.quant else per * elem_bytes(sc.params.dtype)
 
 
-def group_plan(sc: Scopes, f: Factors, mesh: Mesh, phi: int, n: int, trainable: bool, root: bool) -> GroupPlan:
+def group_plan(sc: Scopes, f: Factors, mesh: Mesh, phi: int, n: int, trainable: bool, root: bool,
+               experts: bool = False) -> GroupPlan:
     rows = tuple(_gathers(sc, f, mesh, n, root)) + (tuple(_gradients(sc, f, mesh, n)) if trainable else ())
+    if experts:
+        rows = tuple(replace(r, experts=True) for r in rows)
     pb = elem_bytes(sc.params.dtype)
     return GroupPlan(
         trainable=trainable, phi=phi, n=n, rows=rows,
@@ -115,7 +119,7 @@ def group_plan(sc: Scopes, f: Factors, mesh: Mesh, phi: int, n: int, trainable: 
         grads_bytes=n // f.g * elem_bytes(sc.grads.dtype) if trainable else 0,
         optim_elems=n // f.os if trainable else 0,
         master_bytes=n // f.os * 4 if trainable and sc.params.dtype is not DType.FP32 else 0,
-        gathered_bytes=n * pb if f.p > 1 else 0)
+        gathered_bytes=n * pb if f.p > 1 else 0, experts=experts)
 
 
 def clip_rows(mesh: Mesh, optim_levels) -> tuple[Row, ...]:
@@ -131,7 +135,13 @@ def clip_rows(mesh: Mesh, optim_levels) -> tuple[Row, ...]:
 PHASE_ORDER = tuple(p.value for p in Phase)
 
 
+def ledger_key(row: Row, phase: Phase | None = None) -> tuple:
+    """What the ledger counts a run of `row` under (`phase` overrides the row's: a backward
+    re-gather that reuses the forward row): (phase, op, levels, bytes, experts)."""
+    return (Phase(phase or row.phase).value, Op(row.op).value, tuple(row.levels), int(row.bytes), row.experts)
+
+
 def merged(counts) -> list[LedgerRecord]:
-    """`{(phase, op, levels, bytes): count}` as ledger records, in ledger order (phase, op, levels, bytes)."""
-    keys = sorted(counts, key=lambda k: (PHASE_ORDER.index(k[0]), k[1], k[2], k[3]))
-    return [LedgerRecord(p, o, tuple(l), b, counts[(p, o, l, b)]) for p, o, l, b in keys]
+    """`{ledger_key: count}` as ledger records, in ledger order (phase, op, levels, bytes, dense first)."""
+    keys = sorted(counts, key=lambda k: (PHASE_ORDER.index(k[0]), k[1], k[2], k[3], k[4]))
+    return [LedgerRecord(p, o, tuple(l), b, counts[(p, o, l, b, e)], e) for p, o, l, b, e in keys]

@@ -25,6 +25,8 @@ from dataclasses import replace
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import DEPENDENCY, Scopes, Strategy
 
+from .ir import ExpertGroup
+
 
 def _matches(pattern: str, unit: str, modules: tuple[str, ...]) -> bool:
     return fnmatch.fnmatchcase(unit, pattern) or any(fnmatch.fnmatchcase(m, pattern) for m in modules)
@@ -58,3 +60,41 @@ def unused_override(strategy: Strategy, used: set[int], units: list[str]) -> Non
         if i not in used:
             where = f"{strategy.file}:{ov.line}" if ov.line else strategy.file
             raise ShardcError(f'{where}: override pattern "{ov.pattern}" matches no unit (units: {", ".join(units)})')
+
+
+# -- experts ----------------------------------------------------------------------------------
+# [Note: clip rows of experts]
+# clip_grad_norm_ adds every element's square once. An expert's optimizer slices differ
+# across its OS levels on the experts' mesh and across the ep ranks, and repeat over the
+# rest. On the strategy's mesh those ranks are the OS levels plus the level ep borrows
+# from, which also counts its ranks outside ep when the OS levels leave it out: then each
+# rank weights its experts' squares by 1 / (that level's size on the experts' mesh), the
+# number of times the sum meets each slice (runtime/clip.py), and one all-reduce over
+# `expert_clip_levels` adds them, as for any OS level set.
+
+def expert_group(strategy: Strategy) -> ExpertGroup | None:
+    """The lowering's view of the strategy's `experts` statement (None without one)."""
+    e = strategy.experts
+    if e is None:
+        return None
+    return ExpertGroup(e.pattern, strategy.expert_mesh, strategy.expert_scopes, e.ep, e.level)
+
+
+def is_expert(experts: ExpertGroup, fqn: str) -> bool:
+    """Whether parameter `fqn` is an expert: the pattern matches it or a module holding it."""
+    parts = fqn.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[:k]), experts.pattern) for k in range(1, len(parts) + 1))
+
+
+def expert_clip_levels(mesh, experts: ExpertGroup) -> tuple[str, ...]:
+    """The strategy-mesh levels of the experts' clip all-reduce ([Note: clip rows of experts])."""
+    levels = set(experts.scopes.optim.levels) | ({experts.level} if experts.ep > 1 else set())
+    return mesh.ordered(levels)
+
+
+def expert_clip_weight(experts: ExpertGroup) -> int:
+    """How many times the experts' clip all-reduce meets each expert slice (1 unless the
+    experts' optimizer scope leaves out the level ep borrows from)."""
+    if experts.ep == 1 or experts.level in experts.scopes.optim.levels:
+        return 1
+    return experts.mesh.size(experts.level)

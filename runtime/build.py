@@ -92,6 +92,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
           lowering: Lowering | None = None, backend: str = "eager", init=None, device=None,
           rng=None) -> Built:
     graph_mode.check_backend(backend)
+    _refuse_experts(strategy)
     faults = Faults(timeout)
     if not dist.is_initialized():
         raise ShardcError(NEED_DIST)
@@ -143,6 +144,16 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
         pset.unset_buffers = unset_buffers(model)
     return Built(model, strategy, specs, backend, faults, ledger, dev, comm, aliases, order, targets,
                  names_of, frozen, tp, lowering, runtime, hooks, pset)
+
+
+def _refuse_experts(strategy: Strategy) -> None:
+    """An `experts` statement is planned (explain, plan) but not yet run: one sentence."""
+    e = strategy.experts
+    if e is not None:
+        where = f"{strategy.file}:{e.line}" if e.line else strategy.file
+        raise ShardcError(f"{where}: the strategy's `experts` statement is planned by `shardc explain` and "
+                          f"`shardc plan`, but the runtime does not shard expert groups yet; remove it to train "
+                          f"(the experts then take the top-level scopes)")
 
 
 # -- where the values come from -------------------------------------------------------------

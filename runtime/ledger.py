@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from shardc.lowering import LedgerRecord, Op, Phase, merged
+from shardc.lowering import LedgerRecord, Phase, ledger_key, merged
 
 __all__ = ["Ledger", "LedgerRecord"]
 
@@ -30,7 +30,7 @@ class Ledger:
     def record_row(self, row, phase: Phase | None = None) -> None:
         """One run of plan row `row` (`phase` overrides the row's: a backward re-gather that
         reuses the forward row)."""
-        self._counts[(Phase(phase or row.phase).value, Op(row.op).value, tuple(row.levels), int(row.bytes))] += 1
+        self._counts[ledger_key(row, phase)] += 1
 
     def reset(self) -> None:
         self._counts.clear()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from shardc.dsl.ir import Strategy
-from shardc.lowering import LedgerRecord, Lowering, Per, lower, merged
+from shardc.lowering import LedgerRecord, Lowering, Per, ledger_key, lower, merged
 
 
 __all__ = ["LedgerRecord", "predict_ledger", "ledger_of", "ledger_dicts", "counted_rows"]
@@ -29,7 +29,7 @@ def ledger_of(plan: Lowering, *, forwards: int, backwards: int, clips: int = 0) 
     """Sum of the plan's rows, each counted per forward / backward / step / clip call."""
     counts: Counter = Counter()
     for r, n in counted_rows(plan, forwards=forwards, backwards=backwards, clips=clips):
-        counts[(r.phase.value, r.op.value, r.levels, r.bytes)] += n
+        counts[ledger_key(r)] += n
     return merged(counts)
 
 
@@ -49,4 +49,4 @@ def predict_ledger(strategy: Strategy, units, *, micro_batches: int | None = Non
 def ledger_dicts(records) -> list[dict]:
     """Records as JSON-ready dicts (`levels` as a list)."""
     return [{"phase": r.phase, "op": r.op, "levels": list(r.levels), "bytes": r.bytes,
-             "count": r.count} for r in records]
+             "count": r.count} | ({"experts": True} if r.experts else {}) for r in records]

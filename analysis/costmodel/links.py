@@ -56,12 +56,15 @@ def record_links(op: Op, levels, nbytes: float, mesh: Mesh, algo: Collectives) -
     return out
 
 
-def link_bytes(records, mesh: Mesh, algo: Collectives = Collectives.RING) -> dict[str, float]:
+def link_bytes(records, mesh: Mesh, algo: Collectives = Collectives.RING,
+               expert_mesh: Mesh | None = None) -> dict[str, float]:
     """Per-rank bytes sent over each level's links in one step (every level listed);
-    `records` are ledger records, which spell their op (`Op` values)."""
+    `records` are ledger records, which spell their op (`Op` values); an expert group's
+    are over `expert_mesh`, whose levels are the same links."""
     out = {name: 0.0 for name in mesh.names}
     for r in records:
-        for level, b in record_links(Op(r.op), r.levels, r.bytes, mesh, algo).items():
+        on = expert_mesh if getattr(r, "experts", False) and expert_mesh is not None else mesh
+        for level, b in record_links(Op(r.op), r.levels, r.bytes, on, algo).items():
             out[level] += b * r.count
     return out
 

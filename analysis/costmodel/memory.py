@@ -61,7 +61,7 @@ def startup_bytes(plan: Lowering) -> int:
     """The start-up peak per rank (see [Note: start-up peak])."""
     groups = [g for u in plan.units for g in u.groups]
     shards = sum(g.params_bytes + g.secondary_bytes + g.grads_bytes + g.master_bytes for g in groups)
-    unit = max((sum(g.params_bytes * u.factors.p for g in u.groups) for u in plan.units), default=0)
+    unit = max((sum(g.params_bytes * u.factors_of(g).p for g in u.groups) for u in plan.units), default=0)
     return shards + unit
 
 

@@ -8,7 +8,10 @@ or touches parameter data.
 """
 from __future__ import annotations
 
-from shardc.lowering import UnitSize, unit_sizes
+import torch
+
+from shardc.dsl.errors import ShardcError
+from shardc.lowering import ExpertGroup, UnitSize, is_expert, unit_sizes
 
 __all__ = ["UnitSize", "model_unit_sizes", "dense_flops"]
 
@@ -19,12 +22,31 @@ def dense_flops(units, tokens: int) -> int:
     return 6 * sum(u.trainable + u.frozen for u in units) * tokens
 
 
-def model_unit_sizes(model, units) -> list[UnitSize]:
+def model_unit_sizes(model, units, experts: ExpertGroup | None = None) -> list[UnitSize]:
     """Sizes of `units` (UnitSpecs, root first) read from `model`'s parameters.
 
     Parameters are looked up by canonical FQN (tied aliases are excluded by the unit
     finder, so each element is counted once); only `numel()` and `requires_grad` are
     read, so a meta-device model works. (`shardc.lowering.unit_sizes` does the counting,
-    from a name -> parameter mapping.)
+    from a name -> parameter mapping.) With `experts` of ep > 1 each expert parameter
+    counts as one ep rank's part: its dim 0 (the experts) split over the ep ranks, as
+    DTensor `Shard(0)` on the ep dim places it (`ep_local`).
     """
-    return unit_sizes(dict(model.named_parameters()), units)
+    return unit_sizes(ep_local(dict(model.named_parameters()), experts), units, experts)
+
+
+def ep_local(params: dict, experts: ExpertGroup | None) -> dict:
+    """`params` with each expert parameter (`is_expert`) replaced by a meta tensor of one ep
+    rank's shape: dim 0 divided by ep; one sentence where it does not divide."""
+    if experts is None or experts.ep == 1:
+        return params
+    out = dict(params)
+    for name, p in params.items():
+        if not is_expert(experts, name):
+            continue
+        if p.dim() == 0 or p.shape[0] % experts.ep:
+            raise ShardcError(f"expert parameter {name!r} has shape {tuple(p.shape)}: ep {experts.ep} must divide "
+                              f"its dim 0 (the experts), which DTensor Shard(0) on the ep dim splits")
+        out[name] = torch.empty((p.shape[0] // experts.ep, *p.shape[1:]), device="meta").requires_grad_(
+            p.requires_grad)
+    return out
