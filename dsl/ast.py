@@ -57,9 +57,10 @@ class Statement:
     """A top-level (or override-block) statement.
 
     keyword: "strategy", "mesh", "params", "grads", "optim", "accumulate", "prefetch",
-    "collectives", "units", "bucket", "override". `args` holds the plain words
-    (a name, a number and its unit, patterns, type names, the algorithm); `scope`,
-    `options`, `mesh`, `body` the structured parts.
+    "collectives", "units", "bucket", "buffers", "override", "experts". `args` holds the
+    plain words (a name, a number and its unit, patterns, type names, the algorithm; for
+    `experts` the pattern and, when written, ep's number or level); `scope`, `options`,
+    `mesh`, `body` the structured parts.
     """
     keyword: str
     span: Span
@@ -68,7 +69,7 @@ class Statement:
     options: tuple[Option, ...] = ()
     mesh: MeshAst | None = None
     body: tuple["Statement", ...] = ()
-    form: str = ""                    # units: "auto" | "patterns" | "type"
+    form: str = ""                    # units: "auto" | "patterns" | "type"; experts: "block" when braced
 
     @property
     def keyword_span(self) -> Span:

@@ -1,7 +1,9 @@
 """Cross-statement checks — part of stage 2 (AST -> **Strategy**).
 
-Input: the resolved scopes of the strategy and of each override, each bound to the
-statement that set it (`bound`: state -> (spec, Statement | None)); output: diagnostics.
+Input: the resolved scopes of the strategy, of each override and of the `experts` block,
+each bound to the statement that set it (`bound`: state -> (spec, Statement | None); a
+block's also carries `_label`, the states it sets `_own`, and for the experts `_drop`, the
+level ep takes whole); output: diagnostics.
 
 Error: the dependency rule levels(params) ⊆ levels(grads) ⊆ levels(optim)
 (Lins §IV-B, ZeRO-topo §V). Warnings: a scope holding an outer level without every
@@ -46,29 +48,37 @@ def dependency(bound: dict, diags: list[Diagnostic]) -> None:
         main, other = (ostmt, istmt) if ostmt is not None else (istmt, None)
         notes = [Note(other.scope.span, f"`{inner}` shards over {_desc(ispec.levels)} here")] if other else []
         hint = f"{RULE_HINT}; add {', '.join(missing)} to `{outer}` or remove it from `{inner}`"
+        drop = bound.get("_drop")
+        if drop and drop in missing:        # the experts' block: a level ep takes whole is named only by `world`
+            hint = (f"{RULE_HINT}; ep takes `{drop}` whole, so an experts scope holds it only as `shard over "
+                    f"world`: give the experts' `{outer}` that, or leave `{drop}` out of their `{inner}`")
         diags.append(error(main.scope.span, message, hint, notes))
 
 
 def warnings(mesh: Mesh, bounds: list[dict], options: dict, top: dict, diags: list[Diagnostic]) -> None:
     for b in bounds:
         own = b.get("_own")
+        # The experts' block: a level ep takes whole has one rank left in the experts' mesh,
+        # so a scope leaving it out is not partial (and the language forbids naming it).
+        m = Mesh(tuple(lv for lv in mesh.levels if lv.name != b.get("_drop")))
         for key in STATES:
             spec, stmt = b[key]
             if stmt is None or (own is not None and key not in own):
                 continue
-            _partial(mesh, key, spec.levels, stmt.scope.span, diags)
+            _partial(m, key, spec.levels, stmt.scope.span, diags)
             if key == "params" and spec.secondary is not None:
                 sec = next(o for o in stmt.options if o.key == "secondary")
-                _partial(mesh, "secondary", spec.secondary.levels, sec.span, diags)
+                _partial(m, "secondary", spec.secondary.levels, sec.span, diags)
     _ho_ring(bounds, options, top, diags)
     _accumulate(bounds, options, top, diags)
 
 
 def _partial(mesh: Mesh, what: str, levels, span, diags) -> None:
     """Lins eq. 7: a scope holding an outer level should hold every level inside it."""
+    names = mesh.names
+    levels = tuple(lv for lv in levels if lv in names)
     if not levels:
         return
-    names = mesh.names
     outer = min(names.index(lv) for lv in levels)
     missing = [n for n in names[outer + 1:] if n not in levels]
     if missing:

@@ -30,7 +30,7 @@ from shardc.dsl import ast
 from shardc.dsl.diagnostics import Diagnostic, error
 from shardc.dsl.ir import Span
 from shardc.dsl.mesh import MAX_LEVELS
-from shardc.dsl.syntax_errors import describe
+from shardc.dsl.syntax_errors import block_openers, describe
 
 _MAX_ERRORS = 20
 
@@ -121,10 +121,10 @@ def _error_line(e: UnexpectedInput, n_lines: int) -> int | None:
 
 
 def _unclosed_block(e: UnexpectedInput, lines: list[str]) -> int | None:
-    """At end of file inside an `override` block: the line that opened it (to blank)."""
+    """At end of file inside an `override` or `experts` block: the line that opened it (to blank)."""
     if "RBRACE" not in getattr(e, "expected", ()):
         return None
-    opened = [i for i, ln in enumerate(lines, 1) if ln.lstrip().startswith("override")]
+    opened = block_openers(lines)
     return opened[-1] if opened else None
 
 
@@ -267,3 +267,22 @@ class _ToAst(Transformer):
     def override_stmt(self, meta, children):
         pattern, *body = children
         return ast.Statement("override", self._s(meta), args=(self._w(pattern),), body=tuple(body))
+
+    def experts_stmt(self, meta, children):
+        """`experts "PATTERN" [ep INT|NAME] [{ ... }]`: args = (pattern[, ep value]);
+        form "block" when braces were written (even empty: an error), else ""."""
+        pattern, *rest = children
+        args = [self._w(pattern)]
+        body, form = (), ""
+        for c in rest:
+            if isinstance(c, ast.Word):
+                args.append(c)
+            else:
+                body, form = c, "block"
+        return ast.Statement("experts", self._s(meta), args=tuple(args), body=body, form=form)
+
+    def ep_clause(self, meta, children):
+        return self._w(children[0])
+
+    def experts_block(self, meta, children):
+        return tuple(children)

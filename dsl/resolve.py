@@ -10,6 +10,17 @@ A missing `params`/`grads`/`optim` statement means `replicate`; a missing `mesh`
 error unless a mesh override is given. An `override` block is kept partial in the IR:
 the states it does not mention are None (`shardc.lowering` resolves each unit's scopes).
 For its dependency check, a block is checked merged over the top-level statements.
+The `experts` block is the same: partial, checked merged over the top level.
+
+[Note: ep's sizes]
+`ep N` (N > 1) borrows N contiguous ranks of the innermost level, so N must divide that
+level's size; `ep LEVEL` takes the whole level (ep = its size). Both are checked against
+every size that is known: the resolved mesh's, or, when the mesh has an error of its own
+(a product mismatch, a duplicate level), the sizes still written on it (numbers, `local`
+from LOCAL_WORLD_SIZE, a DeviceMesh's dims), so one run reports both. Only a size that
+depends on what failed (`*` without a world size) goes unchecked, and that is an error
+already. An ep of 1 (`ep 1`, or `ep LEVEL` of a size-1 level) is no expert parallelism:
+`Experts(ep=1, level="")`.
 
 [Note: comm follows dtype]
 A `params` or `grads` statement without `comm` communicates in its own `dtype`:
@@ -19,14 +30,15 @@ different width than is stored (`comm int8`, or `comm fp32` for bf16 storage).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from shardc.dsl import ast, checks
 import shardc.algorithms as algorithms
 from shardc.dsl.diagnostics import Diagnostic, Note, did_you_mean, error, short
-from shardc.dsl.ir import (STATES, BufferSync, Collectives, DType, GradsSpec, Mesh, MeshDims, OptimSpec,
+from shardc.dsl.ir import (STATES, BufferSync, Collectives, DType, Experts, GradsSpec, Mesh, MeshDims, OptimSpec,
                            Override, ParamsSpec, Scopes, Secondary, Span, Strategy, UnitsKind, UnitsSpec)
-from shardc.dsl.mesh import bind_mesh, check_ir_mesh, parse_int, resolve_mesh
+from shardc.dsl.mesh import MAX_DIGITS, MAX_SIZE, bind_mesh, check_ir_mesh, parse_int, resolve_mesh
 from shardc.dsl.quantities import BUCKET_UNITS
 
 ALLOWED = {("params", "comm"): ("int8", "bf16", "fp32"), ("params", "dtype"): ("fp32", "bf16", "fp16"),
@@ -34,7 +46,7 @@ ALLOWED = {("params", "comm"): ("int8", "bf16", "fp32"), ("params", "dtype"): ("
 NO_COLLECTIVE = {"params": "`params replicate` never all-gathers",
                  "grads": "`grads replicate` never reduce-scatters"}
 MAX_BUCKET = 2**40
-_SCOPE_WORDS = {*STATES, "override", "{", "}"}   # a broken one hides a scope
+_SCOPE_WORDS = {*STATES, "override", "experts", "{", "}"}   # a broken one hides a scope
 
 
 @dataclass
@@ -67,18 +79,24 @@ def resolve(program: ast.Program, world_size: int | None, override: MeshOverride
     ctx = _Ctx(names, diags, origin)
     scopes, bound = _scopes(top, {}, ctx)
     ovs = [_override(o, bound, ctx) for o in overrides]
+    experts, experts_bound = None, []
+    if "experts" in top:
+        sizes = _known_sizes(mesh, top.get("mesh"), override)
+        experts, eb = _experts(top["experts"], bound, sizes, ctx)
+        experts_bound = [eb]
     options = _options(top, ctx)
+    blocks = [bound] + [b for _, b in ovs] + experts_bound
     if names is not None and not any(_hides_scope(w) for w in program.skipped):
-        for b in [bound] + [b for _, b in ovs]:
+        for b in blocks:
             if all(b[k][0] is not None for k in STATES):
                 checks.dependency(b, diags)
     if not parse_failed and not any(d.is_error for d in diags) and mesh is not None:
-        checks.warnings(mesh, [bound] + [b for _, b in ovs], options, top, diags)
+        checks.warnings(mesh, blocks, options, top, diags)
     if parse_failed or any(d.is_error for d in diags) or mesh is None:
         return None, diags
     lines = tuple((k, s.span.line) for k, s in sorted(top.items(), key=lambda kv: kv[1].span.line))
     return Strategy(name=options.pop("name", default_name), mesh=mesh, scopes=scopes,
-                    overrides=tuple(o for o, _ in ovs), file=program.file, lines=lines,
+                    overrides=tuple(o for o, _ in ovs), experts=experts, file=program.file, lines=lines,
                     **options), diags
 
 
@@ -254,6 +272,92 @@ def _override(stmt: ast.Statement, top_bound: dict, ctx: _Ctx) -> tuple[Override
     bound = dict(bound, _label=f"override {short(stmt.args[0].text, 40)}", _own=set(inner))
     own = {k: getattr(scopes, k) for k in STATES if k in inner}
     return Override(pattern, line=stmt.span.line, **own), bound
+
+
+def _known_sizes(mesh: Mesh | None, stmt: ast.Statement | None, override: MeshOverride | None) -> dict[str, int]:
+    """Level name -> size, for every size known ([Note: ep's sizes])."""
+    if mesh is not None:
+        return {lv.name: lv.size for lv in mesh.levels}
+    if override is not None and override.dims is not None:
+        return dict(zip(override.dims.names, override.dims.sizes))
+    if override is not None and override.mesh is not None:
+        return {lv.name: lv.size for lv in override.mesh.levels if isinstance(lv.size, int) and lv.size >= 1}
+    tree = override.tree if override is not None else (stmt.mesh if stmt is not None else None)
+    out: dict[str, int] = {}
+    for lv in tree.levels if tree is not None else ():
+        text = lv.size.text
+        if text == "local":
+            text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+        if text.isdigit() and len(text) <= MAX_DIGITS and 1 <= int(text) <= MAX_SIZE:
+            out[lv.name.text] = int(text)
+    return out
+
+
+def _experts(stmt: ast.Statement, top_bound: dict, sizes: dict[str, int], ctx: _Ctx) -> tuple[Experts, dict]:
+    """The `experts` statement: its pattern, ep and level ([Note: ep's sizes]), and its
+    partial block, checked like an override's plus the ep-ranks rule (`_ep_twice`)."""
+    label = f"experts {short(stmt.args[0].text, 40)}"
+    pattern = stmt.args[0].text[1:-1]
+    if not pattern.strip():
+        ctx.diags.append(error(stmt.args[0].span, "the experts pattern is empty",
+                               'write a glob over parameter and module names, e.g. "layers.*.moe.experts"'))
+    ep, level, whole = _ep(stmt.args[1], sizes, ctx) if len(stmt.args) > 1 else (1, "", "")
+    inner: dict[str, ast.Statement] = {}
+    for s in stmt.body:
+        first = inner.setdefault(s.keyword, s)
+        if first is not s:
+            ctx.diags.append(_duplicate(s, first, f"`{s.keyword}` statement in this experts block"))
+    if stmt.form == "block" and not stmt.body:
+        ctx.diags.append(error(stmt.span, f"{label} sets nothing",
+                               "put `params`, `grads` or `optim` lines inside the braces, or remove the braces "
+                               "(the experts then take the top-level scopes)"))
+    if whole:
+        _ep_twice(inner, whole, stmt.args[1], ctx)
+    scopes, bound = _scopes(inner, top_bound, ctx)
+    bound = dict(bound, _label=label, _own=set(inner), _drop=whole)
+    own = {k: getattr(scopes, k) for k in STATES if k in inner}
+    return Experts(pattern, ep or 1, level, line=stmt.span.line, **own), bound
+
+
+def _ep(word: ast.Word, sizes: dict[str, int], ctx: _Ctx) -> tuple[int | None, str, str]:
+    """`ep N` or `ep LEVEL` -> (ep, the level it borrows from, the level it takes whole or "");
+    ep None after an error or when the size it needs is not known."""
+    if word.text.lstrip("-").isdigit():                                # `ep N`
+        n = parse_int(word, "`ep`", ctx.diags, minimum=1, maximum=MAX_SIZE,
+                      hint="ep is how many ranks of the innermost level split the experts (1 = none), "
+                           "or a level name for a whole level")
+        if n is None or n == 1 or ctx.names is None:
+            return n, "", ""
+        inner = ctx.names[-1]
+        size = sizes.get(inner)
+        if size is not None and size % n:
+            ctx.diags.append(error(word.span, f"ep {n} does not divide level `{short(inner)}` (size {size}), the "
+                                   f"innermost level it borrows its ranks from{ctx.origin}",
+                                   f"use a divisor of {size}, or `ep {short(inner)}` for the whole level"))
+            return None, "", ""
+        return n, inner, inner if size == n else ""
+    levels = _levels((word,), ctx)
+    if levels is None:
+        return None, "", ""
+    size = sizes.get(word.text)
+    if size == 1:
+        return 1, "", ""
+    return size, word.text, word.text
+
+
+def _ep_twice(inner: dict[str, ast.Statement], whole: str, ep_word: ast.Word, ctx: _Ctx) -> None:
+    """A block scope naming the level ep takes whole: its ranks would hold the experts twice
+    (`world` is fine: over the experts' mesh that level has size 1). `secondary` is exempt."""
+    for key in STATES:
+        if key not in inner:
+            continue
+        for w in inner[key].scope.levels:
+            if w.text == whole:
+                ctx.diags.append(error(
+                    w.span, f"the experts' `{key}` shard over `{short(whole)}`, whose ranks ep already splits "
+                    f"the experts over (ep {short(ep_word.text)}): a scope cannot include the ep ranks twice",
+                    f"drop `{short(whole)}` from the experts' `{key}`: their data-parallel ranks are the other "
+                    f"levels'"))
 
 
 def _options(top: dict[str, ast.Statement], ctx: _Ctx) -> dict:

@@ -20,13 +20,13 @@ from shardc.dsl.diagnostics import Diagnostic, did_you_mean, error, short
 from shardc.dsl.ir import STATES, Span
 
 STATEMENTS = ("strategy", "mesh", *STATES, "accumulate", "prefetch", "collectives", "units", "bucket",
-              "buffers", "override")
+              "buffers", "override", "experts")
 _NAMES = {"NAME": "a name", "INT": "a number", "STRING": "a quoted string",
           "_NL": "end of line", "$END": "end of file", "STAR": "`*`", "LOCAL": "`local`",
           "WORLD": "`world`"}
 # What a name stands for, by the statement it is in (a keyword where a name belongs).
 _NAME_OF = {"mesh": "a level name", "strategy": "a strategy name", "units": "a unit type name",
-            **{k: "a level name" for k in STATES}}
+            "experts": "a level name", **{k: "a level name" for k in STATES}}
 
 
 def describe(e: UnexpectedInput, lines: list[str], file: str, lark) -> Diagnostic:
@@ -77,28 +77,42 @@ def _bad_token(e: UnexpectedToken, lines, file, literals) -> Diagnostic:
     hint = did_you_mean(text, words) if text else None
 
     if "RBRACE" in expected and tok.type == "$END":
-        opened = [i for i, ln in enumerate(lines, 1) if ln.lstrip().startswith("override")]
+        opened = block_openers(lines)
+        kind = "override"
         if opened and "{" in lines[opened[-1] - 1]:
             n = opened[-1]
+            kind = _block_kind(lines, n)
             c = lines[n - 1].index("{") + 1
             span = Span(file, n, c, n, c + 1)
-        return error(span, "unclosed `override` block: no `}` before the end of the file",
+        return error(span, f"unclosed `{kind}` block: no `}}` before the end of the file",
                      "add a line with `}` after its statements")
     if tok.type == "RBRACE":
-        return error(span, "`}` without an `override` block", "remove it")
+        return error(span, "`}` without an `override` or `experts` block", "remove it")
     if "PARAMS" in expected and tok.type not in ("_NL",):
         inside = "OVERRIDE" not in expected
-        where = " in an `override` block" if inside else ""
+        kind = _block_kind(lines, line) if inside else ""
+        where = f" in an `{kind}` block" if inside else ""
         if tok.type == "NAME":
             options = STATES if inside else STATEMENTS
             return error(span, f"unknown statement `{text}`{where}",
                          did_you_mean(text, options) or f"statements are: {', '.join(options)}")
         if inside and text in STATEMENTS and text not in STATES:
-            return error(span, f"`{text}` cannot appear in an `override` block",
-                         "an override sets only `params`, `grads` and `optim`; put it at the top level")
+            what = "an override" if kind == "override" else "an experts block"
+            return error(span, f"`{text}` cannot appear in an `{kind}` block",
+                         f"{what} sets only `params`, `grads` and `optim`; put it at the top level")
         if "_NL" not in expected:
             return error(span, f"expected a statement, found `{text}`{where}",
                          "each line starts with a statement keyword such as `params`")
+    if stmt in BLOCKS and expected == {"STRING"}:
+        h = f'quote it: `{stmt} "{short(raw, 40)}"`' if tok.type in ("NAME", "INT") else \
+            'a pattern is a glob in double quotes, e.g. "layers.*.moe.experts"'
+        return error(span, f"expected a quoted pattern after `{stmt}`, found {_found(tok)}", h)
+    if stmt == "experts" and expected == {"INT", "NAME"} and (at_end or raw not in _reserved(literals)):
+        return error(span, f"expected a number or a level name after `ep`, found {_found(tok)}",
+                     "write `ep N` (N ranks of the innermost level) or `ep LEVEL` (a whole level)")
+    if stmt == "experts" and "EP" in expected and tok.type in ("NAME", "INT"):
+        return error(span, f"expected `ep`, `{{` or the end of the line after the pattern, found {_found(tok)}",
+                     f"write `ep {short(raw)}` to split the experts over ranks")
     if "NAME" in expected and "_NL" not in expected and raw in _reserved(literals):
         return error(span, f"`{text}` is a reserved keyword and cannot be used as {_NAME_OF.get(stmt, 'a name')}",
                      f"rename it, e.g. `{text}_`; keywords are listed in the language reference")
@@ -150,6 +164,20 @@ def _bad_token(e: UnexpectedToken, lines, file, literals) -> Diagnostic:
                      hint or "remove it, or start a new line")
     return error(span, f"unexpected {_found(tok)}",
                  f"expected {_describe_expected(expected, literals)}")
+
+
+BLOCKS = ("override", "experts")      # the statements that open a `{ ... }` block
+
+
+def block_openers(lines: list[str]) -> list[int]:
+    """The lines (1-based) that start with a block statement (`override`, `experts`)."""
+    return [i for i, ln in enumerate(lines, 1) if ln.lstrip().startswith(BLOCKS)]
+
+
+def _block_kind(lines: list[str], line: int) -> str:
+    """The statement (`override` or `experts`) whose block holds `line`: the nearest opener at or above it."""
+    opened = [n for n in block_openers(lines) if n <= line]
+    return next(b for b in BLOCKS if lines[opened[-1] - 1].lstrip().startswith(b)) if opened else "override"
 
 
 def _reserved(literals) -> set[str]:
