@@ -2,8 +2,9 @@
 
 Input: an `ir.Strategy`; output: plain dicts/lists/ints/strings (the `--json` form of docs/language.md):
 `{"name", "mesh", "params", "grads", "optim", "accumulate", "prefetch", "collectives",
-"buffers", "units", "bucket", "overrides", "warnings"}`, each scope with its levels (mesh order)
-and shard factor.
+"buffers", "units", "bucket", "overrides", "experts", "warnings"}`, each scope with its levels
+(mesh order) and shard factor; the experts' scopes' factors are over the experts' mesh
+(`Strategy.expert_mesh`: the ranks ep leaves).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def strategy_dict(s: Strategy) -> dict:
         "units": {"kind": s.units.kind.value, "names": list(s.units.names)},
         "bucket": s.bucket,
         "overrides": [_override_dict(o, s.mesh) for o in s.overrides],
+        "experts": _experts_dict(s),
         "warnings": list(s.warnings),
     })
     return out
@@ -45,3 +47,15 @@ def _override_dict(o: Override, mesh: Mesh) -> dict:
     """An override block: only the states it sets (the block is partial)."""
     full = scopes_dict(Scopes(o.params or ParamsSpec(), o.grads or GradsSpec(), o.optim or OptimSpec()), mesh)
     return dict(pattern=o.pattern, line=o.line, **{k: full[k] for k in o.sets()})
+
+
+def _experts_dict(s: Strategy) -> dict | None:
+    """The `experts` statement: its block's states as an override's (factors over the
+    experts' mesh), null for a state the block does not set; null without the statement."""
+    e = s.experts
+    if e is None:
+        return None
+    full = scopes_dict(Scopes(e.params or ParamsSpec(), e.grads or GradsSpec(), e.optim or OptimSpec()),
+                       s.expert_mesh)
+    return {"pattern": e.pattern, "ep": e.ep, "level": e.level, "line": e.line,
+            **{k: full[k] if getattr(e, k) is not None else None for k in ("params", "grads", "optim")}}

@@ -10,7 +10,7 @@ through it (the benchmark hands `shardc.compile` a replaced Strategy, no text at
 Statements come in a fixed order, one per line: `strategy`, `mesh` (sizes resolved),
 `params`, `grads`, `optim` (keywords padded to one width), `accumulate`, `prefetch`,
 `collectives`, then `units` unless it is `auto`, `buffers` unless it is `broadcast`, `bucket` when set (in the largest
-unit that divides it exactly), then the overrides. A scope over every level of a
+unit that divides it exactly), then the overrides, then `experts`. A scope over every level of a
 multi-level mesh is written `shard over world`. Options are written only where they
 differ from the default (`dtype` fp32, `comm` equal to `dtype`, no `secondary`); `comm` is never written
 on a replicated state, which has no collective for it to act on (the DSL rejects
@@ -21,13 +21,22 @@ An override is partial in the IR: a state the block does not mention is None, an
 block is written with exactly the states it sets (`Override.sets()`), so it reads back
 the same. A block that sets nothing (built in code) cannot be written: the language
 rejects an empty block, so the unparser raises a ShardcError naming its pattern.
+
+[Note: the experts statement]
+`experts "PATTERN"`, then `ep LEVEL` when ep is that level's size, `ep N` when it is a
+part of the innermost level, nothing when ep is 1; then the block with the states it
+sets (no braces when it sets none). A block scope holding the level ep takes whole is
+written `shard over world`, the one way the language lets a block scope include it;
+one that holds it without every level cannot be written, nor can an ep the language
+could not have resolved (ep 1 with a level, a part of a level other than the innermost,
+a part that does not divide it): each is a ShardcError.
 """
 from __future__ import annotations
 
 import re
 
 from shardc.dsl.errors import ShardcError
-from shardc.dsl.ir import STATES, BufferSync, DType, Mesh, Scopes, Strategy, UnitsKind
+from shardc.dsl.ir import STATES, BufferSync, DType, Experts, Mesh, Scopes, Strategy, UnitsKind
 from shardc.dsl.mesh import MAX_DIGITS
 from shardc.dsl.quantities import whole_bytes
 
@@ -37,18 +46,24 @@ _WIDTH = max(len(s) for s in STATES)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def scope_text(levels: tuple[str, ...], mesh: Mesh) -> str:
-    """`replicate`, `shard over world` or `shard over a, b`."""
+def scope_text(levels: tuple[str, ...], mesh: Mesh, whole: str = "") -> str:
+    """`replicate`, `shard over world` or `shard over a, b`. `whole`: the level an experts'
+    ep takes whole, which an experts scope may hold only as `world`."""
     if not levels:
         return "replicate"
-    if tuple(levels) == mesh.names and len(levels) > 1:
+    if tuple(levels) == mesh.names and (len(levels) > 1 or whole in levels):
         return "shard over world"
+    if whole in levels:
+        raise ShardcError(f"the experts' scope over {', '.join(levels)} cannot be written in a .shard file: it "
+                          f"holds `{whole}`, which ep takes whole, without every other level (only `shard over "
+                          f"world` can include it)")
     return "shard over " + ", ".join(levels)
 
 
-def state_clause(spec, mesh: Mesh) -> str:
-    """What follows the `params`/`grads`/`optim` keyword: the scope and its options."""
-    text = scope_text(spec.levels, mesh)
+def state_clause(spec, mesh: Mesh, whole: str = "") -> str:
+    """What follows the `params`/`grads`/`optim` keyword: the scope and its options
+    (`whole`: see `scope_text`)."""
+    text = scope_text(spec.levels, mesh, whole)
     sec = getattr(spec, "secondary", None)
     if sec is not None:
         text += f" secondary {', '.join(sec.levels)}" + (f" {sec.quant.value}" if sec.quant else "")
@@ -88,7 +103,28 @@ def unparse(s: Strategy) -> str:
         lines.append(f"override {_quoted(o.pattern, 'override pattern')} {{")
         lines += [f"    {k:<{_WIDTH}} {state_clause(getattr(o, k), s.mesh)}" for k in o.sets()]
         lines.append("}")
+    if s.experts is not None:
+        lines += _experts_lines(s.experts, s.mesh)
     return "\n".join(lines) + "\n"
+
+
+def _experts_lines(e: Experts, mesh: Mesh) -> list[str]:
+    """[Note: the experts statement]"""
+    head, whole = f"experts {_quoted(e.pattern, 'experts pattern')}", ""
+    size = mesh.size(e.level) if e.level in mesh.names else None
+    if e.ep == 1 and not e.level:
+        pass
+    elif size is not None and e.ep == size and e.ep > 1:
+        head, whole = f"{head} ep {e.level}", e.level
+    elif size is not None and e.ep > 1 and e.level == mesh.names[-1] and size % e.ep == 0:
+        head += f" ep {e.ep}"
+    else:
+        raise ShardcError(f"experts {e.pattern!r} with ep {e.ep!r} over level {e.level!r} cannot be written in a "
+                          f".shard file: ep is 1 with no level, a whole level, or a divisor of the innermost "
+                          f"level's size ({mesh})")
+    if not e.sets():
+        return [head]
+    return [head + " {"] + [f"    {k:<{_WIDTH}} {state_clause(getattr(e, k), mesh, whole)}" for k in e.sets()] + ["}"]
 
 
 def _scope_lines(scopes: Scopes, mesh: Mesh, states) -> list[str]:

@@ -86,7 +86,8 @@ def test_example_passes_check_json(name, capsys):
     assert rc == 0, out.err
     data = json.loads(out.out)
     assert list(data) == ["name", "mesh", "params", "grads", "optim", "accumulate", "prefetch",
-                          "collectives", "buffers", "units", "bucket", "overrides", "warnings"]
+                          "collectives", "buffers", "units", "bucket", "overrides", "experts", "warnings"]
+    assert data["experts"] is None
     for state, levels in zip(STATES, TABLE[name]):
         assert data[state]["levels"] == list(levels)
         assert data[state]["factor"] == FACTOR[levels]

@@ -1,7 +1,8 @@
 """dsl/unparse: Strategy -> `.shard` text -> Strategy is the identity (source positions aside).
 
 Hypothesis builds random valid strategies straight in the IR (meshes of 1–4 levels,
-scopes obeying the dependency rule, every option, units, bucket, overrides), unparses
+scopes obeying the dependency rule, every option, units, bucket, overrides, an `experts`
+statement with any valid ep and a partial block), unparses
 them, loads the text and compares; the twelve shipped examples and a file with stacked
 overrides go through the same round trip from real text.
 """
@@ -16,8 +17,8 @@ from hypothesis import strategies as st
 
 import shardc.algorithms as algorithms
 from shardc.dsl import ShardcError, load_strategy, unparse
-from shardc.dsl.ir import (DEPENDENCY, STATES, BufferSync, Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec, Scopes,
-                           Secondary, Strategy, UnitsKind, UnitsSpec)
+from shardc.dsl.ir import (DEPENDENCY, STATES, BufferSync, Collectives, DType, Experts, GradsSpec, Level, Mesh, OptimSpec,
+                           Override, ParamsSpec, Scopes, Secondary, Strategy, UnitsKind, UnitsSpec)
 from shardc.dsl.mesh import MAX_DIGITS
 from shardc.dsl.parser import keywords
 from shardc.dsl.quantities import BUCKET_UNITS
@@ -33,9 +34,11 @@ def positionless(s: Strategy) -> Strategy:
     """`s` without what only the source text knows (line numbers, file, rendered warnings)."""
     def scopes(sc: Scopes) -> Scopes:
         return Scopes(replace(sc.params, line=0), replace(sc.grads, line=0), replace(sc.optim, line=0))
+    def block(o):
+        return replace(o, line=0, **{k: replace(getattr(o, k), line=0) for k in o.sets()})
     return replace(s, scopes=scopes(s.scopes), units=replace(s.units, line=0), file="", lines=(), warnings=(),
-                   overrides=tuple(replace(o, line=0, **{k: replace(getattr(o, k), line=0) for k in o.sets()})
-                                   for o in s.overrides))
+                   overrides=tuple(block(o) for o in s.overrides),
+                   experts=block(s.experts) if s.experts is not None else None)
 
 
 def round_trip(s: Strategy) -> Strategy:
@@ -100,7 +103,8 @@ def strategies(draw) -> Strategy:
         accumulate=draw(st.integers(1, 1_000_000)), prefetch=draw(st.integers(0, 1024)),
         collectives=draw(st.sampled_from([Collectives(n) for n in ("auto", *algorithms.names())])), units=draw(units()), buffers=draw(st.sampled_from(BufferSync)),
         bucket=draw(st.none() | bucket | st.integers(1, 10**MAX_DIGITS - 1)),
-        overrides=tuple(partial_override(draw, pt, mesh, top) for pt in patterns))
+        overrides=tuple(partial_override(draw, pt, mesh, top) for pt in patterns),
+        experts=draw(st.none() | experts(mesh, top)))
 
 
 def partial_override(draw, pattern: str, mesh: Mesh, top: Scopes) -> Override:
@@ -112,6 +116,34 @@ def partial_override(draw, pattern: str, mesh: Mesh, top: Scopes) -> Override:
     if any(stacked.missing(inner, outer) for inner, outer in DEPENDENCY):
         kept = set(STATES)
     return Override(pattern, **{k: getattr(sc, k) for k in kept})
+
+
+@st.composite
+def experts(draw, mesh: Mesh, top: Scopes) -> Experts:
+    """An `experts` statement: ep 1, a divisor of the innermost level, or a whole level; a
+    partial block (maybe none) of valid scopes that name a level ep takes whole only as
+    `world`; when the block stacked on `top` breaks the dependency rule, it sets all three."""
+    inner = mesh.levels[-1]
+    eps = {"none": [(1, "")],
+           "part": [(d, inner.name) for d in range(2, inner.size) if inner.size % d == 0],
+           "whole": [(lv.size, lv.name) for lv in mesh.levels if lv.size > 1]}
+    ep, level = draw(st.sampled_from(eps[draw(st.sampled_from([k for k, v in eps.items() if v]))]))
+    whole = level if ep > 1 and mesh.size(level) == ep else ""
+
+    def drop(levels):        # each state loses the same level: the dependency rule still holds
+        return levels if tuple(levels) == mesh.names else tuple(n for n in levels if n != whole)
+    sc = draw(scopes(mesh))
+    sc = Scopes(replace(sc.params, levels=drop(sc.params.levels)), replace(sc.grads, levels=drop(sc.grads.levels)),
+                replace(sc.optim, levels=drop(sc.optim.levels)))
+    sc = replace(sc, params=replace(sc.params, comm=sc.params.dtype) if not sc.params.levels else sc.params,
+                 grads=replace(sc.grads, comm=sc.grads.dtype) if not sc.grads.levels else sc.grads)
+    if not sc.params.levels and sc.params.secondary is not None:
+        sc = replace(sc, params=replace(sc.params, secondary=None))
+    kept = draw(st.sets(st.sampled_from(STATES)))
+    stacked = replace(top, **{k: getattr(sc, k) for k in kept})
+    if any(stacked.missing(i, o) for i, o in DEPENDENCY):
+        kept = set(STATES)
+    return Experts(draw(PATTERNS), ep, level, **{k: getattr(sc, k) for k in kept})
 
 
 @ROUND_TRIP
