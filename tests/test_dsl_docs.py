@@ -24,7 +24,8 @@ def test_every_warning_and_check_family_is_shown():
     assert set(regen.warning_names()) <= shown
     for family in ("dependency_", "duplicate_", "unknown_", "_replicate_comm", "product_mismatch",
                    "two_stars", "star_not_divisible", "undeclared_level", "accumulate_zero", "prefetch_negative",
-                   "bucket_negative", "secondary_replicate", "control_char", "empty"):
+                   "bucket_negative", "secondary_replicate", "control_char", "empty", "experts_ep_not_divisor",
+                   "experts_scope_over_ep"):
         assert any(family in name for name in shown), family
 
 
