@@ -2,8 +2,8 @@
 
 Random text over an alphabet rich in the language's own words and symbols (plus control
 characters, NUL, unicode), and random mutations (delete / duplicate / swap / insert /
-replace a character or word) of the twelve shipped examples, each loaded with and
-without a world size and a mesh override. Nothing else may be raised, rendering the
+replace a character or word) of the twelve shipped examples and a MoE strategy, each
+loaded with and without a world size and a mesh override. Nothing else may be raised, rendering the
 error must work, and every run is bounded (small inputs, a per-example deadline).
 """
 from __future__ import annotations
@@ -19,9 +19,20 @@ from shardc.dsl import StrategyError, load_text
 from shardc.dsl.ir import Strategy
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples" / "strategies").glob("*.shard"))
-TEXTS = [p.read_text() for p in EXAMPLES]
+# The shipped examples and a MoE strategy, so mutations reach the `experts` statement and its block.
+MOE = """mesh node(*) > gpu(local)
+params shard over gpu
+grads  shard over gpu
+optim  shard over world
+experts "layers.*.moe.experts" ep 2 {
+    params replicate
+    grads  shard over gpu
+    optim  shard over world
+}
+"""
+TEXTS = [p.read_text() for p in EXAMPLES] + [MOE]
 WORDS = ["strategy", "mesh", "params", "grads", "optim", "accumulate", "prefetch", "collectives",
-         "units", "bucket", "override", "shard", "over", "replicate", "world", "secondary", "comm",
+         "units", "bucket", "override", "experts", "ep", "shard", "over", "replicate", "world", "secondary", "comm",
          "dtype", "int8", "int4", "bf16", "fp16", "fp32", "auto", "ring", "hierarchical", "ho-ring",
          "type", "local", "node", "gpu", "gcd", "*", ">", "(", ")", "{", "}", ",", "\n", " ", "\t",
          "#", '"', "25MB", "0", "-1", "4", "99999999999999999999999", "\x00", "\x1b", "\r", "é", "✓"]
