@@ -97,7 +97,7 @@ class StepBoundary:
         self.no_sync_depth -= 1
 
     def trainable_groups(self) -> list[FlatGroup]:
-        return [u.trainable for u in self.units if u.trainable is not None]
+        return [g for u in self.units for g in u.trainables]
 
     def pending_updates(self) -> list[int]:
         """Units whose deferred update all-gather is still in flight."""
@@ -127,9 +127,9 @@ class StepBoundary:
         the unit synced before it had a unit's backward for its reduce-scatter to land, so
         its all-reduce over the replicas goes out now ([Note: early sync])."""
         self._sync_unit(u)
-        earlier, self._sync_prev = self._sync_prev, u.trainable
-        if earlier is not None:
-            self.ops.advance_early(earlier)
+        earlier, self._sync_prev = self._sync_prev, u.trainables
+        for g in earlier or ():
+            self.ops.advance_early(g)
 
     def end_backward(self) -> None:
         """A backward is done: count it; issue the step's sync when it is due."""
@@ -164,7 +164,7 @@ class StepBoundary:
 
     def _issue_sync(self) -> None:
         for u in self.units:
-            if u.trainable is not None:
+            if u.trainables:
                 self._sync_unit(u)
         self._synced.clear()
         self._sync_prev = None
@@ -184,11 +184,10 @@ class StepBoundary:
         if self.phase is StepPhase.SYNCING:
             self._complete_sync()
         for u in self.units:
-            g = u.trainable
-            if g is not None:
-                done = self._carry.get(u.index)
-                self._carry[u.index] = (g.storage.os_grad.clone() if done is None
-                                         else done.add_(g.storage.os_grad))
+            for k, g in enumerate(u.trainables):
+                done = self._carry.get((u.index, k))
+                self._carry[(u.index, k)] = (g.storage.os_grad.clone() if done is None
+                                              else done.add_(g.storage.os_grad))
         self.ops.zero()
         self.phase = StepPhase.ACCUMULATING
 
@@ -213,8 +212,9 @@ class StepBoundary:
         if self.phase is StepPhase.SYNCING:
             self._complete_sync()
             for u in self.units:
-                if u.index in self._carry:
-                    u.trainable.storage.os_grad.add_(self._carry.pop(u.index))
+                for k, g in enumerate(u.trainables):
+                    if (u.index, k) in self._carry:
+                        g.storage.os_grad.add_(self._carry.pop((u.index, k)))
 
     def after_step(self) -> None:
         """Issue every unit's update all-gather; wait those the schedule does not defer."""

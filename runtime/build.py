@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
-from shardc.lowering import Lowering, RankPlan, Schedule, Stage, lower, unit_sizes
+from shardc.lowering import Lowering, RankPlan, Schedule, Stage, expert_group, is_expert, lower, unit_sizes
 from shardc.units import UnitSpec, canonical_names, local_params, unit_members
 
 from . import buffers, graph_mode, simulation
@@ -92,7 +92,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
           lowering: Lowering | None = None, backend: str = "eager", init=None, device=None,
           rng=None) -> Built:
     graph_mode.check_backend(backend)
-    _refuse_experts(strategy)
+    _refuse_experts(strategy, backend)
     faults = Faults(timeout)
     if not dist.is_initialized():
         raise ShardcError(NEED_DIST)
@@ -113,7 +113,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     specs = list(units)
     per_unit = unit_members(specs, aliases)              # [Note: unit membership]
     canonical = [dataclasses.replace(u, params=tuple(n)) for u, n in zip(specs, per_unit)]
-    lowered = _lowered(lowering, passes, strategy, unit_sizes(local, canonical))
+    lowered = _lowered(lowering, passes, strategy, unit_sizes(local, canonical, expert_group(strategy)))
     # the one plan: what each unit does and the schedule the engine follows
     lowering = dataclasses.replace(lowered, schedule=_checked(schedule, lowered.schedule, len(specs),
                                                               hooks or backend == "inductor"))
@@ -133,8 +133,8 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
         runtime = Engine(states, strategy.accumulate, lowering.schedule, drive_forward=hooks)
     for u in states:
         _placeholders(u, runtime, backend)
-        if u.trainable is not None:
-            u.trainable.on_grads = lambda grads, i=u.index: runtime.unit_grads(i, grads)
+        for g in u.trainables:
+            g.on_grads = lambda grads, i=u.index, g=g: runtime.unit_grads(i, grads, g)
     if hooks:
         _install_hooks(model, runtime)
     canon = list(dict.fromkeys(aliases[n] for n in order))
@@ -146,14 +146,20 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
                  names_of, frozen, tp, lowering, runtime, hooks, pset)
 
 
-def _refuse_experts(strategy: Strategy) -> None:
-    """An `experts` statement is planned (explain, plan) but not yet run: one sentence."""
+def _refuse_experts(strategy: Strategy, backend: str) -> None:
+    """Expert parallelism (ep > 1) is planned (explain, plan) but not yet run, nor are
+    expert groups in the whole-step mode: one sentence each."""
     e = strategy.experts
-    if e is not None:
-        where = f"{strategy.file}:{e.line}" if e.line else strategy.file
-        raise ShardcError(f"{where}: the strategy's `experts` statement is planned by `shardc explain` and "
-                          f"`shardc plan`, but the runtime does not shard expert groups yet; remove it to train "
-                          f"(the experts then take the top-level scopes)")
+    if e is None:
+        return
+    where = f"{strategy.file}:{e.line}" if e.line else strategy.file
+    if e.ep > 1:
+        raise ShardcError(f"{where}: `ep {e.ep}` is planned by `shardc explain` and `shardc plan`, but the runtime "
+                          f"does not split experts over ep ranks yet; write the experts' scopes without ep to train "
+                          f"(every rank then holds a shard of every expert)")
+    if backend == "inductor":
+        raise ShardcError(f"{where}: backend='inductor' does not take an `experts` statement yet; "
+                          f"use the eager runtime (backend='eager')")
 
 
 # -- where the values come from -------------------------------------------------------------
@@ -239,14 +245,18 @@ def _values(source: Source, model, states, params, targets, init, dev, smesh, rn
 # -- units ------------------------------------------------------------------------------------
 def _units(specs, per_unit, lowering, frozen, local, targets, tp, strategy, comm, faults, dev) -> list:
     states, workspace = [], Workspace()        # one reduce workspace for every unit
+    experts = expert_group(strategy)
     for i, (spec, names, uplan) in enumerate(zip(specs, per_unit, lowering.units)):
-        plan = RankPlan(strategy.mesh, spec.scopes, comm.rank)
+        plans = {False: RankPlan(strategy.mesh, spec.scopes, comm.rank)}
+        if experts is not None:       # ep 1 (_refuse_experts): the experts' mesh is the strategy's
+            plans[True] = RankPlan(experts.mesh, experts.scopes, comm.rank)
         groups, tg = [], []
         guarded = faults.guard(comm, spec.name)
         for gplan in uplan.groups:
-            sel = [n for n in names if (n not in frozen) == gplan.trainable]
+            sel = [n for n in names if (n not in frozen) == gplan.trainable
+                   and (experts is not None and is_expert(experts, n)) == gplan.experts]
             layout = build_layout([(n, tuple(local[n].shape)) for n in sel], gplan.trainable, gplan.n)
-            st = FlatStorage(layout, plan, dev, i == 0)
+            st = FlatStorage(layout, plans[gplan.experts], dev, i == 0)
             groups.append(FlatGroup(st, gplan, guarded, workspace, strategy.mesh.world))
             tg.append([targets[s.fqn] for s in st.layout.slots])
         wrappers = [[tp[s.fqn].wrap if s.fqn in tp else None for s in g.storage.layout.slots] for g in groups]
@@ -268,8 +278,10 @@ def _placeholders(u: UnitState, runtime, backend: str) -> None:
 
 def _warm_groups(comm, strategy, specs) -> None:
     """Create every process group up front, in the same order on every rank."""
-    for spec in specs:
-        plan = RankPlan(strategy.mesh, spec.scopes, comm.rank)
+    experts = expert_group(strategy)
+    scopes = [spec.scopes for spec in specs] + ([experts.scopes] if experts is not None else [])
+    for sc in scopes:
+        plan = RankPlan(strategy.mesh, sc, comm.rank)
         for lv in plan.groups():
             if lv and plan.s(lv) > 1:
                 comm.smesh.group(lv)
@@ -329,9 +341,11 @@ def _lowered(lowering: Lowering | None, passes, strategy: Strategy, sizes) -> Lo
     these units: names, scopes, element counts), else lowered here with `passes`."""
     if lowering is None:
         return lower(strategy.mesh, sizes, strategy.prefetch, passes)
-    want = [(s.name, s.scopes, tuple((t, phi) for phi, t in ((s.trainable, True), (s.frozen, False)) if phi))
+    want = [(s.name, s.scopes, tuple((t, e, phi) for phi, t, e in ((s.trainable, True, False), (s.frozen, False, False),
+                                                                    (s.expert_trainable, True, True),
+                                                                    (s.expert_frozen, False, True)) if phi))
             for s in sizes]
-    got = [(u.name, u.scopes, tuple((g.trainable, g.phi) for g in u.groups)) for u in lowering.units]
+    got = [(u.name, u.scopes, tuple((g.trainable, g.experts, g.phi) for g in u.groups)) for u in lowering.units]
     if len(got) != len(want):
         raise ShardcError(f"the lowering given to shard_module plans {len(got)} units, the unit list has {len(want)}")
     bad = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), None)

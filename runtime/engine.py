@@ -81,7 +81,7 @@ class Engine:
         self._bwd_seen: set[int] = set()
         self._in_flight: FlatGroup | None = None
         self._early = False                # this backward ends the step: sync_early applies
-        self._unit_of = {id(u.trainable): u for u in units if u.trainable is not None}
+        self._unit_of = {id(g): u for u in units for g in u.trainables}
         self._setters = [_setters(u) for u in units]     # made once: per group, per slot
 
     # -- forward primitives ----------------------------------------------------------
@@ -211,16 +211,18 @@ class Engine:
         self.wait_gather(i, Phase.BACKWARD)
         self.events.append(("backward", i))
 
-    def unit_grads(self, i: int, grads) -> None:
-        """Unit i's parameter gradients of this backward are all in (its views' backward)."""
+    def unit_grads(self, i: int, grads, group: FlatGroup) -> None:
+        """The gradients of unit i's trainable `group` of this backward are all in (its
+        views' backward); the unit is reduced once all of its trainable groups are."""
         self._arm()
         u = self.units[i]
-        u.trainable.reduce_slot_grads(grads)
-        u.reduced = True
+        group.reduce_slot_grads(grads)
+        group.reduced = True
+        u.reduced = all(g.reduced for g in u.trainables)
         self.events.append(("issue_reduce", i))
-        if u.trainable.release():
+        if group.release():
             self.events.append(("release", i))
-        self._bound_reductions(u.trainable)
+        self._bound_reductions(group)
 
     def _bound_reductions(self, newest: FlatGroup) -> None:
         """Keep one reduce-scatter in flight: the previous unit's is waited when the next
@@ -239,13 +241,15 @@ class Engine:
         self._queued = False
         self._in_flight = None
         for u in self.units:
-            if u.trainable is not None and not u.reduced:
-                u.trainable.reduce_grad(None)
-                self.events.append(("issue_reduce", u.index))
+            for g in u.trainables:
+                if not g.reduced:
+                    g.reduce_grad(None)
+                    self.events.append(("issue_reduce", u.index))
+                g.reduced = False
             u.reduced = False
         for u in self.units:
-            if u.trainable is not None:
-                u.trainable.finish_grads()
+            for g in u.trainables:
+                g.finish_grads()
             self.release(u.index)
         self._early = False
         self.boundary.end_backward()

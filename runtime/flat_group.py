@@ -74,6 +74,7 @@ class FlatGroup:
         self.reducing: list[ReduceInFlight] = []
         self.syncing: SyncInFlight | None = None
         self.on_grads = self.reduce_slot_grads     # the engine's handler replaces it
+        self.reduced = False                       # this backward's gradients are reduced (engine)
 
     def _row(self, phase: Phase, op: Op | None = None) -> Row | None:
         return self.gplan.row(phase, op)

@@ -18,10 +18,11 @@ class EagerStepOps:
         self.units = units
 
     def _groups(self):
-        return [u.trainable for u in self.units if u.trainable is not None]
+        return [g for u in self.units for g in u.trainables]
 
     def sync_unit(self, u) -> None:
-        u.trainable.sync_issue()
+        for g in u.trainables:
+            g.sync_issue()
 
     def advance_early(self, group) -> None:
         group.sync_advance_early()
@@ -35,7 +36,7 @@ class EagerStepOps:
 
     def update(self) -> list:
         """Every unit's update all-gather issued: [(unit index, work)]."""
-        return [(u.index, u.trainable.update_issue()) for u in self.units if u.trainable is not None]
+        return [(u.index, g.update_issue()) for u in self.units for g in u.trainables]
 
     def zero(self) -> None:
         for g in self._groups():

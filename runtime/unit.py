@@ -52,5 +52,12 @@ class UnitState:
                     _HELD.setdefault(mod, set()).add(attr)
 
     @property
+    def trainables(self) -> list[FlatGroup]:
+        """The unit's trainable flat groups: its dense parameters', then its experts' (each
+        on its own data-parallel mesh with its own scopes, lowering/ir.py `GroupPlan`)."""
+        return [g for g in self.groups if g.trainable]
+
+    @property
     def trainable(self) -> FlatGroup | None:
+        """The one trainable group of a unit that has at most one (the whole-step mode's)."""
         return next((g for g in self.groups if g.trainable), None)
