@@ -40,6 +40,7 @@ from . import buffers, graph_mode, simulation
 from .comm import Comm
 from .device import model_device
 from .engine import Engine
+from .experts import expert_runtime
 from .faults import Faults
 from .flat_group import FlatGroup
 from .layout import build_layout
@@ -104,8 +105,12 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     params, aliases, targets, order = _param_maps(model)
     names_of = {c: [n for n in order if aliases[n] == c] for c in params}
     frozen = {n for n, p in params.items() if not p.requires_grad}
-    tp = tp_params(params, strategy.mesh.names)          # DTensor parameters (TP, SP)
+    experts = expert_group(strategy)
+    ert = expert_runtime(comm.smesh, experts, params) if experts is not None and experts.ep > 1 else None
+    tp = tp_params(params, strategy.mesh.names, ert.params if ert else ())   # DTensor parameters (TP, SP)
     check_root_dims(comm.smesh.device_mesh, tp)
+    dtensors = tp | (ert.params if ert else {})         # views wrapped, pieces at their global offsets
+    ecomm = Comm(experts.mesh, strategy.collectives, ledger, ert.smesh) if ert else comm
     if backend == "inductor":
         graph_mode.refuse(tp)
     source = Source.NONE if simulation.active() else _source(meta, init, comm.smesh, dev)
@@ -117,11 +122,12 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     # the one plan: what each unit does and the schedule the engine follows
     lowering = dataclasses.replace(lowered, schedule=_checked(schedule, lowered.schedule, len(specs),
                                                               hooks or backend == "inductor"))
-    _warm_groups(comm, strategy, specs)
-    faults.apply_timeout(comm.smesh)
+    _warm_groups(comm, ecomm, strategy, specs)
+    for c in {id(comm): comm, id(ecomm): ecomm}.values():
+        faults.apply_timeout(c.smesh)
     faults.register()
-    states = _units(specs, per_unit, lowering, frozen, local, targets, tp, strategy, comm, faults, dev)
-    unset = _values(source, model, states, params, targets, init, dev, comm.smesh, rng)
+    states = _units(specs, per_unit, lowering, frozen, local, targets, dtensors, strategy, (comm, ecomm), faults, dev)
+    unset = _values(source, model, states, params, targets, init, dev, (comm.smesh, ecomm.smesh), rng)
     for places in targets.values():
         for mod, attr in places:
             del mod._parameters[attr]
@@ -138,7 +144,8 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     if hooks:
         _install_hooks(model, runtime)
     canon = list(dict.fromkeys(aliases[n] for n in order))
-    pset = ParamSet(states, canon, tp, comm, ledger, runtime.boundary)
+    pset = ParamSet(states, canon, dtensors, comm, ledger, runtime.boundary,
+                    {id(g.storage): ecomm for u in states for g in u.groups if g.gplan.experts})
     if not simulation.active():                          # a simulated rank needs no values
         pset.unset |= unset
         pset.unset_buffers = unset_buffers(model)
@@ -147,16 +154,11 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
 
 
 def _refuse_experts(strategy: Strategy, backend: str) -> None:
-    """Expert parallelism (ep > 1) is planned (explain, plan) but not yet run, nor are
-    expert groups in the whole-step mode: one sentence each."""
+    """Expert groups do not run in the whole-step mode yet: one sentence."""
     e = strategy.experts
     if e is None:
         return
     where = f"{strategy.file}:{e.line}" if e.line else strategy.file
-    if e.ep > 1:
-        raise ShardcError(f"{where}: `ep {e.ep}` is planned by `shardc explain` and `shardc plan`, but the runtime "
-                          f"does not split experts over ep ranks yet; write the experts' scopes without ep to train "
-                          f"(every rank then holds a shard of every expert)")
     if backend == "inductor":
         raise ShardcError(f"{where}: backend='inductor' does not take an `experts` statement yet; "
                           f"use the eager runtime (backend='eager')")
@@ -222,17 +224,25 @@ def _source(meta: bool, init, smesh: ShardMesh, dev: torch.device) -> Source:
     return Source.NONE if init is False else Source.INIT
 
 
-def _values(source: Source, model, states, params, targets, init, dev, smesh, rng) -> set[str]:
-    """Every storage's values from `source`; returns the parameters left without one."""
+def _values(source: Source, model, states, params, targets, init, dev, smeshes, rng) -> set[str]:
+    """Every storage's values from `source`; returns the parameters left without one. The
+    experts' values come from the first rank of their own mesh (`smeshes`: the dense and
+    the experts' ShardMesh), which holds this rank's experts."""
     storages = [g.storage for u in states for g in u.groups]
+    smesh, esmesh = smeshes
     if source is Source.SCATTER:
-        scatter_values(storages, params if smesh.rank == 0 else None, smesh)
+        for mesh, experts in ((smesh, False), (esmesh, True)):
+            mine = [g.storage for u in states for g in u.groups if g.gplan.experts == experts]
+            scatter_values(mine, params if mesh.rank == 0 else None, mesh)
         materialize_buffers(model, dev)
         buffers.broadcast(model, smesh.dp_group())
         return set()
     if source is Source.NONE:
         materialize_buffers(model, dev)
         return set(params)
+    if esmesh is not smesh:
+        raise ShardcError("a model on the meta device with ep > 1 is not initialized by shardc yet: build it with "
+                          "values (each rank's experts placed by its ExpertParallel), or pass init=False and load it")
     where = {}
     for st in storages:
         for s in st.layout.slots:
@@ -243,21 +253,24 @@ def _values(source: Source, model, states, params, targets, init, dev, smesh, rn
 
 
 # -- units ------------------------------------------------------------------------------------
-def _units(specs, per_unit, lowering, frozen, local, targets, tp, strategy, comm, faults, dev) -> list:
+def _units(specs, per_unit, lowering, frozen, local, targets, tp, strategy, comms, faults, dev) -> list:
+    """The sharded units; an expert group's rows run on the experts' Comm (`comms`: the
+    dense and the experts'), divided by the whole data-parallel world like every group's
+    (runtime/experts.py, [Note: expert gradients are averaged over the whole data-parallel degree])."""
     states, workspace = [], Workspace()        # one reduce workspace for every unit
     experts = expert_group(strategy)
     for i, (spec, names, uplan) in enumerate(zip(specs, per_unit, lowering.units)):
-        plans = {False: RankPlan(strategy.mesh, spec.scopes, comm.rank)}
-        if experts is not None:       # ep 1 (_refuse_experts): the experts' mesh is the strategy's
-            plans[True] = RankPlan(experts.mesh, experts.scopes, comm.rank)
+        plans = {False: RankPlan(strategy.mesh, spec.scopes, comms[0].rank)}
+        if experts is not None:
+            plans[True] = RankPlan(experts.mesh, experts.scopes, comms[1].rank)
         groups, tg = [], []
-        guarded = faults.guard(comm, spec.name)
+        guarded = {e: faults.guard(comms[e], spec.name) for e in (False, True)}
         for gplan in uplan.groups:
             sel = [n for n in names if (n not in frozen) == gplan.trainable
                    and (experts is not None and is_expert(experts, n)) == gplan.experts]
             layout = build_layout([(n, tuple(local[n].shape)) for n in sel], gplan.trainable, gplan.n)
             st = FlatStorage(layout, plans[gplan.experts], dev, i == 0)
-            groups.append(FlatGroup(st, gplan, guarded, workspace, strategy.mesh.world))
+            groups.append(FlatGroup(st, gplan, guarded[gplan.experts], workspace, strategy.mesh.world))
             tg.append([targets[s.fqn] for s in st.layout.slots])
         wrappers = [[tp[s.fqn].wrap if s.fqn in tp else None for s in g.storage.layout.slots] for g in groups]
         states.append(UnitState(i, spec, groups, tg, wrappers))
@@ -276,15 +289,15 @@ def _placeholders(u: UnitState, runtime, backend: str) -> None:
                 setattr(mod, attr, torch.empty(s.shape, dtype=g.storage.pdtype, device="meta"))
 
 
-def _warm_groups(comm, strategy, specs) -> None:
+def _warm_groups(comm, ecomm, strategy, specs) -> None:
     """Create every process group up front, in the same order on every rank."""
     experts = expert_group(strategy)
-    scopes = [spec.scopes for spec in specs] + ([experts.scopes] if experts is not None else [])
-    for sc in scopes:
-        plan = RankPlan(strategy.mesh, sc, comm.rank)
+    scopes = [(spec.scopes, comm) for spec in specs] + ([(experts.scopes, ecomm)] if experts is not None else [])
+    for sc, c in scopes:
+        plan = RankPlan(c.smesh.mesh, sc, c.rank)
         for lv in plan.groups():
             if lv and plan.s(lv) > 1:
-                comm.smesh.group(lv)
+                c.smesh.group(lv)
 
 
 def _install_hooks(model: nn.Module, rt) -> None:

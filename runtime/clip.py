@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shardc.lowering import expert_clip_levels, expert_clip_weight, expert_group
+
 
 def _squares(st, tp: dict) -> torch.Tensor:
     """Squared norm of this rank's OS slice, tp-replicated elements weighted 1/tp."""
@@ -38,17 +40,24 @@ def _tp_size(tp: dict) -> int:
     return next(iter(tp.values())).mesh.size()
 
 
-def clip_grad_norm_(groups, clip_rows, comm, tp: dict, max_norm: float, device) -> torch.Tensor:
-    """See the module note; `groups` are the trainable flat groups, `comm` their collectives."""
+def clip_grad_norm_(groups, clip_rows, comm, tp: dict, max_norm: float, device, strategy=None) -> torch.Tensor:
+    """See the module note; `groups` are the trainable flat groups, `comm` the collectives on
+    the strategy's mesh; an expert group's squares (`strategy`'s experts) are added over `expert_clip_levels`,
+    weighted by `expert_clip_weight` (shardc.lowering, [Note: clip rows of experts])."""
     rows = {r.levels: r for r in clip_rows}
     by_levels: dict[tuple, list] = {}
     for g in groups:
-        by_levels.setdefault(g.storage.plan.os, []).append(g.storage)
+        if g.gplan.experts:
+            experts = expert_group(strategy)
+            key, w = expert_clip_levels(strategy.mesh, experts), expert_clip_weight(experts)
+        else:
+            key, w = g.storage.plan.os, 1
+        by_levels.setdefault(key, []).append((g.storage, w))
     total = torch.zeros(1, dtype=torch.float32, device=device)
     for levels, storages in by_levels.items():
         sq = torch.zeros(1, dtype=torch.float32, device=device)
-        for st in storages:
-            sq += _squares(st, tp)
+        for st, w in storages:
+            sq += _squares(st, tp) / w
         comm.all_reduce(rows.get(levels), sq).wait()
         total += sq
     if tp and _tp_size(tp) > 1:

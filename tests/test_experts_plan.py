@@ -17,7 +17,6 @@ from torch import nn
 import shardc
 from shardc.analysis.costmodel.report import explain, model_units
 from shardc.dsl.errors import ShardcError
-from shardc.runtime import shard_module
 
 E, H, F, LAYERS = 8, 16, 32, 2
 EXPERT = E * (F * H + H * F)          # one block's expert elements, all experts
@@ -145,12 +144,6 @@ def test_an_expert_dim_ep_does_not_divide_is_one_sentence():
     with pytest.raises(ShardcError, match=r"expert parameter 'layers.0.experts.w1' has shape \(3, 32, 16\): "
                                           r"ep 2 must divide its dim 0"):
         model_units(s, model)
-
-
-def test_the_runtime_refuses_ep_in_one_sentence():
-    with pytest.raises(ShardcError, match=r"ep2_zero3.shard:7: `ep 2` is planned by `shardc explain` and `shardc "
-                                          r"plan`, but the runtime does not split experts over ep ranks yet"):
-        shard_module(MoE(), load("ep2_zero3"), [])
 
 
 MODEL_SOURCE = f'''

@@ -65,12 +65,13 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t.data
 
 
-def tp_params(params: dict[str, torch.Tensor], dp_names: tuple[str, ...]) -> dict[str, TPParam]:
-    """canonical name -> TPParam for every DTensor parameter; every one on one mesh whose
-    dims are not the data-parallel levels, placed by Shard or Replicate only."""
+def tp_params(params: dict[str, torch.Tensor], dp_names: tuple[str, ...], experts=()) -> dict[str, TPParam]:
+    """canonical name -> TPParam for every DTensor parameter but the `experts` (expert
+    parallelism: runtime/experts.py); every one on one mesh whose dims are not the
+    data-parallel levels, placed by Shard or Replicate only."""
     out, mesh = {}, None
     for name, p in params.items():
-        if not isinstance(p, DTensor):
+        if not isinstance(p, DTensor) or name in experts:
             continue
         dims = tuple(p.device_mesh.mesh_dim_names or ())
         shared = [d for d in dims if d in dp_names]
@@ -96,11 +97,16 @@ def tp_params(params: dict[str, torch.Tensor], dp_names: tuple[str, ...]) -> dic
 def check_root_dims(dp: DeviceMesh, tp: dict[str, TPParam]) -> None:
     """Every dim of the root DeviceMesh is a data-parallel level or the tensor-parallel
     mesh's: shardc averages gradients over the first and DTensor over the second; over any
-    other (context or pipeline parallelism) nothing would, so it is refused."""
+    other (context or pipeline parallelism) nothing would, so it is refused. A root whose
+    dims were unflattened into the data-parallel mesh (torchtitan's world mesh) is counted
+    by its ranks: the data-parallel and tensor-parallel ranks must make all of them."""
     root = dp._get_root_mesh()
     used = set(dp.mesh_dim_names or ()) | {d for t in tp.values() for d in t.mesh.mesh_dim_names or ()}
     extra = [d for d in root.mesh_dim_names or () if d not in used and root.mesh.shape[
         root.mesh_dim_names.index(d)] > 1]
+    tp_size = next(iter(tp.values())).mesh.size() if tp else 1
+    if extra and dp.size() * tp_size == root.size():
+        extra = []
     if extra:
         raise ShardcError(f"the DeviceMesh shardc shards over is part of a mesh with dim {extra[0]!r}, which is "
                           f"neither one of the strategy's levels nor the mesh of a DTensor parameter, so no "

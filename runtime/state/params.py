@@ -280,8 +280,9 @@ def _norm_args(func, args, kwargs) -> tuple[list, float, bool]:
 class ParamSet:
     """Every parameter of one ShardedModule as a `ShardParam` (see the module notes)."""
 
-    def __init__(self, units, order: list[str], tp: dict, comm, ledger, boundary):
+    def __init__(self, units, order: list[str], tp: dict, comm, ledger, boundary, comms: dict | None = None):
         self.comm, self.ledger, self.boundary, self.tp = comm, ledger, boundary, tp
+        self._comms = comms or {}                   # id(storage) -> its Comm, where not `comm` (experts)
         self.params: dict[str, ShardParam] = {}
         self.grads: dict[str, tuple] = {}         # name -> (ShardGrad, plain view, storage)
         found = {}
@@ -322,7 +323,7 @@ class ParamSet:
                 b = length
             spec = PieceSpec(slot.fqn, slot.shape, slot.offset, length, levels, plan.order(state),
                              ranks, start // length if length else 0, self.tp.get(slot.fqn),
-                             pad=(b - a) - (hi - lo))
+                             pad=(b - a) - (hi - lo), comm=self._comms.get(id(st)))
             yield spec, src[a:b]
 
     def _grad_views(self, spec: PieceSpec, st):
@@ -452,9 +453,9 @@ class ParamSet:
         op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
         by_levels: dict[tuple, list[int]] = {}
         for k, s in enumerate(specs):
-            by_levels.setdefault(s.levels, []).append(k)
-        for levels, ks in by_levels.items():
-            group = self.comm.smesh.group(levels)
+            by_levels.setdefault((s.levels, s.comm), []).append(k)
+        for (levels, comm), ks in by_levels.items():
+            group = (comm or self.comm).smesh.group(levels)
             if group is None:
                 continue
             idx = torch.tensor(ks, device=partial.device)
@@ -462,7 +463,7 @@ class ParamSet:
             dist.all_reduce(part, op=op, group=group)
             partial.index_copy_(0, idx, part)
             self.ledger.record_row(Row(Phase.UPDATE, Op.ALL_REDUCE, levels, levels, part.numel() * part.element_size(),
-                                       Per.CLIP))
+                                       Per.CLIP, experts=comm is not None))
         sharded = [k for k, s in enumerate(specs) if s.tp is not None and s.tp.sharded]
         if sharded:
             idx = torch.tensor(sharded, device=partial.device)

@@ -67,6 +67,7 @@ class PieceSpec:
     index: int                       # this rank's chunk index over `levels`
     tp: object = None                # its TPParam (runtime/state/dtensor_params.py), or None
     pad: int = 0                     # padding elements after the piece in this rank's tensor (see Note)
+    comm: object = None              # its group's Comm where not the module's (the experts' mesh)
 
     @property
     def numel(self) -> int:
@@ -95,6 +96,7 @@ def gather(comm, spec: PieceSpec, local: torch.Tensor) -> torch.Tensor:
     """The whole parameter (global shape) from every rank's piece: one all-gather over the
     piece's levels, each rank's piece padded to the longest, then a tp all-gather for a
     DTensor parameter. Collective (every rank of the mesh); not recorded in the ledger."""
+    comm = spec.comm or comm
     ranges = [spec.range_of(c) for c in range(spec.ranks)]
     local = local.detach().reshape(-1)[:spec.hi - spec.lo]
     if spec.ranks == 1:

@@ -1,0 +1,178 @@
+"""Expert parallelism in the runtime: experts placed Shard(0) on an `ep` dim borrowed from
+the data-parallel ranks (examples/moe.py's ExpertParallel, torchtitan's layout: the world
+mesh unflattened into (node, gpu) for shardc and (efsdp, ep) for the experts), sharded by
+the strategy's `experts` statement over the ranks ep leaves.
+
+On 8 gloo ranks, node(2) > gpu(4), ep 2 and ep = the whole gpu level: training equals one
+process on the concatenated batch (SGD with momentum and AdamW, 2 micro-batches,
+clip_grad_norm_) for ZeRO-3, PaRO-IIG and hpZ; the measured ledger and memory equal
+`explain`'s (the experts' records apart); every bad placement is one sentence.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.harness import dist_run
+
+pytestmark = pytest.mark.distributed
+MOE = "examples/strategies/moe/"
+IIG_EP2 = """mesh node(2) > gpu(4)
+params shard over gpu
+grads  shard over gpu
+optim  shard over world
+accumulate 2
+experts "*.experts" ep 2
+"""
+HPZ_EP_GPU = """mesh node(2) > gpu(4)
+params shard over world secondary gpu
+grads  shard over world
+optim  shard over world
+experts "*.experts" ep gpu
+"""
+# (strategy file or text, ep, optimizer)
+CASES = [(MOE + "ep2_zero3.shard", 2, "sgd"), (MOE + "ep_zero3.shard", 4, "adamw"),
+         (IIG_EP2, 2, "adamw"), (MOE + "paro_iig_ep_zero1.shard", 4, "sgd"),
+         (MOE + "hpz_ep2.shard", 2, "sgd"), (HPZ_EP_GPU, 4, "adamw")]
+
+
+def _opt(kind):
+    return (torch.optim.SGD, dict(lr=0.1, momentum=0.9)) if kind == "sgd" else \
+        (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1))
+
+
+def _strategy(src):
+    import shardc
+    return dataclasses.replace(shardc.load_strategy(src, mesh="node(2) > gpu(4)"), accumulate=2)
+
+
+def batches(rank, steps=2, micro=2):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [[torch.randint(0, 128, (2, 8), generator=g) for _ in range(micro)] for _ in range(steps)]
+
+
+def train(m, opt, steps, clip):
+    losses = []
+    for micro in steps:
+        total = 0.0
+        for x in micro:
+            loss = torch.nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()) / len(micro)
+            loss.backward()
+            total += float(loss.detach())
+        clip(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def meshes(ep):
+    from torch.distributed.device_mesh import init_device_mesh
+    world = init_device_mesh("cpu", (8,), mesh_dim_names=("world",))
+    return world._unflatten(0, (2, 4), ("node", "gpu")), world._unflatten(0, (8 // ep, ep), ("efsdp", "ep"))["ep"]
+
+
+def ep_model(ep):
+    from examples.moe import apply_ep, moe_tiny
+    dp, ep_mesh = meshes(ep)
+    return apply_ep(moe_tiny(), ep_mesh), dp
+
+
+def _job(rank, world):
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
+    from shardc.runtime import shard_module
+    from shardc.units import find_units
+    out = []
+    for src, ep, kind in CASES:
+        s = _strategy(src)
+        m, dp = ep_model(ep)
+        sm = shard_module(m, s, find_units(m, resolve_bucket(m, s)), mesh=dp)
+        cls, kw = _opt(kind)
+        losses = train(sm, sm.optimizer(cls, **kw), batches(rank), sm.clip_grad_norm_)
+        out.append((losses, sm.full_state_dict(), list(sm.comm_ledger()), dict(sm.memory_report())))
+    return out
+
+
+def reference(kind, world=8):
+    from examples.moe import moe_tiny
+    m = moe_tiny()
+    per = [batches(r) for r in range(world)]
+    steps = [[torch.cat([per[r][s][k] for r in range(world)]) for k in range(2)] for s in range(2)]
+    cls, kw = _opt(kind)
+    losses = train(m, cls(m.parameters(), **kw), steps, lambda n: torch.nn.utils.clip_grad_norm_(m.parameters(), n))
+    return losses, {k: v.detach() for k, v in m.state_dict().items()}
+
+
+def test_experts_on_an_ep_dim_train_at_parity_and_the_ledger_is_explains():
+    from examples.moe import moe_tiny
+    from shardc.analysis.costmodel import predict_ledger, predict_memory
+    from shardc.analysis.costmodel.report import model_units
+    results = dist_run(8, _job)
+    for c, (src, ep, kind) in enumerate(CASES):
+        losses, params = reference(kind)
+        torch.testing.assert_close(torch.tensor([r[c][0] for r in results]).mean(0), torch.tensor(losses),
+                                   rtol=1e-5, atol=1e-6)
+        for rank in results:
+            sd = rank[c][1]
+            for k, v in params.items():
+                assert float((sd[k] - v).norm() / v.norm()) < 1e-5, (src, k)
+        s = _strategy(src)
+        with torch.device("meta"):
+            units = model_units(s, moe_tiny())
+        predicted = [dataclasses.replace(r, count=2 * r.count)                    # two steps
+                     for r in predict_ledger(s, units, micro_batches=2, clip_grad_norm=True)]
+        ledger, memory = results[0][c][2], results[0][c][3]
+        assert ledger == predicted and any(r.experts for r in ledger), src
+        p_mem = predict_memory(s.mesh, units, optimizer="adamw" if kind == "adamw" else "sgd",
+                               optimizer_kwargs={} if kind == "adamw" else {"momentum": 0.9})
+        keys = ("params", "params_secondary", "grads", "optim", "total")
+        assert {k: p_mem[k] for k in keys} == {k: memory[k] for k in keys}, src
+
+
+EP2_4 = 'mesh node(2) > gpu(2)\nparams shard over world\ngrads shard over world\noptim shard over world\n' \
+        'experts "*.experts" ep 2\n'
+
+
+def _bad_job(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from examples.moe import apply_ep, moe_tiny
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
+    from shardc.dsl.errors import ShardcError
+    from shardc.runtime import shard_module
+    from shardc.units import find_units
+    import shardc
+    s = shardc.load_strategy(EP2_4)
+    w = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    dp = w._unflatten(0, (2, 2), ("node", "gpu"))
+    ep_meshes = {"across nodes": w._unflatten(0, (2, 2), ("ep", "other"))["ep"],       # ranks [0, 2]: not gpu's
+                 "plain": None}
+    out = {}
+    for what, mesh in ep_meshes.items():
+        m = moe_tiny() if mesh is None else apply_ep(moe_tiny(), mesh)
+        try:
+            shard_module(m, s, find_units(m, resolve_bucket(m, s)), mesh=dp)
+            out[what] = None
+        except ShardcError as e:
+            out[what] = str(e)
+    return out
+
+
+def test_experts_placed_on_other_ranks_or_not_placed_are_one_sentence_each():
+    errors = dist_run(4, _bad_job)[0]
+    assert errors["across nodes"] == (
+        "expert parameter 'layers.0.moe.experts.w1' is a DTensor on mesh ('ep',) over ranks [0, 2], but with `ep 2` "
+        "the experts of this rank's ep group live on ranks [0, 1] (the innermost ranks of level `gpu`); build the ep "
+        "dim from the data-parallel ranks, innermost and contiguous (torchtitan's order), or change `ep` to match it")
+    assert errors["plain"].startswith("expert parameter 'layers.0.moe.experts.w1' is a plain tensor, but with `ep 2` "
+                                      "the experts of this rank's ep group live on ranks [0, 1]")
+
+
+def test_an_expert_scope_over_the_ranks_ep_takes_is_a_located_error():
+    import shardc
+    from shardc.dsl import StrategyError
+    with pytest.raises(StrategyError) as e:
+        shardc.load_strategy(EP2_4.replace("ep 2", 'ep gpu {\n    optim shard over gpu\n}'))
+    assert "a scope cannot include the ep ranks twice" in str(e.value) and ":6:" in str(e.value)
