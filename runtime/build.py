@@ -86,6 +86,7 @@ class Built(NamedTuple):
     runtime: object
     hooks: bool
     params: ParamSet
+    dtensors: dict                     # every DTensor parameter: `tp`'s and the experts'
 
 
 def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None, hooks: bool = True,
@@ -150,7 +151,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
         pset.unset |= unset
         pset.unset_buffers = unset_buffers(model)
     return Built(model, strategy, specs, backend, faults, ledger, dev, comm, aliases, order, targets,
-                 names_of, frozen, tp, lowering, runtime, hooks, pset)
+                 names_of, frozen, tp, lowering, runtime, hooks, pset, dtensors)
 
 
 def _refuse_experts(strategy: Strategy, backend: str) -> None:

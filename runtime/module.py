@@ -50,7 +50,8 @@ class ShardedModule(nn.Module):
         self._shardc_keys = AnyKey()           # torch's key check walks here (`_fqn_modifiers`)
         # what the state-dict code reads, handed over (it never reads this module's fields)
         self.state_view = StateView(self.module, self.params, self.param_targets, self.names_of, self.comm,
-                                    self.runtime.units, self.runtime.release, self.tp, self.buffer_sync, self.faults)
+                                    self.runtime.units, self.runtime.release, self.dtensors, self.buffer_sync,
+                                    self.faults)
         install()
 
     @property
