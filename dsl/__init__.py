@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from shardc.dsl.diagnostics import Diagnostic, Severity, StrategyError, render_all, short
+from shardc.dsl.ast import Word
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Mesh, MeshDims, Span, Strategy
 from shardc.dsl.unparse import unparse
@@ -25,14 +26,17 @@ TEXT_NAME = "unnamed"   # the name of strategy text without a `strategy` line (a
 SHIPPED = Path(__file__).resolve().parent.parent / "examples" / "strategies"
 
 
-def load_strategy(path_or_text, world_size: int | None = None, mesh: str | Mesh | MeshDims | None = None) -> Strategy:
-    """Parse, resolve and check a strategy (a path, or the text itself)."""
+def load_strategy(path_or_text, world_size: int | None = None, mesh: str | Mesh | MeshDims | None = None,
+                  ep: int | str | None = None) -> Strategy:
+    """Parse, resolve and check a strategy (a path, or the text itself); `ep` (a number or
+    a level name, `--ep`) replaces the `experts` statement's ep, checked as if written there."""
     text, file, default_name = _read(path_or_text)
-    return load_text(text, file, default_name, world_size=world_size, mesh=mesh)
+    return load_text(text, file, default_name, world_size=world_size, mesh=mesh, ep=ep)
 
 
 def load_text(text: str, file: str = "<string>", default_name: str = TEXT_NAME, *,
-              world_size: int | None = None, mesh: str | Mesh | MeshDims | None = None) -> Strategy:
+              world_size: int | None = None, mesh: str | Mesh | MeshDims | None = None,
+              ep: int | str | None = None) -> Strategy:
     from shardc.dsl.parser import parse_program
     from shardc.dsl.resolve import MeshOverride, resolve
 
@@ -50,8 +54,12 @@ def load_text(text: str, file: str = "<string>", default_name: str = TEXT_NAME, 
         raise StrategyError(diags, sources)
     program, parse_diags = parse_program(text, file)
     diags += parse_diags
+    ep_word = None
+    if ep is not None:
+        sources["<ep>"] = str(ep)
+        ep_word = Word(str(ep), Span("<ep>", 1, 1, 1, len(str(ep)) + 1))
     strategy, resolve_diags = resolve(program, world_size, override, default_name,
-                                      parse_failed=any(d.is_error for d in diags))
+                                      parse_failed=any(d.is_error for d in diags), ep=ep_word)
     diags += resolve_diags
     if strategy is None or any(d.is_error for d in diags):
         raise StrategyError(diags, sources)

@@ -66,7 +66,9 @@ class _Ctx:
 
 
 def resolve(program: ast.Program, world_size: int | None, override: MeshOverride | None,
-            default_name: str, parse_failed: bool) -> tuple[Strategy | None, list[Diagnostic]]:
+            default_name: str, parse_failed: bool, ep: ast.Word | None = None) -> tuple[Strategy | None, list[Diagnostic]]:
+    """The Strategy of `program`, or None, and every diagnostic; `ep` (`--ep`) replaces the
+    `experts` statement's ep word (an error where the program has no `experts` statement)."""
     diags: list[Diagnostic] = []
     if not program.statements and not parse_failed:
         diags.append(error(Span(program.file, 1, 1, 1, 1), "the strategy is empty",
@@ -82,8 +84,11 @@ def resolve(program: ast.Program, world_size: int | None, override: MeshOverride
     experts, experts_bound = None, []
     if "experts" in top:
         sizes = _known_sizes(mesh, top.get("mesh"), override)
-        experts, eb = _experts(top["experts"], bound, sizes, ctx)
+        experts, eb = _experts(top["experts"], bound, sizes, ctx, ep)
         experts_bound = [eb]
+    elif ep is not None:
+        diags.append(error(ep.span, f"ep {ep.text} is given, but the strategy has no `experts` statement",
+                           'add `experts "PATTERN"` naming the expert parameters (e.g. "*.experts")'))
     options = _options(top, ctx)
     blocks = [bound] + [b for _, b in ovs] + experts_bound
     if names is not None and not any(_hides_scope(w) for w in program.skipped):
@@ -293,15 +298,18 @@ def _known_sizes(mesh: Mesh | None, stmt: ast.Statement | None, override: MeshOv
     return out
 
 
-def _experts(stmt: ast.Statement, top_bound: dict, sizes: dict[str, int], ctx: _Ctx) -> tuple[Experts, dict]:
+def _experts(stmt: ast.Statement, top_bound: dict, sizes: dict[str, int], ctx: _Ctx,
+             ep_word: ast.Word | None = None) -> tuple[Experts, dict]:
     """The `experts` statement: its pattern, ep and level ([Note: ep's sizes]), and its
-    partial block, checked like an override's plus the ep-ranks rule (`_ep_twice`)."""
+    partial block, checked like an override's plus the ep-ranks rule (`_ep_twice`);
+    `ep_word` (`--ep`) stands for its ep."""
     label = f"experts {short(stmt.args[0].text, 40)}"
     pattern = stmt.args[0].text[1:-1]
     if not pattern.strip():
         ctx.diags.append(error(stmt.args[0].span, "the experts pattern is empty",
                                'write a glob over parameter and module names, e.g. "layers.*.moe.experts"'))
-    ep, level, whole = _ep(stmt.args[1], sizes, ctx) if len(stmt.args) > 1 else (1, "", "")
+    ep_word = ep_word or (stmt.args[1] if len(stmt.args) > 1 else None)
+    ep, level, whole = _ep(ep_word, sizes, ctx) if ep_word is not None else (1, "", "")
     inner: dict[str, ast.Statement] = {}
     for s in stmt.body:
         first = inner.setdefault(s.keyword, s)
@@ -312,7 +320,7 @@ def _experts(stmt: ast.Statement, top_bound: dict, sizes: dict[str, int], ctx: _
                                "put `params`, `grads` or `optim` lines inside the braces, or remove the braces "
                                "(the experts then take the top-level scopes)"))
     if whole:
-        _ep_twice(inner, whole, stmt.args[1], ctx)
+        _ep_twice(inner, whole, ep_word, ctx)
     scopes, bound = _scopes(inner, top_bound, ctx)
     bound = dict(bound, _label=label, _own=set(inner), _drop=whole)
     own = {k: getattr(scopes, k) for k in STATES if k in inner}

@@ -9,10 +9,11 @@ __all__ = ["ShardcError", "load_strategy", "compile", "distributed", "buffers_on
 __version__ = "0.1.0"
 
 
-def load_strategy(path_or_text, world_size=None, mesh=None):
-    """Parse and check a `.shard` file (a path, or the text itself) into a Strategy."""
+def load_strategy(path_or_text, world_size=None, mesh=None, ep=None):
+    """Parse and check a `.shard` file (a path, or the text itself) into a Strategy; `mesh`
+    replaces its mesh line, `ep` (a number or a level) its `experts` statement's ep."""
     from shardc.dsl import load_strategy as _load
-    return _load(path_or_text, world_size=world_size, mesh=mesh)
+    return _load(path_or_text, world_size=world_size, mesh=mesh, ep=ep)
 
 
 def compile(model, strategy, example_inputs=None, capture="auto", mesh=None, timeout=None,  # noqa: A001

@@ -146,6 +146,35 @@ def test_an_expert_dim_ep_does_not_divide_is_one_sentence():
         model_units(s, model)
 
 
+def test_explain_ep_replaces_the_statements_ep(tmp_path, capsys):
+    from shardc.cli import main
+    (tmp_path / "moe_model.py").write_text(MODEL_SOURCE)
+    argv = ["explain", "examples/strategies/moe/ep2_zero3.shard", "--model", f"{tmp_path}/moe_model.py:moe",
+            "--world", "8", "--json"]
+    assert main([*argv, "--ep", "gpu"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    local = EXPERT // 4                                  # ep 4: E/4 experts a rank, ZeRO-3 over node(2)
+    assert doc["params"] == LAYERS * (DENSE + EXPERT) and doc["expert_params"] == LAYERS * EXPERT
+    assert doc["memory"]["params"] == (LAYERS * DENSE // 8 + LAYERS * local // 2) * 4
+    assert main([*argv, "--ep", "3"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: <ep>:1:1: ep 3 does not divide level `gpu` (size 4), the innermost level it borrows "
+                   "its ranks from"]
+    assert main(["explain", "examples/strategies/zero3.shard", *argv[2:], "--ep", "2"]) == 1
+    assert "ep 2 is given, but the strategy has no `experts` statement" in capsys.readouterr().err
+
+
+def test_plan_with_ep_writes_an_experts_statement(tmp_path, capsys):
+    import shardc
+    from shardc.cli import main
+    out = tmp_path / "best.shard"
+    assert main(["plan", "--model", "examples/moe.py:moe_tiny", "--mesh", "node(2) > gpu(4)", "--memory", "3GiB",
+                 "--ep", "2", "--json", "-o", str(out)]) == 0
+    best = shardc.load_strategy(str(out))
+    assert (best.experts.pattern, best.experts.ep, best.experts.level) == ("*.experts", 2, "gpu")
+    assert best.experts.sets() == ()                     # the experts take the candidate's scopes
+
+
 MODEL_SOURCE = f'''
 import torch
 from torch import nn

@@ -20,7 +20,7 @@ from shardc.analysis.costmodel.activations import peak_memory
 from shardc.analysis.costmodel.ledger import ledger_dicts, ledger_of
 from shardc.analysis.costmodel.links import inter_intra, link_bytes
 from shardc.analysis.costmodel.memory import memory_of, optimizer_state_bytes
-from shardc.analysis.costmodel.sizes import UnitSize, dense_flops, model_unit_sizes
+from shardc.analysis.costmodel.sizes import UnitSize, dense_flops, model_params, model_unit_sizes
 from shardc.analysis.costmodel.timing import AlphaBeta, StepTime, choose_collectives, step_time
 
 
@@ -95,7 +95,8 @@ def to_json(e: Explained) -> dict:
         "strategy": s.name,
         "mesh": [{"name": l.name, "size": l.size} for l in s.mesh.levels],
         "micro_batches": e.micro_batches,
-        "params": sum(u.trainable + u.frozen for u in e.units),
+        "params": model_params(e.units)[0],
+        "expert_params": model_params(e.units)[1],
         "units": len(e.units),
         "memory": dict(e.memory),
         "ledger": ledger_dicts(e.ledger),

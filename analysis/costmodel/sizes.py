@@ -13,7 +13,14 @@ import torch
 from shardc.dsl.errors import ShardcError
 from shardc.lowering import ExpertGroup, UnitSize, is_expert, unit_sizes
 
-__all__ = ["UnitSize", "model_unit_sizes", "dense_flops"]
+__all__ = ["UnitSize", "model_unit_sizes", "model_params", "dense_flops", "ep_local"]
+
+
+def model_params(units) -> tuple[int, int]:
+    """(the model's parameters, the experts among them), global: an expert parameter's
+    count is one ep rank's part (`ep_local`) times ep."""
+    experts = sum((u.expert_trainable + u.expert_frozen) * (u.experts.ep if u.experts else 1) for u in units)
+    return sum(u.trainable + u.frozen for u in units) + experts, experts
 
 
 def dense_flops(units, tokens: int) -> int:

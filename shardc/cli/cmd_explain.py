@@ -14,6 +14,7 @@ import os
 import sys
 
 from shardc.analysis.costmodel.memory import OPTIMIZERS
+from shardc.analysis.costmodel.sizes import model_params
 from shardc.cli import predict_args
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.quantities import duration, flop_rate, human_bytes, parse_rate, parse_seconds
@@ -31,6 +32,7 @@ def add_arguments(p) -> None:
     p.add_argument("file", help="strategy file (.shard)")
     p.add_argument("--model", required=True, metavar="PATH:FACTORY", help="model factory, e.g. examples/llama.py:llama_7b")
     predict_args.add_tp_argument(p)
+    predict_args.add_ep_argument(p)
     p.add_argument("--world", type=int, help="world size (resolves `*` in the mesh)")
     p.add_argument("--mesh", help='mesh override, e.g. "node(8) > gpu(8)"')
     p.add_argument("--micro-batches", type=int, help="micro-batches per step (default: the strategy's accumulate)")
@@ -48,11 +50,11 @@ def add_arguments(p) -> None:
     add_bandwidth_arguments(p)
 
 
-def load(file: str, world, mesh):
+def load(file: str, world, mesh, ep=None):
     """`load_strategy`, with a strategy error reduced to its first error line."""
     from shardc.dsl import StrategyError, load_strategy
     try:
-        return load_strategy(file, world_size=world, mesh=mesh)
+        return load_strategy(file, world_size=world, mesh=mesh, ep=ep)
     except StrategyError as e:
         first = e.errors[0] if e.errors else None
         where = f"{first.span}: " if first is not None and first.span is not None else ""
@@ -63,7 +65,7 @@ def run(args) -> int:
     from shardc.analysis.costmodel.report import explain, to_json
     from shardc.cli.loader import load_model_units
 
-    strategy = load(args.file, args.world, args.mesh)
+    strategy = load(args.file, args.world, args.mesh, args.ep)
     if args.collectives:
         strategy = dataclasses.replace(strategy, collectives=Collectives(args.collectives))
     units = load_model_units(strategy, args.model, args.tp)
@@ -95,8 +97,11 @@ def render(e) -> None:
 
     s = e.strategy
     con = Console()
-    phi = sum(u.trainable + u.frozen for u in e.units)
-    con.print(f"[bold]{s.name}[/bold] on mesh {s.mesh} (world {s.mesh.world}), {phi:,} parameters "
+    phi, experts = model_params(e.units)
+    ep = s.experts.ep if s.experts is not None else 1
+    of = (f" ({experts:,} of them experts" + (f", 1/{ep} of them on a rank: ep {ep} over {s.experts.level}"
+                                             if ep > 1 else "") + ")") if experts else ""
+    con.print(f"[bold]{s.name}[/bold] on mesh {s.mesh} (world {s.mesh.world}), {phi:,} parameters{of} "
               f"in {len(e.units)} units, {e.micro_batches} micro-batches per step, collectives {e.algo.value}")
     mem = Table(title="memory per rank (model states)")
     mem.add_column("state")
@@ -111,7 +116,8 @@ def render(e) -> None:
     for c in ("phase", "op", "levels", "bytes", "count", "total"):
         led.add_column(c, justify="right" if c in ("bytes", "count", "total") else "left")
     for r in e.ledger:
-        led.add_row(r.phase, r.op, ",".join(r.levels), f"{r.bytes:,}", str(r.count), human_bytes(r.bytes * r.count))
+        levels = ",".join(r.levels) + (" (experts)" if r.experts else "")
+        led.add_row(r.phase, r.op, levels, f"{r.bytes:,}", str(r.count), human_bytes(r.bytes * r.count))
     con.print(led)
     lk = Table(title=f"bytes each rank sends per step, by link level ({e.algo.value})")
     lk.add_column("level")

@@ -27,6 +27,7 @@ NEED = "plan keeps the strategies whose peak memory (activations included) fits 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, metavar="PATH:FACTORY", help="model factory, e.g. examples/llama.py:llama_7b")
     predict_args.add_tp_argument(p)
+    predict_args.add_ep_argument(p, plan=True)
     p.add_argument("--mesh", required=True, help='mesh, e.g. "node(8) > gpu(8)" (`*` needs --world)')
     p.add_argument("--world", type=int, help="world size (resolves `*` in the mesh)")
     p.add_argument("--memory", required=True, help="memory per rank the peak must fit, e.g. 80GiB")
@@ -42,13 +43,17 @@ def add_arguments(p) -> None:
     add_bandwidth_arguments(p)
 
 
-def base_strategy(mesh: str, world):
-    """A replicate-everything strategy on the resolved mesh (the DSL resolves `*`/`local`)."""
+def base_strategy(mesh: str, world, ep=None, experts: str = "*.experts"):
+    """A replicate-everything strategy on the resolved mesh (the DSL resolves `*`/`local`);
+    with `ep`, an `experts` statement naming `experts` with that ep."""
     from shardc.dsl import StrategyError, load_strategy
     if "\n" in mesh or "#" in mesh:
         raise ShardcError("--mesh must be one line such as 'node(8) > gpu(8)'")
+    if '"' in experts or "\n" in experts:
+        raise ShardcError(f"--experts {experts!r}: a glob without quotes or newlines, e.g. '*.experts'")
+    extra = f'experts "{experts}"\n' if ep is not None else ""
     try:
-        return load_strategy(f"strategy planned\nmesh {mesh}\n", world_size=world)
+        return load_strategy(f"strategy planned\nmesh {mesh}\n{extra}", world_size=world, ep=ep)
     except StrategyError as e:
         msg = e.errors[0].message if e.errors else str(e).splitlines()[0]
         hint = "; pass --world" if world is None and "world size is unknown" in msg else ""
@@ -62,7 +67,7 @@ def run(args) -> int:
     budget = parse_memory(args.memory)
     if args.top < 1:
         raise ShardcError(f"--top must be at least 1, got {args.top}")
-    base = base_strategy(args.mesh, args.world)
+    base = base_strategy(args.mesh, args.world, args.ep, args.experts)
     units = load_model_units(base, args.model, args.tp)
     bw = predict_args.links(args, bandwidth_from_args(args), base.mesh)
     cands = plan(base, units, budget, bandwidth=bw,

@@ -39,6 +39,23 @@ def add_tp_argument(p) -> None:
                         "ranks (the torchtitan plan); states and bytes are a local shard's")
 
 
+def add_ep_argument(p, plan: bool = False) -> None:
+    p.add_argument("--ep", metavar="N|LEVEL", type=_ep_value,
+                   help="expert-parallel degree: N ranks of the innermost level, or a whole level, each holding "
+                        "its own experts (replaces the `experts` statement's ep; the experts are counted on one ep "
+                        "rank, split along dim 0)" if not plan else
+                        "expert-parallel degree (N ranks of the innermost level, or a whole level): every candidate "
+                        "gets `experts \"PATTERN\" ep N`, its experts sharded by its scopes over the ranks ep leaves")
+    if plan:
+        p.add_argument("--experts", default="*.experts", metavar="PATTERN",
+                       help='glob naming the expert parameters or their modules with --ep (default "*.experts")')
+
+
+def _ep_value(text: str):
+    """`--ep 2` -> 2, `--ep gpu` -> "gpu" (the DSL checks either against the mesh)."""
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 def achievable(args, fallback: float) -> float:
     if args.tflops is None:
         return fallback
