@@ -54,7 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated; NAME+tp (or +tpN) adds tensor parallelism over N=2 ranks of a node "
                         "([Note: +tp systems] in bench/systems.py), e.g. fsdp2+tp,shardc:zero3+tp; a peer's "
                         "+compile runs it under torch.compile, a shardc system's +inductor in shardc's whole-step "
-                        "compiled mode ([Note: system suffixes]), e.g. fsdp2:full+compile,shardc:zero3+inductor")
+                        "compiled mode ([Note: system suffixes]), e.g. fsdp2:full+compile,shardc:zero3+inductor; "
+                        "+epN / +epgpu expert parallelism on --model moe ([Note: +ep systems] in bench/ep_systems.py), "
+                        "e.g. fsdp2+ep2,shardc:moe/ep2_zero3+ep2")
     p.add_argument("--timeout", type=float, default=600, help="seconds per system")
     p.add_argument("--collectives", action="store_true",
                    help="time all-gather/reduce-scatter, flat vs hierarchical, instead")
@@ -79,11 +81,13 @@ def check_args(a) -> str | None:
     from systems import parse_system
     for s in a.systems.split(","):
         try:
-            tp = parse_system(s).tp
+            n = parse_system(s)
         except ValueError as e:
             return str(e)
-        if a.per_node % tp:
-            return f"system {s!r}: tp {tp} does not divide --per-node {a.per_node} (a tp group stays inside a node)"
+        if a.per_node % n.tp:
+            return f"system {s!r}: tp {n.tp} does not divide --per-node {a.per_node} (a tp group stays inside a node)"
+        if n.ep.isdigit() and a.per_node % int(n.ep):
+            return f"system {s!r}: ep {n.ep} does not divide --per-node {a.per_node} (an ep group stays inside a node)"
     if a.model not in PRESETS and ":" not in a.model:
         return f"unknown model {a.model!r}: use {', '.join(PRESETS)} or PATH.py:FACTORY"
     return None
@@ -165,17 +169,18 @@ def run_systems(cluster, a, logdir: str) -> dict:
 
 
 def print_table(systems: dict) -> None:
-    t = Table(title="median step time, tokens/s, model states, bytes per rank per step")
-    for col in ("system", "step s", "tok/s", "state MB", "node MB", "gpu MB", "node MB (wire)"):
+    t = Table(title="median step time, tokens/s, model states, bytes per rank per step (a2a: tokens sent to experts)")
+    for col in ("system", "step s", "tok/s", "state MB", "node MB", "gpu MB", "node MB (wire)", "a2a MB"):
         t.add_column(col, justify="right")
     for name, r in systems.items():
         if "error" in r:
-            t.add_row(name, "error: " + r["error"][:60], "", "", "", "", "")
+            t.add_row(name, "error: " + r["error"][:60], "", "", "", "", "", "")
             continue
         lb, mb = r["level_bytes"], r.get("measured_bytes") or {}
         t.add_row(name, f"{r['step_time_s']:.3f}", f"{r['tokens_per_s']:.0f}",
                   f"{r['model_state_bytes'] / 1e6:.2f}", f"{lb.get('node', 0) / 1e6:.2f}",
-                  f"{lb.get('gpu', 0) / 1e6:.2f}", f"{mb.get('node', 0) / 1e6:.2f}")
+                  f"{lb.get('gpu', 0) / 1e6:.2f}", f"{mb.get('node', 0) / 1e6:.2f}",
+                  f"{r.get('a2a_bytes', 0) / 1e6:.2f}")
     console.print(t)
 
 

@@ -1,7 +1,8 @@
 """Benchmark models and data (bench stage: model name -> nn.Module, seeded batches).
 
 Input: `--model NAME`, either a preset below (built with `examples/gpt.py`'s `gpt(**cfg)`,
-the same model shardc's examples and tests use) or `PATH.py:FACTORY`. Output: the
+the same model shardc's examples and tests use; `moe` with `examples/moe.py`'s `moe(**cfg)`,
+[Note: the moe preset]) or `PATH.py:FACTORY`. Output: the
 model (built under a fixed seed, so every system starts from identical weights) and
 a deterministic token stream: batch (step, micro, rank) is the same for every system.
 """
@@ -23,8 +24,19 @@ PRESETS: dict[str, dict] = {
     "small": dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128),
     "medium": dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256),
     "bench": dict(vocab_size=256, block_size=64, n_layer=4, n_head=8, n_embd=512),
+    "moe": dict(vocab=256, dim=128, n_layers=4, n_heads=4, n_experts=8, top_k=2, expert_dim=256),
 }
+FACTORIES = {"moe": "examples/moe.py:moe"}      # a preset not listed here is a gpt() config
 SEED = 1234
+MOE_CONTEXT = 64
+
+# [Note: the moe preset]
+# `moe`: examples/moe.py's MoE decoder (the expert-parallel tests' model) with 4 blocks of
+# d=128, 4 heads, 8 SwiGLU experts of hidden 256 each, top-2 routing, vocab 256, untied head:
+# 3.48 M parameters, 90% of them experts (4 x 786,432). It has no position embeddings, so it
+# takes any context; the benchmark feeds it MOE_CONTEXT = 64 tokens, as the GPT presets.
+# Sized like `medium` (3.24 M) so a step takes 1-4 s on 8 ranks of this machine; its
+# experts are `layers.N.moe.experts` (the shipped examples/strategies/moe files' "*.experts").
 
 
 def _load_attr(spec: str):
@@ -44,7 +56,7 @@ def build_model(name: str) -> nn.Module:
     """The model for `name`, with weights fixed by SEED (identical on every rank)."""
     torch.manual_seed(SEED)
     if name in PRESETS:
-        return _load_attr("examples/gpt.py:gpt")(**PRESETS[name])
+        return _load_attr(FACTORIES.get(name, "examples/gpt.py:gpt"))(**PRESETS[name])
     if ":" in name:
         return _load_attr(name)()
     raise ValueError(f"unknown model {name!r}: use one of {sorted(PRESETS)} or PATH.py:FACTORY")
@@ -56,9 +68,12 @@ def bench() -> nn.Module:
 
 
 def model_dims(model: nn.Module) -> tuple[int, int]:
-    """(vocab_size, context length) of a GPT-like model."""
+    """(vocab_size, context length) of a GPT-like model (examples/moe.py's MoE: its vocab and
+    MOE_CONTEXT, [Note: the moe preset])."""
     cfg = model.cfg
-    return cfg.vocab_size, cfg.block_size
+    if hasattr(cfg, "vocab_size"):
+        return cfg.vocab_size, cfg.block_size
+    return cfg.vocab, MOE_CONTEXT
 
 
 def batch(model: nn.Module, step: int, micro: int, rank: int, micro_batch: int):

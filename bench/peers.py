@@ -17,6 +17,11 @@ accumulation idiom `set_requires_gradient_sync(False)` on micro-batches 1..M-1:
   full shard: shard dims = (node, gpu); HSDP: shard dim = gpu, replicate dim = node.
 DDP with `no_sync()` on micro-batches 1..M-1: one all_reduce of 4·Φ over (node, gpu)
 per step (split into 25 MB buckets; link bytes are linear in the size, so one record).
+FSDP2 with EP in torchtitan's layout (`fsdp2+epN`, bench/ep_systems.py [Note: +ep systems]):
+each block is two units, its dense parameters over (node, gpu) as above and its experts'
+ep shard (Φ_e elements: E/N experts) over the efsdp ranks, the experts' mesh
+node(n) > gpu(p / N) (records marked `experts`); the root as above. The token all-to-alls
+are the model's, not counted here (the worker's `a2a_bytes`).
 All collectives are gloo rings over the flattened group (torch passes the group's
 ranks in mesh order), hence `Collectives.RING` in link_bytes. A `+tp` system
 (bench/systems.py [Note: +tp systems]) runs the same over its data-parallel mesh
@@ -48,6 +53,17 @@ def fsdp2_ledger(sizes: list[int], per_node: int, M: int, hybrid: bool) -> list[
         recs.append(Rec("backward", "reduce_scatter", shard, 4 * phi, 1))
         if hybrid:
             recs.append(Rec("sync", "all_reduce", ("node",), 4 * phi // per_node, 1))
+    return recs
+
+
+def fsdp2_ep_ledger(sizes: list[int], expert_sizes: list[int], M: int) -> list[Rec]:
+    """`fsdp2+epN`: `fsdp2_ledger` of the dense units, and the experts' units over their
+    own mesh's (node, gpu), the same three collectives each (records marked `experts`)."""
+    recs = fsdp2_ledger(sizes, 0, M, hybrid=False)
+    for phi in expert_sizes:
+        recs += [Rec("forward", "all_gather", WORLD, 4 * phi, M, experts=True),
+                 Rec("backward", "all_gather", WORLD, 4 * phi, M, experts=True),
+                 Rec("backward", "reduce_scatter", WORLD, 4 * phi, 1, experts=True)]
     return recs
 
 

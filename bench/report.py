@@ -2,11 +2,11 @@
 
 Input: the JSON a worker's rank 0 wrote, the cluster shape, the model name. Output:
 `{"step_time_s", "tokens_per_s", "model_state_bytes", "peak_model_state_bytes",
-"level_bytes", "measured_bytes", "tp", "losses", ...}`; with `--rounds`, one such summary per round merged
-into one (`merge_rounds`, [Note: rounds]). `model_state_bytes`: params + grads + optimizer
-states held after `opt.step()` (max over ranks); `peak_...`: the most held at any
-point of the step, measured in the warm-up (FSDP2's unsharded gradients between
-micro-batches when gradient sync is off count here).
+"level_bytes", "measured_bytes", "tp", "ep", "a2a_bytes", "losses", ...}`; with `--rounds`,
+one such summary per round merged into one (`merge_rounds`, [Note: rounds]).
+`model_state_bytes`: params + grads + optimizer states held after `opt.step()` (max over
+ranks); `peak_...`: the most held at any point of the step, measured in the warm-up
+(FSDP2's unsharded gradients between micro-batches when gradient sync is off count here).
 `peak_rss_bytes`: the largest peak resident set of any rank's process, compile state
 included; `warmup_times`: rank 0's untimed steps, where a compiled system compiles
 ([Note: memory figures] in worker.py; with `--rounds`, `round_warmup_s` per round).
@@ -31,21 +31,29 @@ from shardc.analysis.costmodel import link_bytes
 from shardc.dsl.ir import Collectives, Level, Mesh
 
 from models import build_model
-from peers import Rec, peer_ledger
+from peers import Rec, fsdp2_ep_ledger, peer_ledger
 
 
 def cluster_mesh(nodes: int, per_node: int) -> Mesh:
     return Mesh((Level("node", nodes), Level("gpu", per_node)))
 
 
+def _mesh(levels) -> Mesh | None:
+    return None if levels is None else Mesh(tuple(Level(n, s) for n, s in levels))
+
+
 def level_bytes(system: str, res: dict, model_name: str, nodes: int, per_node: int,
                 accumulate: int) -> dict[str, float]:
+    # an expert group's records are over the experts' mesh (`expert_mesh`: the ranks EP leaves)
     if res.get("ledger") is not None:
         steps = res["ledger_steps"]
-        recs = [Rec(r["phase"], r["op"], tuple(r["levels"]), r["bytes"], r["count"] / steps)
-                for r in res["ledger"]]
-        mesh = Mesh(tuple(Level(n, s) for n, s in res["mesh"]))
-        return link_bytes(recs, mesh, Collectives(res["collectives"]))
+        recs = [Rec(r["phase"], r["op"], tuple(r["levels"]), r["bytes"], r["count"] / steps,
+                    experts=r.get("experts", False)) for r in res["ledger"]]
+        return link_bytes(recs, _mesh(res["mesh"]), Collectives(res["collectives"]),
+                          expert_mesh=_mesh(res.get("expert_mesh")))
+    if res.get("ep", 1) > 1:       # fsdp2+epN: dense and expert units (peers.py)
+        recs = fsdp2_ep_ledger(res["unit_numels"], res["expert_numels"], accumulate)
+        return link_bytes(recs, _mesh(res["mesh"]), Collectives.RING, expert_mesh=_mesh(res["expert_mesh"]))
     if res.get("tp", 1) > 1:       # the dp mesh and the TP-local unit sizes (peers.py)
         mesh = Mesh(tuple(Level(n, s) for n, s in res["mesh"]))
         recs = peer_ledger(system, None, mesh.levels[-1].size, accumulate, sizes=res["unit_numels"])
@@ -80,6 +88,11 @@ def summarize(system: str, res: dict, model_name: str, nodes: int, per_node: int
         "splits": res.get("splits"),          # rank 0: per step, each micro-batch, opt.step(), the rest
         "params": res["params"],
         "tp": res.get("tp", 1),
+        "ep": res.get("ep", 1),
+        # token all-to-all bytes per rank per step, forward only ([Note: token all-to-all
+        # bytes] in worker.py): the mean and the largest over ranks
+        "a2a_bytes": statistics.mean(r.get("a2a_bytes") or 0 for r in res["per_rank"]),
+        "a2a_bytes_max": max(r.get("a2a_bytes") or 0 for r in res["per_rank"]),
         "losses": res.get("losses"),           # rank 0's mean loss per step, warm-up included
     }
     if res.get("ledger") is not None:

@@ -3,7 +3,8 @@
 Input: a system name (`fsdp2:full`, `fsdp2:hsdp`, `ddp`, `shardc:<name>` or
 `shardc:<path.shard>`, optionally `@ring|@hierarchical|@ho-ring|@auto` to
 override the strategy's `collectives`), then suffixes ([Note: system suffixes]): any but
-`ddp` optionally `+tp` or `+tpN` for tensor parallelism, [Note: +tp systems]; a peer
+`ddp` optionally `+tp` or `+tpN` for tensor parallelism, [Note: +tp systems]; `fsdp2:full`
+and shardc `+epN` for expert parallelism, [Note: +ep systems] in bench/ep_systems.py; a peer
 `+compile` for torch.compile, a shardc system `+inductor` for shardc's whole-step compiled
 mode; `fsdp2+SUFFIX` is `fsdp2:full+SUFFIX`), the model, the cluster shape. Output: a `System` whose `micro(i)` context does what a user would write for gradient
 accumulation, plus the model-state bytes each rank holds and the step's ledger (shardc) or
@@ -56,12 +57,16 @@ class System:
 
 PEERS = ("fsdp2:full", "fsdp2:hsdp", "ddp")
 TP_SUFFIX = re.compile(r"tp(\d*)")
+EP_SUFFIX = re.compile(r"ep(\d*|gpu)")
 
 
 # [Note: system suffixes]
 # A system name is BASE[+SUFFIX...], the suffixes in any order, each at most once:
 #   +tp, +tpN   tensor parallelism over N ranks of a node (+tp: N = 2), fsdp2 and shardc
 #               systems ([Note: +tp systems]);
+#   +ep, +epN, +epgpu  expert parallelism over N ranks of a node (+ep, +epgpu: all of them),
+#               `fsdp2:full` and shardc systems on an MoE model, not with +tp, +compile or
+#               +inductor ([Note: +ep systems] in bench/ep_systems.py);
 #   +compile    the peer under torch.compile as its users compile it: `fsdp2:*+compile`
 #               compiles each block (`torch.compile(block, fullgraph=True)` put in its
 #               place in the block list) and then applies `fully_shard` to the compiled
@@ -83,26 +88,31 @@ class SystemName:
     tp: int = 1
     compile: bool = False     # +compile (peers)
     inductor: bool = False    # +inductor (shardc)
+    ep: str = ""              # +epN: "N"; +ep, +epgpu: "gpu"; "" without EP
 
 
 def parse_system(name: str) -> SystemName:
     """`shardc:zero3@ring+tp` -> SystemName(`shardc:zero3@ring`, tp=2); ValueError naming what
     is wrong ([Note: system suffixes])."""
     base, *suffixes = name.split("+")
-    tp, flags = None, set()
+    tp, flags, ep = None, set(), ""
     for suf in suffixes:
         m = TP_SUFFIX.fullmatch(suf)
         if m:
             if tp is not None:
                 raise ValueError(f"system {name!r}: +tp given twice")
             tp = int(m.group(1) or 2)
+        elif EP_SUFFIX.fullmatch(suf):
+            if ep:
+                raise ValueError(f"system {name!r}: +ep given twice")
+            ep = EP_SUFFIX.fullmatch(suf).group(1) or "gpu"
         elif suf in ("compile", "inductor"):
             if suf in flags:
                 raise ValueError(f"system {name!r}: +{suf} given twice")
             flags.add(suf)
         else:
-            raise ValueError(f"system {name!r}: unknown suffix +{suf}: use +tp, +tpN, +compile (fsdp2, ddp) "
-                             f"or +inductor (shardc)")
+            raise ValueError(f"system {name!r}: unknown suffix +{suf}: use +tp, +tpN, +epN, +epgpu, "
+                             f"+compile (fsdp2, ddp) or +inductor (shardc)")
     if base == "fsdp2" and suffixes:
         base = "fsdp2:full"
     if base not in PEERS and not base.startswith("shardc:"):
@@ -121,7 +131,10 @@ def parse_system(name: str) -> SystemName:
     if "inductor" in flags and tp > 1:
         raise ValueError(f"system {name!r}: the whole-step mode (+inductor) does not take tensor-parallel "
                          f"(DTensor) parameters yet")
-    return SystemName(base, tp, compile="compile" in flags, inductor="inductor" in flags)
+    if ep and ((base != "fsdp2:full" and not shardc_) or tp > 1 or flags or ep == "0"):
+        raise ValueError(f"system {name!r}: +epN takes N >= 1 and a fsdp2:full or shardc system, "
+                         f"without +tp, +compile or +inductor")
+    return SystemName(base, tp, compile="compile" in flags, inductor="inductor" in flags, ep=ep)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -248,7 +261,7 @@ def for_bench(strategy: Strategy, accumulate: int, algo: str | None = None) -> S
 
 
 def shardc_system(model: nn.Module, spec: str, example, accumulate: int, nodes: int = 1,
-                  per_node: int = 1, tp: int = 1, inductor: bool = False) -> System:
+                  per_node: int = 1, tp: int = 1, inductor: bool = False, ep: int = 1) -> System:
     import shardc
 
     spec, _, algo = spec.partition("@")
@@ -264,6 +277,11 @@ def shardc_system(model: nn.Module, spec: str, example, accumulate: int, nodes: 
         tensor_parallel(model, world["tp"])
         mesh = world["node", "gpu"]
         strategy = shardc.load_strategy(path, mesh=MeshDims(("node", "gpu"), (nodes, per_node // tp)))
+    elif ep > 1:    # [Note: +ep systems] in ep_systems.py
+        from ep_systems import ep_meshes, place_experts
+        mesh, _, ep_mesh, _ = ep_meshes(nodes, per_node, ep)
+        place_experts(model, ep_mesh)
+        strategy = shardc.load_strategy(path, mesh=MeshDims(("node", "gpu"), (nodes, per_node)))
     else:
         strategy = shardc.load_strategy(path, world_size=dist.get_world_size())
     strategy = for_bench(strategy, accumulate, algo or None)
@@ -280,11 +298,12 @@ def shardc_system(model: nn.Module, spec: str, example, accumulate: int, nodes: 
         return int(sm.memory_report()["total"])
 
     name = f"shardc:{spec}" + (f"@{algo}" if algo else "") + (f"+tp{tp}" if tp > 1 else "") + \
-        ("+inductor" if inductor else "")
+        ("+inductor" if inductor else "") + (f"+ep{ep}" if ep > 1 else "")
     return System(name, sm, opt, micro, ledger=sm.comm_ledger, reset_ledger=sm.reset_comm_ledger,
                   memory=memory, strategy=strategy, tp=tp,
                   extra={"mesh": [[l.name, l.size] for l in strategy.mesh.levels],
-                         "collectives": strategy.collectives.value, "tp": tp,
+                         "expert_mesh": [[l.name, l.size] for l in strategy.expert_mesh.levels],
+                         "collectives": strategy.collectives.value, "tp": tp, "ep": ep,
                          "backend": "inductor" if inductor else "eager"})
 
 
@@ -292,11 +311,19 @@ def build_system(name: str, model: nn.Module, nodes: int, per_node: int, example
     n = parse_system(name)
     if per_node % n.tp:
         raise ValueError(f"system {name!r}: tp {n.tp} does not divide the {per_node} ranks of a node")
+    ep = 1
+    if n.ep:
+        from ep_systems import ep_degree, fsdp2_ep
+        ep = ep_degree(n.ep, per_node)
+        if per_node % ep:
+            raise ValueError(f"system {name!r}: ep {ep} does not divide the {per_node} ranks of a node")
+        if n.base == "fsdp2:full":
+            return fsdp2_ep(model, nodes, per_node, ep)
     if n.base in ("fsdp2:full", "fsdp2:hsdp"):
         return fsdp2(model, nodes, per_node, hybrid=n.base == "fsdp2:hsdp", tp=n.tp, compiled=n.compile)
     if n.base == "ddp":
         return ddp(model, compiled=n.compile)
-    return shardc_system(model, n.base.split(":", 1)[1], example, accumulate, nodes, per_node, n.tp, n.inductor)
+    return shardc_system(model, n.base.split(":", 1)[1], example, accumulate, nodes, per_node, n.tp, n.inductor, ep)
 
 
 def tp_plan(block: nn.Module) -> dict[str, str]:

@@ -25,6 +25,13 @@ set (`getrusage(RUSAGE_SELF).ru_maxrss`, read after the timed steps): everything
 ever held, torch and Python included, activations, gloo's buffers, and for the compiled
 systems dynamo/Inductor's compile state (the compile runs in the warm-up step; Inductor's
 compile workers are child processes and not counted). On this CPU both are host memory.
+
+[Note: token all-to-all bytes]
+`a2a_bytes`: the token bytes this rank sends into the experts' all-to-alls per timed step
+(bench/ep_systems.py `a2a_bytes`: the dispatch's and the combine's inputs, forward only,
+this rank's own rows included), counted by examples/moe.py's ExpertParallel; 0 without EP.
+They are not in shardc's ledger (the model's collectives, not the strategy's), and on the
+wire they show up in the NIC counters.
 """
 from __future__ import annotations
 
@@ -44,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ep_systems import a2a_bytes, reset_a2a
 from models import batch, build_model, n_params
 from systems import build_system
 
@@ -133,7 +141,8 @@ def main() -> int:
     dist.all_gather_object(gathered, result)
     if rank == 0:
         merged = dict(gathered[0])
-        merged["per_rank"] = [{k: g.get(k) for k in ("state_bytes", "peak_state_bytes", "peak_rss_bytes", "nic")}
+        merged["per_rank"] = [{k: g.get(k) for k in ("state_bytes", "peak_state_bytes", "peak_rss_bytes", "nic",
+                                                     "a2a_bytes")}
                               for g in gathered]
         _write(args.out, rank, merged)
     dist.barrier()
@@ -167,6 +176,7 @@ def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
         _progress(args, rank, f"warmup {step + 1}/{args.warmup}")
     if sys_.reset_ledger:
         sys_.reset_ledger()
+    reset_a2a(model)
     before = nic_counters() if local_rank == 0 else None
     prof = _profiler(args, rank)
     for step in range(args.warmup, args.warmup + args.steps):
@@ -184,8 +194,9 @@ def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
     ledger = None
     if sys_.ledger:
         ledger = [dict(phase=r.phase, op=r.op, levels=list(r.levels), bytes=r.bytes,
-                       count=r.count) for r in sys_.ledger()]
-    return {**{k: sys_.extra[k] for k in ("mesh", "collectives", "tp", "unit_numels", "backend") if k in sys_.extra},
+                       count=r.count, experts=r.experts) for r in sys_.ledger()]
+    keys = ("mesh", "collectives", "tp", "unit_numels", "backend", "ep", "expert_mesh", "expert_numels")
+    return {**{k: sys_.extra[k] for k in keys if k in sys_.extra},
             "losses": losses, "step_times": times, "step_time_s": statistics.median(times),
             # per timed step, seconds of: each micro-batch (forward + backward), opt.step(),
             # zero_grad + the closing barrier
@@ -196,6 +207,7 @@ def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
             # [Note: memory figures]; Linux reports ru_maxrss in KiB
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "nic": nic, "ledger": ledger,
+            "a2a_bytes": a2a_bytes(model) / args.steps,       # [Note: token all-to-all bytes]
             "ledger_steps": args.steps}
 
 
