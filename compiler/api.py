@@ -24,6 +24,7 @@ from math import prod
 from torch import nn
 
 from shardc.analysis.costmodel.bucketing import resolve_bucket
+from shardc.analysis.costmodel.sizes import placed_params
 from shardc.compiler.capture import capture as capture_graph
 from shardc.compiler.codegen import emit
 from shardc.compiler.passes import run_passes
@@ -32,7 +33,7 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, MeshDims, Strategy
 from shardc.dsl.unparse import unparse
 from shardc.lowering import expert_group, unit_sizes
-from shardc.units import find_units, local_params
+from shardc.units import find_units
 
 __all__ = ["compile_source", "resolve_strategy"]
 
@@ -75,7 +76,7 @@ def _resolve_collectives(strategy: Strategy, model: nn.Module, units) -> Strateg
     if strategy.collectives is not Collectives.AUTO:
         return strategy
     from shardc.analysis.costmodel.timing import choose_collectives
-    sizes = unit_sizes(local_params(model), units, expert_group(strategy))
+    sizes = unit_sizes(placed_params(model, expert_group(strategy)), units, expert_group(strategy))
     return dataclasses.replace(strategy, collectives=choose_collectives(strategy, sizes))
 
 

@@ -174,6 +174,18 @@ def _stage_line(plan: Plan, stage, c: "_Commenter") -> str:
     return f"{stage!r}," + (f"  # {'; '.join(why)}" if why else "")
 
 
+def _cause(plan: Plan, c: "_Commenter", u, g, r) -> str:
+    """The strategy line behind row `r`: an expert group's follows the experts' scopes and
+    names the `experts` statement (its ep and the experts' mesh)."""
+    if not g.experts:
+        return c.stmt(u.scopes, r.state)
+    s = plan.strategy
+    e = s.experts
+    ep = f" ep {e.ep}" if e.ep > 1 else ""
+    return (c.stmt(s.expert_scopes, r.state) + "; " +
+            statement(s, e.line, f'experts "{e.pattern}"{ep} (over {s.expert_mesh})'))
+
+
 def _row_lines(plan: Plan, c: "_Commenter") -> list[str]:
     out = []
     for i, (u, up) in enumerate(zip(plan.units, plan.lowering.units)):
@@ -181,7 +193,7 @@ def _row_lines(plan: Plan, c: "_Commenter") -> list[str]:
             kind = "trainable" if g.trainable else "frozen"
             for r in g.rows:
                 out.append(f"{i:>3} {kind:<9} {r.phase.value:<8} {r.op.value:<14} {','.join(r.levels):<14} "
-                           f"{r.bytes:>12,} B per {r.per.value:<8}  {c.stmt(u.scopes, r.state)}")
+                           f"{r.bytes:>12,} B per {r.per.value:<8}  {_cause(plan, c, u, g, r)}")
     for r in plan.lowering.clip_rows:
         out.append(f"  * {'':<9} {r.phase.value:<8} {r.op.value:<14} {','.join(r.levels):<14} "
                    f"{r.bytes:>12,} B per {r.per.value:<8}  clip_grad_norm_ (optim chunks' squared norm)")

@@ -9,11 +9,13 @@ or touches parameter data.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from shardc.dsl.errors import ShardcError
 from shardc.lowering import ExpertGroup, UnitSize, is_expert, unit_sizes
+from shardc.units import local_params
 
-__all__ = ["UnitSize", "model_unit_sizes", "model_params", "dense_flops", "ep_local"]
+__all__ = ["UnitSize", "model_unit_sizes", "model_params", "dense_flops", "ep_local", "placed_params"]
 
 
 def model_params(units) -> tuple[int, int]:
@@ -39,7 +41,20 @@ def model_unit_sizes(model, units, experts: ExpertGroup | None = None) -> list[U
     counts as one ep rank's part: its dim 0 (the experts) split over the ep ranks, as
     DTensor `Shard(0)` on the ep dim places it (`ep_local`).
     """
-    return unit_sizes(ep_local(dict(model.named_parameters()), experts), units, experts)
+    return unit_sizes(placed_params(model, experts), units, experts)
+
+
+def placed_params(model, experts: ExpertGroup | None) -> dict:
+    """Each parameter as one rank holds it once the experts are placed: `local_params` (a
+    DTensor's local shard), and each expert parameter not yet placed (a plain tensor, as
+    in a model built for `explain`, `plan` or `shardc compile`) cut to one ep rank's part
+    (`ep_local`), so every stage sizes the units the runtime will shard."""
+    local = local_params(model)
+    if experts is None or experts.ep == 1:
+        return local
+    placed = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    cut = ep_local({n: t for n, t in local.items() if n not in placed}, experts)
+    return {n: cut.get(n, t) for n, t in local.items()}
 
 
 def ep_local(params: dict, experts: ExpertGroup | None) -> dict:
