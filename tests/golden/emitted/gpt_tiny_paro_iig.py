@@ -21,7 +21,7 @@ import torch
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import (Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec,  # noqa: F401
-                           BufferSync, Scopes, Secondary, Strategy, UnitsKind, UnitsSpec)
+                           BufferSync, Experts, Scopes, Secondary, Strategy, UnitsKind, UnitsSpec)
 from shardc.lowering import Schedule, Stage
 from shardc.runtime import shard_module
 from shardc.runtime.compile import compile_like, split_compiled
@@ -51,7 +51,8 @@ STRATEGY = Strategy(name='paro_iig',
                            ('accumulate', 8),
                            ('prefetch', 9)),
                     warnings=(),
-                    buffers=BufferSync.BROADCAST)
+                    buffers=BufferSync.BROADCAST,
+                    experts=None)
 
 UNITS = [
     UnitSpec('<root>', modules=(), scopes=STRATEGY.scopes, params=(

@@ -21,7 +21,7 @@ import torch
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import (Collectives, DType, GradsSpec, Level, Mesh, OptimSpec, Override, ParamsSpec,  # noqa: F401
-                           BufferSync, Scopes, Secondary, Strategy, UnitsKind, UnitsSpec)
+                           BufferSync, Experts, Scopes, Secondary, Strategy, UnitsKind, UnitsSpec)
 from shardc.lowering import Schedule, Stage
 from shardc.runtime import shard_module
 from shardc.runtime.compile import compile_like, split_compiled
@@ -48,7 +48,8 @@ STRATEGY = Strategy(name='zero3',
                     file='zero3.shard',
                     lines=(('mesh', 3), ('params', 4), ('grads', 5), ('optim', 6)),
                     warnings=(),
-                    buffers=BufferSync.BROADCAST)
+                    buffers=BufferSync.BROADCAST,
+                    experts=None)
 
 UNITS = [
     UnitSpec('<root>', modules=(), scopes=STRATEGY.scopes, params=(
