@@ -81,7 +81,7 @@ class StepBoundary:
         self._warned = False
         self._synced: set[int] = set()     # units whose sync this step is already issued
         self._sync_prev: FlatGroup | None = None   # the last unit synced early, not yet advanced
-        self._updates: dict = {}           # unit -> its deferred update all-gather (in flight)
+        self._updates: dict = {}           # unit -> its groups' deferred update all-gathers (in flight)
         self.generation = 0                # bumped when the gradients change under a reader (sync, zero)
         self.backward_listeners: list = []
         self.forward_checks: list = []     # called before every forward (the parameters have values) # called at the end of every backward (the parameters' grads)
@@ -223,16 +223,17 @@ class StepBoundary:
         deferred = set(self.schedule.update_deferred)
         for i, w in works:
             if i in deferred:
-                self._updates[i] = w
+                self._updates.setdefault(i, []).append(w)
             else:
                 w.wait()
         self.phase = StepPhase.STEPPED
 
     def complete_update(self, i: int) -> None:
         """Unit i's parameters are needed: wait its deferred update all-gather, if any."""
-        work = self._updates.pop(i, None)
-        if work is not None:
-            work.wait()
+        works = self._updates.pop(i, None)
+        if works is not None:
+            for work in works:
+                work.wait()
             self.events.append(("wait_update", i))
 
     def complete_updates(self) -> None:

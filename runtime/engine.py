@@ -234,8 +234,8 @@ class Engine:
         if prev.reducing:
             prev.finish_grads()
             self.events.append(("wait_reduce", i))
-        if self._early and i in self.schedule.sync_early:
-            self.boundary.sync_early(self.units[i])
+        if self._early and i in self.schedule.sync_early and self.units[i].reduced:
+            self.boundary.sync_early(self.units[i])     # once all of the unit's groups are reduced
 
     def _final_callback(self) -> None:
         self._queued = False

@@ -153,3 +153,43 @@ def test_expert_groups_train_at_parity_and_the_ledger_is_explains():
                                optimizer_kwargs={} if kind == "adamw" else {"momentum": 0.9})
         assert {k: p_mem[k] for k in ("params", "grads", "optim", "total")} == \
             {k: memory[k] for k in ("params", "grads", "optim", "total")}
+
+
+def _update_job(rank, world):
+    """Every deferred update all-gather of a unit with two groups that have one is waited
+    before the unit runs again (each group's, not only the last one's)."""
+    import shardc
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
+    from shardc.runtime import shard_module
+    from shardc.runtime.flat_group import FlatGroup
+    from shardc.units import find_units
+    issued, original = [], FlatGroup.update_issue
+
+    def tracked(self, record=True):
+        work, entry = original(self, record), [self.gplan.experts, False]
+        issued.append(entry)
+
+        class Waited:
+            def wait(self_):
+                entry[1] = True
+                return work.wait()
+        return Waited()
+
+    FlatGroup.update_issue = tracked
+    try:
+        s = shardc.load_strategy(IIG_EXPERTS_OVER_NODE)
+        m = model()
+        sm = shard_module(m, s, find_units(m, resolve_bucket(m, s)))
+        deferred = sm.lowering.schedule.update_deferred
+        opt = sm.optimizer(torch.optim.SGD, lr=0.1)
+        train(sm, opt, batches(rank, steps=1), sm.clip_grad_norm_)
+        sm(batches(rank)[0][0])                        # the next forward needs every unit's update
+        return deferred, issued
+    finally:
+        FlatGroup.update_issue = original
+
+
+def test_a_units_two_update_gathers_are_both_waited():
+    deferred, issued = dist_run(4, _update_job)[0]
+    assert deferred and {e for e, _ in issued} == {False, True}
+    assert all(waited for _, waited in issued), issued
