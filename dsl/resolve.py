@@ -368,6 +368,13 @@ def _ep_twice(inner: dict[str, ast.Statement], whole: str, ep_word: ast.Word, ct
                     f"levels'"))
 
 
+# [Note: buffers of a mixture-of-experts strategy]
+# A strategy with an `experts` statement and no `buffers` line keeps each rank's buffers
+# (`buffers local`, FSDP2's behaviour, which torchtitan's MoE training assumes), not rank
+# 0's before every forward: a MoE's load-balancing counters (DeepSeek-V3's tokens per
+# expert) add up every micro-batch's tokens on each rank and are summed over the ranks at
+# the step (torchtitan's optimizer pre-hook); broadcasting rank 0's before each forward
+# would drop the other ranks' earlier micro-batches, silently (bench/torchtitan_moe_check.py).
 def _options(top: dict[str, ast.Statement], ctx: _Ctx) -> dict:
     out: dict = {}
     d = ctx.diags
@@ -383,6 +390,8 @@ def _options(top: dict[str, ast.Statement], ctx: _Ctx) -> dict:
         out["collectives"] = _algorithm(top["collectives"].args[0], d)
     if "buffers" in top:
         out["buffers"] = BufferSync(top["buffers"].args[0].text)
+    elif "experts" in top:         # [Note: buffers of a mixture-of-experts strategy]
+        out["buffers"] = BufferSync.LOCAL
     if "units" in top:
         out["units"] = _units(top["units"], ctx)
     if "bucket" in top:

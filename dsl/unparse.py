@@ -9,7 +9,8 @@ through it (the benchmark hands `shardc.compile` a replaced Strategy, no text at
 [Note: canonical form]
 Statements come in a fixed order, one per line: `strategy`, `mesh` (sizes resolved),
 `params`, `grads`, `optim` (keywords padded to one width), `accumulate`, `prefetch`,
-`collectives`, then `units` unless it is `auto`, `buffers` unless it is `broadcast`, `bucket` when set (in the largest
+`collectives`, then `units` unless it is `auto`, `buffers` unless it is the default (`broadcast`; `local` with an
+`experts` statement), `bucket` when set (in the largest
 unit that divides it exactly), then the overrides, then `experts`. A scope over every level of a
 multi-level mesh is written `shard over world`. Options are written only where they
 differ from the default (`dtype` fp32, `comm` equal to `dtype`, no `secondary`); `comm` is never written
@@ -92,7 +93,8 @@ def unparse(s: Strategy) -> str:
     elif s.units.kind is UnitsKind.TYPE:
         _check_names(s.units.names, "unit type")
         lines.append("units type " + ", ".join(s.units.names))
-    if s.buffers is not BufferSync.BROADCAST:     # the default is left out
+    default = BufferSync.LOCAL if s.experts is not None else BufferSync.BROADCAST   # resolve.py's rule
+    if s.buffers is not default:                  # the default is left out
         lines.append(f"buffers {s.buffers.value}")
     if s.bucket is not None:
         lines.append(f"bucket {_size(s.bucket)}")

@@ -299,3 +299,17 @@ def test_unwritable_experts_are_one_sentence(experts, culprit):
     with pytest.raises(ShardcError) as e:
         unparse(Strategy("s", M3, Scopes(), experts=experts))
     assert str(e.value).startswith(culprit) and "cannot be written in a .shard file" in str(e.value)
+
+
+def test_an_experts_strategy_keeps_each_ranks_buffers_unless_told():
+    # [Note: buffers of a mixture-of-experts strategy]: load-balancing counters add up per rank
+    import shardc
+    from shardc.dsl.ir import BufferSync
+    from shardc.dsl.unparse import unparse
+    base = "mesh node(2) > gpu(2)\noptim shard over world\n"
+    assert shardc.load_strategy(base).buffers is BufferSync.BROADCAST
+    moe = shardc.load_strategy(base + 'experts "*.experts" ep 2\n')
+    told = shardc.load_strategy(base + 'experts "*.experts" ep 2\nbuffers broadcast\n')
+    assert (moe.buffers, told.buffers) == (BufferSync.LOCAL, BufferSync.BROADCAST)
+    for s in (moe, told):
+        assert shardc.load_strategy(unparse(s)).buffers is s.buffers
