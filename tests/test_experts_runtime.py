@@ -193,3 +193,76 @@ def test_a_units_two_update_gathers_are_both_waited():
     deferred, issued = dist_run(4, _update_job)[0]
     assert deferred and {e for e, _ in issued} == {False, True}
     assert all(waited for _, waited in issued), issued
+
+
+# -- load-balancing state ------------------------------------------------------------------------
+class Balanced(Block):
+    """A block with DeepSeek-V3's aux-loss-free balancing: a per-expert bias on the router's
+    logits, counts of each expert's top-1 tokens, updated at the step from the counts summed
+    over the data-parallel ranks (torchtitan's optimizer step pre-hook)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.zeros(E))
+        self.register_buffer("counts", torch.zeros(E))
+
+    def forward(self, x):
+        x = x + self.attn(x).tanh()
+        flat = x.flatten(0, 1)
+        logits = self.router(flat) + self.bias
+        with torch.no_grad():
+            self.counts += torch.bincount(logits.argmax(-1), minlength=E).float()
+        return x + self.experts(flat, logits.softmax(-1)).view_as(x)
+
+
+def balanced():
+    torch.manual_seed(0)
+    m = MoE()
+    m.layers = nn.ModuleList(Balanced() for _ in range(2))
+    torch.manual_seed(1)
+    for p in m.parameters():
+        p.data.copy_(torch.randn_like(p) * 0.3)
+    return m
+
+
+def rebalance(blocks, ranks=False):
+    """The step pre-hook: counts summed over the data-parallel ranks (here the world),
+    bias moved toward the mean."""
+    import torch.distributed as dist
+    for b in blocks:
+        if ranks:
+            dist.all_reduce(b.counts)
+        b.bias += 0.05 * torch.sign(b.counts.mean() - b.counts)
+        b.counts.zero_()
+
+
+def _balanced_job(rank, world, buffers):
+    import shardc
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
+    from shardc.runtime import shard_module
+    from shardc.units import find_units
+    s = shardc.load_strategy(ZERO3_EXPERTS_ZERO1 + buffers)
+    m = balanced()
+    sm = shard_module(m, s, find_units(m, resolve_bucket(m, s)))
+    opt = sm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    opt.register_step_pre_hook(lambda *_: rebalance(list(m.layers), ranks=True))
+    train(sm, opt, batches(rank, steps=3), sm.clip_grad_norm_)
+    return [b.bias.clone() for b in m.layers], sm.full_state_dict()
+
+
+def test_load_balancing_counts_are_summed_over_the_ranks_as_one_process_would():
+    m = balanced()
+    per = [batches(r, steps=3) for r in range(4)]
+    steps = [[torch.cat([per[r][s][k] for r in range(4)]) for k in range(2)] for s in range(3)]
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    opt.register_step_pre_hook(lambda *_: rebalance(list(m.layers)))
+    train(m, opt, steps, lambda n: torch.nn.utils.clip_grad_norm_(m.parameters(), n))
+    want = [b.bias for b in m.layers]
+    assert any(float(w.abs().sum()) > 0 for w in want)
+    for bias, sd in dist_run(4, _balanced_job, ""):            # an experts strategy keeps each rank's
+        for got, w in zip(bias, want):
+            torch.testing.assert_close(got, w)
+        for k, v in m.state_dict().items():
+            assert float((sd[k] - v).norm() / v.norm().clamp_min(1e-12)) < 1e-5, k
+    broadcast = dist_run(4, _balanced_job, "buffers broadcast\n")    # rank 0's counts each forward
+    assert any(not torch.equal(got, w) for got, w in zip(broadcast[0][0], want))
