@@ -78,3 +78,11 @@ python bench/simulate_papers.py neox --meshes "node(2) > gpu(4) > gcd(2)" --stra
     --out "$OUT/simulate_${DATE}_neox.jsonl"
 python bench/simulate_papers.py timing --out "$OUT/simulate_${DATE}_timing.json"
 python bench/simulate_papers.py table "$OUT"/simulate_"${DATE}"_{llama,neox}.jsonl --out /dev/stdout
+
+# 9. expert parallelism (docs/BENCHMARKS.md "Expert parallelism"): the moe preset (examples/moe.py),
+#    +ep2 (two contiguous gpus of a node) and +epgpu (the node's 4 gpus); fsdp2+epN in torchtitan's
+#    layout, shardc's examples/strategies/moe files; FSDP2 and shardc without EP for reference
+python bench/cluster_bench.py --nodes 2 --per-node 4 --inter-rate 250mbit --model moe \
+    --micro-batch 2 --accumulate 2 --steps 2 --warmup 1 --rounds 2 \
+    --systems fsdp2:full,fsdp2+ep2,fsdp2+epgpu,shardc:zero3,shardc:paro_iig,shardc:moe/ep2_zero3+ep2,shardc:moe/ep_zero3+epgpu,shardc:moe/hpz_ep2+ep2,shardc:moe/paro_iig_ep_zero1+epgpu \
+    --json "$OUT/systems_250mbit_moe_${DATE}_ep.json" --logdir "$OUT/logs_ep"
