@@ -65,7 +65,7 @@ ledger  each strategy, one SGD step (`--micro` micro-batches, clip): `sm.comm_le
 all     parity, bias and ledger in one launch.
 `--entry compile` builds with `shardc.compile(model, s, example_inputs, mesh=dp)` instead.
 
-Found (2026-11-27, bench/results/torchtitan_moe_check_2026-11-27.json): torchtitan's
+Found (2026-11-27, bench/results/systems_100gbit_2026-11-27_torchtitan-moe-check.json): torchtitan's
 load-balancing state is right under shardc when its hook is registered on the optimizer
 `sm.optimizer(...)` returns (a plain torch optimizer: `register_step_pre_hook` fires) with
 model_parts `[sm.module]` (`[sm]` raises AttributeError at registration) and torchtitan's
