@@ -254,12 +254,14 @@ def _compiled_job(rank, world, emitted):
     dp, ep = w._unflatten(0, (2, 2), ("node", "gpu")), w._unflatten(0, (2, 2), ("efsdp", "ep"))["ep"]
     out = []
     sm = shardc.compile(apply_ep(moe_tiny(), ep), EP2_4, mesh=dp, example_inputs=(batches(rank)[0][0][:, :-1],))
-    out.append(train(sm, sm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9), batches(rank), sm.clip_grad_norm_))
+    out.append(train(sm, sm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9), batches(rank, steps=1),
+                     sm.clip_grad_norm_))
     spec = importlib.util.spec_from_file_location(f"emitted_ep_{rank}", emitted)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     sm = mod.shard_model(apply_ep(moe_tiny(), ep), mesh=dp)
-    out.append(train(sm, sm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9), batches(rank), sm.clip_grad_norm_))
+    out.append(train(sm, sm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9), batches(rank, steps=1),
+                     sm.clip_grad_norm_))
     return out, sm.full_state_dict()
 
 
@@ -275,8 +277,8 @@ def test_shardc_compile_and_the_emitted_module_take_ep(tmp_path):
     emitted.write_text(source)
     results = dist_run(4, _compiled_job, str(emitted))
     m = moe_tiny()
-    per = [batches(r) for r in range(4)]
-    steps = [[torch.cat([per[r][s][k] for r in range(4)]) for k in range(2)] for s in range(2)]
+    per = [batches(r, steps=1) for r in range(4)]          # one step each path: the plan is what differs
+    steps = [[torch.cat([per[r][s][k] for r in range(4)]) for k in range(2)] for s in range(1)]
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     losses = train(m, opt, steps, lambda n: torch.nn.utils.clip_grad_norm_(m.parameters(), n))
     for path in range(2):
