@@ -98,25 +98,16 @@ def compile_source(model: nn.Module, strategy, example_inputs=None, capture: str
     return emit(plan, gm, type(model).__name__), plan
 
 
-GRAPH_PASSES = ("early_sync",)         # the plan passes the whole-step mode runs (runtime/graph_sync.py)
-
-
 def _for_backend(strategy: Strategy, passes, backend: str):
-    """What the whole-step mode (`backend="inductor"`) plans: the `early_sync` pass only (its
-    update all-gathers are one graph at opt.step(), so nothing defers them) and one module
-    per unit (`bucket 0`)."""
+    """What the whole-step mode (`backend="inductor"`) plans: every plan pass, as the eager
+    runtime (runtime/graph_sync.py, graph_step.py), and one module per unit (`bucket 0`)."""
     if backend not in ("eager", "inductor"):
         raise ShardcError(f"backend must be 'eager' or 'inductor', got {backend!r}")
     if backend == "eager":
         return strategy, passes
-    other = [p for p in (passes or ()) if p not in GRAPH_PASSES]
-    if other:
-        raise ShardcError(f"backend='inductor' runs only the {', '.join(GRAPH_PASSES)} plan pass (its update "
-                          f"all-gathers are one graph at opt.step()), but {', '.join(other)} was asked for; "
-                          f"drop it, or use the eager runtime (backend='eager')")
     if strategy.bucket:
         where = f"{strategy.file}:{strategy.line_of('bucket')}: " if strategy.line_of("bucket") else ""
         raise ShardcError(f"{where}backend='inductor' runs one module per unit, but the strategy buckets units "
                           f"up to {strategy.bucket:,} bytes; write `bucket 0`, or use the eager runtime "
                           f"(backend='eager')")
-    return dataclasses.replace(strategy, bucket=0), GRAPH_PASSES if passes is None else tuple(passes)
+    return dataclasses.replace(strategy, bucket=0), passes

@@ -240,6 +240,13 @@ class StepBoundary:
         for i in list(self._updates):
             self.complete_update(i)
 
+    def updates_ran(self, units) -> None:
+        """A forward's graph ran these units' deferred updates itself (the whole-step mode:
+        graph_step.py [Note: deferred update as graphs]): nothing of theirs is owed."""
+        for i in units:
+            del self._updates[i]
+            self.events.append(("wait_update", i))
+
     def zero_grad(self) -> None:
         self.ops.zero()
         self.clear_workspace()

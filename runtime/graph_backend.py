@@ -31,6 +31,16 @@ one collective per stage in flight, a pipeline over the levels. Chains are the
 reduce-scatters whose input no other one feeds, in graph order (an HO-Ring piece is its
 own); what several chains feed (the pieces' `cat`) and what runs out of chains goes to
 the graph's end. Only waits and their consumers move, never an issue ahead of its place.
+
+[Note: the update waited where it is needed]
+A forward that runs deferred updates (graph_step.py [Note: deferred update as graphs])
+issues them at its start, traced in forward order, each waited right after its issue.
+`wait_updates_where_needed` moves each unit's wait (and what it feeds among the update's
+own nodes: a cast, a later stage) to just before the first node outside the update that
+reads it — that unit's gather issue, wherever `follow_schedule` put it, or its compute —
+so each update's all-gather is in flight over the compute of the units before it, as
+the eager runtime waits a deferred update right before its unit is needed. A unit's
+gather issue chain stops at its update (`_issue_chain`): the update is issued earlier.
 """
 from __future__ import annotations
 
@@ -46,6 +56,7 @@ from .funcol import AS_TAG
 from .graph_secondary import resolve_secondary
 
 GATHER_TAG = "shardc_gather"          # node.meta["custom"][GATHER_TAG] = the unit the node gathers
+UPDATE_TAG = "shardc_update"          # node.meta["custom"][UPDATE_TAG] = the unit whose deferred update it runs
 _C10D = torch.ops._c10d_functional
 _AG = _C10D.all_gather_into_tensor.default
 WAITS = (_C10D.wait_tensor.default,)
@@ -56,6 +67,10 @@ ISSUES = {_C10D.all_gather_into_tensor.default: "all_gather", _C10D.reduce_scatt
 
 def _unit(node) -> int | None:
     return (node.meta.get("custom") or {}).get(GATHER_TAG)
+
+
+def _updating(node) -> int | None:
+    return (node.meta.get("custom") or {}).get(UPDATE_TAG)
 
 
 def _group(node) -> str:
@@ -73,7 +88,7 @@ def _issue_chain(graph, unit: int) -> list:
     need, todo = {first}, [first]
     while todo:
         for a in todo.pop().all_input_nodes:
-            if a.op == "call_function" and a not in need:
+            if a.op == "call_function" and a not in need and _updating(a) is None:
                 need.add(a)
                 todo.append(a)
     return [n for n in graph.nodes if n in need]
@@ -105,6 +120,22 @@ def follow_schedule(graph, stages) -> None:
             for n in chain:
                 after.append(n)
                 after = n
+
+
+def wait_updates_where_needed(graph) -> None:
+    """[Note: the update waited where it is needed] for a forward graph."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for unit in sorted({_updating(n) for n in graph.nodes} - {None}):
+        own = [n for n in graph.nodes if _updating(n) == unit]
+        waits = [n for n in own if n.target in WAITS]
+        if not waits:
+            continue
+        later = _downstream(waits[:1])
+        seg = [n for n in own if n in later]
+        outside = [u for n in seg for u in n.users if _updating(u) != unit]
+        first = min(outside, key=order.__getitem__)
+        for n in seg:
+            first.prepend(n)
 
 
 _REDUCES = (_C10D.reduce_scatter_tensor.default, _C10D.all_to_all_single.default)
@@ -162,7 +193,8 @@ class CompiledGraph:
     kind: str                                    # "forward" | "backward" (AOTAutograd's halves)
     collectives: list = field(default_factory=list)   # (op, levels, bytes, unit or None), issue order;
                                                       # ("matmul", (), 0, None) marks the compute between,
-                                                      # ("wait", levels, bytes, None) a reduce-scatter's wait
+                                                      # ("wait", levels, bytes, None) a reduce-scatter's wait,
+                                                      # (..., unit) a deferred update's all-gather's
 
 
 class ScheduledInductor:
@@ -188,6 +220,8 @@ class ScheduledInductor:
         follow_schedule(gm.graph, stages)
         if backward:
             overlap_reduce_scatters(gm.graph)
+        else:
+            wait_updates_where_needed(gm.graph)
         gm.recompile()
         self.graphs.append(self._record("backward" if backward else "forward", gm.graph))
         with inductor_config.patch(reorder_for_compute_comm_overlap=False):
@@ -198,12 +232,17 @@ class ScheduledInductor:
         for n in graph.nodes:
             if n.op == "call_function" and n.target in ISSUES:
                 op = (n.meta.get("custom") or {}).get(AS_TAG, ISSUES[n.target])
-                out.collectives.append((op, self.levels_of.get(_group(n), ()), _bytes(n), _unit(n)))
+                unit = _unit(n) if _updating(n) is None else _updating(n)
+                out.collectives.append((op, self.levels_of.get(_group(n), ()), _bytes(n), unit))
             elif n.op == "call_function" and n.target in MATMULS:
                 out.collectives.append(("matmul", (), 0, None))
             elif n.op == "call_function" and n.target in WAITS and n.args[0].target in _REDUCES:
                 r = n.args[0]
                 out.collectives.append(("wait", self.levels_of.get(_group(r), ()), _bytes(r), None))
+            elif n.op == "call_function" and n.target in WAITS and n.args[0].target is _AG \
+                    and _updating(n.args[0]) is not None:
+                r = n.args[0]                                 # a deferred update's all-gather
+                out.collectives.append(("wait", self.levels_of.get(_group(r), ()), _bytes(r), _updating(r)))
         return out
 
 

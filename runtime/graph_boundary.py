@@ -19,22 +19,42 @@ runs after the loop said the step ended: the boundary then folds it in exactly, 
 does eagerly). No unit's sync is issued here before that (`early` is False: the boundary
 never calls `sync_unit` for an early sync in this mode), so no overlap is lost when the
 loop's micro-batch count differs from the plan.
+
+Under the `defer_update` pass the update graph leaves out the units the schedule defers:
+opt.step() writes their OS chunks back into the params shards and returns, owing their
+all-gathers; the next forward's graph issues them and waits each where its unit is first
+needed (graph_step.py [Note: deferred update as graphs]). Whatever reads the parameters
+before that forward runs them eagerly (`OwedUpdate.wait`, through the boundary's
+`complete_updates`, as it waits the eager runtime's deferred work).
 """
 from __future__ import annotations
 
 from shardc.lowering import Op, Phase
 
 from .graph_backend import compile_own
+from .graph_step import updated_shard
 from .graph_sync import synced_slice
+
+
+class OwedUpdate:
+    """A deferred unit's update all-gather, owed to the next forward's graph; `wait` runs it
+    now, eagerly, when something needs the parameters first."""
+
+    def __init__(self, comm, group):
+        self.comm, self.group = comm, group
+
+    def wait(self) -> None:
+        self.group.storage.shard.copy_(updated_shard(self.comm, self.group))
 
 
 class GraphStepOps:
     """The step's sync and update as compiled graphs over every unit (see Note)."""
     early = False
 
-    def __init__(self, units, comm, ledger, world: int, backend, early=None):
+    def __init__(self, units, comm, ledger, world: int, backend, early=None, deferred=()):
         self.units, self.comm, self.ledger, self.world = units, comm, ledger, world
         self.early = early                       # graph_sync.py: groups synced in the last backward
+        self.deferred = frozenset(deferred)      # units whose update the next forward's graph runs
         self._sync = compile_own(self._sync_graph, backend)
         self._sync_rest = compile_own(self._sync_rest_graph, backend)
         self._update = compile_own(self._update_graph, backend)
@@ -66,14 +86,15 @@ class GraphStepOps:
             lo, n = st.os_in_g, st.os_len                 # complete() materialized the shard
             st.grad_shard[lo:lo + n].copy_(synced_slice(self.comm, rs, ar, self.world, st.grad_shard, lo, n))
 
+    def _now(self):
+        """The groups updated at the step (the rest: deferred, see the module docstring)."""
+        return [u.trainable for u in self.units if u.trainable is not None and u.index not in self.deferred]
+
     def _update_graph(self) -> None:
-        for g in self._groups():
-            st, row = g.storage, g.gplan.row(Phase.UPDATE, Op.ALL_GATHER)
-            mine = st.shard[st.os_in_p:st.os_in_p + st.os_len]
-            if st.master_separate:
-                mine.copy_(st.master)
-            if row is not None:
-                st.shard.copy_(self.comm.all_gather(row, mine.clone()))
+        for g in self._now():
+            g.storage.master_into_shard()
+            if g.gplan.row(Phase.UPDATE, Op.ALL_GATHER) is not None:
+                g.storage.shard.copy_(updated_shard(self.comm, g))
 
     def _record(self, rows) -> None:
         for r in rows:
@@ -99,9 +120,16 @@ class GraphStepOps:
         self._record(self.sync_rows)
 
     def update(self) -> list:
-        self._update()
-        self._record(self.update_rows)
-        return []                        # the graph waited its gathers: nothing to defer
+        """The update graph; the deferred units' OS chunks written back: [(unit, OwedUpdate)]."""
+        if self._now():
+            self._update()
+        owed = []
+        for u in self.units:
+            if u.index in self.deferred:
+                u.trainable.storage.master_into_shard()
+                owed.append((u.index, OwedUpdate(self.comm, u.trainable)))
+        self._record(self.update_rows)   # the step owes them all, as in the eager runtime
+        return owed
 
     def zero(self) -> None:
         for g in self._groups():

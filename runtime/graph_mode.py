@@ -9,9 +9,10 @@ all-reduce) stay as they are.
 
 [Note: what the mode refuses]
 Each in one sentence naming the eager alternative, before anything is compiled: DTensor
-parameters, a unit of several modules (a bucket), plan passes other than `early_sync`
-(graph_sync.py; compiler/api.py `GRAPH_PASSES`), and a model dynamo cannot capture in one
-graph. It never falls back to eager silently.
+parameters, a unit of several modules (a bucket), and a model dynamo cannot capture in
+one graph. The plan passes run as in the eager runtime: `early_sync` in the backward that
+ends the step (graph_sync.py), `defer_update` in the forward after opt.step()
+(graph_step.py [Note: deferred update as graphs]). It never falls back to eager silently.
 """
 from __future__ import annotations
 
@@ -54,12 +55,12 @@ class GraphRuntime:
         secondaries = Secondaries(self.comm)
         self.backend = ScheduledInductor(schedule, _levels_of(smesh, rows), secondaries)
         early = EarlySync(units, schedule, self.comm, world)
-        ops = GraphStepOps(units, self.comm, ledger, world, self.backend, early)
+        deferred = schedule.update_deferred
+        ops = GraphStepOps(units, self.comm, ledger, world, self.backend, early, deferred)
         self.boundary = StepBoundary(units, strategy.accumulate, schedule, self.events, None, ops=ops)
-        self.step = GraphStep(model, units, self.comm, names_of, ledger, self.backend,
-                              on_backward=self._backward_done, secondaries=secondaries,
-                              on_backward_start=self.boundary.begin_backward, early=early,
-                              ends_step=self.boundary.backward_ends_step)
+        self.step = GraphStep(model, units, self.comm, names_of, ledger, self.backend, self.boundary,
+                              on_backward=self._backward_done, secondaries=secondaries, early=early,
+                              deferred=deferred)
 
     def collectives(self) -> list:
         """Every compiled graph's collectives in the order they are issued (the schedule that

@@ -28,6 +28,18 @@ A group with no reduce-scatter (s_G = 1, so s_P = 1: the shard is the full buffe
 one anchor per parameter, and its parameters are the anchors' own views of the shard
 (`slots_function`): the backward hands over each parameter's gradient, which
 `add_slot_grads` adds into its slice of the shard, and no flat gradient is built.
+
+[Note: deferred update as graphs]
+Under the `defer_update` pass opt.step() leaves the deferred units' update all-gathers
+owed (graph_boundary.py). The next forward (with or without gradients) is a graph of its
+own that begins by issuing them, unit by unit in forward order (`updated_shard`, tagged
+`UPDATE_TAG`), and writes each result back into its params shard; the unit's gathers and
+compute read that result, so graph_backend.py moves each wait to right before its unit
+first needs it ([Note: the update waited where it is needed] there): the eager
+runtime's rule (lowering/passes/defer_update.py [Note: deferred update]). What the
+graph gathers, recomputes and saves is otherwise the plain graph's. The boundary then
+owes nothing (`updates_ran`); a forward that finds only some of them owed completes those
+first, eagerly, and runs a graph without updates.
 """
 from __future__ import annotations
 
@@ -43,7 +55,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from shardc.dsl.errors import ShardcError
 from shardc.lowering import Op, Per, Phase
 
-from .graph_backend import GATHER_TAG, compile_own
+from .graph_backend import GATHER_TAG, UPDATE_TAG, compile_own
 from .graph_secondary import RECOMPUTE, SAVE
 
 _ATEN = torch.ops.aten
@@ -82,6 +94,14 @@ def gathered(comm, gather_row, shard):
     return comm.all_gather(gather_row, shard) if gather_row is not None else shard.view(-1)
 
 
+def updated_shard(comm, g):
+    """Trainable group g's params shard after the update: its OS chunk (written back into the
+    shard) all-gathered over OS∖P (the update row). The step's update graph, an owed update
+    run eagerly (graph_boundary.py) and the forward that runs the deferred ones all call it."""
+    st = g.storage
+    return comm.all_gather(g.gplan.row(Phase.UPDATE, Op.ALL_GATHER), st.shard[st.os_in_p:st.os_in_p + st.os_len].clone())
+
+
 def gather_function(comm, gather_row, reduce_row):
     """An autograd function for one trainable flat group: forward, its full buffer from its
     params shard (the gather row; none: the shard is the full buffer); backward, the full
@@ -116,13 +136,15 @@ class Slots(torch.autograd.Function):
 class GraphStep:
     """One micro-batch as one compiled graph (see the module note)."""
 
-    def __init__(self, model, units, comm, names_of, ledger, backend, on_backward, secondaries,
-                 on_backward_start=lambda: None, early=None, ends_step=lambda: False):
+    def __init__(self, model, units, comm, names_of, ledger, backend, boundary, on_backward, secondaries,
+                 early=None, deferred=()):
         self.model, self.units, self.comm, self.names_of, self.ledger = model, units, comm, names_of, ledger
-        self.on_backward, self.on_backward_start = on_backward, on_backward_start
-        self.early, self.ends_step = early, ends_step      # graph_sync.py: the early sync, or None
+        self.boundary, self.on_backward = boundary, on_backward       # boundary.py's StepBoundary
+        self.early = early                 # graph_sync.py: the early sync, or None
+        self.deferred = frozenset(deferred)      # units whose update a forward may owe
         self.anchors, self.gathers, self.secondary = {}, {}, {}
-        self._sync = False                 # read while tracing: which of the two graphs this is
+        self._sync = self._update = False  # read while tracing: which of the graphs this is
+        self._fresh: dict = {}             # while tracing an updating graph: group -> its new shard
         self._backward_sync = False        # the running backward is the sync graph's
         for u in units:
             for g in u.groups:
@@ -140,9 +162,11 @@ class GraphStep:
                                   f"backend='inductor' runs one module per unit: add `bucket 0` to the strategy, "
                                   f"or use the eager runtime (backend='eager')")
             self._wrap(u)
-        self._compiled = compile_own(self._micro, backend)
-        # the step's last micro-batch: the same function, its own graphs (compile_own's copy)
-        self._compiled_sync = compile_own(self._micro, backend) if early and early.functions else None
+        # the same function, its own graphs (compile_own's copy) for each of: the step's last
+        # micro-batch (the early sync) and the forward after opt.step() (the deferred updates)
+        self.can_sync = bool(early and early.functions)
+        self._graphs = {(sync, update): compile_own(self._micro, backend)
+                        for sync in {False, self.can_sync} for update in {False, bool(self.deferred)}}
         self.forward_rows = [r for u in units for g in u.groups for r in g.gplan.rows if r.per is Per.FORWARD]
         self.backward_rows = [r for u in units for g in u.groups for r in g.gplan.rows if r.per is Per.BACKWARD]
 
@@ -163,7 +187,7 @@ class GraphStep:
         """A backward is done: the anchors' gradients into the grad shards ([Note: gradient
         hand-off]); after the sync graph's backward, the synced slices too (graph_sync.py)."""
         synced, self._backward_sync = self._backward_sync, False
-        due = synced and self.ends_step()
+        due = synced and self.boundary.backward_ends_step()
         for u in self.units:
             g = u.trainable
             if g is None:
@@ -187,19 +211,20 @@ class GraphStep:
         for g in u.groups:
             st, gp = g.storage, g.gplan
             gather = gp.row(Phase.FORWARD, Op.ALL_GATHER)
+            shard = self._fresh.get(id(g), st.shard)        # updated in this graph, or as stored
             with fx_traceback.annotate({GATHER_TAG: u.index}):       # graph_backend.py's schedule pass
                 if g.trainable and id(g) not in self.gathers:      # slots: views of the shard
-                    views = Slots.apply(st.plain_views(st.shard), *self.anchors[id(g)])
+                    views = Slots.apply(st.plain_views(shard), *self.anchors[id(g)])
                     for s, view in zip(st.layout.slots, views):
                         for name in self.names_of[s.fqn]:
                             out[name[len(prefix):]] = view
                     continue
                 if g.trainable and self._sync and self.early.covers(g):     # graph_sync.py
-                    full = self.early.functions[id(g)].apply(st.shard, self.anchors[id(g)][0],
+                    full = self.early.functions[id(g)].apply(shard, self.anchors[id(g)][0],
                                                              self.early.anchors[id(g)], st.grad_shard,
                                                              self.early.keeps[id(g)])
                 elif g.trainable:
-                    full = self.gathers[id(g)].apply(st.shard, self.anchors[id(g)][0])
+                    full = self.gathers[id(g)].apply(shard, self.anchors[id(g)][0])
                 else:
                     full = self.comm.all_gather(gather, st.shard) if gather is not None else st.shard
                 if id(g) in self.secondary:
@@ -226,17 +251,40 @@ class GraphStep:
         module.forward = forward
 
     def _micro(self, *args, **kwargs):
-        with _reparametrize_module(self.model, self._views(self.units[0])):
-            return self.model(*args, **kwargs)
+        self._fresh = self._updated() if self._update else {}
+        try:
+            with _reparametrize_module(self.model, self._views(self.units[0])):
+                return self.model(*args, **kwargs)
+        finally:
+            self._fresh = {}
+
+    def _updated(self) -> dict:
+        """[Note: deferred update as graphs] each deferred unit's owed update, issued in
+        forward order, written back into its shard: {group: the new shard}."""
+        out = {}
+        for u in self.units:
+            if u.index in self.deferred:
+                g = u.trainable
+                with fx_traceback.annotate({UPDATE_TAG: u.index}):
+                    new = updated_shard(self.comm, g)
+                g.storage.shard.copy_(new)
+                out[id(g)] = new
+        return out
 
     # -- running it ----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        sync = self._compiled_sync is not None and torch.is_grad_enabled() and self.ends_step()
-        self._sync = sync
+        sync = self.can_sync and torch.is_grad_enabled() and self.boundary.backward_ends_step()
+        owed = self.boundary.pending_updates()
+        update = bool(owed) and set(owed) == self.deferred
+        if owed and not update:                # not the set the graph runs: complete them now
+            self.boundary.complete_updates()
+        self._sync, self._update = sync, update
         try:
-            out = (self._compiled_sync if sync else self._compiled)(*args, **kwargs)
+            out = self._graphs[sync, update](*args, **kwargs)
         finally:
-            self._sync = False
+            self._sync = self._update = False
+        if update:
+            self.boundary.updates_ran(owed)
         for r in self.forward_rows:
             self.ledger.record_row(r)
         tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -248,7 +296,7 @@ class GraphStep:
         """The compiled backward runs every unit's re-gather and reduce-scatter (and, in the
         sync graph, the early sync's rows): record them; when the autograd engine is done,
         the micro-batch counts (`on_backward`)."""
-        self.on_backward_start()               # the step boundary: a backward after the step ended folds
+        self.boundary.begin_backward()         # a backward after the step ended folds
         self._backward_sync = sync
         if sync:                               # after the fold: which shards the graph adds to
             self.early.prepare(u.trainable for u in self.units if u.trainable is not None)

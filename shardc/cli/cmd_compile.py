@@ -35,7 +35,7 @@ def add_arguments(p) -> None:
                    help='plan passes to run, comma-separated ("" for none; default: all of shardc.lowering.passes)')
     p.add_argument("--inductor", action="store_true",
                    help="the whole-step compiled mode: each micro-batch's forward and backward one Inductor graph, "
-                        "collectives included, and the step's sync and update one more (the early_sync plan pass only, bucket 0)")
+                        "collectives included, and the step's sync and update one more (bucket 0)")
     p.add_argument("-o", "--output", required=True, metavar="OUT.py")
 
 
