@@ -202,6 +202,7 @@ class CompiledGraph:
                                                       # ("matmul", (), 0, None) marks the compute between,
                                                       # ("wait", levels, bytes, None) a reduce-scatter's wait,
                                                       # (..., unit) a deferred update's all-gather's
+    code: str = ""                               # Inductor's generated code (what runs)
 
 
 class ScheduledInductor:
@@ -230,9 +231,12 @@ class ScheduledInductor:
         else:
             wait_updates_where_needed(gm.graph)
         gm.recompile()
-        self.graphs.append(self._record("backward" if backward else "forward", gm.graph))
+        record = self._record("backward" if backward else "forward", gm.graph)
+        self.graphs.append(record)
         with inductor_config.patch(reorder_for_compute_comm_overlap=False, reorder_for_peak_memory=False):
-            return compile_fx_inner(gm, example_inputs, **kwargs)
+            compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+        record.code = getattr(compiled, "source_code", "")
+        return compiled
 
     def _record(self, kind: str, graph) -> CompiledGraph:
         out = CompiledGraph(kind)

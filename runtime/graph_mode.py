@@ -64,7 +64,8 @@ class GraphRuntime:
 
     def collectives(self) -> list:
         """Every compiled graph's collectives in the order they are issued (the schedule that
-        runs; graph_backend.py): `CompiledGraph(kind, [(op, levels, elements, unit)])`."""
+        runs; graph_backend.py): `CompiledGraph(kind, [(op, levels, bytes, unit)], code)`,
+        `code` being Inductor's generated Python for the graph."""
         return list(self.backend.graphs)
 
     def forward(self, *args, **kwargs):
