@@ -94,7 +94,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
           lowering: Lowering | None = None, backend: str = "eager", init=None, device=None,
           rng=None) -> Built:
     graph_mode.check_backend(backend)
-    _refuse_experts(strategy, backend)
+    _refuse_graph_experts(strategy, backend)
     faults = Faults(timeout)
     if not dist.is_initialized():
         raise ShardcError(NEED_DIST)
@@ -119,15 +119,16 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     specs = list(units)
     per_unit = unit_members(specs, aliases)              # [Note: unit membership]
     canonical = [dataclasses.replace(u, params=tuple(n)) for u, n in zip(specs, per_unit)]
-    lowered = _lowered(lowering, passes, strategy, unit_sizes(local, canonical, expert_group(strategy)))
+    lowered = _lowered(lowering, passes, strategy, unit_sizes(local, canonical, experts))
     # the one plan: what each unit does and the schedule the engine follows
     lowering = dataclasses.replace(lowered, schedule=_checked(schedule, lowered.schedule, len(specs),
                                                               hooks or backend == "inductor"))
-    _warm_groups(comm, ecomm, strategy, specs)
+    _warm_groups(comm, ecomm, experts, specs)
     for c in {id(comm): comm, id(ecomm): ecomm}.values():
         faults.apply_timeout(c.smesh)
     faults.register()
-    states = _units(specs, per_unit, lowering, frozen, local, targets, dtensors, strategy, (comm, ecomm), faults, dev)
+    states = _units(specs, per_unit, lowering, frozen, local, targets, dtensors, strategy, experts, (comm, ecomm),
+                    faults, dev)
     unset = _values(source, model, states, params, targets, init, dev, (comm.smesh, ecomm.smesh), rng)
     for places in targets.values():
         for mod, attr in places:
@@ -154,15 +155,14 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
                  names_of, frozen, tp, lowering, runtime, hooks, pset, dtensors)
 
 
-def _refuse_experts(strategy: Strategy, backend: str) -> None:
+def _refuse_graph_experts(strategy: Strategy, backend: str) -> None:
     """Expert groups do not run in the whole-step mode yet: one sentence."""
     e = strategy.experts
-    if e is None:
+    if e is None or backend != "inductor":
         return
     where = f"{strategy.file}:{e.line}" if e.line else strategy.file
-    if backend == "inductor":
-        raise ShardcError(f"{where}: backend='inductor' does not take an `experts` statement yet; "
-                          f"use the eager runtime (backend='eager')")
+    raise ShardcError(f"{where}: backend='inductor' does not take an `experts` statement yet; "
+                      f"use the eager runtime (backend='eager')")
 
 
 # -- where the values come from -------------------------------------------------------------
@@ -254,12 +254,11 @@ def _values(source: Source, model, states, params, targets, init, dev, smeshes, 
 
 
 # -- units ------------------------------------------------------------------------------------
-def _units(specs, per_unit, lowering, frozen, local, targets, tp, strategy, comms, faults, dev) -> list:
+def _units(specs, per_unit, lowering, frozen, local, targets, tp, strategy, experts, comms, faults, dev) -> list:
     """The sharded units; an expert group's rows run on the experts' Comm (`comms`: the
     dense and the experts'), divided by the whole data-parallel world like every group's
     (runtime/experts.py, [Note: expert gradients are averaged over the whole data-parallel degree])."""
     states, workspace = [], Workspace()        # one reduce workspace for every unit
-    experts = expert_group(strategy)
     for i, (spec, names, uplan) in enumerate(zip(specs, per_unit, lowering.units)):
         plans = {False: RankPlan(strategy.mesh, spec.scopes, comms[0].rank)}
         if experts is not None:
@@ -290,9 +289,9 @@ def _placeholders(u: UnitState, runtime, backend: str) -> None:
                 setattr(mod, attr, torch.empty(s.shape, dtype=g.storage.pdtype, device="meta"))
 
 
-def _warm_groups(comm, ecomm, strategy, specs) -> None:
-    """Create every process group up front, in the same order on every rank."""
-    experts = expert_group(strategy)
+def _warm_groups(comm, ecomm, experts, specs) -> None:
+    """Create every process group up front, in the same order on every rank (`experts`: the
+    strategy's expert group, or None)."""
     scopes = [(spec.scopes, comm) for spec in specs] + ([(experts.scopes, ecomm)] if experts is not None else [])
     for sc, c in scopes:
         plan = RankPlan(c.smesh.mesh, sc, c.rank)
