@@ -205,8 +205,18 @@ STATES = tuple(f.name for f in fields(Scopes))
 DEPENDENCY = tuple(zip(STATES, STATES[1:]))
 
 
+class PartialScopes:
+    """A block that scopes some of the states over the top-level statements (an override's,
+    the experts'): a state it does not mention is None."""
+    __slots__ = ()
+
+    def sets(self) -> tuple[str, ...]:
+        """The states the block mentions, in dependency order."""
+        return tuple(k for k in STATES if getattr(self, k) is not None)
+
+
 @dataclass(frozen=True, slots=True)
-class Override:
+class Override(PartialScopes):
     """An override block; it is partial: a state it does not mention is None (not set by it)."""
     pattern: str                      # glob over unit/module names, e.g. "transformer.h.0"
     params: ParamsSpec | None = None
@@ -214,12 +224,9 @@ class Override:
     optim: OptimSpec | None = None
     line: int = 0
 
-    def sets(self) -> tuple[str, ...]:
-        return tuple(k for k in STATES if getattr(self, k) is not None)
-
 
 @dataclass(frozen=True, slots=True)
-class Experts:
+class Experts(PartialScopes):
     """The `experts` statement: the MoE expert parameters (a glob over parameter and module
     FQNs), the expert-parallel degree `ep` and the level it borrows its ranks from (the
     innermost ranks of `level`; `ep` = that level's size: the whole level), and the
@@ -238,9 +245,6 @@ class Experts:
     grads: GradsSpec | None = None
     optim: OptimSpec | None = None
     line: int = 0
-
-    def sets(self) -> tuple[str, ...]:
-        return tuple(k for k in STATES if getattr(self, k) is not None)
 
 
 class UnitsKind(CodeEnum):
