@@ -231,11 +231,13 @@ class FlatGroup:
         self.syncing = None
 
     # -- update ---------------------------------------------------------------------
-    def update_issue(self, record: bool = True):
-        """After the optimizer step: write the OS chunk back and all-gather over OS∖P.
-        `record=False` (a checkpoint load): the same gather, left out of the ledger."""
+    def update_issue(self, record: bool = True, out=None):
+        """After the optimizer step: write the OS chunk back and all-gather over OS∖P into
+        the params shard (or `out`, a buffer shaped like it: the whole-step mode's deferred
+        update, graph_boundary.py). `record=False` (a checkpoint load, the whole-step mode):
+        the same gather, left out of the ledger."""
         mine = self.storage.master_into_shard()
         row = self._row(Phase.UPDATE, Op.ALL_GATHER)
         if row is None:
             return DoneWork()
-        return self.comm.all_gather(row, self.storage.shard, mine.clone(), record=record)
+        return self.comm.all_gather(row, self.storage.shard if out is None else out, mine.clone(), record=record)

@@ -40,14 +40,14 @@ own); what several chains feed (the pieces' `cat`) and what runs out of chains g
 the graph's end. Only waits and their consumers move, never an issue ahead of its place.
 
 [Note: the update waited where it is needed]
-A forward that runs deferred updates (graph_step.py [Note: deferred update as graphs])
-issues them at its start, traced in forward order, each waited right after its issue.
+A forward that waits deferred updates (graph_step.py [Note: deferred update as graphs])
+traces each wait (`shardc::await_update`) at its start, in forward order.
 `wait_updates_where_needed` moves each unit's wait (and what it feeds among the update's
-own nodes: a cast, a later stage) to just before the first node outside the update that
-reads it — that unit's gather issue, wherever `follow_schedule` put it, or its compute —
-so each update's all-gather is in flight over the compute of the units before it, as
-the eager runtime waits a deferred update right before its unit is needed. A unit's
-gather issue chain stops at its update (`_issue_chain`): the update is issued earlier.
+own nodes) to just before the first node outside the update that reads it — that unit's
+gather issue, wherever `follow_schedule` put it, or its compute — so each update's
+all-gather, issued at opt.step(), stays in flight over the compute of the units before
+it, as the eager runtime waits a deferred update right before its unit is needed. A
+unit's gather issue chain stops at its update (`_issue_chain`).
 """
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ from shardc.lowering import Schedule
 
 from .funcol import AS_TAG
 from .graph_secondary import resolve_secondary
+from .graph_update import AWAIT
 
 GATHER_TAG = "shardc_gather"          # node.meta["custom"][GATHER_TAG] = the unit the node gathers
 UPDATE_TAG = "shardc_update"          # node.meta["custom"][UPDATE_TAG] = the unit whose deferred update it runs
@@ -134,7 +135,7 @@ def wait_updates_where_needed(graph) -> None:
     order = {n: i for i, n in enumerate(graph.nodes)}
     for unit in sorted({_updating(n) for n in graph.nodes} - {None}):
         own = [n for n in graph.nodes if _updating(n) == unit]
-        waits = [n for n in own if n.target in WAITS]
+        waits = [n for n in own if n.target in WAITS or n.target is AWAIT]
         if not waits:
             continue
         later = _downstream(waits[:1])
@@ -201,7 +202,7 @@ class CompiledGraph:
     collectives: list = field(default_factory=list)   # (op, levels, bytes, unit or None), issue order;
                                                       # ("matmul", (), 0, None) marks the compute between,
                                                       # ("wait", levels, bytes, None) a reduce-scatter's wait,
-                                                      # (..., unit) a deferred update's all-gather's
+                                                      # ("wait", (), bytes, unit) a deferred update's
     code: str = ""                               # Inductor's generated code (what runs)
 
 
@@ -250,10 +251,9 @@ class ScheduledInductor:
             elif n.op == "call_function" and n.target in WAITS and n.args[0].target in _REDUCES:
                 r = n.args[0]
                 out.collectives.append(("wait", self.levels_of.get(_group(r), ()), _bytes(r), None))
-            elif n.op == "call_function" and n.target in WAITS and n.args[0].target is _AG \
-                    and _updating(n.args[0]) is not None:
-                r = n.args[0]                                 # a deferred update's all-gather
-                out.collectives.append(("wait", self.levels_of.get(_group(r), ()), _bytes(r), _updating(r)))
+            elif n.op == "call_function" and n.target is AWAIT:        # a deferred update's all-gather
+                t = n.args[0].meta["val"]
+                out.collectives.append(("wait", (), t.numel() * t.element_size(), _updating(n)))
         return out
 
 

@@ -21,40 +21,33 @@ never calls `sync_unit` for an early sync in this mode), so no overlap is lost w
 loop's micro-batch count differs from the plan.
 
 Under the `defer_update` pass the update graph leaves out the units the schedule defers:
-opt.step() writes their OS chunks back into the params shards and returns, owing their
-all-gathers; the next forward's graph issues them and waits each where its unit is first
-needed (graph_step.py [Note: deferred update as graphs]). Whatever reads the parameters
-before that forward runs them eagerly (`OwedUpdate.wait`, through the boundary's
-`complete_updates`, as it waits the eager runtime's deferred work).
+opt.step() issues their update all-gathers eagerly and returns, owing them to the next
+forward's graph (graph_update.py [Note: deferred updates, issued at the step]).
 """
 from __future__ import annotations
 
 from shardc.lowering import Op, Phase
 
 from .graph_backend import compile_own
-from .graph_step import updated_shard
 from .graph_sync import synced_slice
+from .graph_update import OwedUpdate
 
-
-class OwedUpdate:
-    """A deferred unit's update all-gather, owed to the next forward's graph; `wait` runs it
-    now, eagerly, when something needs the parameters first."""
-
-    def __init__(self, comm, group):
-        self.comm, self.group = comm, group
-
-    def wait(self) -> None:
-        self.group.storage.shard.copy_(updated_shard(self.comm, self.group))
+def updated_shard(comm, g):
+    """Trainable group g's params shard after the update: its OS chunk (written back into the
+    shard) all-gathered over OS∖P (the update row), in the step's update graph."""
+    st = g.storage
+    return comm.all_gather(g.gplan.row(Phase.UPDATE, Op.ALL_GATHER), st.shard[st.os_in_p:st.os_in_p + st.os_len].clone())
 
 
 class GraphStepOps:
     """The step's sync and update as compiled graphs over every unit (see Note)."""
     early = False
 
-    def __init__(self, units, comm, ledger, world: int, backend, early=None, deferred=()):
+    def __init__(self, units, comm, ledger, world: int, backend, early=None, keys=None):
         self.units, self.comm, self.ledger, self.world = units, comm, ledger, world
         self.early = early                       # graph_sync.py: groups synced in the last backward
-        self.deferred = frozenset(deferred)      # units whose update the next forward's graph runs
+        self.keys = keys.of if keys is not None else {}   # deferred unit -> its owed update's key
+        self.deferred = frozenset(self.keys)
         self._sync = compile_own(self._sync_graph, backend)
         self._sync_rest = compile_own(self._sync_rest_graph, backend)
         self._update = compile_own(self._update_graph, backend)
@@ -120,14 +113,10 @@ class GraphStepOps:
         self._record(self.sync_rows)
 
     def update(self) -> list:
-        """The update graph; the deferred units' OS chunks written back: [(unit, OwedUpdate)]."""
+        """The update graph; the deferred units' update all-gathers issued: [(unit, OwedUpdate)]."""
         if self._now():
             self._update()
-        owed = []
-        for u in self.units:
-            if u.index in self.deferred:
-                u.trainable.storage.master_into_shard()
-                owed.append((u.index, OwedUpdate(self.comm, u.trainable)))
+        owed = [(u.index, OwedUpdate(u.trainable, self.keys[u.index])) for u in self.units if u.index in self.deferred]
         self._record(self.update_rows)   # the step owes them all, as in the eager runtime
         return owed
 

@@ -11,8 +11,8 @@ all-reduce) stay as they are.
 Each in one sentence naming the eager alternative, before anything is compiled: DTensor
 parameters, a unit of several modules (a bucket), and a model dynamo cannot capture in
 one graph. The plan passes run as in the eager runtime: `early_sync` in the backward that
-ends the step (graph_sync.py), `defer_update` in the forward after opt.step()
-(graph_step.py [Note: deferred update as graphs]). It never falls back to eager silently.
+ends the step (graph_sync.py), `defer_update` from opt.step() to the next forward
+(graph_update.py, graph_step.py [Note: deferred update as graphs]). It never falls back to eager silently.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from .graph_boundary import GraphStepOps
 from .graph_secondary import Secondaries
 from .graph_step import GraphStep
 from .graph_sync import EarlySync
+from .graph_update import UpdateKeys
 
 BACKENDS = ("eager", "inductor")
 EAGER = "use the eager runtime (backend='eager', the default)"
@@ -55,12 +56,12 @@ class GraphRuntime:
         secondaries = Secondaries(self.comm)
         self.backend = ScheduledInductor(schedule, _levels_of(smesh, rows), secondaries)
         early = EarlySync(units, schedule, self.comm, world)
-        deferred = schedule.update_deferred
-        ops = GraphStepOps(units, self.comm, ledger, world, self.backend, early, deferred)
+        keys = UpdateKeys(schedule.update_deferred)
+        ops = GraphStepOps(units, self.comm, ledger, world, self.backend, early, keys)
         self.boundary = StepBoundary(units, strategy.accumulate, schedule, self.events, None, ops=ops)
         self.step = GraphStep(model, units, self.comm, names_of, ledger, self.backend, self.boundary,
                               on_backward=self._backward_done, secondaries=secondaries, early=early,
-                              deferred=deferred)
+                              keys=keys)
 
     def collectives(self) -> list:
         """Every compiled graph's collectives in the order they are issued (the schedule that

@@ -30,16 +30,17 @@ one anchor per parameter, and its parameters are the anchors' own views of the s
 `add_slot_grads` adds into its slice of the shard, and no flat gradient is built.
 
 [Note: deferred update as graphs]
-Under the `defer_update` pass opt.step() leaves the deferred units' update all-gathers
-owed (graph_boundary.py). The next forward (with or without gradients) is a graph of its
-own that begins by issuing them, unit by unit in forward order (`updated_shard`, tagged
-`UPDATE_TAG`), and writes each result back into its params shard; the unit's gathers and
-compute read that result, so graph_backend.py moves each wait to right before its unit
-first needs it ([Note: the update waited where it is needed] there): the eager
-runtime's rule (lowering/passes/defer_update.py [Note: deferred update]). What the
-graph gathers, recomputes and saves is otherwise the plain graph's. The boundary then
-owes nothing (`updates_ran`); a forward that finds only some of them owed completes those
-first, eagerly, and runs a graph without updates.
+Under the `defer_update` pass opt.step() issues the deferred units' update all-gathers and
+returns owing them (graph_update.py [Note: deferred updates, issued at the step]). The
+next forward (with or without gradients) is a graph of its own that waits each one with
+the opaque op `shardc::await_update` (tagged `UPDATE_TAG`) and writes the result back
+into its params shard; the unit's gathers and compute read that result, so
+graph_backend.py moves each wait to right before its unit first needs it ([Note: the
+update waited where it is needed] there): the eager runtime's rule
+(lowering/passes/defer_update.py [Note: deferred update]). What the graph gathers,
+recomputes and saves is otherwise the plain graph's. The boundary then owes nothing
+(`updates_ran`); a forward that finds only some of them owed completes those first,
+eagerly, and runs a graph without updates.
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ from shardc.lowering import Op, Per, Phase
 
 from .graph_backend import GATHER_TAG, UPDATE_TAG, compile_own
 from .graph_secondary import RECOMPUTE, SAVE
+from . import graph_update  # noqa: F401 — registers shardc::await_update
 
 _ATEN = torch.ops.aten
 GATHER_OPS = frozenset({torch.ops._c10d_functional.all_gather_into_tensor.default,
@@ -94,14 +96,6 @@ def gathered(comm, gather_row, shard):
     return comm.all_gather(gather_row, shard) if gather_row is not None else shard.view(-1)
 
 
-def updated_shard(comm, g):
-    """Trainable group g's params shard after the update: its OS chunk (written back into the
-    shard) all-gathered over OS∖P (the update row). The step's update graph, an owed update
-    run eagerly (graph_boundary.py) and the forward that runs the deferred ones all call it."""
-    st = g.storage
-    return comm.all_gather(g.gplan.row(Phase.UPDATE, Op.ALL_GATHER), st.shard[st.os_in_p:st.os_in_p + st.os_len].clone())
-
-
 def gather_function(comm, gather_row, reduce_row):
     """An autograd function for one trainable flat group: forward, its full buffer from its
     params shard (the gather row; none: the shard is the full buffer); backward, the full
@@ -137,11 +131,12 @@ class GraphStep:
     """One micro-batch as one compiled graph (see the module note)."""
 
     def __init__(self, model, units, comm, names_of, ledger, backend, boundary, on_backward, secondaries,
-                 early=None, deferred=()):
+                 early=None, keys=None):
         self.model, self.units, self.comm, self.names_of, self.ledger = model, units, comm, names_of, ledger
         self.boundary, self.on_backward = boundary, on_backward       # boundary.py's StepBoundary
         self.early = early                 # graph_sync.py: the early sync, or None
-        self.deferred = frozenset(deferred)      # units whose update a forward may owe
+        self.keys = keys.of if keys is not None else {}   # graph_update.py: deferred unit -> key
+        self.deferred = frozenset(self.keys)     # units whose update a forward may owe
         self.anchors, self.gathers, self.secondary = {}, {}, {}
         self._sync = self._update = False  # read while tracing: which of the graphs this is
         self._fresh: dict = {}             # while tracing an updating graph: group -> its new shard
@@ -259,14 +254,14 @@ class GraphStep:
             self._fresh = {}
 
     def _updated(self) -> dict:
-        """[Note: deferred update as graphs] each deferred unit's owed update, issued in
-        forward order, written back into its shard: {group: the new shard}."""
+        """[Note: deferred update as graphs] each deferred unit's owed update, waited,
+        written back into its shard: {group: the new shard}."""
         out = {}
         for u in self.units:
             if u.index in self.deferred:
                 g = u.trainable
                 with fx_traceback.annotate({UPDATE_TAG: u.index}):
-                    new = updated_shard(self.comm, g)
+                    new = torch.ops.shardc.await_update(g.storage.shard, self.keys[u.index])
                 g.storage.shard.copy_(new)
                 out[id(g)] = new
         return out

@@ -1,0 +1,66 @@
+"""Deferred updates in the whole-step mode — stage: runtime (`backend="inductor"`, the
+`defer_update` plan pass).
+
+Input: the deferred units' trainable flat groups (their eager update all-gather,
+flat_group.py `update_issue`). Output: `OwedUpdate` (one update in flight from opt.step()
+on), `UpdateKeys` (each deferred unit's key) and the opaque op `shardc::await_update`
+(`AWAIT`) the forward's graph waits one with (graph_step.py).
+
+[Note: deferred updates, issued at the step]
+Under the `defer_update` pass the update graph leaves out the units the schedule defers.
+opt.step() issues their update all-gathers as the eager runtime does (each group's own
+`update_issue`, eagerly, into a buffer of its own) and returns; the next forward's graph
+waits each one with the opaque op `shardc::await_update`, right before its unit is first
+needed, and writes the result into the params shard (graph_step.py [Note: deferred
+update as graphs]). So the gathers travel while the loop zeroes the gradients and loads
+the next batch, as eagerly. Whatever reads the parameters before that forward completes
+them here (`OwedUpdate.wait`, through the boundary's `complete_updates`, as it waits the
+eager runtime's deferred work). An owed update is keyed by an int the graph carries as a
+constant (`UpdateKeys`): the op finds its in-flight work in `_OWED`.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+_OWED: dict[int, tuple] = {}            # key -> (the update all-gather's work, its buffer)
+_KEYS = itertools.count()
+
+
+@torch.library.custom_op("shardc::await_update", mutates_args=())
+def await_update(shard: torch.Tensor, key: int) -> torch.Tensor:
+    """The params shard after the owed update `key` (see Note): its all-gather waited."""
+    work, buf = _OWED.pop(key)
+    work.wait()
+    return buf
+
+
+@await_update.register_fake
+def _(shard, key):
+    return torch.empty_like(shard)
+
+
+AWAIT = torch.ops.shardc.await_update.default
+
+
+class UpdateKeys:
+    """The key of each deferred unit's owed update, fixed when the runtime is built."""
+
+    def __init__(self, deferred):
+        self.of = {i: next(_KEYS) for i in sorted(deferred)}
+
+
+class OwedUpdate:
+    """A deferred unit's update all-gather, in flight since opt.step() and owed to the next
+    forward's graph; `wait` completes it now, when something needs the parameters first."""
+
+    def __init__(self, group, key: int):
+        self.group, self.key = group, key
+        buf = torch.empty_like(group.storage.shard)
+        _OWED[key] = (group.update_issue(record=False, out=buf), buf)
+
+    def wait(self) -> None:
+        work, buf = _OWED.pop(self.key)
+        work.wait()
+        self.group.storage.shard.copy_(buf)
