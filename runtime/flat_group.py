@@ -234,7 +234,7 @@ class FlatGroup:
     def update_issue(self, record: bool = True, out=None):
         """After the optimizer step: write the OS chunk back and all-gather over OS∖P into
         the params shard (or `out`, a buffer shaped like it: the whole-step mode's deferred
-        update, graph_boundary.py). `record=False` (a checkpoint load, the whole-step mode):
+        update, graph_update.py). `record=False` (a checkpoint load, the whole-step mode):
         the same gather, left out of the ledger."""
         mine = self.storage.master_into_shard()
         row = self._row(Phase.UPDATE, Op.ALL_GATHER)

@@ -42,9 +42,9 @@ the graph's end. Only waits and their consumers move, never an issue ahead of it
 [Note: the update waited where it is needed]
 A forward that waits deferred updates (graph_step.py [Note: deferred update as graphs])
 traces each wait (`shardc::await_update`) at its start, in forward order.
-`wait_updates_where_needed` moves each unit's wait (and what it feeds among the update's
-own nodes) to just before the first node outside the update that reads it — that unit's
-gather issue, wherever `follow_schedule` put it, or its compute — so each update's
+`wait_updates_where_needed` moves each unit's wait to just before the first node that
+reads it — that unit's gather issue, wherever `follow_schedule` put it, or its
+compute — so each update's
 all-gather, issued at opt.step(), stays in flight over the compute of the units before
 it, as the eager runtime waits a deferred update right before its unit is needed. A
 unit's gather issue chain stops at its update (`_issue_chain`).
@@ -133,17 +133,8 @@ def follow_schedule(graph, stages) -> None:
 def wait_updates_where_needed(graph) -> None:
     """[Note: the update waited where it is needed] for a forward graph."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for unit in sorted({_updating(n) for n in graph.nodes} - {None}):
-        own = [n for n in graph.nodes if _updating(n) == unit]
-        waits = [n for n in own if n.target in WAITS or n.target is AWAIT]
-        if not waits:
-            continue
-        later = _downstream(waits[:1])
-        seg = [n for n in own if n in later]
-        outside = [u for n in seg for u in n.users if _updating(u) != unit]
-        first = min(outside, key=order.__getitem__)
-        for n in seg:
-            first.prepend(n)
+    for wait in [n for n in graph.nodes if n.target is AWAIT]:
+        min(wait.users, key=order.__getitem__).prepend(wait)
 
 
 _REDUCES = (_C10D.reduce_scatter_tensor.default, _C10D.all_to_all_single.default)
@@ -244,8 +235,7 @@ class ScheduledInductor:
         for n in graph.nodes:
             if n.op == "call_function" and n.target in ISSUES:
                 op = (n.meta.get("custom") or {}).get(AS_TAG, ISSUES[n.target])
-                unit = _unit(n) if _updating(n) is None else _updating(n)
-                out.collectives.append((op, self.levels_of.get(_group(n), ()), _bytes(n), unit))
+                out.collectives.append((op, self.levels_of.get(_group(n), ()), _bytes(n), _unit(n)))
             elif n.op == "call_function" and n.target in MATMULS:
                 out.collectives.append(("matmul", (), 0, None))
             elif n.op == "call_function" and n.target in WAITS and n.args[0].target in _REDUCES:

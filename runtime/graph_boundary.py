@@ -32,12 +32,6 @@ from .graph_backend import compile_own
 from .graph_sync import synced_slice
 from .graph_update import OwedUpdate
 
-def updated_shard(comm, g):
-    """Trainable group g's params shard after the update: its OS chunk (written back into the
-    shard) all-gathered over OS∖P (the update row), in the step's update graph."""
-    st = g.storage
-    return comm.all_gather(g.gplan.row(Phase.UPDATE, Op.ALL_GATHER), st.shard[st.os_in_p:st.os_in_p + st.os_len].clone())
-
 
 class GraphStepOps:
     """The step's sync and update as compiled graphs over every unit (see Note)."""
@@ -46,8 +40,7 @@ class GraphStepOps:
     def __init__(self, units, comm, ledger, world: int, backend, early=None, keys=None):
         self.units, self.comm, self.ledger, self.world = units, comm, ledger, world
         self.early = early                       # graph_sync.py: groups synced in the last backward
-        self.keys = keys.of if keys is not None else {}   # deferred unit -> its owed update's key
-        self.deferred = frozenset(self.keys)
+        self.keys = keys or {}                   # graph_update.py: deferred unit -> its owed update's key
         self._sync = compile_own(self._sync_graph, backend)
         self._sync_rest = compile_own(self._sync_rest_graph, backend)
         self._update = compile_own(self._update_graph, backend)
@@ -81,13 +74,13 @@ class GraphStepOps:
 
     def _now(self):
         """The groups updated at the step (the rest: deferred, see the module docstring)."""
-        return [u.trainable for u in self.units if u.trainable is not None and u.index not in self.deferred]
+        return [u.trainable for u in self.units if u.trainable is not None and u.index not in self.keys]
 
     def _update_graph(self) -> None:
         for g in self._now():
-            g.storage.master_into_shard()
-            if g.gplan.row(Phase.UPDATE, Op.ALL_GATHER) is not None:
-                g.storage.shard.copy_(updated_shard(self.comm, g))
+            mine, row = g.storage.master_into_shard(), g.gplan.row(Phase.UPDATE, Op.ALL_GATHER)
+            if row is not None:
+                g.storage.shard.copy_(self.comm.all_gather(row, mine.clone()))
 
     def _record(self, rows) -> None:
         for r in rows:
@@ -116,7 +109,7 @@ class GraphStepOps:
         """The update graph; the deferred units' update all-gathers issued: [(unit, OwedUpdate)]."""
         if self._now():
             self._update()
-        owed = [(u.index, OwedUpdate(u.trainable, self.keys[u.index])) for u in self.units if u.index in self.deferred]
+        owed = [(u.index, OwedUpdate(u.trainable, self.keys[u.index])) for u in self.units if u.index in self.keys]
         self._record(self.update_rows)   # the step owes them all, as in the eager runtime
         return owed
 

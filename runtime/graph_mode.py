@@ -27,7 +27,7 @@ from .graph_boundary import GraphStepOps
 from .graph_secondary import Secondaries
 from .graph_step import GraphStep
 from .graph_sync import EarlySync
-from .graph_update import UpdateKeys
+from .graph_update import update_keys
 
 BACKENDS = ("eager", "inductor")
 EAGER = "use the eager runtime (backend='eager', the default)"
@@ -56,7 +56,7 @@ class GraphRuntime:
         secondaries = Secondaries(self.comm)
         self.backend = ScheduledInductor(schedule, _levels_of(smesh, rows), secondaries)
         early = EarlySync(units, schedule, self.comm, world)
-        keys = UpdateKeys(schedule.update_deferred)
+        keys = update_keys(schedule.update_deferred)
         ops = GraphStepOps(units, self.comm, ledger, world, self.backend, early, keys)
         self.boundary = StepBoundary(units, strategy.accumulate, schedule, self.events, None, ops=ops)
         self.step = GraphStep(model, units, self.comm, names_of, ledger, self.backend, self.boundary,

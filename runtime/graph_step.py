@@ -135,8 +135,7 @@ class GraphStep:
         self.model, self.units, self.comm, self.names_of, self.ledger = model, units, comm, names_of, ledger
         self.boundary, self.on_backward = boundary, on_backward       # boundary.py's StepBoundary
         self.early = early                 # graph_sync.py: the early sync, or None
-        self.keys = keys.of if keys is not None else {}   # graph_update.py: deferred unit -> key
-        self.deferred = frozenset(self.keys)     # units whose update a forward may owe
+        self.keys = keys or {}             # graph_update.py: deferred unit -> its owed update's key
         self.anchors, self.gathers, self.secondary = {}, {}, {}
         self._sync = self._update = False  # read while tracing: which of the graphs this is
         self._fresh: dict = {}             # while tracing an updating graph: group -> its new shard
@@ -161,7 +160,7 @@ class GraphStep:
         # micro-batch (the early sync) and the forward after opt.step() (the deferred updates)
         self.can_sync = bool(early and early.functions)
         self._graphs = {(sync, update): compile_own(self._micro, backend)
-                        for sync in {False, self.can_sync} for update in {False, bool(self.deferred)}}
+                        for sync in {False, self.can_sync} for update in {False, bool(self.keys)}}
         self.forward_rows = [r for u in units for g in u.groups for r in g.gplan.rows if r.per is Per.FORWARD]
         self.backward_rows = [r for u in units for g in u.groups for r in g.gplan.rows if r.per is Per.BACKWARD]
 
@@ -258,7 +257,7 @@ class GraphStep:
         written back into its shard: {group: the new shard}."""
         out = {}
         for u in self.units:
-            if u.index in self.deferred:
+            if u.index in self.keys:
                 g = u.trainable
                 with fx_traceback.annotate({UPDATE_TAG: u.index}):
                     new = torch.ops.shardc.await_update(g.storage.shard, self.keys[u.index])
@@ -270,7 +269,7 @@ class GraphStep:
     def __call__(self, *args, **kwargs):
         sync = self.can_sync and torch.is_grad_enabled() and self.boundary.backward_ends_step()
         owed = self.boundary.pending_updates()
-        update = bool(owed) and set(owed) == self.deferred
+        update = bool(owed) and set(owed) == set(self.keys)
         if owed and not update:                # not the set the graph runs: complete them now
             self.boundary.complete_updates()
         self._sync, self._update = sync, update

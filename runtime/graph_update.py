@@ -3,7 +3,7 @@
 
 Input: the deferred units' trainable flat groups (their eager update all-gather,
 flat_group.py `update_issue`). Output: `OwedUpdate` (one update in flight from opt.step()
-on), `UpdateKeys` (each deferred unit's key) and the opaque op `shardc::await_update`
+on), `update_keys` (each deferred unit's key) and the opaque op `shardc::await_update`
 (`AWAIT`) the forward's graph waits one with (graph_step.py).
 
 [Note: deferred updates, issued at the step]
@@ -16,7 +16,7 @@ update as graphs]). So the gathers travel while the loop zeroes the gradients an
 the next batch, as eagerly. Whatever reads the parameters before that forward completes
 them here (`OwedUpdate.wait`, through the boundary's `complete_updates`, as it waits the
 eager runtime's deferred work). An owed update is keyed by an int the graph carries as a
-constant (`UpdateKeys`): the op finds its in-flight work in `_OWED`.
+constant (`update_keys`): the op finds its in-flight work in `_OWED`.
 """
 from __future__ import annotations
 
@@ -44,11 +44,9 @@ def _(shard, key):
 AWAIT = torch.ops.shardc.await_update.default
 
 
-class UpdateKeys:
+def update_keys(deferred) -> dict[int, int]:
     """The key of each deferred unit's owed update, fixed when the runtime is built."""
-
-    def __init__(self, deferred):
-        self.of = {i: next(_KEYS) for i in sorted(deferred)}
+    return {i: next(_KEYS) for i in sorted(deferred)}
 
 
 class OwedUpdate:
