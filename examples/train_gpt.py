@@ -164,7 +164,6 @@ def save_checkpoint(root: str, sm, opt, step: int) -> None:
 def resume(root: str | None, sm, opt) -> int:
     """Load the latest checkpoint under `root` (if any); returns the step to start from."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     path, _ = latest_checkpoint(root)
     if path is None:
@@ -172,11 +171,10 @@ def resume(root: str | None, sm, opt) -> int:
     msd, osd = get_state_dict(sm, opt)
     state = {"model": msd, "optim": osd, "step": 0}
     try:
-        dcp.load(state, checkpoint_id=path)
-    except CheckpointException as e:        # every rank's traceback: name the first failure
-        exc = next(iter(e.failures.values()))[0] if e.failures else e
-        raise shardc.ShardcError(f"cannot resume from {path}: {exc} (a checkpoint of another model or "
-                                 f"configuration? start with another --checkpoint-dir)") from None
+        with shardc.checkpoint_errors(path):  # every rank's traceback -> one sentence naming the first failure
+            dcp.load(state, checkpoint_id=path)
+    except shardc.ShardcError as e:
+        raise shardc.ShardcError(f"cannot resume: {e} (start with another --checkpoint-dir)") from None
     set_state_dict(sm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if dist.get_rank() == 0:
         print(f"resumed from {path} (step {state['step']})", flush=True)

@@ -5,7 +5,7 @@ Imports are lazy so `import shardc` stays cheap for the CLI.
 """
 from shardc.dsl.errors import ShardcError
 
-__all__ = ["ShardcError", "load_strategy", "compile", "distributed", "buffers_only", "load_safetensors"]
+__all__ = ["ShardcError", "load_strategy", "compile", "distributed", "buffers_only", "load_safetensors", "checkpoint_errors"]
 __version__ = "0.1.0"
 
 
@@ -46,12 +46,22 @@ def buffers_only(fn):
     return BuffersOnly(fn)
 
 
-def load_safetensors(sm, path):
+def load_safetensors(sm, path, strict=False):
     """Load a `save_pretrained` directory (or one .safetensors file) straight into the shards
     of `sm` (a ShardedModule): each rank reads only the slices it keeps, through torch's DCP
-    with its `HuggingFaceStorageReader`. Collective. See docs/checkpoints.md."""
+    with its `HuggingFaceStorageReader`, from the files the directory's index names.
+    `strict`: tensors the model lacks are an error (default: ignored). Collective. A bad
+    checkpoint is one sentence and loads nothing. See docs/checkpoints.md."""
     from shardc.runtime.state.hf import load_safetensors as _load
-    return _load(sm, path)
+    return _load(sm, path, strict=strict)
+
+
+def checkpoint_errors(where):
+    """`with shardc.checkpoint_errors(path): dcp.load(state, checkpoint_id=path)` — a
+    failed DCP load (torch's CheckpointException, every rank's traceback) becomes one
+    sentence naming the tensor, the saved and the expected shape. See docs/checkpoints.md."""
+    from shardc.runtime.state.load_errors import checkpoint_errors as _errors
+    return _errors(where)
 
 
 def distributed(backend=None, **init_kwargs):

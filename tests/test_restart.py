@@ -60,8 +60,7 @@ def test_resuming_from_another_models_checkpoint_is_one_sentence(tmp_path):
     assert run.returncode != 0
     errors = [l for l in run.stderr.splitlines() if l.startswith("error: ")]
     assert len(errors) == 1, run.stderr[-3000:]
-    assert f"cannot resume from {tmp_path / 'ck' / 'step_000001'}" in errors[0]
-    assert "Missing key in checkpoint state_dict: model." in errors[0]
+    assert f"cannot resume: {tmp_path / 'ck' / 'step_000001'} has no entry 'model." in errors[0]
     # no worker traceback (torchrun's own launcher still prints its ChildFailedError report)
     out = run.stdout + run.stderr
     assert "CheckpointException" not in out and "train_gpt.py\", line" not in out

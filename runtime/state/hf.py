@@ -10,26 +10,133 @@ pieces.py, whose DCP chunks are exactly the rank's element ranges) through
 `HuggingFaceStorageReader`, which reads each chunk with safetensors' `get_slice`, then
 `sm.load_state_dict` (the model's hooks, torch's checks). Only the keys the files hold are
 asked of DCP, so a tied parameter saved once (GPT-2's `lm_head.weight`) comes from its other
-name, and any other key the files lack is torch's own missing-key error.
+name. A tensor the files lack, a mis-shaped one, or a failure inside DCP is one
+sentence (runtime/state/load_errors.py), and the module keeps its values ([Note: nothing
+half-loaded] there). Values take the model's dtype (the strategy's `params dtype`): a bf16
+checkpoint loads into fp32 shards as fp32, cast on the way, as `load_state_dict` does.
+
+[Note: which files a load reads]
+One `.safetensors` file given: that file. A directory with `model.safetensors.index.json`:
+exactly the files its `weight_map` names, as `from_pretrained` reads them, each tensor
+checked to be in the file the index maps it to (a stale `model.safetensors` left beside a
+sharded set by an earlier save is never read). A directory without an index: every
+`.safetensors` file in it, and a tensor held by two of them is an error naming both (no
+silent mix of two saves).
 """
 from __future__ import annotations
 
+import json
 import os
 
 from shardc.dsl.errors import ShardcError
 
+SUFFIX = ".safetensors"
+INDEX = "model.safetensors.index.json"
 
-def load_safetensors(sm, path) -> object:
+
+def load_safetensors(sm, path, strict: bool = False) -> object:
+    """See the module docstring; `strict`: tensors in the files that the model does not have
+    are an error (default: ignored, as `from_pretrained` does with a warning)."""
     import torch.distributed.checkpoint as dcp
+
+    from .load_errors import CheckpointError, check_shapes, checkpoint_errors, missing_keys
+
+    where, files = checkpoint_files(os.fspath(path))
+    owner = tensor_files(files)
+    reader = _Reader(where, sorted(files))
+    md = reader.read_metadata()
+    target = sm.state_dict()
+    extra = sorted(set(md.state_dict_metadata) - set(target))
+    if strict and extra:
+        raise CheckpointError(f"{where} holds {extra[0]!r}{_more(extra)} ({owner[extra[0]]}), which the model does "
+                              f"not have; nothing was loaded (strict=False ignores such tensors)")
+    sd = {k: v for k, v in target.items() if k in md.state_dict_metadata}
+    check_shapes(md, sd, where, owner)
+    with checkpoint_errors(where):
+        dcp.load(sd, storage_reader=reader)
+    try:
+        return sm.load_state_dict(sd)
+    except RuntimeError as e:
+        one = missing_keys(e, where)
+        if one is None:
+            raise
+        raise one from None
+
+
+def _more(names) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+
+
+def checkpoint_files(path: str) -> tuple[str, set[str]]:
+    """(the checkpoint as messages name it, the .safetensors files to read): the one file
+    given; else the files a directory's index maps to; else every .safetensors file of the
+    directory ([Note: which files a load reads])."""
+    if os.path.isfile(path):
+        return path, {os.path.abspath(path)}
+    if not os.path.isdir(path):
+        raise ShardcError(f"load_safetensors: {path} is neither a save_pretrained directory nor a .safetensors file")
+    index = os.path.join(path, INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map") or {}
+        files = {os.path.abspath(os.path.join(path, n)) for n in weight_map.values()}
+        gone = sorted(f for f in files if not os.path.isfile(f))
+        if gone:
+            raise ShardcError(f"load_safetensors: {index} maps tensors to {os.path.basename(gone[0])}, which is not "
+                              f"in {path}; copy the whole save_pretrained directory")
+        have = _holders(files)
+        for name, file in weight_map.items():
+            got = have.get(name, [])
+            if os.path.abspath(os.path.join(path, file)) not in got:
+                raise ShardcError(f"load_safetensors: {index} maps {name!r} to {file}, which does not hold it"
+                                  + (f" ({os.path.basename(got[0])} does)" if got else "") + "; the directory was "
+                                  "written by two saves: save it again into an empty directory")
+        return path, files
+    files = {os.path.abspath(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(SUFFIX)}
+    if not files:
+        raise ShardcError(f"load_safetensors: {path} holds no .safetensors file (pass a save_pretrained directory)")
+    return path, files
+
+
+def tensor_files(files) -> dict[str, str]:
+    """tensor name -> the file that holds it (headers only); a tensor in two files is an
+    error naming both, since nothing says which one is current."""
+    owner: dict[str, str] = {}
+    for name, where in _holders(files).items():
+        if len(where) > 1:
+            raise ShardcError(
+                f"load_safetensors: {name!r} is in both {os.path.basename(where[0])} and "
+                f"{os.path.basename(where[1])} of {os.path.dirname(where[0])}, and nothing says which one "
+                f"is current; remove the stale file or save again into an empty directory")
+        owner[name] = where[0]
+    return owner
+
+
+def _holders(files) -> dict[str, list[str]]:
+    """tensor name -> the files (sorted) whose headers list it."""
+    from safetensors import safe_open
+    out: dict[str, list[str]] = {}
+    for file in sorted(files):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                out.setdefault(name, []).append(file)
+    return out
+
+
+def _Reader(path: str, files: list[str]):
+    """torch's `HuggingFaceStorageReader`, reading only `files`."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    path = os.fspath(path)
-    if os.path.isfile(path):
-        path = os.path.dirname(path) or "."
-    if not os.path.isdir(path) or not any(f.endswith(".safetensors") for f in os.listdir(path)):
-        raise ShardcError(f"load_safetensors: {path} holds no .safetensors file (pass a save_pretrained directory)")
-    reader = HuggingFaceStorageReader(path)
-    have = set(reader.read_metadata().state_dict_metadata)
-    sd = {k: v for k, v in sm.state_dict().items() if k in have}
-    dcp.load(sd, storage_reader=reader)
-    return sm.load_state_dict(sd)
+    class Listing:
+        def __init__(self, fs):
+            self._fs = fs
+
+        def ls(self, p):
+            return list(files)
+
+        def __getattr__(self, name):
+            return getattr(self._fs, name)
+
+    reader = HuggingFaceStorageReader(path if os.path.isdir(path) else os.path.dirname(path) or ".")
+    reader.fs = Listing(reader.fs)
+    return reader

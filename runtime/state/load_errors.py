@@ -1,0 +1,116 @@
+"""Bad checkpoints in one sentence — stage: runtime (state).
+
+Input: a load about to run (the checkpoint's metadata beside the state dict it fills) or
+one that failed (torch's `CheckpointException`, which carries every rank's traceback).
+Output: a `CheckpointError` (a `ShardcError`) naming the tensor, the checkpoint (and its
+file, where known), the saved and the expected shape, and what to do; raised alike on
+every rank, since every rank reads the same metadata.
+
+[Note: nothing half-loaded]
+Every shardc load runs in two halves. `dcp.load` fills *copies*: the pieces of
+`sm.state_dict()` (runtime/state/pieces.py) are clones of the shards, and the safetensors
+reader writes into them. Only `sm.load_state_dict` writes the shards (masters, params,
+buffers), and it does so after torch's key and shape checks passed on every rank
+(runtime/state/checkpoint.py `_agree`). So a load refused here, or one that fails inside
+DCP, leaves the module with the values it had before, and it stays usable.
+
+`checkpoint_errors(where)` is the same conversion for torch's own recipe, where the caller
+runs `dcp.load` itself:
+
+    with shardc.checkpoint_errors(path):
+        dcp.load(state, checkpoint_id=path)
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+
+from shardc.dsl.errors import ShardcError
+
+
+class CheckpointError(ShardcError):
+    """A checkpoint that does not fit the model: one sentence, the module unchanged."""
+
+
+def _shape(s) -> str:
+    return "(" + ", ".join(str(int(d)) for d in s) + ")"
+
+
+def mismatch(name: str, saved, expected, where: str, file: str | None = None) -> CheckpointError:
+    """The sentence for a tensor whose saved shape is not the model's."""
+    dims = [i for i, (a, b) in enumerate(zip(saved, expected)) if a != b]
+    what = (f"dimension {dims[0]} is {int(saved[dims[0]])} there and {int(expected[dims[0]])} here"
+            if len(saved) == len(expected) and dims else f"{len(saved)} dimensions there, {len(expected)} here")
+    src = f"{where} ({file})" if file else where
+    return CheckpointError(
+        f"{src} holds {name} with shape {_shape(saved)}, but the model's {name} is {_shape(expected)} "
+        f"({what}); nothing was loaded and the model keeps its values: build the model with the checkpoint's "
+        f"configuration (shapes are global, so a checkpoint of any strategy or world size loads as it is)")
+
+
+def check_shapes(metadata, state_dict: dict, where: str, files: dict[str, str] | None = None) -> None:
+    """Refuse, before any byte is read, an entry whose saved shape is not the one the state
+    dict expects (`metadata`: DCP's `Metadata`; `files`: tensor -> file, where known)."""
+    md = metadata.state_dict_metadata
+    for name, value in state_dict.items():
+        saved = getattr(md.get(name), "size", None)
+        shape = getattr(value, "shape", None)
+        if saved is not None and shape is not None and tuple(saved) != tuple(shape):
+            raise mismatch(name, tuple(saved), tuple(shape), where, (files or {}).get(name))
+
+
+_SIZE = re.compile(r"Size mismatch between saved torch\.Size\((\[[^\]]*\])\) and current: "
+                   r"torch\.Size\((\[[^\]]*\])\) for (\S+)")
+_MISSING = re.compile(r"Missing key in checkpoint state_dict: (\S+?)\.?$")
+
+
+def from_failure(exc: BaseException, where: str) -> CheckpointError:
+    """One sentence for a failed `dcp.load` (a `CheckpointException`: each failing rank's
+    exception and traceback), naming the first failure."""
+    failures = getattr(exc, "failures", None) or {}
+    rank, first = next(iter(sorted(failures.items())), (None, (exc,)))
+    err = first[0] if isinstance(first, tuple) else first
+    msg = " ".join(str(err).split())
+    m = _SIZE.search(msg)
+    if m:
+        saved, expected = (tuple(int(d) for d in re.findall(r"\d+", g)) for g in m.group(1, 2))
+        return mismatch(m.group(3), saved, expected, where)
+    m = _MISSING.search(msg)
+    if m:
+        return CheckpointError(
+            f"{where} has no entry {m.group(1)!r}, which the state dict being loaded asks for; nothing was "
+            f"loaded and the model keeps its values (a checkpoint of another model, or saved under other "
+            f"keys: load with the same get_state_dict layout it was saved with)")
+    on = "" if rank is None else f" on rank {rank}"
+    return CheckpointError(f"loading {where} failed{on}: {type(err).__name__}: {msg}; nothing was loaded "
+                           f"and the model keeps its values")
+
+
+@contextlib.contextmanager
+def checkpoint_errors(where):
+    """Around a `dcp.load` the caller runs: its `CheckpointException` becomes one sentence
+    (see the module note); any other exception passes unchanged."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        yield
+    except CheckpointException as e:
+        raise from_failure(e, str(where)) from None
+
+
+_KEYS = re.compile(r'"([^"]+)"')
+
+
+def missing_keys(exc: BaseException, where: str) -> CheckpointError | None:
+    """torch's strict-load error for keys a checkpoint lacks, as one sentence naming the
+    first (None: another error)."""
+    msg = str(exc)
+    part = msg.split("Missing key(s) in state_dict:", 1)
+    if len(part) < 2:
+        return None
+    keys = _KEYS.findall(part[1].split("Unexpected key(s)", 1)[0])
+    if not keys:
+        return None
+    more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+    return CheckpointError(f"{where} has no tensor {keys[0]!r}{more}, which the model needs; nothing was loaded "
+                           f"and the model keeps its values (a checkpoint of another model class or "
+                           f"configuration?)")
