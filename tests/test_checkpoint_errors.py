@@ -5,7 +5,7 @@ A `save_pretrained` directory of a tiny HF Llama, spoiled one way per case, is l
 ZeRO-3. Every rank gets the same one-sentence `CheckpointError` naming the tensor (and the
 file), with no traceback text, and the model keeps the values it had: a good load after a
 bad one gives `from_pretrained`'s values. A wrong dtype is not an error (the rule: values
-take the strategy's dtype, cast on the way). torch's own recipe (`dcp.load`) under
+take the strategy's dtype, cast on the way: a bf16 directory loads into fp32 shards). torch's own recipe (`dcp.load`) under
 `shardc.checkpoint_errors` gives the same sentence. The index is followed: a stale
 single file beside a sharded set is never read, and without an index a tensor in two
 files is refused naming both.
@@ -31,6 +31,9 @@ def _cfg(**kw):
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32), **kw))
 
 
+CASES = ("shape", "missing", "extra_strict", "extra", "other_class")
+
+
 def _spoil(src: str, dst: str, fn) -> str:
     """A copy of the single-file directory `src` whose tensors `fn` changes."""
     from safetensors.torch import load_file, save_file
@@ -54,7 +57,8 @@ def _loads(rank, world, good, bad):
     shardc.load_safetensors(sm, good)
     before = sm.full_state_dict()
     out = {}
-    for case, path in bad.items():
+    for case in CASES:
+        path = bad[case]
         strict = case == "extra_strict"
         out[case] = failure(lambda: shardc.load_safetensors(sm, path, strict=strict))
         after = sm.full_state_dict()
@@ -62,9 +66,15 @@ def _loads(rank, world, good, bad):
     # torch's recipe: the same sentence through checkpoint_errors
     msd = sm.state_dict()
     out["dcp"] = failure(lambda: _dcp_load(shardc, dcp, msd, bad["dcp"]))
-    out["dcp_kept"] = all(torch.equal(sm.full_state_dict()[k], v) for k, v in before.items())
+    now = sm.full_state_dict()
+    out["dcp_changed"] = [k for k, v in before.items() if not torch.equal(now[k], v)]
     ref = LlamaForCausalLM.from_pretrained(good).state_dict()
     out["good"] = [k for k, v in ref.items() if not torch.equal(before[k], v)]
+    # a bf16 directory is no error: values take the model's fp32, cast on the way
+    out["bf16"] = failure(lambda: shardc.load_safetensors(sm, bad["bf16"]))
+    cast = sm.full_state_dict()
+    out["bf16_values"] = [k for k, v in ref.items() if not torch.equal(cast[k], v.bfloat16().float())]
+    out["bf16_dtype"] = sorted({str(v.dtype) for v in cast.values()})
     out["stale"] = failure(lambda: shardc.load_safetensors(sm, bad["stale_dir"]))
     stale = sm.full_state_dict()
     out["stale_values"] = [k for k, v in ref.items() if not torch.equal(stale[k], v)]
@@ -106,21 +116,24 @@ def test_bad_checkpoints_are_one_sentence_and_load_nothing(tmp_path):
     assert (stale_dir / "model.safetensors.index.json").exists()
     shutil.copy(tmp_path / "old.safetensors", stale_dir / "model.safetensors")
     bad["stale_dir"] = str(stale_dir)
+    bad["bf16"] = _spoil(good, str(tmp_path / "bf16"), lambda sd: sd.update({k: v.bfloat16() for k, v in sd.items()}))
     results = dist_run(4, _loads, good, bad)
     for r in results:
         assert r == results[0] or {k: v for k, v in r.items()} == results[0], "ranks disagree"
         assert r["good"] == []
-        for case in ("shape", "missing", "extra_strict", "other_class", "dcp"):
+        assert r["dcp_changed"] == []
+        for case in (*CASES[:3], "other_class", "dcp"):
             msg = r[case]
             assert msg is not None and msg.startswith("CheckpointError: "), (case, msg)
             assert "Traceback" not in msg and "\n" not in msg and "CheckpointException" not in msg, (case, msg)
-            assert r[case + "_kept"], case
+            assert case == "dcp" or r[case + "_kept"], case
         assert "lm_head.weight" in r["shape"] and "(65, 32)" in r["shape"] and "(64, 32)" in r["shape"]
         assert "model.safetensors" in r["shape"]
         assert "'model.norm.weight'" in r["missing"] and str(tmp_path / "missing") in r["missing"]
         assert "'model.extra'" in r["extra_strict"] and r["extra"] is None and r["extra_kept"]
         assert "embed_tokens.weight" in r["dcp"] and "(72, 32)" in r["dcp"] and "(64, 32)" in r["dcp"]
         assert r["stale"] is None and r["stale_values"] == []
+        assert r["bf16"] is None and r["bf16_values"] == [] and r["bf16_dtype"] == ["torch.float32"]
 
 
 def test_without_an_index_a_tensor_in_two_files_is_refused(tmp_path):
