@@ -35,6 +35,7 @@ step); the second, a step as every later one runs, is measured. Per rank:
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 from shardc.dsl.errors import ShardcError
@@ -176,37 +177,51 @@ def _run(strategy, model, m, cls, clip, batch, seq, passes, clock, track: bool) 
             sm = shardc.compile(model, strategy, example_inputs=(x,), passes=passes)
         opt = sm.optimizer(cls)
 
-        def step():
+        def step(phase):
             for _ in range(m):
-                out = sm(x)
-                logits = out if torch.is_tensor(out) else out[0]
-                F.cross_entropy(logits.flatten(0, -2).float(), x.flatten()).div(m).backward()
-            if clip:
-                sm.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad()
+                with phase("forward"):
+                    out = sm(x)
+                    logits = out if torch.is_tensor(out) else out[0]
+                    loss = F.cross_entropy(logits.flatten(0, -2).float(), x.flatten()).div(m)
+                with phase("backward"):
+                    loss.backward()
+                del out, logits, loss
+            with phase("step"):                 # the sync's wait, clip, the update, the update gathers
+                if clip:
+                    sm.clip_grad_norm_(1.0)
+                opt.step()
+                opt.zero_grad()
         if not track:
             with clock("step"), flash_sdpa_mode():
-                step()
+                step(_no_phase)
             peak = None
         else:
             with flash_sdpa_mode():
-                step()                          # the first step makes the optimizer's states
+                step(_no_phase)                 # the first step makes the optimizer's states
             sm.reset_comm_ledger()
             tracker = _step_tracker()
             tracker.track_external(*held_tensors(sm.runtime, sm.params), opt)
             with clock("step"), tracker, flash_sdpa_mode():
-                step()                          # a step as every later one runs: measured
-            snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
-            peak = {getattr(k, "value", k): v for k, v in snap.items()}
+                step(tracker.phase)             # a step as every later one runs: measured, phase by phase
+            peak = {"by_kind": tracker.peak_by_kind(), "phases": tracker.phase_peaks()}
         ledger = [dict(phase=r.phase, op=r.op, levels=list(r.levels), bytes=r.bytes, count=r.count)
                   for r in sm.comm_ledger()]
         return {"memory": dict(sm.memory_report()), "ledger": ledger, "peak": peak,
                 "strategy": sm.plan.strategy}
 
 
+@contextlib.contextmanager
+def _no_phase(name):
+    yield
+
+
+PHASES = ("forward", "backward", "step")
+
+
 def _step_tracker():
-    """torch's MemTracker keeping the step's peak only. Its per-module bookkeeping is left out:
+    """torch's MemTracker keeping the step's peak, per phase (`PHASES`: each micro-batch's
+    forward with the loss, its backward, and the step — the sync's wait, clip, the update
+    and its gathers —, the largest over micro-batches). Its per-module bookkeeping is left out:
     its module hooks read every parameter's `.grad` before each forward (on a shardc model
     reading a gradient completes the step's sync: the run would change), and its per-module
     peaks walk every module seen so far on every operator (minutes for 80 layers). What it
@@ -215,11 +230,35 @@ def _step_tracker():
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     class StepPeak(MemTracker):
+        phases: dict
+
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
+
+        @contextlib.contextmanager
+        def phase(self, name: str):
+            """The peak of this span (from what is held as it starts) kept under `name`."""
+            self._peak_mem = {d: s[_TOTAL_KEY] for d, s in self._curr_mem_snap.items()}
+            self._peak_mem_snap = {d: dict(s) for d, s in self._curr_mem_snap.items()}
+            yield
+            snap = next(iter(self._peak_mem_snap.values()), {})
+            phases = self.__dict__.setdefault("phases", {})
+            if snap.get(_TOTAL_KEY, 0) >= phases.get(name, {}).get(_TOTAL_KEY, -1):
+                phases[name] = snap
+
+        def phase_peaks(self) -> dict:
+            """{phase: bytes at its peak}, in PHASES order."""
+            got = self.__dict__.get("phases", {})
+            return {n: int(got[n].get(_TOTAL_KEY, 0)) for n in PHASES if n in got}
+
+        def peak_by_kind(self) -> dict:
+            """MemTracker's kinds (and "Total") at the step's peak: the largest phase's."""
+            got = list(self.__dict__.get("phases", {}).values())
+            snap = max(got, key=lambda s: s.get(_TOTAL_KEY, 0)) if got else {}
+            return {getattr(k, "value", k): v for k, v in snap.items()}
 
         def _pre_fw_hook(self, module, inputs) -> None:
             pass
@@ -250,13 +289,20 @@ def _report(strategy, rank, m, optimizer, clip, batch, seq, predicted, measured,
         "memory": memory, "explain_memory": p_memory, "memory_equal": memory == p_memory,
         "ledger": ledger, "explain_ledger": p_ledger, "ledger_equal": _normal(ledger) == _normal(p_ledger),
         "ledger_by_levels": by_levels(ledger),
-        "peak": {"measured": None if measured["peak"] is None else int(measured["peak"].get("Total", 0)),
-                 "by_kind": {KINDS.get(k, k): int(v) for k, v in (measured["peak"] or {}).items() if k != "Total"},
+        "peak": {"measured": None if measured["peak"] is None else int(measured["peak"]["by_kind"].get("Total", 0)),
+                 "by_kind": {KINDS.get(k, k): int(v) for k, v in (measured["peak"] or {}).get("by_kind", {}).items()
+                             if k != "Total"},
+                 "phases": (measured["peak"] or {}).get("phases", {}),
+                 "phase": _largest((measured["peak"] or {}).get("phases", {})),
                  "tracker": "torch.distributed._tools.mem_tracker.MemTracker",
                  "explain": None if peak["peak"] is None else peak["peak"] - peak["overhead"],
                  "explain_parts": {k: peak[k] for k in ("states", "gathered", "activations")}},
         "seconds": seconds,
     }
+
+
+def _largest(phases: dict) -> str | None:
+    return max(phases, key=phases.get) if phases else None
 
 
 def _coords(mesh, rank: int):

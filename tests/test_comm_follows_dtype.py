@@ -41,13 +41,23 @@ def test_resolved_comm_is_the_dtype():
 
 
 def _explain(tmp_path, text):
+    """`shardc explain --json`, run in this process (the CLI's own entry point)."""
+    import contextlib
+    import io
+
+    from shardc.cli import main
     f = tmp_path / "s.shard"
     f.write_text(text.replace("node(2) > gpu(2)", "node(8) > gpu(8)"))
-    r = subprocess.run([sys.executable, "-m", "shardc.cli", "explain", str(f), "--model",
-                        "examples/llama.py:llama_7b", "--json"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    out, err = io.StringIO(), io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["explain", str(f), "--model", "examples/llama.py:llama_7b", "--json"])
+    finally:
+        os.chdir(cwd)
+    assert code == 0, err.getvalue()
+    return json.loads(out.getvalue())
 
 
 def _sizes(ledger, phase, op):

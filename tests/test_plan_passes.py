@@ -117,26 +117,25 @@ def test_early_sync_on_and_off_match_reference(opt_kind):
                 assert ev.index(("wait_update", i)) == need - 1, (i, ev)
 
 
-def test_cli_passes_flag(tmp_path):
+def test_cli_passes_flag(tmp_path, capsys, monkeypatch):
     import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    base = [sys.executable, "-m", "shardc.cli", "compile", "examples/strategies/paro_iig.shard",
-            "--model", "examples/gpt.py:tiny", "--mesh", MESH]
+
+    from shardc.cli import main
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    base = ["compile", "examples/strategies/paro_iig.shard", "--model", "examples/gpt.py:tiny", "--mesh", MESH]
     out = {}
     for flag in ("", "early_sync", None):
         path = tmp_path / f"m_{flag}.py"
         extra = [] if flag is None else ["--passes", flag]
-        r = subprocess.run(base + extra + ["-o", str(path)], capture_output=True, text=True, cwd=root, timeout=600)
-        assert r.returncode == 0, r.stderr
+        assert main(base + extra + ["-o", str(path)]) == 0, capsys.readouterr().err
         out[flag] = path.read_text()
     assert "plan passes none" in out[""] and "sync_early" not in out[""]
     assert "plan passes early_sync (" in out["early_sync"] and "update_deferred" not in out["early_sync"]
     assert "plan passes early_sync, defer_update" in out[None]
-    r = subprocess.run(base + ["--passes", "bogus", "-o", str(tmp_path / "x.py")], capture_output=True, text=True,
-                       cwd=root, timeout=600)
-    assert r.returncode != 0 and "unknown plan pass 'bogus'" in r.stderr and "Traceback" not in r.stderr
+    capsys.readouterr()
+    assert main(base + ["--passes", "bogus", "-o", str(tmp_path / "x.py")]) != 0
+    err = capsys.readouterr().err
+    assert "unknown plan pass 'bogus'" in err and "Traceback" not in err
 
 
 def _sync_stage_job(rank, world):

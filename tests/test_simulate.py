@@ -166,6 +166,12 @@ def test_paro_igg_llama65b_width_on_1024_ranks(runs):
         assert _rows(r["ledger"]) == sorted(ledger), r["rank"]
         assert r["memory_equal"] and r["ledger_equal"], r["rank"]
         assert r["peak"]["measured"] >= memory["total"]
+        # the peak phase by phase: each micro-batch's forward, its backward, the step; the
+        # step's peak is the largest phase's, and every phase holds at least the states
+        phases = r["peak"]["phases"]
+        assert list(phases) == ["forward", "backward", "step"], phases
+        assert r["peak"]["measured"] == max(phases.values()) and r["peak"]["phase"] == max(phases, key=phases.get)
+        assert min(phases.values()) >= memory["total"]
 
 
 def test_zeropp_padded_on_1000_ranks(runs):

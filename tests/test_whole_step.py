@@ -184,19 +184,19 @@ HO_RING = "mesh node(*) > gpu(2)\nparams shard over gpu\ngrads shard over world\
 # (zero3, built on meta);
 # params whole, grads reduce-scattered over gpu and reduced over node at the step, the update
 # all-gathered over the world (paro_nig); params over the world with an hpZ secondary
-# re-gathered over gpu in the backward (zeropp, exact here); ZeRO++ in full (codecs) is one
-# more case. SHARDC_FULL_SWEEPS=1 adds HO-Ring (in the suite, test_algorithms.py runs a test-only
+# re-gathered over gpu in the backward is ZeRO++ in full (an int8 secondary, qwZ and qgZ: the
+# last case). SHARDC_FULL_SWEEPS=1 adds zeropp as shipped (the same hpZ shape, exact), HO-Ring (in the suite, test_algorithms.py runs a test-only
 # staged algorithm through this mode's executor, and HO-Ring trains in the eager runtime), the other named strategies (each
 # repeats one of these shapes: zero1 and lins_7b all-reduce whole grads as ddp; zero2,
 # paro_igg, paro_iig, mics and hsdp_zero2 mix the shapes above over gpu and world) and
 # zero_topo's 3-level mesh on 8 ranks.
-SHAPES = ("ddp", "zero3", "paro_nig", "zeropp")
+SHAPES = ("ddp", "zero3", "paro_nig")
 
 
 def test_strategies_train_at_parity():
     """...and ZeRO++ in full (int8 hpZ secondary, qwZ, qgZ) within 1 % of the reference loss."""
     names = [n for n in NAMED if n != "zero_topo"] if FULL else list(SHAPES)
-    assert set(SHAPES) <= set(NAMED) and "zeropp" in names
+    assert set(SHAPES) <= set(NAMED) and (not FULL or "zeropp" in names)
     cases = [(text(n), ("adamw", "sgd")[i % 2]) + (("meta",) if n == "zero3" else ()) for i, n in enumerate(names)]
     if FULL:
         cases.append((HO_RING + f"accumulate {ACC}\nbucket 0\n", "adamw"))
@@ -206,7 +206,7 @@ def test_strategies_train_at_parity():
     for i, (_, kind, *meta) in enumerate(cases[:-1]):          # zero3's model is built on meta
         close([r[i][:2] for r in results], refs[kind, bool(meta)])
     close([r[-1][:2] for r in results], refs["sgd", False], rtol=1e-2)
-    for i in (names.index("zeropp"), len(cases) - 1):
+    for i in ((names.index("zeropp"),) if FULL else ()) + (len(cases) - 1,):
         backward_regathers_are_the_rows(results[0][i])
         assert {lv for lv, _ in results[0][i][3]} == {("gpu",)}
 
