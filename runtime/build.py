@@ -37,6 +37,7 @@ from shardc.lowering import Lowering, RankPlan, Schedule, Stage, expert_group, i
 from shardc.units import UnitSpec, canonical_names, local_params, unit_members
 
 from . import buffers, graph_mode, simulation
+from .casts import install_casts
 from .comm import Comm
 from .device import model_device
 from .engine import Engine
@@ -145,6 +146,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
             g.on_grads = lambda grads, i=u.index, g=g: runtime.unit_grads(i, grads, g)
     if hooks:
         _install_hooks(model, runtime)
+    install_casts(model, specs)                          # casts.py [Note: casts at unit boundaries]
     canon = list(dict.fromkeys(aliases[n] for n in order))
     pset = ParamSet(states, canon, dtensors, comm, ledger, runtime.boundary,
                     {id(g.storage): ecomm for u in states for g in u.groups if g.gplan.experts})

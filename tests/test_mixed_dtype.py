@@ -1,0 +1,130 @@
+"""Mixed precision across units (runtime/casts.py, [Note: casts at unit boundaries]): a
+root unit and blocks of different `params dtype` (and `grads dtype`), written as the user
+does (an `override` block, loaded by the DSL), train on 4 gloo ranks at parity with one
+process on the concatenated batch running the same casts — fp32 masters, each unit's
+params cast to its dtype for the forward (torch.func.functional_call), each block's
+inputs cast to its dtype and its outputs back to the root's. Every unit's inputs arrive in
+the same dtypes on both sides (exact), and the final fp32 parameters agree within a few
+units in the last place of the narrowest dtype in play (rounding happens per rank on one
+side and on the whole batch on the other). Each mix takes its scopes from a named
+strategy drawn with a fixed seed, so random accepted strategies join the sweep."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import os
+import random
+
+import pytest
+import torch
+
+from tests.harness import dist_run
+from tests.test_runtime_util import ROOT, Tiny, batches, loss_fn, make_opt, max_rel_err
+
+pytestmark = pytest.mark.distributed
+
+MESH = "node(2) > gpu(2)"
+NAMES = ["ddp", "zero1", "zero2", "zero3", "mics", "hsdp_zero2", "paro_igg", "paro_iig", "paro_nig"]
+P_DTYPES = ("fp32", "bf16", "fp16")
+EPS = {"fp32": 2.0 ** -23, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+ULPS = 8           # a few roundings of the narrowest dtype per step, over 3 steps
+TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _mixes():
+    """(root params, blocks params, root grads, blocks grads, strategy): every pair of
+    params dtypes that differ, the grads dtypes drawn with a fixed seed; plus one case of
+    one params dtype whose grads dtypes differ per unit."""
+    rng = random.Random(48)
+    out = []
+    for rp, bp in itertools.product(P_DTYPES, P_DTYPES):
+        if rp != bp:
+            out.append((rp, bp, rng.choice(("fp32", "bf16")), rng.choice(("fp32", "bf16")), rng.choice(NAMES)))
+    out.append(("fp32", "fp32", "fp32", "bf16", rng.choice(NAMES)))
+    return out
+
+
+def _strategy_text(name, rp, bp, rg, bg):
+    """The named strategy with the root's dtypes at the top level and the blocks' in an
+    override, as a user writes it; loaded (so checked) by the DSL."""
+    import shardc
+    from shardc.dsl import unparse
+    s = shardc.load_strategy(os.path.join(ROOT, "examples", "strategies", f"{name}.shard"), mesh=MESH)
+    from shardc.dsl.ir import DType, Override
+    p = dataclasses.replace(s.params, dtype=DType(rp), comm=DType(rp), secondary=None)
+    g = dataclasses.replace(s.grads, dtype=DType(rg), comm=DType(rg))
+    ov = Override("blocks.*", params=dataclasses.replace(p, dtype=DType(bp), comm=DType(bp)),
+                  grads=dataclasses.replace(g, dtype=DType(bg), comm=DType(bg)))
+    s = dataclasses.replace(s, scopes=dataclasses.replace(s.scopes, params=p, grads=g), overrides=(ov,),
+                            accumulate=1)
+    return unparse(s)
+
+
+def _units(model, s):
+    from shardc.lowering import unit_scopes
+    from shardc.runtime import UnitSpec
+    names = [n for n, _ in model.named_parameters()]
+    out = [UnitSpec("<root>", tuple(n for n in names if not n.startswith("blocks.")), unit_scopes(s, "<root>")[0])]
+    for i in range(len(model.blocks)):
+        b = f"blocks.{i}"
+        out.append(UnitSpec(b, tuple(n for n in names if n.startswith(b + ".")), unit_scopes(s, b, (b,))[0], (b,)))
+    return out
+
+
+def _seen_dtypes(model):
+    """Record the dtype of each block's first input, in call order."""
+    seen = []
+    for b in model.blocks:
+        b.register_forward_pre_hook(lambda m, args: seen.append(str(args[0].dtype)))
+    return seen
+
+
+def _reference(model, data, rp, bp):
+    """One process, the same casts written out: fp32 params, the forward on their casts."""
+    from torch.func import functional_call
+    model = copy.deepcopy(model)
+    for b in model.blocks:
+        b.register_forward_pre_hook(lambda m, args: tuple(a.to(TORCH[bp]) for a in args))
+        b.register_forward_hook(lambda m, args, out: out.to(TORCH[rp]))
+    seen = _seen_dtypes(model)
+    opt = make_opt("adamw", list(model.parameters()))
+    for x, y in data:
+        params = {n: p.to(TORCH[bp] if n.startswith("blocks.") else TORCH[rp])
+                  for n, p in model.named_parameters()}
+        loss_fn(functional_call(model, params, (x,)).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}, seen
+
+
+def _run(rank, world, mixes):
+    import shardc
+    from shardc.runtime import shard_module
+    out = []
+    for rp, bp, rg, bg, name in mixes:
+        s = shardc.load_strategy(_strategy_text(name, rp, bp, rg, bg), mesh=MESH)
+        data = batches(3, world, 1)
+        model = Tiny()
+        want, want_seen = _reference(model, data, rp, bp)
+        sm = shard_module(copy.deepcopy(model), s, _units(model, s))
+        seen = _seen_dtypes(sm.module)
+        opt = make_opt("adamw", sm)
+        for x, y in data:
+            loss_fn(sm(x.chunk(world)[rank]).float(), y.chunk(world)[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+        got = sm.full_state_dict()
+        out.append(((rp, bp, rg, bg, name), max_rel_err(got, want), seen == want_seen and bool(seen),
+                    {str(v.dtype) for v in got.values()}))
+    return out
+
+
+def test_mixed_dtypes_train_at_parity():
+    mixes = _mixes()
+    for rank_res in dist_run(4, _run, mixes):
+        for (rp, bp, rg, bg, name), err, same_casts, dtypes in rank_res:
+            narrowest = max(EPS[d] for d in (rp, bp, rg, bg))
+            assert same_casts, (rp, bp, rg, bg, name)
+            assert dtypes == {"torch.float32"}      # the full state dict is the fp32 master
+            assert err < ULPS * narrowest, ((rp, bp, rg, bg, name), err, ULPS * narrowest)
