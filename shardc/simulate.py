@@ -168,6 +168,7 @@ def _run(strategy, model, m, cls, clip, batch, seq, passes, clock, track: bool) 
     import torch.nn.functional as F
     import shardc
     from shardc.analysis.costmodel.flops import flash_sdpa_mode, sample_input
+    from shardc.dtype_check import dtype_check
     from shardc.runtime.memory import held_tensors
     from shardc.runtime.simulation import simulation
 
@@ -192,11 +193,11 @@ def _run(strategy, model, m, cls, clip, batch, seq, passes, clock, track: bool) 
                 opt.step()
                 opt.zero_grad()
         if not track:
-            with clock("step"), flash_sdpa_mode():
+            with clock("step"), flash_sdpa_mode(), dtype_check(model):
                 step(_no_phase)
             peak = None
         else:
-            with flash_sdpa_mode():
+            with flash_sdpa_mode(), dtype_check(model):     # [Note: meta kernels do not check dtypes]
                 step(_no_phase)                 # the first step makes the optimizer's states
             sm.reset_comm_ledger()
             tracker = _step_tracker()

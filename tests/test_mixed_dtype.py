@@ -128,3 +128,59 @@ def test_mixed_dtypes_train_at_parity():
             assert same_casts, (rp, bp, rg, bg, name)
             assert dtypes == {"torch.float32"}      # the full state dict is the fp32 master
             assert err < ULPS * narrowest, ((rp, bp, rg, bg, name), err, ULPS * narrowest)
+
+
+class _CastsItself(torch.nn.Module):
+    """Casts its hidden state to bf16 in its own forward, then meets an fp32 Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.proj = torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.proj(self.emb(x).to(torch.bfloat16))
+
+
+def test_simulation_checks_dtypes_as_a_real_kernel():
+    """Meta kernels accept mm(bf16, fp32); the simulation's check refuses it, naming the
+    module, exactly where the CPU run fails; the same model with matching dtypes passes."""
+    from shardc.dsl.errors import ShardcError
+    from shardc.dtype_check import dtype_check
+    x = torch.randint(0, 16, (2, 4))
+    with pytest.raises(RuntimeError):
+        _CastsItself()(x)                                    # the real kernel
+    with torch.device("meta"):
+        model = _CastsItself()
+    model(x.to("meta"))                                      # meta alone approves it
+    with pytest.raises(ShardcError, match=r"in module proj gets tensors of bfloat16, float32"):
+        with dtype_check(model):
+            model(x.to("meta"))
+    model.proj.to(torch.bfloat16)
+    with dtype_check(model):
+        model(x.to("meta")).float().sum().backward()
+
+
+MIXED = """mesh node(2) > gpu(2)
+params shard over world
+grads  shard over world
+optim  shard over world
+override "transformer.h.*" { params shard over world dtype bf16 }
+"""
+
+
+def test_simulate_runs_a_mixed_gpt(tmp_path):
+    """The issue's strategy (fp32 root, bf16 blocks) on examples/gpt.py:tiny: simulate
+    runs its step under the dtype check, and its states and ledger equal explain's."""
+    import json
+    import subprocess
+    import sys
+    (tmp_path / "mixed.shard").write_text(MIXED)
+    proc = subprocess.run([sys.executable, "-m", "shardc.cli", "simulate", str(tmp_path / "mixed.shard"),
+                           "--model", os.path.join(ROOT, "examples/gpt.py:tiny"), "--rank", "0",
+                           "--micro-batches", "1", "--tokens", "16", "--no-graph", "--no-peak", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rep = json.loads(proc.stdout)[0]
+    assert rep["memory"] == rep["explain_memory"] and rep["memory_equal"], rep["memory"]
+    assert rep["ledger_equal"]
