@@ -14,6 +14,13 @@ or more modules of one class holding parameters (the transformer blocks). `units
 "pat", ...`: fnmatch over module FQNs. `units type Name`: class name. When matches
 nest, the outermost wins. Parameters of no unit go to the root unit.
 
+[Note: an override names a module]
+An `override` pattern that matches none of those units makes each module it matches a
+unit of its own, as `units` would (FSDP2 users wrap the head and the embedding on their
+own): a module holding parameters, inside no unit and holding none. So `override
+"lm_head" { ... }` on a GPT whose units are its blocks cuts the head out of the root. A
+pattern that matches no such module either is still the error naming the units.
+
 [Note: tied parameters]
 A Parameter object reachable under several names (GPT-2's `lm_head.weight is
 transformer.wte.weight`) has one canonical name, the first `named_parameters` yields
@@ -85,7 +92,21 @@ def _matched_modules(model: nn.Module, strategy: Strategy) -> list[str]:
     for n in found:
         if not any(_inside(n, k) for k in kept):
             kept.append(n)
-    return kept
+    return sorted(kept + _override_modules(model, strategy, kept), key=order.__getitem__)
+
+
+def _override_modules(model: nn.Module, strategy: Strategy, kept: list[str]) -> list[str]:
+    """[Note: an override names a module]: the modules an override pattern matching no
+    unit makes units of their own."""
+    holds = {fqn for fqn, m in model.named_modules() if fqn and any(True for _ in m.parameters())}
+    out: list[str] = []
+    for ov in strategy.overrides:
+        if any(fnmatch.fnmatchcase(k, ov.pattern) for k in kept):
+            continue
+        for n in sorted(holds):
+            if (fnmatch.fnmatchcase(n, ov.pattern) and not any(_inside(n, k) or _inside(k, n) for k in kept + out)):
+                out.append(n)
+    return out
 
 
 def _assign(model: nn.Module, modules: list[str]) -> dict[str, list[str]]:
