@@ -2,7 +2,7 @@
 process group, beside explain's prediction.
 
 Input: a `.shard` file, a model factory (`PATH.py:FACTORY`, built on the meta device),
-the world size / mesh override, the ranks to simulate, the step (micro-batches, tokens
+the world size / mesh override, `--ep` (as explain's), the ranks to simulate, the step (micro-batches, tokens
 per micro-batch in sequences of `--seq`, optimizer, `--clip`). Output: per rank, the
 model-state memory by state and the step's ledger beside explain's (equal or not), the
 ledger's bytes by mesh level set, the step's peak (torch's MemTracker) beside explain's
@@ -43,6 +43,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-peak", action="store_true",
                    help="one untracked step: states and ledger only (no measured peak; half the time)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
+    predict_args.add_ep_argument(p)
 
 
 def ranks_of(text: str, world: int) -> list[int]:
@@ -65,7 +66,7 @@ def run(args) -> int:
     from shardc.lowering.passes import parse_passes
     from shardc.simulate import meta_model
 
-    strategy = load(args.file, args.world, args.mesh)
+    strategy = load(args.file, args.world, args.mesh, args.ep)
     ranks = ranks_of(args.rank, strategy.mesh.world)
     seq = args.seq or args.tokens
     if args.tokens % seq:
