@@ -296,7 +296,9 @@ def _report(strategy, rank, m, optimizer, clip, batch, seq, predicted, measured,
                  "phase": _largest((measured["peak"] or {}).get("phases", {})),
                  "tracker": "torch.distributed._tools.mem_tracker.MemTracker",
                  "explain": None if peak["peak"] is None else peak["peak"] - peak["overhead"],
-                 "explain_parts": {k: peak[k] for k in ("states", "gathered", "activations")}},
+                 "explain_parts": {k: peak[k] for k in ("states", "gathered", "activations")},
+                 "explain_phase": peak.get("phase"), "explain_buffers": peak.get("buffers"),
+                 "explain_timeline": peak.get("timeline")},
         "seconds": seconds,
     }
 
