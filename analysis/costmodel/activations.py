@@ -50,7 +50,8 @@ def peak_memory(memory: dict, graph=None, checkpoint: bool = False, overhead: in
     if plan is None:
         dominant = max(parts, key=parts.get)
         return {**parts, "peak": sum(parts.values()), "dominant": dominant}
-    tl = timeline(plan, memory, parts["activations"], None if checkpoint else tuple(graph.saved))
+    tl = timeline(plan, memory, parts["activations"], None if checkpoint else tuple(graph.saved),
+                  graph.output)
     at = tl.peak
     dominant = max(dict(at.buffers), key=dict(at.buffers).get)
     return {**parts, "peak": at.bytes + parts["overhead"], "dominant": dominant, "phase": at.phase,

@@ -23,6 +23,13 @@ trace's per-unit `saved`). A unit's own saved tensors count while its gradient i
 and its reduce issued (an upper bound: autograd frees them as the unit's backward runs);
 they are gone for the next unit. Under checkpointing all of them stay counted.
 
+[Note: timeline: loss gradient]
+The backward starts at the loss: cross entropy on the fp32 logits (shardc/simulate.py's
+step) makes gradients the logits' size (the trace's `output`) while the root's head runs
+its backward, beside every activation and the units gathered at the forward's end.
+`LOSS_GRADIENTS` of them is measured, not derived: on GPT tiny at 4 ranks (ddp) the
+backward's peak is 65,544 bytes above states + activations, 4 x the 16,384-byte logits.
+
 [Note: timeline: autograd gradient]
 In the backward autograd makes the unit's gradients, full size N in the grad dtype, before
 the unit's hook lays them out flat (runtime/flat_group.py `reduce_slot_grads`); they are
@@ -43,8 +50,12 @@ chunk (N/s_OS, grad dtype) until `sync_advance` copies it into the OS slice.
 memory.py [Note: start-up peak]: the shards plus the largest unit's whole parameters.
 
 [Note: timeline: optimizer step]
-The optimizer's step (torch.optim, foreach) makes temporaries the size of the chunk it
-updates; `STEP_TEMPORARIES` fp32 chunks is the rule (not yet measured per implementation).
+In opt.step() (runtime/optimizer.py) the optimizer runs over one group's OS chunk at a time
+and the update all-gather sends a copy of it (flat_group.py `update_issue`, `mine.clone()`):
+`STEP_TEMPORARIES` fp32 copies of the largest chunk. Measured with the step phase of
+`shardc simulate` (AdamW, foreach): 2.0x the largest chunk for zero3, 0.67x for ddp, on
+GPT tiny and small at 4 ranks, so the rule is a bound; foreach against fused is not yet
+measured apart.
 """
 from __future__ import annotations
 
@@ -55,8 +66,10 @@ from shardc.lowering import Lowering, Op, Phase
 # One owner: the engine keeps one unit's reduce-scatter in flight while the next is issued
 # (runtime/engine.py, runtime/workspace.py [Note: reduce workspace]).
 REDUCES_IN_FLIGHT = 2
-# fp32 temporaries of the optimizer chunk torch's foreach AdamW makes in its step.
-STEP_TEMPORARIES = 1
+# Gradients the loss's backward makes, each the size of the fp32 logits ([Note: timeline: loss gradient]).
+LOSS_GRADIENTS = 4
+# fp32 temporaries of the largest group's optimizer chunk in the step ([Note: timeline: optimizer step]).
+STEP_TEMPORARIES = 2
 
 PHASES = ("startup", "forward", "backward", "sync", "step")
 
@@ -92,7 +105,8 @@ def _grad_full(u, g) -> int:
     return g.grads_bytes * u.factors_of(g).g if g.trainable else 0
 
 
-def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None = None) -> Timeline:
+def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None = None,
+             output: int = 0) -> Timeline:
     """The phases' peaks of one step ([Note]s above), from the plan and the states.
     `saved`: each unit's saved activation bytes (the trace's, unit order; None or under
     checkpointing: `activations` stays alive through the whole backward)."""
@@ -114,7 +128,9 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     # backward: each unit's gradient made, its reduce issued beside the previous unit's
     left = list(saved) if saved is not None and len(saved) == len(units) else None
     alive = activations
-    bwd, flight = None, []
+    bwd = Point("backward", (("states", states), ("gathered at the forward's end", last),
+                             ("activations", activations), ("loss gradients", LOSS_GRADIENTS * output)))
+    flight = []
     for st in plan.schedule.backward:
         held |= {st.unit, *st.issue} if size[st.unit] else set(st.issue)
         flight = (flight + [reduce[st.unit]])[-REDUCES_IN_FLIGHT:]
@@ -122,17 +138,17 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
                                 ("activations left", alive), (f"autograd's gradient of {units[st.unit].name}",
                                                               grad[st.unit]),
                                 ("reduce workspace", sum(flight))))
-        bwd = pt if bwd is None or pt.bytes > bwd.bytes else bwd
+        bwd = pt if pt.bytes > bwd.bytes else bwd
         if left is not None:                # its saved tensors are gone once its backward ran
             alive -= left[st.unit]
         if st.unit != 0:
             held.discard(st.unit)
     sync = sum(g.optim_elems * (g.grads_bytes * u.factors_of(g).g // max(g.n, 1))
                for u in units for g in u.groups if g.trainable and g.row(Phase.SYNC, Op.REDUCE_SCATTER) is not None)
-    chunk = sum(g.optim_elems * 4 for u in units for g in u.groups if g.trainable)
+    chunk = max((g.optim_elems * 4 for u in units for g in u.groups if g.trainable), default=0)
     pts = [
         Point("startup", (("shards and the largest unit's whole parameters", int(memory["startup"])),)),
-        fwd, *([bwd] if bwd is not None else []),
+        fwd, bwd,
         Point("sync", (("states", states), ("sync chunks", sync))),
         Point("step", (("states", states), ("optimizer step temporaries", STEP_TEMPORARIES * chunk))),
     ]
