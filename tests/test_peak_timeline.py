@@ -41,4 +41,5 @@ def test_explain_peak_bounds_the_measured_peak():
         assert sum(peak["explain_buffers"].values()) == top["bytes"]
         # the measured peak is the backward's, and so is explain's
         assert peak["phase"] == "backward" == peak["explain_phase"], (name, peak["phases"])
+        assert peak["within"] is True          # simulate exits 0: not more than 3 % above explain's
         assert 0.99 * peak["measured"] <= peak["explain"] <= 1.10 * peak["measured"], (name, peak["explain"], peak["measured"])
