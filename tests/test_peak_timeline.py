@@ -43,3 +43,21 @@ def test_explain_peak_bounds_the_measured_peak():
         assert peak["phase"] == "backward" == peak["explain_phase"], (name, peak["phases"])
         assert peak["within"] is True          # simulate exits 0: not more than 3 % above explain's
         assert 0.99 * peak["measured"] <= peak["explain"] <= 1.10 * peak["measured"], (name, peak["explain"], peak["measured"])
+
+
+def test_plan_memory_picks_a_layout_whose_measured_peak_fits(tmp_path):
+    # The planner filters by the timeline's peak: its pick, simulated with its own
+    # `accumulate`, measures no more than the limit (overhead 0: the tracker sees tensors).
+    limit = 700_000
+    best = tmp_path / "best.shard"
+    model = os.path.join(ROOT, "examples", "gpt.py") + ":tiny"
+    plan = subprocess.run([sys.executable, "-m", "shardc.cli", "plan", "--model", model, "--mesh", "node(1) > gpu(4)",
+                           "--memory", f"{limit}B", "--overhead", "0", "--tokens", "64", "-o", str(best)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert plan.returncode == 0, plan.stderr
+    sim = subprocess.run([sys.executable, "-m", "shardc.cli", "simulate", str(best), "--model", model, "--world", "4",
+                          "--mesh", "node(1) > gpu(4)", "--rank", "0", "--tokens", "64", "--json"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert sim.returncode == 0, sim.stderr
+    peak = json.loads(sim.stdout)[0]["peak"]
+    assert peak["explain"] <= limit and peak["measured"] <= limit, peak
