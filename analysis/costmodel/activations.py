@@ -25,6 +25,8 @@ an A100 in our experience; `--overhead` replaces it for one run.
 """
 from __future__ import annotations
 
+from .timeline import timeline
+
 FRAMEWORK_OVERHEAD = 2 * 2**30
 
 
@@ -35,7 +37,8 @@ def activation_bytes(graph, checkpoint: bool = False) -> int:
     return int(graph.saved[0] + sum(graph.inputs[1:]) + max(graph.saved[1:]))
 
 
-def peak_memory(memory: dict, graph=None, checkpoint: bool = False, overhead: int = FRAMEWORK_OVERHEAD) -> dict:
+def peak_memory(memory: dict, graph=None, checkpoint: bool = False, overhead: int = FRAMEWORK_OVERHEAD,
+                plan=None, micro_batches: int = 1) -> dict:
     """The peak per rank and what dominates it. Without a graph the activations are unknown,
     and so are the peak and what dominates it (None): a sum that left them out is no peak,
     and nothing prints it or filters by it."""
@@ -44,5 +47,12 @@ def peak_memory(memory: dict, graph=None, checkpoint: bool = False, overhead: in
              "overhead": int(overhead)}
     if graph is None:
         return {**parts, "peak": None, "dominant": None}
-    dominant = max(parts, key=parts.get)
-    return {**parts, "peak": sum(parts.values()), "dominant": dominant}
+    if plan is None:
+        dominant = max(parts, key=parts.get)
+        return {**parts, "peak": sum(parts.values()), "dominant": dominant}
+    tl = timeline(plan, memory, parts["activations"], None if checkpoint else tuple(graph.saved),
+                  graph.output, micro_batches)
+    at = tl.peak
+    dominant = max(dict(at.buffers), key=dict(at.buffers).get)
+    return {**parts, "peak": at.bytes + parts["overhead"], "dominant": dominant, "phase": at.phase,
+            "buffers": dict(at.buffers), "timeline": tl.to_json()}

@@ -45,6 +45,7 @@ class GraphCost:
     saved: tuple                  # per unit: bytes saved for the backward
     inputs: tuple                 # per unit: bytes of its forward input (0 for the root)
     tokens: int
+    output: int = 0               # fp32 bytes of the model's output (the logits the loss reads)
 
     @property
     def model_flops(self) -> float:
@@ -150,7 +151,8 @@ def trace(model, units, *, batch: int, seq: int, dtype: str = "bf16") -> GraphCo
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = m(x)
             forward = counter.get_total_flops()
-            loss = (out if torch.is_tensor(out) else out[0]).float().sum()
+            logits = out if torch.is_tensor(out) else out[0]
+            loss = logits.float().sum()
         with _meta_grouped_mm(), counter, flash_sdpa_mode():   # entering the counter again starts from zero
             loss.backward()
             backward = counter.get_total_flops()
@@ -159,7 +161,7 @@ def trace(model, units, *, batch: int, seq: int, dtype: str = "bf16") -> GraphCo
             h.remove()
     fwd[0] = forward - sum(fwd[1:])
     return GraphCost(float(forward), float(backward), tuple(fwd),
-                     tuple(saved), tuple(inputs), batch * seq)
+                     tuple(saved), tuple(inputs), batch * seq, logits.numel() * 4)
 
 
 def _enter(i, current, inputs, counter, fwd):

@@ -16,7 +16,7 @@ from shardc.dsl.ir import Collectives, Strategy
 from shardc.lowering import Lowering, expert_group, lower
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 
-from shardc.analysis.costmodel.activations import peak_memory
+from shardc.analysis.costmodel.activations import FRAMEWORK_OVERHEAD, peak_memory
 from shardc.analysis.costmodel.ledger import ledger_dicts, ledger_of
 from shardc.analysis.costmodel.links import inter_intra, link_bytes
 from shardc.analysis.costmodel.memory import memory_of, optimizer_state_bytes
@@ -78,7 +78,7 @@ def explain(strategy: Strategy, units, *, micro_batches: int | None = None, opti
     rates = {"tokens_per_s": m * tokens / t.total, "mfu": m * model_flops / (t.total * peak_flops),
              "model_flops": model_flops}
     return Explained(strategy, units, m, memory, tuple(records), algo, links, inter, intra, t,
-                     peak_memory(memory, graph, checkpoint, *(() if overhead is None else (overhead,))), rates,
+                     peak_memory(memory, graph, checkpoint, FRAMEWORK_OVERHEAD if overhead is None else overhead, plan, m), rates,
                      shared_links(bw, strategy.mesh), plan)
 
 

@@ -142,9 +142,10 @@ def render(e) -> None:
         con.print("peak memory per rank: not estimated, activations not counted (no trace); without them: "
                   + ", ".join(parts), highlight=False)
     else:
-        parts.insert(2, f"activations {human_bytes(pk['activations'])}")
-        con.print(f"peak memory per rank: {human_bytes(pk['peak'])} = {' + '.join(parts)}; "
-                  f"dominated by {pk['dominant']}")
+        at = [f"{k} {human_bytes(v)}" for k, v in (pk.get("buffers") or {}).items()]
+        con.print(f"peak memory per rank: {human_bytes(pk['peak'])}, in the {pk.get('phase')}: "
+                  f"{' + '.join(at)} + overhead {human_bytes(pk['overhead'])}; dominated by {pk['dominant']}",
+                  highlight=False)
     for w in s.warnings:
         con.print(w, markup=False, highlight=False)
 

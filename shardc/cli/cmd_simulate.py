@@ -85,7 +85,8 @@ def run(args) -> int:
     else:
         for rep in reports:
             render(rep)
-    return 0 if all(r["memory_equal"] and r["ledger_equal"] for r in reports) else 1
+    return 0 if all(r["memory_equal"] and r["ledger_equal"] and r["peak"]["within"] is not False
+                    for r in reports) else 1
 
 
 def _one(job: dict, rank: int) -> dict:
