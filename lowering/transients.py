@@ -20,10 +20,13 @@ A hierarchical all-reduce (hierarchical, HO-Ring: a scatter stage before the red
 re-lays the tensor out level by level; each of its pieces copies its columns into a
 contiguous buffer. These copies go in blocks of at most `STAGING_BYTES` per piece
 (runtime/collectives.py `_ar_plan`): a piece's block is copied out, all-reduced through
-the stages, copied back, and freed before the piece's next block is copied, so an
-all-reduce of n elements holds at most pieces x min(n, STAGING_BYTES) bytes of staging
-(plus each stage's scatter chunks, 1/s of that), never the 2n (a padded copy and the
-pieces' copies) it held before. The padded copy is made only when n is not a multiple
+the stages, copied back, and freed before the piece's next block is copied. With the
+block's scatter chunks, the gloo reduce-scatter's receive buffer and the stages' own
+buffers, a piece holds at most `STAGING_OVER` blocks (measured on gloo by MemTracker:
+4 x the block, tests/test_transients.py), so an all-reduce of n elements holds at most
+pieces x STAGING_OVER x min(n bytes, STAGING_BYTES), alive from its issue to its wait,
+never the 1.5-2.5 n bytes (a padded copy, the pieces' copies and their stages) it held
+before. The padded copy is made only when n is not a multiple
 of the inner levels' size (then of n elements, alive for the whole all-reduce).
 
 [Note: receive blocks]
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 SYNC_IN_FLIGHT = 2              # [Note: syncs in flight]: flat groups whose step-end sync is in flight
 STAGING_BYTES = 32 << 20        # [Note: staging chunks]: one piece's all-reduce staging block, at most
+STAGING_OVER = 4                # [Note: staging chunks]: a piece's transients, in blocks, at most
 RS_RECV_BYTES = 32 << 20        # [Note: receive blocks]: the all-to-all's receive block, at most
 RS_RECV_FLOOR = 1 << 20         # [Note: receive blocks]: ... and at least (when the input is larger)
 

@@ -362,6 +362,7 @@ def _ar_blocks(view, lo, hi, block, mesh, plan):
         buf = view[:, a:b].contiguous().view(-1)
         yield from _ar_piece(buf, mesh, plan)
         view[:, a:b].copy_(buf.view(view.shape[0], -1))
+        del buf                                   # freed before the next block is copied out
 
 
 def _ar_flat(t, pg):
