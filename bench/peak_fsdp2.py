@@ -1,8 +1,8 @@
 """shardc's peak against FSDP2's, per phase, in the same run (bench stage: a small Hugging
 Face Llama on 8 gloo ranks -> torch's MemTracker peak per phase; information only).
 
-    python bench/peak_fsdp2.py --json bench/results/peak_fsdp2.json     # driver: torchrun x 8
-    python bench/peak_fsdp2.py --table bench/results/peak_fsdp2.json    # docs/BENCHMARKS.md's rows
+    python bench/peak_fsdp2.py --json bench/results/systems_100gbit_DATE_peak-fsdp2.json   # torchrun x 8
+    python bench/peak_fsdp2.py --table FILE.json     # docs/BENCHMARKS.md rows
 
 Input: a `LlamaForCausalLM` (hidden 256, intermediate 704, 4 layers, 8 heads, 4 KV heads,
 vocab 8192, untied head, fp32; `llama_small` is its factory), batch 2 x 64 random tokens per
