@@ -156,16 +156,16 @@ class StepBoundary:
             return False
         return bool(self.requires_sync or self._loop_decides or micro == self.accumulate)
 
-    def _sync_unit(self, u: UnitState) -> None:
+    def _sync_unit(self, u: UnitState, bounded: bool = False) -> None:
         if u.index not in self._synced:
             self._synced.add(u.index)
-            self.ops.sync_unit(u)
+            self.ops.sync_unit(u, bounded)
             self.events.append(("issue_sync", u.index))
 
     def _issue_sync(self) -> None:
-        for u in self.units:
+        for u in self.units:          # at most SYNC_IN_FLIGHT groups at once (lowering [Note: syncs in flight])
             if u.trainables:
-                self._sync_unit(u)
+                self._sync_unit(u, bounded=True)
         self._synced.clear()
         self._sync_prev = None
         self.phase = StepPhase.SYNCING

@@ -37,15 +37,16 @@ device (`device.native_reduce_scatter`), not the device (gloo also runs CUDA ten
 
 [Note: bounded all-to-all]
 The all-to-all's receive buffer is a second copy of the stage's input: for a unit of
-N elements, N more. Past `RS_RECV_BYTES` per stage, the stage goes in blocks of columns
+N elements, N more. Past the lowering's receive block (shardc.lowering [Note: receive
+blocks]: no more than the output chunk, at least 1 MiB, at most `RS_RECV_BYTES` = 32 MiB)
+per stage, the stage goes in blocks of columns
 (the same columns of every chunk, sent from the input's rows in place by the list
 `all_to_all`): each block is exchanged and summed into its columns of the output before
 the next is issued, so a stage holds at most one block's receive buffer beside its
 input and output. The bytes on the wire
 are the same; the blocks after the first are issued from `wait()` ([Note: stages and
-handles]), so only the first one overlaps the caller's compute. Below the bound (every
-unit of the test models and the cluster benchmarks' 13M-parameter model) it is one
-exchange, as before.
+handles]), so only the first one overlaps the caller's compute. An input whose receive
+buffer fits one block (every unit of the test models: inputs under 1 MiB) is one exchange.
 
 [Note: streams]
 Every call runs on a communication stream of its kind where the device has streams
@@ -73,7 +74,7 @@ import torch.distributed as dist
 import shardc.algorithms as algorithms
 from shardc.algorithms.base import bounds, gather_perm, scatter_perm
 from shardc.dsl.ir import Collectives, DType
-from shardc.lowering import Op
+from shardc.lowering import RS_RECV_BYTES, STAGING_BYTES, Op, recv_block_bytes
 
 from . import device, quant
 from .dtypes import torch_dtype
@@ -129,7 +130,8 @@ def _ag(dst, src, pg):
     return dist.all_gather_single(dst, src, group=pg, async_op=True)
 
 
-RS_RECV_BYTES = 32 << 20        # [Note: bounded all-to-all]: one block's receive buffer, at most
+# RS_RECV_BYTES (the lowering's, shardc.lowering [Note: receive blocks]) is read from this module's
+# globals so that a test may lower it here.
 
 
 def _rs(dst, src, pg, scratch=None):
@@ -139,7 +141,7 @@ def _rs(dst, src, pg, scratch=None):
         yield [dist.reduce_scatter_single(dst, src, group=pg, async_op=True)]
         return
     s, m = dist.get_world_size(pg), dst.numel()
-    cols = max(1, RS_RECV_BYTES // (s * src.element_size()))
+    cols = max(1, recv_block_bytes(m * src.element_size(), RS_RECV_BYTES) // (s * src.element_size()))
     if cols >= m:
         yield from _a2a_sum(dst, src, pg, s, scratch)
         return
@@ -330,6 +332,8 @@ def all_reduce(t, mesh: ShardMesh, levels, *, algo=Collectives.RING) -> Work:
 
 
 def _ar_plan(t, mesh, key, algo):
+    """The all-reduce's pieces, each staging its columns in blocks of at most STAGING_BYTES
+    (shardc.lowering [Note: staging chunks]); the padded copy only when n needs padding."""
     plan = algo.reduce(key, mesh.mesh.ordered)
     if plan.gather != tuple(reversed(plan.scatter)):
         raise ValueError(f"{algo!r}: an all-reduce gathers back up the stages it scattered down")
@@ -337,17 +341,28 @@ def _ar_plan(t, mesh, key, algo):
     n = t.numel()
     if not plan.scatter or n < inner:                 # one flat all-reduce (or too small to split)
         return [_ar_flat(t, mesh.group(key))], None
-    flat = t.new_zeros(-(-n // inner) * inner)
-    flat[:n] = t.reshape(-1)
-    view = flat.view(inner, -1)
-    spans = bounds(view.shape[1], algo.pieces)
-    bufs = [view[:, lo:hi].contiguous().view(-1) for lo, hi in spans]
+    if n % inner == 0 and t.is_contiguous():
+        flat, finish = t.view(-1), None
+    else:
+        flat = t.new_zeros(-(-n // inner) * inner)
+        flat[:n] = t.reshape(-1)
 
-    def finish():
-        for (lo, hi), b in zip(spans, bufs):
-            view[:, lo:hi].copy_(b.view(inner, -1))
-        t.copy_(flat[:n].view(t.shape))
-    return [_ar_piece(b, mesh, plan) for b in bufs], finish
+        def finish():
+            t.copy_(flat[:n].view(t.shape))
+    view = flat.view(inner, -1)
+    block = max(1, STAGING_BYTES // (inner * t.element_size()))
+    return [_ar_blocks(view, lo, hi, block, mesh, plan) for lo, hi in bounds(view.shape[1], algo.pieces)], finish
+
+
+def _ar_blocks(view, lo, hi, block, mesh, plan):
+    """Columns [lo, hi) of `view` all-reduced a block at a time: copied out contiguous,
+    through the plan's stages, copied back; one block's staging alive at a time."""
+    for a in range(lo, hi, block):
+        b = min(hi, a + block)
+        buf = view[:, a:b].contiguous().view(-1)
+        yield from _ar_piece(buf, mesh, plan)
+        view[:, a:b].copy_(buf.view(view.shape[0], -1))
+        del buf                                   # freed before the next block is copied out
 
 
 def _ar_flat(t, pg):

@@ -87,7 +87,7 @@ class GraphStepOps:
             self.ledger.record_row(r)
 
     # -- what the boundary runs --------------------------------------------------------------
-    def sync_unit(self, u) -> None:
+    def sync_unit(self, u, bounded: bool = False) -> None:
         return None                     # the sync graph runs every unit when it completes
 
     def advance_early(self, group) -> None:

@@ -9,7 +9,7 @@ Output: a view of a pooled tensor, handed back once its reduce-scatter is waited
 A backward with s_G > 1 needs, per unit, one N-element buffer (the unit's gradients laid
 out flat, the reduce-scatter's input; none for a one-parameter unit whose gradient is
 the layout already, storage.py [Note: grad accumulation]), one N/s_G-element chunk (its
-output) and, on gloo, the all-to-all's receive buffer (at most `RS_RECV_BYTES`, in
+output) and, on gloo, the all-to-all's receive buffer (at most the lowering's receive block, in
 blocks past it: runtime/collectives.py [Note: bounded all-to-all]; handed back as soon
 as its local sum is done), all alive until the reduce-scatter is waited. The engine keeps
 at most one unit's reduce-scatter in flight while the next unit's is issued (engine.py),

@@ -1,0 +1,187 @@
+"""shardc's peak against FSDP2's, per phase, in the same run (bench stage: a small Hugging
+Face Llama on 8 gloo ranks -> torch's MemTracker peak per phase; information only).
+
+    python bench/peak_fsdp2.py --json bench/results/systems_100gbit_DATE_peak-fsdp2.json   # torchrun x 8
+    python bench/peak_fsdp2.py --table FILE.json     # docs/BENCHMARKS.md rows
+
+Input: a `LlamaForCausalLM` (hidden 256, intermediate 704, 4 layers, 8 heads, 4 KV heads,
+vocab 8192, untied head, fp32; `llama_small` is its factory), batch 2 x 64 random tokens per
+rank, AdamW (foreach, lr 1e-3). Four systems run one after the other in each of the 8
+processes of one `torchrun` (gloo, CPU, mesh node(2) > gpu(4)), each on the same units — a
+unit (FSDP2: a `fully_shard`) per decoder layer, the embedding and the head each on their
+own, the rest the root:
+
+- `shardc:zero3`: bench/llama_zero3_units.shard (every state over the world, a flat ring);
+- `fsdp2:zero3`: `fully_shard` on a 1-D mesh of 8;
+- `shardc:hsdp`: the same units, every state sharded over gpu, replicated over node (MiCS);
+- `fsdp2:hsdp`: `fully_shard` on the 2-D mesh (replicate 2, shard 4): FSDP2's HSDP.
+
+Each system runs one step unmeasured (the optimizer's states are made), then one step under
+torch's `MemTracker` (tensor level: every tensor an operator makes, every storage resize,
+the modules' parameters and gradients and the optimizer's states registered as external;
+shardc: the runtime's storages, runtime/memory.py `held_tensors`; the same subclass
+`shardc simulate` uses, which leaves out MemTracker's per-module bookkeeping). The peak is
+read and reset at each phase's end, so each phase's figure is its own maximum: `forward`,
+`backward` (FSDP2's reduce-scatters and HSDP's all-reduces are waited there), `sync`
+(shardc's step-end sync, completed as opt.step() would complete it; FSDP2 has none here),
+`step` (the optimizer step and the update all-gathers), `zero_grad`. Output: per system the
+peak per phase (rank 0's and the max over ranks) and the states held before the step.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+UNITS = os.path.join(HERE, "llama_zero3_units.shard")
+MESH = "node(2) > gpu(4)"
+WORLD = 8
+SYSTEMS = ("shardc:zero3", "fsdp2:zero3", "shardc:hsdp", "fsdp2:hsdp")
+PHASES = ("forward", "backward", "sync", "step", "zero_grad")
+BATCH, SEQ = 2, 64
+
+
+def llama_small():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=8192, tie_word_embeddings=False,
+                      max_position_embeddings=SEQ, attn_implementation="eager")
+    return LlamaForCausalLM(cfg)
+
+
+def hsdp_text() -> str:
+    with open(UNITS) as f:
+        text = f.read()
+    return text.replace("shard over world", "shard over gpu").replace("collectives ring\n", "")
+
+
+def build(system: str, x: torch.Tensor):
+    """(the model to call, its optimizer, its states' tensors for the tracker, sync())."""
+    torch.manual_seed(0)
+    model = llama_small()
+    if system.startswith("shardc"):
+        import shardc
+        from shardc.runtime.memory import held_tensors
+        text = UNITS if system.endswith("zero3") else hsdp_text()
+        sm = shardc.compile(model, text, example_inputs=(x,), mesh=MESH)
+        opt = sm.optimizer(torch.optim.AdamW, lr=1e-3)
+        return (sm, opt, lambda: [*held_tensors(sm.runtime, sm.params), opt],
+                lambda: sm.runtime.boundary.wait_sync("the benchmark's sync phase"))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = (init_device_mesh("cpu", (WORLD,), mesh_dim_names=("shard",)) if system.endswith("zero3") else
+            init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard")))
+    for mod in [model.model.embed_tokens, *model.model.layers, model.lm_head]:
+        fully_shard(mod, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt, lambda: [model, opt], lambda: None
+
+
+def loss_of(model, x):
+    out = model(x)
+    logits = out if torch.is_tensor(out) else out.logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), x.flatten())
+
+
+def measure(system: str, x: torch.Tensor) -> dict:
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    from shardc.simulate import _step_tracker
+    model, opt, external, sync = build(system, x)
+    loss_of(model, x).backward()            # a first step: the optimizer's states are made
+    sync()
+    opt.step()
+    opt.zero_grad()
+    gc.collect()
+    tracker = _step_tracker()
+    tracker.track_external(*external())
+    peaks: dict[str, int] = {}
+    kinds: dict[str, dict] = {}
+
+    def end(phase: str) -> None:
+        peaks[phase] = int(max(tracker._peak_mem.values(), default=0))
+        snap = next(iter(tracker._peak_mem_snap.values()), {})
+        kinds[phase] = {getattr(k, "value", str(k)): int(v) for k, v in snap.items()}
+        for dev, snap in tracker._curr_mem_snap.items():
+            tracker._peak_mem[dev] = snap[_TOTAL_KEY]
+    with tracker:
+        start = int(sum(s[_TOTAL_KEY] for s in tracker._curr_mem_snap.values()))
+        loss = loss_of(model, x)
+        end("forward")
+        loss.backward()
+        del loss
+        end("backward")
+        sync()
+        end("sync")
+        opt.step()
+        end("step")
+        opt.zero_grad()
+        end("zero_grad")
+    del model, opt, tracker
+    gc.collect()
+    return {"states": start, "peaks": peaks, "peak": max(peaks.values()), "by_kind": kinds}
+
+
+def worker(out: str) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, 8192, (BATCH, SEQ), generator=g)
+    results = {}
+    for system in SYSTEMS:
+        r = measure(system, x)
+        got = [None] * WORLD
+        dist.all_gather_object(got, r)
+        results[system] = {"rank0": got[0], "max_over_ranks": {
+            "states": max(g["states"] for g in got), "peak": max(g["peak"] for g in got),
+            "peaks": {p: max(g["peaks"][p] for g in got) for p in PHASES}}}
+        dist.barrier()
+    if rank == 0:
+        meta = {"model": "LlamaForCausalLM h256 i704 L4 v8192 fp32", "params": sum(
+            p.numel() for p in llama_small().parameters()), "world": WORLD, "mesh": MESH, "batch": BATCH,
+            "seq": SEQ, "tracker": "torch.distributed._tools.mem_tracker.MemTracker (shardc.simulate's)",
+            "torch": torch.__version__}
+        with open(out, "w") as f:
+            json.dump({"meta": meta, "systems": results}, f, indent=1)
+    dist.destroy_process_group()
+
+
+def table(path: str) -> str:
+    with open(path) as f:
+        r = json.load(f)["systems"]
+    mib = 1 << 20
+    rows = ["| system | states | " + " | ".join(PHASES) + " | peak |", "|---" * (len(PHASES) + 3) + "|"]
+    for system, v in r.items():
+        m = v["max_over_ranks"]
+        rows.append(f"| {system} | {m['states'] / mib:.2f} | " + " | ".join(
+            f"{m['peaks'][p] / mib:.2f}" for p in PHASES) + f" | {m['peak'] / mib:.2f} |")
+    return "\n".join(rows) + "\n\n(MiB per rank, the max over the 8 ranks of torch's MemTracker)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="driver: run the 8 ranks, write the results here")
+    ap.add_argument("--table", help="print docs/BENCHMARKS.md's rows from a result file")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a.worker)
+    if a.table:
+        return print(table(a.table))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+                    "--master-port", "29641", sys.argv[0], "--worker", os.path.abspath(a.json)], check=True, env=env)
+    print(table(a.json))
+
+
+if __name__ == "__main__":
+    main()
