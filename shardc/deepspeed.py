@@ -211,9 +211,18 @@ def deepspeed_to_dcp(src: str, dst: str, tag: str | None = None) -> list[str]:
         if len(groups) != 1:
             raise ShardcError(f"DeepSpeed checkpoint {d} has {len(groups)} optimizer param "
                               f"groups; only one is converted so far")
+        # the parameters' shapes as DeepSpeed recorded them (ZeRO-3's universal tensors are flat)
+        first = sorted(glob.glob(os.path.join(d, "*mp_rank_*_model_states.pt")))[0]
+        head = torch.load(first, map_location="cpu", weights_only=False, mmap=True)
+        shapes = {}
+        for group in head.get("param_shapes") or []:
+            shapes.update({k: tuple(v) for k, v in group.items()})
+        if shapes:        # ds_to_universal also writes fp32.pt for buffers: those are no parameters
+            names = [n for n in names if n in shapes]
         model, state = {}, {}
         for n in names:
-            model[n] = _load(os.path.join(zero, n, "fp32.pt")).float()
+            t = _load(os.path.join(zero, n, "fp32.pt")).float()
+            model[n] = t.reshape(shapes[n]) if n in shapes else t
             st = {}
             for key in ("exp_avg", "exp_avg_sq"):
                 p = os.path.join(zero, n, f"{key}.pt")
@@ -225,6 +234,11 @@ def deepspeed_to_dcp(src: str, dst: str, tag: str | None = None) -> list[str]:
                 st["step"] = torch.tensor(step)
             if st:
                 state[n] = st
+        # buffers (not ZeRO-partitioned) are in the first rank's model-state file, whole
+        module = head.get("module") or {}
+        for k, v in module.items():
+            if k not in model and torch.is_tensor(v) and k not in names:
+                model[k] = v
         hyper = {k: v for k, v in groups[0].items() if k != "params"}
         osd = {"state": state, "param_groups": [{**hyper, "params": names}]}
         dcp.save({"model": model, "optim": osd}, checkpoint_id=dst, no_dist=True)
