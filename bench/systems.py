@@ -53,9 +53,11 @@ class System:
     strategy: object = None       # shardc Strategy (for link bytes), else None
     tp: int = 1                   # tensor-parallel degree: ranks rank//tp*tp.. read one batch
     extra: dict = field(default_factory=dict)
+    backward: object = None       # (loss) -> None instead of loss.backward() (bench/ds_systems.py)
 
 
-PEERS = ("fsdp2:full", "fsdp2:hsdp", "ddp")
+PEERS = ("fsdp2:full", "fsdp2:hsdp", "ddp",
+         "deepspeed:zero1", "deepspeed:zero2", "deepspeed:zero3", "deepspeed:zeropp")   # bench/ds_systems.py
 TP_SUFFIX = re.compile(r"tp(\d*)")
 EP_SUFFIX = re.compile(r"ep(\d*|gpu)")
 
@@ -307,6 +309,9 @@ def shardc_system(model: nn.Module, spec: str, example, accumulate: int, nodes: 
                          "backend": "inductor" if inductor else "eager"})
 
 
+MICRO_BATCH = {}          # the worker's --micro-batch, which DeepSpeed's config must name
+
+
 def build_system(name: str, model: nn.Module, nodes: int, per_node: int, example, accumulate: int) -> System:
     n = parse_system(name)
     if per_node % n.tp:
@@ -323,6 +328,9 @@ def build_system(name: str, model: nn.Module, nodes: int, per_node: int, example
         return fsdp2(model, nodes, per_node, hybrid=n.base == "fsdp2:hsdp", tp=n.tp, compiled=n.compile)
     if n.base == "ddp":
         return ddp(model, compiled=n.compile)
+    if n.base.startswith("deepspeed:"):
+        from ds_systems import deepspeed_system
+        return deepspeed_system(n.base, model, nodes, per_node, accumulate, MICRO_BATCH.get("value", 1), _adamw)
     return shardc_system(model, n.base.split(":", 1)[1], example, accumulate, nodes, per_node, n.tp, n.inductor, ep)
 
 

@@ -101,7 +101,10 @@ def run_step(sys_, model, step: int, args, rank: int, peak: bool = False) -> flo
         with sys_.micro(i, i == args.accumulate - 1):
             logits = sys_.model(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-            (loss / args.accumulate).backward()
+            if sys_.backward is not None:     # DeepSpeed: engine.backward + engine.step
+                sys_.backward(loss / args.accumulate)
+            else:
+                (loss / args.accumulate).backward()
         losses.append(loss.detach())
         marks.append(time.perf_counter() - t0)
         if peak:
@@ -154,6 +157,8 @@ def run_system(args, rank: int, local_rank: int) -> dict:
     """Build `args.system` on the initialised process group and measure it (this rank's part)."""
     model = build_model(args.model)
     example = batch(model, 0, 0, 0, args.micro_batch)[0]
+    import systems as _systems
+    _systems.MICRO_BATCH["value"] = args.micro_batch
     sys_ = build_system(args.system, model, args.nodes, args.per_node, example, args.accumulate)
     out = measure(sys_, model, args, rank, local_rank)
     out["params"] = n_params(build_model(args.model))
@@ -195,7 +200,8 @@ def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
     if sys_.ledger:
         ledger = [dict(phase=r.phase, op=r.op, levels=list(r.levels), bytes=r.bytes,
                        count=r.count, experts=r.experts) for r in sys_.ledger()]
-    keys = ("mesh", "collectives", "tp", "unit_numels", "backend", "ep", "expert_mesh", "expert_numels")
+    keys = ("mesh", "collectives", "tp", "unit_numels", "backend", "ep", "expert_mesh", "expert_numels",
+            "ds_config", "deepspeed", "memory_note")         # the last three: DeepSpeed systems
     return {**{k: sys_.extra[k] for k in keys if k in sys_.extra},
             "losses": losses, "step_times": times, "step_time_s": statistics.median(times),
             # per timed step, seconds of: each micro-batch (forward + backward), opt.step(),

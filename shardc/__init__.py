@@ -5,7 +5,8 @@ Imports are lazy so `import shardc` stays cheap for the CLI.
 """
 from shardc.dsl.errors import ShardcError
 
-__all__ = ["ShardcError", "load_strategy", "compile", "distributed", "buffers_only", "load_safetensors", "checkpoint_errors"]
+__all__ = ["ShardcError", "load_strategy", "compile", "distributed", "buffers_only", "load_safetensors", "checkpoint_errors",
+           "from_deepspeed_config", "load_deepspeed"]
 __version__ = "0.1.0"
 
 
@@ -62,6 +63,20 @@ def checkpoint_errors(where):
     sentence naming the tensor, the saved and the expected shape. See docs/checkpoints.md."""
     from shardc.runtime.state.load_errors import checkpoint_errors as _errors
     return _errors(where)
+
+
+def from_deepspeed_config(config, mesh="node(*) > gpu(local)"):
+    """The `.shard` text doing what a ds_config dict's ZeRO section does (docs/deepspeed.md)."""
+    from shardc.deepspeed import from_deepspeed_config as _conv
+    return _conv(config, mesh=mesh)
+
+
+def load_deepspeed(sm, opt, path, tag=None, work_dir=None):
+    """Resume `sm` and `opt` from a DeepSpeed ZeRO-1/2/3 checkpoint directory, read by
+    DeepSpeed's own ds_to_universal (needs the `deepspeed` extra). Collective. See
+    docs/deepspeed.md."""
+    from shardc.deepspeed import load_deepspeed as _load
+    return _load(sm, opt, path, tag=tag, work_dir=work_dir)
 
 
 def distributed(backend=None, **init_kwargs):
