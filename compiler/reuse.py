@@ -77,7 +77,8 @@ def _stand_in(m: nn.Module, key: tuple, reuse: Reuse):
 
     def call(*args, **kwargs):
         flat, spec = tree_flatten((args, kwargs))
-        k = (key, str(spec), tuple(_value_key(x) for x in flat))
+        with torch._C.DisableTorchFunction():          # shapes read plainly, not through export's modes
+            k = (key, str(spec), tuple(_value_key(x) for x in flat))
         rec = reuse.records.get(k)
         if rec is None:
             out = forward(*args, **kwargs)
