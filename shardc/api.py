@@ -12,6 +12,7 @@ the timeout. `shardc compile` writes exactly the text
 from __future__ import annotations
 
 import linecache
+import time
 
 from torch import nn
 
@@ -63,7 +64,11 @@ def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str 
     rng = rng_state()                     # what a meta model initializes from (compiling draws nothing)
     inner, _ = split_compiled(model)      # the compiler sees the module torch.compile wrapped
     # rank 0 compiles, the others receive its plan (shardc/handoff.py [Note: capture once per job])
-    source, plan, origin = job_plan(inner, strategy, example_inputs, capture, mesh, passes, backend)
+    clock = {"capture_s": 0.0, "lowering_s": 0.0}
+    t = time.perf_counter()
+    source, plan, origin = job_plan(inner, strategy, example_inputs, capture, mesh, passes, backend, clock)
+    clock["plan_s"] = time.perf_counter() - t           # compiled, received or read: this rank's wait for it
+    t = time.perf_counter()
     namespace = load_emitted(source, plan.strategy.name)
     # the plan the compiler made, not lowered again
     sm = namespace["shard_model"](model, lowering=plan.lowering, timeout=timeout,
@@ -72,4 +77,6 @@ def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str 
     sm.plan = plan
     sm.source = source
     sm.plan_origin = origin               # "compiled", "received" (from rank 0) or "cache"
+    clock["construct_s"] = time.perf_counter() - t      # groups, allocation, values (runtime/build.py)
+    sm.startup_seconds = clock            # wall seconds per phase of this call (bench/bigmodel.py)
     return sm

@@ -93,11 +93,11 @@ def _cached(key: str):
     return None, path
 
 
-def _compile_or_cache(key: str, compile_args):
+def _compile_or_cache(key: str, compile_args, clock=None):
     found, path = _cached(key)
     if found is not None:
         return (*found, "cache")
-    source, plan = compile_source(*compile_args)
+    source, plan = compile_source(*compile_args, clock=clock)
     if path:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -112,19 +112,20 @@ def _alone() -> bool:
 
 
 def job_plan(model: nn.Module, strategy, example_inputs=None, capture: str = "auto", mesh=None, passes=None,
-             backend: str = "eager"):
-    """(emitted text, Plan, origin): compiled here, received from rank 0, or read from the cache."""
+             backend: str = "eager", clock: dict | None = None):
+    """(emitted text, Plan, origin): compiled here, received from rank 0, or read from the cache;
+    `clock` gets compile_source's phases where this rank compiled."""
     world = dist.get_world_size()
     key = plan_key(model, strategy, example_inputs, capture, mesh, passes, backend, world)
     args = (model, strategy, example_inputs, capture, mesh, None, passes, backend)
     if _alone():
-        return _compile_or_cache(key, args)
+        return _compile_or_cache(key, args, clock)
     origin = None
     rank = dist.get_rank()
     box = [None]
     if rank == 0:
         try:
-            source, plan, origin = _compile_or_cache(key, args)
+            source, plan, origin = _compile_or_cache(key, args, clock)
             box = [(key, source, plan, None)]
         except Exception as e:  # noqa: BLE001 — every rank learns it; rank 0 raises it as it is
             box = [(key, None, None, str(e) if isinstance(e, ShardcError) else f"{type(e).__name__}: {e}")]
