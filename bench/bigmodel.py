@@ -223,6 +223,9 @@ def start_shardc(how: str, layers: int, workdir: str, x: torch.Tensor, phases: d
     sm = shardc.compile(model, strategy(path, algo), example_inputs=(x,), mesh=MESH,
                         init=init if how == "init" else shardc.buffers_only(init))
     phases["compile_s"] = time.perf_counter() - t       # with the init (in shardc:init)
+    # the breakdown: capture and lowering (0 on a rank that received rank 0's plan), the wait
+    # for the plan, construction (groups, allocation, the init's values); shardc/api.py
+    phases.update({k: v for k, v in sm.startup_seconds.items()})
     phases["init_wall_s"], phases["init_cpu_s"] = init.wall, init.cpu
     trace("compiled")
     t = time.perf_counter()
@@ -243,14 +246,17 @@ def start_fsdp2(how: str, layers: int, workdir: str, phases: dict, wrap: str = "
     phases["build_s"] = time.perf_counter() - t
     t = time.perf_counter()
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("shard",))
+    phases["groups_s"] = time.perf_counter() - t
     mods = list(model.model.layers)
     if wrap == "units":                    # bench/llama_zero3_units.shard's units
         mods = [model.model.embed_tokens] + mods + [model.lm_head]
     for mod in mods:
         fully_shard(mod, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    t1 = time.perf_counter()
     model.to_empty(device="cpu")
     phases["shard_s"] = time.perf_counter() - t
+    phases["allocation_s"] = time.perf_counter() - t1
     trace("to_empty")
     init = Timed(model._init_weights)
     torch.manual_seed(SEED)
@@ -350,7 +356,9 @@ def worker(args) -> None:
             opt = model.optimizer(torch.optim.AdamW, lr=LR)
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        t1 = time.perf_counter()
         logits = model(x).logits
+        r["phases"]["first_forward_s"] = time.perf_counter() - t1
         trace("forward")
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
         del logits
@@ -571,7 +579,21 @@ def summarize(ranks: list[dict]) -> dict:
         losses = [r["loss"] for r in ranks]
         out.update(step_s=top("step_s"), hwm_step_max=top("hwm_step"),
                    states_max=max(r["states"]["total"] for r in ranks), loss_mean=sum(losses) / len(losses))
+    names = dict.fromkeys(k for r in ranks for k in r.get("phases", {}))
+    out["phases_max"] = {k: max(r["phases"][k] for r in ranks if k in r["phases"]) for k in names}
     return dict(out, ranks=ranks)
+
+
+# the start-up breakdown, per phase (the slowest rank's wall seconds): shardc's capture and
+# lowering run on rank 0 only (plan_s on the others: the wait for it), construct_s holds the
+# groups, the allocation and an init's values; FSDP2's groups, fully_shard and to_empty
+PHASES = ("build_s", "capture_s", "lowering_s", "plan_s", "groups_s", "shard_s", "allocation_s", "construct_s",
+          "init_s", "load_s", "first_forward_s")
+
+
+def phase_line(r: dict) -> str:
+    ph = r.get("phases_max") or {}
+    return ", ".join(f"{k[:-2]} {ph[k]:.2f}s" for k in PHASES if k in ph)
 
 
 def parse_algo(system: str) -> str | None:
@@ -637,6 +659,7 @@ def driver(args) -> None:
         print(f"  {s}: start-up {r.get('startup_s') or 0:.1f}s, peak RSS start-up {gib(r.get('hwm_startup_max'))}"
               f", step {gib(r.get('hwm_step_max'))}, states {gib(r.get('states_max', r.get('states_ready_max')))}"
               f", norm {r.get('param_norm') or 0:.4f}, loss {r.get('loss_mean') or 0:.4f}", flush=True)
+        print(f"    phases: {phase_line(r)}", flush=True)
         if args.json:                          # after every system: a later one that fails keeps these
             dump(res, args.json)
     res["init_rate"] = init_rate()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from math import prod
 
 from torch import nn
@@ -82,10 +83,13 @@ def _resolve_collectives(strategy: Strategy, model: nn.Module, units) -> Strateg
 
 def compile_source(model: nn.Module, strategy, example_inputs=None, capture: str = "auto",
                    mesh=None, world_size: int | None = None, passes=None,
-                   backend: str = "eager") -> tuple[str, Plan]:
+                   backend: str = "eager", clock: dict | None = None) -> tuple[str, Plan]:
     """The emitted module's source text and the Plan it came from; `passes` names the
     plan passes to run (None: all of `shardc.lowering.passes.PLAN_PASSES`); `backend` the
-    runtime the module shards for ("inductor": the whole-step compiled mode)."""
+    runtime the module shards for ("inductor": the whole-step compiled mode); `clock`, a
+    dict, gets the wall seconds of `capture_s` (units and capture) and `lowering_s` (graph
+    passes, the plan with its `Lowering`, codegen)."""
+    t = time.perf_counter()
     if not isinstance(model, nn.Module):
         raise ShardcError(f"shardc.compile needs an nn.Module, got {type(model).__name__}")
     strategy, passes = _for_backend(resolve_strategy(strategy, mesh, world_size), passes, backend)
@@ -93,9 +97,13 @@ def compile_source(model: nn.Module, strategy, example_inputs=None, capture: str
     units = find_units(model, strategy)
     strategy = _resolve_collectives(strategy, model, units)
     gm = capture_graph(model, units, example_inputs, capture)
+    t1 = time.perf_counter()
     gm = run_passes(gm, strategy)
     plan = build_plan(gm, strategy, model, passes, backend)
-    return emit(plan, gm, type(model).__name__), plan
+    source = emit(plan, gm, type(model).__name__)
+    if clock is not None:
+        clock.update(capture_s=t1 - t, lowering_s=time.perf_counter() - t1)
+    return source, plan
 
 
 def _for_backend(strategy: Strategy, passes, backend: str):

@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from shardc.compiler.reuse import reused_blocks
 from shardc.dsl.errors import ShardcError
 from shardc.units import param_owners, reorder
 
@@ -54,6 +55,7 @@ class CaptureInfo:
     params: tuple[str, ...]      # the model's canonical parameter FQNs, registration order
     notes: tuple[str, ...] = ()
     aliases: tuple[tuple[str, str], ...] = ()   # (tied alias, canonical name)
+    reused: int = 0              # unit modules whose capture reused an identical block's (compiler/reuse.py)
 
     @property
     def canonical(self) -> dict[str, str]:
@@ -212,12 +214,12 @@ def _export_hint(model: nn.Module, units, exc: BaseException) -> str:
     return "; move that code into a unit listed in `units`, or make it traceable for these example inputs"
 
 
-def _capture_export(model: nn.Module, units, example_inputs) -> fx.GraphModule:
+def _capture_export(model: nn.Module, units, example_inputs, reuse: bool = True) -> fx.GraphModule:
     if example_inputs is None:
         raise ShardcError("capture export needs example inputs (pass example_inputs=..., or --example-input)")
     args = _as_args(example_inputs)
     try:
-        with _quiet_torch_logs(), _tensor_outputs(model):
+        with _quiet_torch_logs(), _tensor_outputs(model), reused_blocks(model, _leaves(units), reuse) as reused:
             ep = torch.export.export(model, args, strict=False)
     except Exception as e:  # noqa: BLE001
         raise ShardcError(_located(model, "capture export", e) + (_construct_hint(e) or _export_hint(model, units, e))) from None
@@ -228,7 +230,7 @@ def _capture_export(model: nn.Module, units, example_inputs) -> fx.GraphModule:
         unit = unit_of_stack(n.meta.get("nn_module_stack"), leaves)
         if unit is not None:
             first_run.append(unit)
-    gm.meta["shardc"] = _info("export", model, units, first_run)
+    gm.meta["shardc"] = dataclasses.replace(_info("export", model, units, first_run), reused=reused.count)
     return gm
 
 
@@ -262,22 +264,23 @@ _NEEDS_INPUTS = ("{name} needs example inputs: torch.fx cannot trace it, and cap
                  "it on them, so pass example_inputs=(...) to shardc.compile (--example-input to `shardc compile`)")
 
 
-def capture(model: nn.Module, units, example_inputs=None, mode: str = "auto") -> fx.GraphModule:
-    """Capture `model` as an fx graph with one region per unit (see the module note)."""
+def capture(model: nn.Module, units, example_inputs=None, mode: str = "auto", reuse: bool = True) -> fx.GraphModule:
+    """Capture `model` as an fx graph with one region per unit (see the module note); `reuse`:
+    export traces each distinct block once (compiler/reuse.py [Note: capture once per block])."""
     if mode not in MODES:
         raise ShardcError(f"unknown capture mode {mode!r}; use one of {', '.join(MODES)}")
     check_example_inputs(model, example_inputs, run=mode != "export")   # export runs them itself
     if mode == "fx":
         return _capture_fx(model, units)
     if mode == "export":
-        return _capture_export(model, units, example_inputs)
+        return _capture_export(model, units, example_inputs, reuse)
     try:
         return _capture_fx(model, units)
     except ShardcError as fx_error:
         if example_inputs is None:     # the fix is the sentence, not fx's reason (Hugging Face: co_varnames)
             raise ShardcError(_NEEDS_INPUTS.format(name=type(model).__name__)) from None
         try:
-            gm = _capture_export(model, units, example_inputs)
+            gm = _capture_export(model, units, example_inputs, reuse)
         except ShardcError as export_error:
             raise ShardcError(f"neither capture mode worked — {fx_error}; and {export_error}") from None
         info = gm.meta["shardc"]

@@ -2,7 +2,8 @@
 strategy -> a running ShardedModule).
 
 Input: what `shardc.compile` takes. Output: a `ShardedModule`: the compiler pipeline
-(`shardc.compiler.api.compile_source`) gives the emitted module's text and its Plan; this
+(`shardc.compiler.api.compile_source`, run on rank 0 only and handed to the others by
+`shardc/handoff.py`) gives the emitted module's text and its Plan; this
 layer executes the text (`load_emitted`) and calls its `shard_model` with the Plan's
 `Lowering`, so the runtime runs the plan the compiler made (it lowers nothing again), and
 the timeout. `shardc compile` writes exactly the text
@@ -11,13 +12,14 @@ the timeout. `shardc compile` writes exactly the text
 from __future__ import annotations
 
 import linecache
+import time
 
 from torch import nn
 
-from shardc.compiler.api import compile_source
 from shardc.dsl.errors import ShardcError
 from shardc.runtime.compile import split_compiled
 from shardc.runtime.unit import holds_sharded
+from shardc.handoff import job_plan
 
 __all__ = ["compile_model", "load_emitted", "NO_PROCESS_GROUP", "ALREADY_SHARDED"]
 
@@ -61,7 +63,12 @@ def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str 
     from shardc.runtime.state.init import rng_state
     rng = rng_state()                     # what a meta model initializes from (compiling draws nothing)
     inner, _ = split_compiled(model)      # the compiler sees the module torch.compile wrapped
-    source, plan = compile_source(inner, strategy, example_inputs, capture, mesh, passes=passes, backend=backend)
+    # rank 0 compiles, the others receive its plan (shardc/handoff.py [Note: capture once per job])
+    clock = {"capture_s": 0.0, "lowering_s": 0.0}
+    t = time.perf_counter()
+    source, plan, origin = job_plan(inner, strategy, example_inputs, capture, mesh, passes, backend, clock)
+    clock["plan_s"] = time.perf_counter() - t           # compiled, received or read: this rank's wait for it
+    t = time.perf_counter()
     namespace = load_emitted(source, plan.strategy.name)
     # the plan the compiler made, not lowered again
     sm = namespace["shard_model"](model, lowering=plan.lowering, timeout=timeout,
@@ -69,4 +76,7 @@ def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str 
                                   rng=rng)
     sm.plan = plan
     sm.source = source
+    sm.plan_origin = origin               # "compiled", "received" (from rank 0) or "cache"
+    clock["construct_s"] = time.perf_counter() - t      # groups, allocation, values (runtime/build.py)
+    sm.startup_seconds = clock            # wall seconds per phase of this call (bench/bigmodel.py)
     return sm
