@@ -26,9 +26,9 @@ def held_tensors(engine, params=None) -> list[torch.Tensor]:
         for st in (g.storage for g in u.groups):
             out += [t for t in (st.full_data, st.shard, st.secondary) if t is not None]
             if st.trainable:
-                out += [st.grad_shard] + ([st.master] if st.master_separate else [])
+                out += ([st.grad_shard] if st.grad_allocated else []) + ([st.master] if st.master_separate else [])
     if params is not None:
-        out += [views[1] for views in params.grads.values()]
+        out += [views[1] for views in params.grads.made()]
     return out
 
 
@@ -39,7 +39,7 @@ def memory_report(engine, optimizers) -> dict[str, int]:
             rep["params"] += _nbytes(st.shard)
             rep["params_secondary"] += _nbytes(st.secondary)
             if st.trainable:
-                rep["grads"] += _nbytes(st.grad_shard)
+                rep["grads"] += st.grad_nbytes          # allocated at the first backward (runtime/storage.py)
                 if st.master_separate:
                     rep["optim"] += _nbytes(st.master)
     seen = set()

@@ -33,6 +33,14 @@ they are laid out flat (`flat_grads`), reduce-scattered, and the chunk is added 
 gradient, when contiguous and of the grad dtype, is reduce-scattered as it is
 (`whole_grad`), with no flat copy beside it (an embedding's or a head's unit: the largest
 of a language model, where that copy is the backward's peak).
+
+[Note: grad shard lifetime]
+The grad shard (N/s_G elements of the grads dtype) is not allocated at compile: it comes
+into being, zeros, the first time anything touches it, which in training is the unit's
+first backward (its gradients arriving, or the sync of a unit that got none) and lives
+until the module is dropped. So a load, an init or a scatter after compile never has the
+grad shards beside the params (issue 54); `grad_nbytes` is its size for memory reports
+before that. A `zero_grad()` before the first backward allocates nothing (it marks stale).
 """
 from __future__ import annotations
 
@@ -92,9 +100,10 @@ class FlatStorage:
         plan, n = self.plan, self.n
         g_start, g_len = plan.chunk("grads", n)
         self.os_start, self.os_len = plan.chunk("optim", n)
-        self.grad_shard = torch.zeros(g_len, dtype=self.gdtype, device=device)
+        self._g_len, self._g_device = g_len, device
+        self._grad_shard: torch.Tensor | None = None     # allocated at first use ([Note: grad shard lifetime])
+        self._gviews: list[torch.Tensor] | None = None
         self.stale = False                 # zero_grad() ran and no backward wrote the shard yet
-        self._gviews = self.plain_views(self.grad_shard) if self.s_g == 1 else None
         self.os_in_g = self.os_start - g_start
         self.os_in_p = self.os_start - self.p_start
         if self.pdtype == torch.float32:
@@ -103,6 +112,23 @@ class FlatStorage:
         else:
             self.master = torch.zeros(self.os_len, dtype=torch.float32, device=device)
             self.master_separate = True
+
+    @property
+    def grad_nbytes(self) -> int:
+        """The grad shard's size, allocated or not (memory reports count it from the start)."""
+        return self._g_len * torch.empty((), dtype=self.gdtype).element_size()
+
+    @property
+    def grad_allocated(self) -> bool:
+        return self._grad_shard is not None
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """This rank's grad chunk (N/s_G), zeros when first touched: see [Note: grad shard lifetime]."""
+        if self._grad_shard is None:
+            self._grad_shard = torch.zeros(self._g_len, dtype=self.gdtype, device=self._g_device)
+            self._gviews = self.plain_views(self._grad_shard) if self.s_g == 1 else None
+        return self._grad_shard
 
     # -- values (the builder's) ---------------------------------------------------------------
     def write_param(self, slot, value: torch.Tensor) -> None:
@@ -163,13 +189,14 @@ class FlatStorage:
     # -- gradients (see [Note: grad accumulation]) ------------------------------------------
     def add_slot_grads(self, grads) -> None:
         """s_G = 1: one backward's gradients (slot order, None: none) into the shard."""
+        shard = self.grad_shard                             # allocates it at the first backward
         dst = [v for v, g in zip(self._gviews, grads) if g is not None]
         src = [g for g in grads if g is not None]
         if self.stale:
             for v, g in zip(self._gviews, grads):
                 if g is None:
                     v.zero_()
-            self.grad_shard[self.layout.phi:].zero_()
+            shard[self.layout.phi:].zero_()
             if dst:
                 torch._foreach_copy_(dst, src)
             self.stale = False

@@ -47,14 +47,15 @@ def buffers_only(fn):
     return BuffersOnly(fn)
 
 
-def load_safetensors(sm, path, strict=False):
+def load_safetensors(sm, path, strict=False, dtype="strategy"):
     """Load a `save_pretrained` directory (or one .safetensors file) straight into the shards
     of `sm` (a ShardedModule): each rank reads only the slices it keeps, through torch's DCP
     with its `HuggingFaceStorageReader`, from the files the directory's index names.
     `strict`: tensors the model lacks are an error (default: ignored). Collective. A bad
-    checkpoint is one sentence and loads nothing. See docs/checkpoints.md."""
+    checkpoint is one sentence and loads nothing. `dtype`: "strategy" casts to the
+    strategy's params dtype, "checkpoint" keeps the files' (see docs/checkpoints.md)."""
     from shardc.runtime.state.hf import load_safetensors as _load
-    return _load(sm, path, strict=strict)
+    return _load(sm, path, strict=strict, dtype=dtype)
 
 
 def checkpoint_errors(where):

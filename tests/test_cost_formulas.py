@@ -125,7 +125,7 @@ def test_ddp_frozen_and_optimizers():
     assert predict_memory(M2, us, optimizer="sgd", optimizer_kwargs={"momentum": 0.9}) == {
         "params": (10 + 6) * 4, "params_secondary": 0, "grads": 40, "optim": 40,
         "total": 64 + 40 + 40, "transient": 0,
-        "startup": 64 + 40 + 64}     # the shards (params, grads; no master in fp32) + the unit's whole params
+        "startup": 64 + 64}     # the params shard (no grads before the first backward, no fp32 master) + the unit's whole params
     assert predict_memory(M2, us, optimizer="sgd")["optim"] == 0
     assert predict_memory(M2, us, optimizer="adam", optimizer_kwargs={"amsgrad": True})["optim"] == 10 * 12
     assert predict_memory(M2, us, optimizer="rmsprop", optimizer_kwargs={"centered": True})["optim"] == 10 * 8

@@ -46,8 +46,8 @@ def test_llama_7b_on_64_ranks_json_and_not_allocated():
     assert m["params"] == phi // 8 * 4 and m["grads"] == phi // 8 * 4      # fp32, shard over gpu (8)
     assert m["optim"] == phi // 64 * 8                                     # AdamW m, v over the world
     assert m["total"] == m["params"] + m["grads"] + m["optim"]
-    # start-up: the shards (params, grads; no master in fp32) and the largest unit whole (the root)
-    assert m["startup"] == m["params"] + m["grads"] + root * 4
+    # start-up: the params shard (no grads before the first backward; no master in fp32) and the largest unit whole
+    assert m["startup"] == m["params"] + root * 4
     # PaRO-IIG per step, accumulate 4: one inter-node reduce-scatter and all-gather of each
     # unit's gpu shard (N/8·4 bytes), each sending (8−1)/8 of it over the node links.
     assert doc["inter"] == 2 * 7 * (phi // 8 * 4) // 8

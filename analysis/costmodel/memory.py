@@ -8,10 +8,11 @@ sum of the four persistent states, as the runtime reports it; `transient` is ext
 
 [Note: start-up peak]
 While a model is sharded (runtime/build.py) a rank holds its shards — params, the hpZ
-secondary, grads and the fp32 master, all allocated before any value is given; the
-optimizer's moments come at its first step — plus the values being given: on the meta
-device one module's whole parameters at a time (the init), or one unit's chunk (the
-scatter). `startup` bounds that by the shards plus the largest unit's whole parameters
+secondary and the fp32 master, all allocated before any value is given; the grad shards
+come at the first backward and the optimizer's moments at its first step — plus the
+values being given: on the meta device one module's whole parameters at a time (the
+init), one unit's chunk (the scatter), or a load's staging (one DCP read, or one group's
+chunk: runtime/state/checkpoint.py, [Note: loads in place]). `startup` bounds that by the shards plus the largest unit's whole parameters
 (params dtype, padded), so a model whose `startup` fits starts. The mesh's first rank on
 the scatter path also holds the model it was built with.
 
@@ -60,7 +61,7 @@ def memory_of(plan: Lowering, *, k_state: int, prefetch: int = 1) -> dict[str, i
 def startup_bytes(plan: Lowering) -> int:
     """The start-up peak per rank (see [Note: start-up peak])."""
     groups = [g for u in plan.units for g in u.groups]
-    shards = sum(g.params_bytes + g.secondary_bytes + g.grads_bytes + g.master_bytes for g in groups)
+    shards = sum(g.params_bytes + g.secondary_bytes + g.master_bytes for g in groups)   # no grads yet
     unit = max((sum(g.params_bytes * u.factors_of(g).p for g in u.groups) for u in plan.units), default=0)
     return shards + unit
 

@@ -37,6 +37,10 @@ from .pieces import gather, local_piece, wrap
 OPTIM_CLASS = "shardc_optimizer"    # full_optim_state_dict()'s param-group entry: the optimizer class
 
 
+def shapes(v: StateView) -> dict[str, tuple]:
+    return _shapes(v)
+
+
 def _shapes(v: StateView) -> dict[str, tuple]:
     return {n: p._shardc_spec.global_shape for n, p in v.params.params.items()}
 
@@ -82,26 +86,74 @@ def load_model_state_dict(v: StateView, sd: dict, strict: bool = True):
     except Exception as e:                  # noqa: BLE001 — re-raised below, on every rank
         error = e
     _agree(v, error)
-    staged = []
-    for u in v.units:
-        for g in u.groups:
-            src, start = g.storage.checkpoint_chunk()
-            new = src.detach().clone()
-            for s, lo, hi in g.storage.layout.ranges(start, src.numel()):
-                value = params.get(s.fqn)
-                if value is not None and hi > lo:
-                    first = start + lo - s.offset
-                    new[lo:hi].copy_(local_piece(value, s.shape, first, first + hi - lo, repr(s.fqn),
-                                                 v.tp.get(s.fqn)))
-            staged.append((u.index, g, new))
+    # one group's staging at a time ([Note: bounded load staging]): every check has run on
+    # every rank above, so committing group by group cannot leave a half-loaded model
     with torch.no_grad():
-        for i, g, new in staged:
-            v.release(i)
-            _commit(g, new)
+        for u in v.units:
+            for g in u.groups:
+                src, start = g.storage.checkpoint_chunk()
+                new = src.detach().clone()
+                for s, lo, hi in g.storage.layout.ranges(start, src.numel()):
+                    value = params.get(s.fqn)
+                    if value is not None and hi > lo:
+                        first = start + lo - s.offset
+                        new[lo:hi].copy_(local_piece(value, s.shape, first, first + hi - lo, repr(s.fqn),
+                                                     v.tp.get(s.fqn)))
+                v.release(u.index)
+                _commit(g, new)
+                del new
         for buf, value in bufs:
             buf.copy_(value)
     v.params.loaded(params)
     return result
+
+
+def load_in_place(v: StateView, have, fill, where: str) -> bool:
+    """Fill this rank's shards in place from a checkpoint holding the keys `have`:
+    `fill(sd)` (a `dcp.load`) writes straight into pieces that are views of the live
+    masters / frozen shards, then each trainable group's params shard is re-made from its
+    master as after a step ([Note: loads in place]). False (nothing done) where a model's
+    own save hooks or tensor parallelism need the staged path (`load_model_state_dict`)."""
+    from .load_errors import CheckpointError, missing
+    shapes = _shapes(v)
+    if v.tp or hooks.whole_needed(v.module, v.targets, shapes) or hooks.renamed(v.module, v.targets, shapes):
+        return False
+    mesh = v.comm.smesh.device_mesh
+    sd, lost = {}, []
+    for name, p in v.params.params.items():
+        alias = next((n for n in v.names_of.get(name, [name]) if n in have), None)
+        if alias is None:
+            lost.append(name)
+        else:
+            sd[alias] = wrap(p.to_local(), p._shardc_spec, mesh, v.comm)
+    bufs = {}
+    keys = set(hooks.saved_keys(v.module, v.targets, shapes))
+    for name, buf in v.module.named_buffers():
+        if name in keys:
+            if name in have:
+                bufs[name] = buf
+                sd[name] = buf.detach().clone()
+            else:
+                lost.append(name)
+    if lost:
+        raise missing(lost, where)
+    for u in v.units:
+        v.release(u.index)
+    try:
+        fill(sd)
+    except CheckpointError as e:                  # shards partly written: unusable until a load
+        v.params.unset |= set(v.params.params)
+        raise CheckpointError(f"{str(e).split('; nothing was loaded')[0]}; the load failed part-way, so the "
+                              f"model's parameters are unusable until a load succeeds") from None
+    with torch.no_grad():
+        for u in v.units:
+            for g in u.groups:
+                if g.trainable:
+                    g.update_issue(record=False).wait()
+        for name, buf in bufs.items():
+            buf.copy_(sd[name])
+    v.params.loaded(v.params.params)
+    return True
 
 
 def _tied_filled(v: StateView, sd):

@@ -12,8 +12,11 @@ pieces.py, whose DCP chunks are exactly the rank's element ranges) through
 asked of DCP, so a tied parameter saved once (GPT-2's `lm_head.weight`) comes from its other
 name. A tensor the files lack, a mis-shaped one, or a failure inside DCP is one
 sentence (runtime/state/load_errors.py), and the module keeps its values ([Note: nothing
-half-loaded] there). Values take the model's dtype (the strategy's `params dtype`): a bf16
-checkpoint loads into fp32 shards as fp32, cast on the way, as `load_state_dict` does.
+half-loaded] there). Dtype: values take the strategy's `params dtype` (a bf16 checkpoint
+loads into fp32 shards cast, as `load_state_dict` does); `dtype="checkpoint"` keeps the
+files' dtype as `from_pretrained(torch_dtype="auto")` does, refusing a tensor the strategy
+stores in another dtype. The shards are filled in place ([Note: loads in place] in
+checkpoint.py).
 
 [Note: which files a load reads]
 One `.safetensors` file given: that file. A directory with `model.safetensors.index.json`:
@@ -28,32 +31,52 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 from shardc.dsl.errors import ShardcError
 
 SUFFIX = ".safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-def load_safetensors(sm, path, strict: bool = False) -> object:
+def load_safetensors(sm, path, strict: bool = False, dtype: str = "strategy") -> object:
     """See the module docstring; `strict`: tensors in the files that the model does not have
-    are an error (default: ignored, as `from_pretrained` does with a warning)."""
+    are an error (default: ignored, as `from_pretrained` does with a warning). `dtype`:
+    "strategy" (values cast to the strategy's params dtype) or "checkpoint" (the files'
+    dtype is kept, as `from_pretrained(torch_dtype="auto")`: a tensor saved in another dtype
+    than the strategy stores it in is refused, naming the `params ... dtype` to write)."""
     import torch.distributed.checkpoint as dcp
 
+    from . import checkpoint, hooks
     from .load_errors import CheckpointError, check_shapes, checkpoint_errors, missing_keys
 
     where, files = checkpoint_files(os.fspath(path))
     owner = tensor_files(files)
     reader = _Reader(where, sorted(files))
     md = reader.read_metadata()
-    target = sm.state_dict()
+    v = sm.state_view
+    target = hooks.saved_probes(v.module, v.targets, checkpoint.shapes(v))      # names, shapes; no copies
     extra = sorted(set(md.state_dict_metadata) - set(target))
     if strict and extra:
         raise CheckpointError(f"{where} holds {extra[0]!r}{_more(extra)} ({owner[extra[0]]}), which the model does "
                               f"not have; nothing was loaded (strict=False ignores such tensors)")
-    sd = {k: v for k, v in target.items() if k in md.state_dict_metadata}
-    check_shapes(md, sd, where, owner)
-    with checkpoint_errors(where):
-        dcp.load(sd, storage_reader=reader)
+    check_shapes(md, {k: t for k, t in target.items() if k in md.state_dict_metadata}, where, owner)
+    if dtype not in ("strategy", "checkpoint"):
+        raise CheckpointError(f"load_safetensors: dtype={dtype!r} is not 'strategy' (cast to the strategy's "
+                              f"params dtype) or 'checkpoint' (keep the files' dtype)")
+    if dtype == "checkpoint":
+        _same_dtype(v, md, where, owner)
+
+    def fill(sd):
+        with checkpoint_errors(where):
+            dcp.load(sd, storage_reader=reader)
+
+    sm.runtime.boundary.complete_updates()
+    if checkpoint.load_in_place(v, set(md.state_dict_metadata), fill, where):
+        from torch.nn.modules.module import _IncompatibleKeys
+        return _IncompatibleKeys([], [])
+    sd = {k: t for k, t in sm.state_dict().items() if k in md.state_dict_metadata}     # staged: hooks, TP
+    fill(sd)
     try:
         return sm.load_state_dict(sd)
     except RuntimeError as e:
@@ -61,6 +84,26 @@ def load_safetensors(sm, path, strict: bool = False) -> object:
         if one is None:
             raise
         raise one from None
+
+
+def _same_dtype(v, md, where: str, owner: dict) -> None:
+    """dtype="checkpoint": every tensor loads in the dtype it was saved in, or one sentence."""
+    from .load_errors import CheckpointError
+    kept = {}
+    for u in v.units:
+        for g in u.groups:
+            for slot in g.storage.layout.slots:
+                for name in v.names_of.get(slot.fqn, [slot.fqn]):
+                    kept[name] = g.storage.pdtype
+    for name, meta in md.state_dict_metadata.items():
+        saved = getattr(getattr(meta, "properties", None), "dtype", None)
+        if name in kept and saved is not None and saved != kept[name]:
+            short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(saved, str(saved))
+            raise CheckpointError(
+                f"{where} holds {name!r} in {str(saved).replace('torch.', '')} ({owner.get(name, where)}) and the "
+                f"strategy keeps it in {str(kept[name]).replace('torch.', '')}; dtype='checkpoint' takes the "
+                f"files' dtype, so write `params ... dtype {short}` in the strategy (or load with "
+                f"dtype='strategy' to cast); nothing was loaded")
 
 
 def _more(names) -> str:

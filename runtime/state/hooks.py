@@ -73,8 +73,14 @@ def renamed(model: nn.Module, targets: dict[str, list], shapes: dict[str, tuple]
 
 def saved_keys(model: nn.Module, targets: dict[str, list], shapes: dict[str, tuple]) -> list[str]:
     """The keys the model's `state_dict()` gives (hooks run on meta probes)."""
+    return list(saved_probes(model, targets, shapes))
+
+
+def saved_probes(model: nn.Module, targets: dict[str, list], shapes: dict[str, tuple]) -> dict:
+    """The model's `state_dict()` with meta tensors for the parameters (names and shapes,
+    no values: what a load checks against without copying anything)."""
     probes = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
-    return list(_state_dict(model, targets, probes))
+    return _state_dict(model, targets, probes)
 
 
 def _probe(model, targets, shapes) -> tuple[set[str], set[str]]:

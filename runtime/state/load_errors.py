@@ -108,8 +108,11 @@ def missing_keys(exc: BaseException, where: str) -> CheckpointError | None:
     if len(part) < 2:
         return None
     keys = _KEYS.findall(part[1].split("Unexpected key(s)", 1)[0])
-    if not keys:
-        return None
+    return missing(keys, where) if keys else None
+
+
+def missing(keys: list[str], where: str) -> CheckpointError:
+    """The sentence for tensors the model needs and the checkpoint lacks (the first named)."""
     more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
     return CheckpointError(f"{where} has no tensor {keys[0]!r}{more}, which the model needs; nothing was loaded "
                            f"and the model keeps its values (a checkpoint of another model class or "

@@ -36,6 +36,8 @@ backward attaches the gradients again. A parameter frozen after sharding
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import math
 import types
 from math import prod
@@ -284,7 +286,7 @@ class ParamSet:
         self.comm, self.ledger, self.boundary, self.tp = comm, ledger, boundary, tp
         self._comms = comms or {}                   # id(storage) -> its Comm, where not `comm` (experts)
         self.params: dict[str, ShardParam] = {}
-        self.grads: dict[str, tuple] = {}         # name -> (ShardGrad, plain view, storage)
+        self.grads = _LazyGrads(self._grad_views)  # name -> (ShardGrad, plain view, storage), made at first use
         found = {}
         for u in units:
             for g in u.groups:
@@ -297,7 +299,7 @@ class ParamSet:
                 p._shardc_spec, p._shardc_set = spec, self
                 self.params[name] = p
                 if st.trainable:
-                    self.grads[name] = self._grad_views(spec, st)
+                    self.grads.plan(name, spec, st)
         self.optimizers: list = []                   # weakrefs to adopted optimizers (runtime/optimizer.py)
         self.owned: list = []                        # those sm.optimizer() built: kept alive, as before
         self._settled = None                         # the boundary generation the grads were read at
@@ -486,6 +488,36 @@ def _finish(total: torch.Tensor, p: float) -> torch.Tensor:
     if math.isinf(p) or p == 0:
         return total
     return total.pow(1.0 / p)
+
+
+class _LazyGrads(Mapping):
+    """name -> a parameter's gradient views, each made at its first read, so building the
+    ParamSet does not allocate the grad shards (runtime/storage.py [Note: grad shard lifetime])."""
+
+    def __init__(self, make):
+        self._make, self._planned, self._made = make, {}, {}
+
+    def plan(self, name: str, spec, st) -> None:
+        self._planned[name] = (spec, st)
+
+    def __getitem__(self, name):
+        if name not in self._made:
+            spec, st = self._planned[name]
+            self._made[name] = self._make(spec, st)
+        return self._made[name]
+
+    def __iter__(self):
+        return iter(self._planned)
+
+    def __len__(self) -> int:
+        return len(self._planned)
+
+    def __contains__(self, name) -> bool:
+        return name in self._planned
+
+    def made(self):
+        """The views made so far (allocating nothing)."""
+        return list(self._made.values())
 
 
 def _grad(p):

@@ -1,0 +1,84 @@
+"""The load's peak per rank (issue 54) — stage: benchmark (information only).
+
+Input: a 124.7M-parameter HF Llama (vocab 32000, hidden 768, 12 layers, 4 KV heads; 476 MiB
+in fp32) saved by `save_pretrained` in 6 files with their index. Output, per strategy
+(ZeRO-3, hpZ, PaRO-IIG on 4 gloo ranks, mesh node(2) > gpu(2)): each rank's RSS growth
+from just before `shardc.load_safetensors` to its peak during it (Linux `VmHWM`, reset
+before the load), in MiB and as a share of the whole model, beside the rank's shards
+(params + hpZ secondary + fp32 master where separate), which compile allocated (zeros)
+before the load: the growth is what the load itself costs; and the growth from just
+before `shardc.compile` to the peak of compile and load together (the issue's figure:
+shards, grads if allocated, the load's copies). `LOAD_PEAK_ONLY=zero3` runs one strategy. Usage:
+    python bench/load_peak.py [workdir]
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MIB = 2 ** 20
+CFG = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+           num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False)
+CASES = (("zero3", "node(1) > gpu(4)"), ("zeropp", "node(2) > gpu(2)"), ("paro_iig", "node(2) > gpu(2)"))
+
+
+def _status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmHWM:", "VmRSS:")):
+                out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return out
+
+
+def _rank(rank, world, path, name, mesh):
+    import shardc
+    from tests.test_runtime_util import strategy
+    from transformers import LlamaConfig, LlamaForCausalLM
+    x = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**CFG))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    rss0 = _status()["VmRSS"]
+    sm = shardc.compile(model, strategy(name, mesh), example_inputs=(x,), init=shardc.buffers_only(model._init_weights))
+    rep = sm.memory_report()
+    hwm_compile = _status()["VmHWM"]
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                                        # VmHWM := VmRSS
+    before = _status()["VmRSS"]
+    shardc.load_safetensors(sm, path)
+    hwm_load = _status()["VmHWM"]
+    share = rep["params"] + rep["params_secondary"] + rep["optim"]
+    return dict(peak=hwm_load - before, startup=max(hwm_compile, hwm_load) - rss0, share=share)
+
+
+def main(workdir: str) -> None:
+    from tests.harness import dist_run
+    from transformers import LlamaConfig, LlamaForCausalLM
+    path = os.path.join(workdir, "hf")
+    if not os.path.isdir(path):
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**CFG)).save_pretrained(path, max_shard_size="90MB")
+    whole = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**CFG)).parameters()) * 4
+    print(f"model {whole / 4 / 1e6:.1f}M params, {whole / MIB:.0f} MiB fp32, "
+          f"{len([f for f in os.listdir(path) if f.endswith('.safetensors')])} files")
+    for name, mesh in CASES:
+        if os.environ.get("LOAD_PEAK_ONLY", name) != name:
+            continue
+        rs = dist_run(4, _rank, path, name, mesh, timeout=600)
+        peak = max(r["peak"] for r in rs)
+        start = max(r["startup"] for r in rs)
+        share = max(r["share"] for r in rs)
+        print(f"{name:9s} load peak +{peak / MIB:.0f} MiB/rank = {100 * peak / whole:.0f} % of the model "
+              f"(the rank's shards, allocated at compile: {share / MIB:.0f} MiB = {100 * share / whole:.0f} %); "
+              f"compile + load from before compile: +{start / MIB:.0f} MiB = {100 * start / whole:.0f} %")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp())
