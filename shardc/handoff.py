@@ -20,7 +20,11 @@ is one sentence on every rank (one `all_gather_object` of a flag), never a wrong
 every rank (the others would otherwise wait for a plan that never comes).
 
 A rank alone compiles for itself: a world of one, and a simulated rank of `shardc
-simulate` (torch's `fake` process group moves nothing, docs/simulate.md).
+simulate` (torch's `fake` process group moves nothing, docs/simulate.md). So does every
+rank of a model with DTensor parameters (tensor or expert parallelism): tracing it runs
+DTensor's collectives over its tp or ep group, which needs every peer of that group in the
+trace too — rank 0 tracing alone while its peers wait for the plan would deadlock (found
+by the suite's DP x TP benchmark test).
 The cache is a pickle of the Plan: point `$SHARDC_PLAN_CACHE` only at a directory the
 job's own user writes.
 """
@@ -107,8 +111,10 @@ def _compile_or_cache(key: str, compile_args, clock=None):
     return source, plan, "compiled"
 
 
-def _alone() -> bool:
-    return dist.get_world_size() == 1 or dist.get_backend() == "fake"
+def _alone(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+    return dist.get_world_size() == 1 or dist.get_backend() == "fake" or \
+        any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def job_plan(model: nn.Module, strategy, example_inputs=None, capture: str = "auto", mesh=None, passes=None,
@@ -118,7 +124,7 @@ def job_plan(model: nn.Module, strategy, example_inputs=None, capture: str = "au
     world = dist.get_world_size()
     key = plan_key(model, strategy, example_inputs, capture, mesh, passes, backend, world)
     args = (model, strategy, example_inputs, capture, mesh, None, passes, backend)
-    if _alone():
+    if _alone(model):
         return _compile_or_cache(key, args, clock)
     origin = None
     rank = dist.get_rank()
