@@ -119,7 +119,7 @@ def test_bad_checkpoints_are_one_sentence_and_load_nothing(tmp_path):
     bad["bf16"] = _spoil(good, str(tmp_path / "bf16"), lambda sd: sd.update({k: v.bfloat16() for k, v in sd.items()}))
     results = dist_run(4, _loads, good, bad)
     for r in results:
-        assert r == results[0] or {k: v for k, v in r.items()} == results[0], "ranks disagree"
+        assert r == results[0], "ranks disagree"
         assert r["good"] == []
         assert r["dcp_changed"] == []
         for case in (*CASES[:3], "other_class", "dcp"):
