@@ -1,7 +1,23 @@
 """Transient-buffer bounds — stage 3 (lowering): the numbers the runtime's buffers obey and
 the cost model's memory timeline reads. Input: none (constants of the plan). Output:
-`SYNC_IN_FLIGHT`, `STAGING_BYTES`, `RS_RECV_BYTES`, `RS_RECV_FLOOR` and `recv_block_bytes`,
-each the one owner of its fact.
+`REDUCE_IN_FLIGHT`, `SYNC_IN_FLIGHT`, `STAGING_BYTES`, `RS_RECV_BYTES`, `RS_RECV_FLOOR` and
+`recv_block_bytes`, each the one owner of its fact.
+
+[Note: reductions in flight]
+In a backward, a unit's gradients arrive (autograd's, one tensor per parameter) when its
+views' backward runs (runtime/storage.py). Before they are laid out flat, the reduce-
+scatters of the units before it are waited until fewer than `REDUCE_IN_FLIGHT` remain
+(runtime/engine.py): with 1, the previous unit's reduce-scatter completes, its flat input
+(N_prev elements of the grad dtype) and output chunk (N_prev/s_G) go back to the reduce
+workspace, and this unit's flat input reuses them. So a unit's backward holds, beside
+what it computes: autograd's gradients (N, alive until its views' backward returns, right
+after the copy into the flat input: FSDP2's copy-in), the flat input (N, from the copy
+to the wait at the next unit's gradients), the output chunk (N/s_G, the same span) and
+the previous unit's nothing. The workspace keeps what was handed back for reuse until the
+step's backwards are over, so it holds max over units of (N + N/s_G) plus one receive block.
+A one-parameter unit reduce-scatters autograd's gradient itself (no flat copy): it is
+then alive to the same wait. FSDP2 does the same: `foreach_reduce` waits the previous
+reduce-scatter's state before the next copy-in.
 
 [Note: syncs in flight]
 The step-end sync (flat_group.py [Note: reduce and sync]) is issued unit by unit at the
@@ -16,17 +32,23 @@ during the backward (the `early_sync` plan pass) are outside this bound: the pas
 already issues them one unit behind the backward.
 
 [Note: staging chunks]
-A hierarchical all-reduce (hierarchical, HO-Ring: a scatter stage before the reduce)
-re-lays the tensor out level by level; each of its pieces copies its columns into a
-contiguous buffer. These copies go in blocks of at most `STAGING_BYTES` per piece
-(runtime/collectives.py `_ar_plan`): a piece's block is copied out, all-reduced through
-the stages, copied back, and freed before the piece's next block is copied. With the
+A hierarchical all-gather, reduce-scatter or all-reduce over two or more levels
+(hierarchical, HO-Ring: one stage per level) re-lays the tensor out level by level; each
+of its pieces copies its columns into a contiguous buffer in the stages' order (an
+all-gather: gathers them stage by stage into buffers of its own, then places them). These copies go in
+blocks of at most `STAGING_BYTES` per piece (runtime/collectives.py `_ar_plan`,
+`_rs_pieces`): a piece's block is copied out, reduced through the stages (an all-reduce's
+is copied back; a reduce-scatter's last stage writes its columns of the output; an
+all-gather's last stage's buffer is placed into its columns of the output), and freed
+before the piece's next block is copied. A one-stage reduce-scatter (one level, or
+the ring over several) reads its input in place: no staging. With the
 block's scatter chunks, the gloo reduce-scatter's receive buffer and the stages' own
 buffers, a piece holds at most `STAGING_OVER` blocks (measured on gloo by MemTracker:
 4 x the block, tests/test_transients.py), so an all-reduce of n elements holds at most
 pieces x STAGING_OVER x min(n bytes, STAGING_BYTES), alive from its issue to its wait,
 never the 1.5-2.5 n bytes (a padded copy, the pieces' copies and their stages) it held
-before. The padded copy is made only when n is not a multiple
+before; a staged reduce-scatter of an n-element input, or all-gather of an n-element
+output, likewise (before: n for the pieces' copies, plus their stages' buffers). The padded copy is made only when n is not a multiple
 of the inner levels' size (then of n elements, alive for the whole all-reduce).
 
 [Note: receive blocks]
@@ -42,6 +64,7 @@ handed back when its local sum is done (runtime/workspace.py [Note: reduce works
 """
 from __future__ import annotations
 
+REDUCE_IN_FLIGHT = 1            # [Note: reductions in flight]: backward reduce-scatters in flight as a unit's grads arrive
 SYNC_IN_FLIGHT = 2              # [Note: syncs in flight]: flat groups whose step-end sync is in flight
 STAGING_BYTES = 32 << 20        # [Note: staging chunks]: one piece's all-reduce staging block, at most
 STAGING_OVER = 4                # [Note: staging chunks]: a piece's transients, in blocks, at most

@@ -20,8 +20,9 @@ issues unit i's backward stage (its own re-gather, primary or secondary, and the
 prefetches) and waits its gather. A wait for a gather no stage issued issues it then
 (a unit run out of the compiled order). When its parameter gradients are all in (the
 backward of its views, storage.py) it reduce-scatters them (async) and releases the full
-params; issuing it waits the previous unit's reduce-scatter, so at most one full-size
-gradient is in flight; on the backward that ends the step, that
+params; before laying them out flat it waits the previous unit's reduce-scatter, so at
+most one full-size gradient is in flight and the next reuses its workspace (shardc.lowering
+[Note: reductions in flight]); on the backward that ends the step, that
 previous unit's sync is issued right then when the schedule lists it in `sync_early`
 (the `early_sync` plan pass). opt.step() issues the update all-gathers; those the
 schedule lists in `update_deferred` (the `defer_update` pass) are waited right before
@@ -44,7 +45,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from shardc.lowering import Phase, Schedule
+from shardc.lowering import REDUCE_IN_FLIGHT, Phase, Schedule
 
 from .boundary import StepBoundary
 from .compile import eager, eager_frame
@@ -79,7 +80,7 @@ class Engine:
         self.boundary = StepBoundary(units, accumulate, schedule, self.events, self.workspace)
         self._queued = False
         self._bwd_seen: set[int] = set()
-        self._in_flight: FlatGroup | None = None
+        self._in_flight: list[FlatGroup] = []     # backward reduce-scatters issued, oldest first
         self._early = False                # this backward ends the step: sync_early applies
         self._unit_of = {id(g): u for u in units for g in u.trainables}
         self._setters = [_setters(u) for u in units]     # made once: per group, per slot
@@ -216,30 +217,38 @@ class Engine:
         views' backward); the unit is reduced once all of its trainable groups are."""
         self._arm()
         u = self.units[i]
+        waited = self._bound_reductions(group)
         group.reduce_slot_grads(grads)
         group.reduced = True
         u.reduced = all(g.reduced for g in u.trainables)
         self.events.append(("issue_reduce", i))
         if group.release():
             self.events.append(("release", i))
-        self._bound_reductions(group)
+        self._in_flight.append(group)
+        for prev in waited:
+            j = self._unit_of[id(prev)].index
+            if self._early and j in self.schedule.sync_early and self.units[j].reduced:
+                self.boundary.sync_early(self.units[j])     # once all of the unit's groups are reduced
 
-    def _bound_reductions(self, newest: FlatGroup) -> None:
-        """Keep one reduce-scatter in flight: the previous unit's is waited when the next
-        is issued, so its full-size gradient is freed (FSDP2's rule)."""
-        prev, self._in_flight = self._in_flight, newest
-        if prev is None or prev is newest:
-            return
-        i = self._unit_of[id(prev)].index
-        if prev.reducing:
-            prev.finish_grads()
-            self.events.append(("wait_reduce", i))
-        if self._early and i in self.schedule.sync_early and self.units[i].reduced:
-            self.boundary.sync_early(self.units[i])     # once all of the unit's groups are reduced
+    def _bound_reductions(self, newest: FlatGroup) -> list[FlatGroup]:
+        """Before `newest`'s gradients are laid out flat: wait the reduce-scatters issued
+        before it until fewer than REDUCE_IN_FLIGHT remain, so their flat inputs go back
+        to the workspace first and `newest` reuses them (FSDP2's order; shardc.lowering
+        [Note: reductions in flight]). The groups waited, oldest first."""
+        waited = []
+        while self._in_flight and len(self._in_flight) >= REDUCE_IN_FLIGHT:
+            prev = self._in_flight.pop(0)
+            if prev is newest:
+                continue
+            if prev.reducing:
+                prev.finish_grads()
+                self.events.append(("wait_reduce", self._unit_of[id(prev)].index))
+            waited.append(prev)
+        return waited
 
     def _final_callback(self) -> None:
         self._queued = False
-        self._in_flight = None
+        self._in_flight = []
         for u in self.units:
             for g in u.trainables:
                 if not g.reduced:
