@@ -184,16 +184,20 @@ def _n(sm: ShardMesh, levels) -> int:
 
 
 # -- all_gather ---------------------------------------------------------------------------
-def _ag_piece(out_view, src, sm, stages, key, lo, hi):
-    """Gather piece [lo:hi) of every chunk stage by stage; place it by `key`."""
-    buf = src
-    for st in stages:
-        nxt = buf.new_empty(_n(sm, st) * buf.numel())
-        yield [_ag(nxt, buf, sm.group(st, st))]
-        buf = nxt
+def _ag_piece(out_view, src, sm, stages, key, lo, hi, block):
+    """Gather piece [lo:hi) of every chunk stage by stage, a block of at most `block`
+    columns at a time (shardc.lowering [Note: staging chunks]); place it by `key`."""
     names = [d for st in reversed(stages) for d in st]
-    shaped = buf.view(*[sm.mesh.size(n) for n in names], hi - lo)
-    out_view[..., lo:hi].copy_(shaped.permute(gather_perm(stages, key)))
+    perm = gather_perm(stages, key)
+    for a in range(lo, hi, block):
+        b = min(hi, a + block)
+        buf = src[a - lo:b - lo]
+        for st in stages:
+            nxt = buf.new_empty(_n(sm, st) * buf.numel())
+            yield [_ag(nxt, buf, sm.group(st, st))]
+            buf = nxt
+        out_view[..., a:b].copy_(buf.view(*[sm.mesh.size(n) for n in names], b - a).permute(perm))
+        buf = nxt = None                          # freed before the next block is gathered
 
 
 def _ag_one(out, inp, pg):
@@ -207,7 +211,9 @@ def _ag_bytes(out, inp, sm, key, algo):
         return [_ag_one(out, inp, sm.group(key, key))]
     m = inp.numel()
     out_view = out.view(*[sm.mesh.size(n) for n in key], m)
-    return [_ag_piece(out_view, inp[lo:hi].contiguous(), sm, stages, key, lo, hi) for lo, hi in bounds(m, algo.pieces)]
+    block = max(1, STAGING_BYTES // (_n(sm, key) * inp.element_size()))
+    return [_ag_piece(out_view, inp[lo:hi].contiguous(), sm, stages, key, lo, hi, block)
+            for lo, hi in bounds(m, algo.pieces)]
 
 
 def _prologue(out, inp, mesh: ShardMesh, levels, order, algo):
@@ -261,13 +267,27 @@ def _rs_piece(dst, src, sm, stages, scratch=None):
 
 
 def _rs_pieces(out, inp, sm, key, algo, scratch=None):
+    """The reduce-scatter's pieces: one flat stage reads `inp` in place; staged ones copy
+    their columns out in the stages' order a block of at most STAGING_BYTES at a time
+    (shardc.lowering [Note: staging chunks])."""
     stages = algo.scatter(key, sm.mesh.ordered)
     if stages == (key,) and algo.pieces == 1:          # one flat stage
         return [_rs(out, inp, sm.group(key, key), scratch)]
     m = out.numel()
     full = inp.view(*[sm.mesh.size(n) for n in key], m).permute(scatter_perm(stages, key))
-    return [_rs_piece(out[lo:hi], full[..., lo:hi].contiguous().view(-1), sm, stages, scratch)
-            for lo, hi in bounds(m, algo.pieces)]
+    block = max(1, STAGING_BYTES // (_n(sm, key) * inp.element_size()))
+    return [_rs_blocks(out, full, lo, hi, block, sm, stages, scratch) for lo, hi in bounds(m, algo.pieces)]
+
+
+def _rs_blocks(out, full, lo, hi, block, sm, stages, scratch):
+    """Columns [lo, hi) reduce-scattered a block at a time: copied out contiguous (the
+    stages' digit order), through the stages into their columns of `out`; one block's
+    staging alive at a time."""
+    for a in range(lo, hi, block):
+        b = min(hi, a + block)
+        src = full[..., a:b].contiguous().view(-1)
+        yield from _rs_piece(out[a:b], src, sm, stages, scratch)
+        del src                                   # freed before the next block is copied out
 
 
 def _qgz(out, inp, sm, key, comm):
