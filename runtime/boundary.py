@@ -84,6 +84,7 @@ class StepBoundary:
         self._updates: dict = {}           # unit -> its groups' deferred update all-gathers (in flight)
         self.generation = 0                # bumped when the gradients change under a reader (sync, zero)
         self.backward_listeners: list = []
+        self.zero_listeners: list = []     # called by zero_grad() (the fp32 gradient copies are freed)
         self.forward_checks: list = []     # called before every forward (the parameters have values) # called at the end of every backward (the parameters' grads)
 
     # -- the loop's switches (ShardedModule.set_requires_gradient_sync, no_sync) ----------------
@@ -255,3 +256,5 @@ class StepBoundary:
         self._carry.clear()
         self.generation += 1
         self.phase = StepPhase.FRESH
+        for listener in self.zero_listeners:
+            listener()

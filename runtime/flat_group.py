@@ -227,7 +227,7 @@ class FlatGroup:
 
     def zero_grads(self) -> None:
         self.finish_grads()
-        self.storage.mark_zero()               # zeroed lazily, see storage.py [Note: grad accumulation]
+        self.storage.mark_zero(release=True)   # zeroed lazily and freed: storage.py [Note: grad shard lifetime]
         self.syncing = None
 
     # -- update ---------------------------------------------------------------------

@@ -46,6 +46,7 @@ class ShardedModule(nn.Module):
                                            self.comm.smesh.dp_group())
         self.buffer_sync.install(self)
         self.runtime.boundary.backward_listeners.append(self.params.attach_grads)
+        self.runtime.boundary.zero_listeners.append(self.params.release_fp32_grads)
         self.runtime.boundary.forward_checks.append(self.params.require)
         self._shardc_keys = AnyKey()           # torch's key check walks here (`_fqn_modifiers`)
         # what the state-dict code reads, handed over (it never reads this module's fields)

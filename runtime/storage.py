@@ -41,6 +41,15 @@ first backward (its gradients arriving, or the sync of a unit that got none) and
 until the module is dropped. So a load, an init or a scatter after compile never has the
 grad shards beside the params (issue 54); `grad_nbytes` is its size for memory reports
 before that. A `zero_grad()` before the first backward allocates nothing (it marks stale).
+From then on the eager runtime's `zero_grad()` also frees the shard's storage (resized to
+0, FSDP2's trick, so the views made of it stay valid: `mark_zero(release=True)`), as
+torch's `zero_grad(set_to_none=True)` frees a model's gradients: a released shard is
+stale, and its next write covers all of it (`_grad_back` gives the storage back first:
+the unit's first gradients of the next step, or whatever materializes it). So from
+zero_grad() to a unit's first reduced gradient in the next step (its backward's
+reduce-scatter completing, or its slot gradients with s_G = 1) the shard holds no bytes
+(shardc.lowering [Note: reductions in flight] for the rest of the backward's buffers).
+The whole-step mode keeps the shard allocated (its graphs read it even when stale).
 """
 from __future__ import annotations
 
@@ -189,7 +198,7 @@ class FlatStorage:
     # -- gradients (see [Note: grad accumulation]) ------------------------------------------
     def add_slot_grads(self, grads) -> None:
         """s_G = 1: one backward's gradients (slot order, None: none) into the shard."""
-        shard = self.grad_shard                             # allocates it at the first backward
+        shard = self._grad_back() if self.stale else self.grad_shard   # allocates it at the first backward
         dst = [v for v, g in zip(self._gviews, grads) if g is not None]
         src = [g for g in grads if g is not None]
         if self.stale:
@@ -232,23 +241,35 @@ class FlatStorage:
     def accumulate(self, chunk: torch.Tensor) -> None:
         """Add a reduced grad chunk (N/s_G) into the shard (copy it when stale)."""
         if self.stale:
-            self.grad_shard.copy_(chunk)
+            self._grad_back().copy_(chunk)
             self.stale = False
         else:
             self.grad_shard.add_(chunk)
 
-    def mark_zero(self) -> None:
-        """zero_grad(): the grad shard is logically zero (written lazily, see Note)."""
+    def mark_zero(self, release: bool = False) -> None:
+        """zero_grad(): the grad shard is logically zero (written lazily, see Note); with
+        `release` its storage is freed until it is next written ([Note: grad shard lifetime])."""
         self.stale = True
+        if release and self._grad_shard is not None:
+            self._grad_shard.untyped_storage().resize_(0)
+
+    def _grad_back(self) -> torch.Tensor:
+        """The grad shard with its storage (given back after a released zero_grad), for a
+        write that covers all of it."""
+        g = self.grad_shard
+        need = g.numel() * g.element_size()
+        if g.untyped_storage().size() != need:
+            g.untyped_storage().resize_(need)
+        return g
 
     def zero_now(self) -> None:
-        self.grad_shard.zero_()
+        self._grad_back().zero_()
         self.stale = False
 
     def materialize(self) -> None:
         """A stale grad shard (zero_grad() ran, no backward wrote it) becomes zeros."""
         if self.stale:
-            self.grad_shard.zero_()
+            self._grad_back().zero_()
             self.stale = False
 
     @property

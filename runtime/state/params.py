@@ -28,7 +28,10 @@ grad shard's optim slice with the same metadata rules, so `clip_grad_norm_(sm.pa
 takes the whole model's norm and scales the slices in place. Any torch call on a
 `ShardGrad` first completes the step's gradient sync (`StepBoundary.wait_sync`), so no
 caller reads a gradient before it is reduced and averaged. A grad shard kept in bf16 is
-read through an fp32 copy of the slice, refreshed when the sync completes. Zeroing is
+read through an fp32 copy of the slice, refreshed when the sync completes; `zero_grad()`
+frees those copies (storage resized to 0) until the next read refills them, and the grad
+shards themselves (runtime/storage.py [Note: grad shard lifetime]): between zero_grad()
+and the next step's sync neither holds bytes. Zeroing a gradient in place writes nothing. Zeroing is
 torch's: `p.grad = None` (`zero_grad()`, set_to_none) or zeroing the gradient in place
 (`zero_grad(set_to_none=False)`) resets the step (`StepBoundary.zero_grad`); the next
 backward attaches the gradients again. A parameter frozen after sharding
@@ -172,8 +175,8 @@ class ShardGrad(_Whole, torch.Tensor):
             owner = _set_of(args, kwargs)
             if func in ZEROING:
                 owner.grads_zeroed()
-            else:
-                owner.settle("reading a gradient")
+                return _zeroed(func, args)
+            owner.settle("reading a gradient")
         return _dispatch(cls, func, args, kwargs)
 
     def full_tensor(self) -> torch.Tensor:
@@ -189,6 +192,18 @@ class ShardTensor(_Whole, torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _dispatch(cls, func, args, kwargs)
+
+
+def _zeroed(func, args):
+    """Zeroing shardc gradients in place: the step is reset (`grads_zeroed`), which leaves
+    the grad shards logically zero and their storage freed (runtime/storage.py [Note: grad
+    shard lifetime]), so nothing is written to them; other tensors in the list are zeroed."""
+    if func is torch._foreach_zero_:
+        rest = [t for t in args[0] if not isinstance(t, _Whole)]
+        if rest:
+            torch._foreach_zero_(rest)
+        return None
+    return args[0]
 
 
 KEEPS = {_T.detach, _T.clone, torch.clone, torch.detach}
@@ -382,7 +397,14 @@ class ParamSet:
             st.materialize()
         for _, plain, st, lo, hi in self.grads.values():
             if st.gdtype != torch.float32 and hi > lo:
-                plain.copy_(st.os_grad[lo:hi])
+                _storage_back(plain).copy_(st.os_grad[lo:hi])
+
+    def release_fp32_grads(self) -> None:
+        """zero_grad(): the fp32 copies a bf16 grad shard is read through are freed (resized
+        to 0) until the next settle() refills them ([Note: gradients])."""
+        for _, plain, st, _, _ in self.grads.made():
+            if st.gdtype != torch.float32:
+                plain.untyped_storage().resize_(0)
 
     def drop_frozen_grads(self) -> None:
         """Parameters frozen after sharding (`requires_grad_(False)`) get no gradient: their
@@ -518,6 +540,14 @@ class _LazyGrads(Mapping):
     def made(self):
         """The views made so far (allocating nothing)."""
         return list(self._made.values())
+
+
+def _storage_back(t: torch.Tensor) -> torch.Tensor:
+    """`t` (a whole fp32 copy: its own storage) with its storage given back if released."""
+    need = t.numel() * t.element_size()
+    if t.untyped_storage().size() != need:
+        t.untyped_storage().resize_(need)
+    return t
 
 
 def _grad(p):
