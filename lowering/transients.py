@@ -7,7 +7,8 @@ the cost model's memory timeline reads. Input: none (constants of the plan). Out
 In a backward, a unit's gradients arrive (autograd's, one tensor per parameter) when its
 views' backward runs (runtime/storage.py). Before they are laid out flat, the reduce-
 scatters of the units before it are waited until fewer than `REDUCE_IN_FLIGHT` remain
-(runtime/engine.py): with 1, the previous unit's reduce-scatter completes, its flat input
+(runtime/engine.py), and the unit's gathered full buffer is released (N of the params
+dtype, from its backward re-gather to here; FSDP2 reshards before its copy-in too): with 1, the previous unit's reduce-scatter completes, its flat input
 (N_prev elements of the grad dtype) and output chunk (N_prev/s_G) go back to the reduce
 workspace, and this unit's flat input reuses them. So a unit's backward holds, beside
 what it computes: autograd's gradients (N, alive until its views' backward returns, right

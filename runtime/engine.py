@@ -218,12 +218,12 @@ class Engine:
         self._arm()
         u = self.units[i]
         waited = self._bound_reductions(group)
+        if group.release():            # its full buffer first: the reduction does not read it (FSDP2's order)
+            self.events.append(("release", i))
         group.reduce_slot_grads(grads)
         group.reduced = True
         u.reduced = all(g.reduced for g in u.trainables)
         self.events.append(("issue_reduce", i))
-        if group.release():
-            self.events.append(("release", i))
         self._in_flight.append(group)
         for prev in waited:
             j = self._unit_of[id(prev)].index
