@@ -3,6 +3,7 @@ Face Llama on 8 gloo ranks -> torch's MemTracker peak per phase; information onl
 
     python bench/peak_fsdp2.py --json bench/results/systems_100gbit_DATE_peak-fsdp2.json   # torchrun x 8
     python bench/peak_fsdp2.py --table FILE.json     # docs/BENCHMARKS.md rows
+    python bench/peak_fsdp2.py --simulate bench/results/simulate_DATE_peak-fsdp2.json   # LLaMA-65B, 1024 ranks
 
 Input: a `LlamaForCausalLM` (hidden 256, intermediate 704, 4 layers, 8 heads, 4 KV heads,
 vocab 8192, untied head, fp32; `llama_small` is its factory), batch 2 x 64 random tokens per
@@ -26,6 +27,18 @@ read and reset at each phase's end, so each phase's figure is its own maximum: `
 (shardc's step-end sync, completed as opt.step() would complete it; FSDP2 has none here),
 `step` (the optimizer step and the update all-gathers), `zero_grad`. Output: per system the
 peak per phase (rank 0's and the max over ranks) and the states held before the step.
+
+`--simulate`: the same comparison at LLaMA-65B's shapes (examples/llama.py `llama_65b`) as
+rank 0 of 1024 (`node(128) > gpu(8)`), under torch's fake process group, one process per
+system (`sim_worker`), one 2048-token sequence, AdamW, the second step tracked by the same
+MemTracker subclass per phase (forward, backward, step). shardc: `shardc simulate`'s engine
+(shardc/simulate.py `simulate_rank`, meta tensors) on zero3 and mics in the papers'
+precision (bench/simulate_papers.py `bf16_text`: bf16 params, grads and collectives, an
+fp32 master; `collectives auto`, which picks HO-Ring at 1024). FSDP2, as torchtitan's
+memory estimator runs it: the model built on meta, `fully_shard` on each block and on the
+root (the embedding, the final norm and the head: shardc's units), then `to_empty` under
+`FakeTensorMode`, with `MixedPrecisionPolicy(bf16, bf16)`; `fully_shard` on a 1-D mesh of
+1024 against zero3, HSDP (replicate 128 x shard 8) against mics.
 """
 from __future__ import annotations
 
@@ -167,16 +180,111 @@ def table(path: str) -> str:
     return "\n".join(rows) + "\n\n(MiB per rank, the max over the 8 ranks of torch's MemTracker)"
 
 
+SIM_SYSTEMS = ("shardc:zero3", "fsdp2:zero3", "shardc:mics", "fsdp2:hsdp")
+SIM_NODES, SIM_SEQ = 128, 2048
+
+
+def sim_worker(system: str) -> dict:
+    """One system's simulated rank 0 (see `--simulate`): MemTracker's peak per phase, bytes."""
+    import contextlib
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+    import simulate_papers as P
+    from shardc.simulate import _step_tracker, init_fake, simulate_rank
+    factory = P._factory("examples/llama.py:llama_65b")
+    if system.startswith("shardc"):
+        import shardc
+        s = shardc.load_strategy(P.bf16_text(system.split(":")[1]), mesh=f"node({SIM_NODES}) > gpu(8)")
+        rep = simulate_rank(s, factory, 0, spec="llama_65b", micro_batches=1, batch=1, seq=SIM_SEQ, peak=True)
+        return {"peaks": rep["peak"]["phases"], "peak": rep["peak"]["measured"], "by_kind": rep["peak"]["by_kind"],
+                "states": rep["memory"]["total"]}
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import torch.distributed._tools.fake_collectives  # noqa: F401  (the collectives' fake kernels)
+    from shardc.analysis.costmodel.flops import flash_sdpa_mode
+    world = SIM_NODES * 8
+    init_fake(0, world)
+    with torch.device("meta"):
+        model = factory()
+    mesh = (init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)) if system.endswith("zero3") else
+            init_device_mesh("cpu", (SIM_NODES, 8), mesh_dim_names=("replicate", "shard")))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, 32000, (1, SIM_SEQ))
+
+        def step(phase):
+            with phase("forward"):
+                loss = F.cross_entropy(model(x).flatten(0, -2).float(), x.flatten())
+            with phase("backward"):
+                loss.backward()
+            del loss
+            with phase("step"):
+                opt.step()
+                opt.zero_grad()
+        with flash_sdpa_mode():
+            step(lambda name: contextlib.nullcontext())
+        tracker = _step_tracker()
+        tracker.track_external(model, opt)
+        with tracker, flash_sdpa_mode():
+            step(tracker.phase)
+    dist.destroy_process_group()
+    peaks = tracker.phase_peaks()
+    return {"peaks": peaks, "peak": max(peaks.values()), "by_kind": tracker.peak_by_kind(),
+            "states": sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())}
+
+
+def simulate(out: str) -> None:
+    results = {}
+    for system in SIM_SYSTEMS:                  # a fresh process each: each makes its own fake group
+        got = subprocess.run([sys.executable, sys.argv[0], "--sim-worker", system], check=True,
+                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        results[system] = json.loads(got)
+        print(system, round(results[system]["peak"] / 1e9, 2), "GB", flush=True)
+    meta = {"model": "examples/llama.py:llama_65b (bf16 params, grads, collectives; fp32 master, AdamW)",
+            "mesh": f"node({SIM_NODES}) > gpu(8)", "rank": 0, "seq": SIM_SEQ, "torch": torch.__version__,
+            "tracker": "torch.distributed._tools.mem_tracker.MemTracker (shardc.simulate's)"}
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "systems": results}, f, indent=1)
+
+
+def sim_table(r: dict) -> str:
+    rows = ["| system | forward | backward | step | peak | by kind at the peak |", "|---|---|---|---|---|---|"]
+    for system, v in r.items():
+        kinds = ", ".join(f"{k} {b / 1e9:.2f}" for k, b in v["by_kind"].items() if b and k != "Total")
+        rows.append(f"| {system} | " + " | ".join(f"{v['peaks'].get(p, 0) / 1e9:.2f}" for p in ("forward", "backward", "step"))
+                    + f" | {v['peak'] / 1e9:.2f} | {kinds} |")
+    return "\n".join(rows) + "\n\n(GB = 10^9 bytes, rank 0 of 1024 under torch's fake process group)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="driver: run the 8 ranks, write the results here")
     ap.add_argument("--table", help="print docs/BENCHMARKS.md's rows from a result file")
+    ap.add_argument("--simulate", help="LLaMA-65B at 1024 simulated ranks: write the results here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--sim-worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return worker(a.worker)
+    if a.sim_worker:
+        return print(json.dumps(sim_worker(a.sim_worker)))
+    if a.simulate:
+        simulate(a.simulate)
+        with open(a.simulate) as f:
+            return print(sim_table(json.load(f)["systems"]))
     if a.table:
-        return print(table(a.table))
+        with open(a.table) as f:
+            r = json.load(f)
+        return print(table(a.table) if "rank0" in next(iter(r["systems"].values())) else sim_table(r["systems"]))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
                     "--master-port", "29641", sys.argv[0], "--worker", os.path.abspath(a.json)], check=True, env=env)
