@@ -1,6 +1,6 @@
 """Transient-buffer bounds — stage 3 (lowering): the numbers the runtime's buffers obey and
 the cost model's memory timeline reads. Input: none (constants of the plan). Output:
-`REDUCE_IN_FLIGHT`, `SYNC_IN_FLIGHT`, `STAGING_BYTES`, `RS_RECV_BYTES`, `RS_RECV_FLOOR` and
+`REDUCE_IN_FLIGHT`, `RELEASE_GRADS`, `SYNC_IN_FLIGHT`, `STAGING_BYTES`, `RS_RECV_BYTES`, `RS_RECV_FLOOR` and
 `recv_block_bytes`, each the one owner of its fact.
 
 [Note: reductions in flight]
@@ -19,6 +19,19 @@ step's backwards are over, so it holds max over units of (N + N/s_G) plus one re
 A one-parameter unit reduce-scatters autograd's gradient itself (no flat copy): it is
 then alive to the same wait. FSDP2 does the same: `foreach_reduce` waits the previous
 reduce-scatter's state before the next copy-in.
+
+[Note: gradient lifetimes]
+With `RELEASE_GRADS`, the eager runtime's zero_grad() frees every trainable group's grad
+shard (N/s_G elements of the grads dtype; its storage resized to 0, runtime/storage.py
+[Note: grad shard lifetime]) and the fp32 copies a bf16 grad shard is read through
+(N/s_OS x 4 bytes, runtime/state/params.py [Note: gradients]), as torch's
+zero_grad(set_to_none=True) frees a model's gradients. So a grad shard exists from its
+unit's first reduced gradient of the step (s_G > 1: its backward reduce-scatter waited,
+as the next unit's gradients arrive or at the backward's end; s_G = 1: its gradients'
+arrival; a unit that got none: the sync) until zero_grad(); the fp32 copies from the
+step's sync completing (opt.step(), clip_grad_norm_, a gradient read) until zero_grad().
+The forward after zero_grad() holds neither. The whole-step mode keeps its grad shards
+(its graphs read them). `memory_report()`'s `grads` is the shard's size either way.
 
 [Note: syncs in flight]
 The step-end sync (flat_group.py [Note: reduce and sync]) is issued unit by unit at the
@@ -66,6 +79,7 @@ handed back when its local sum is done (runtime/workspace.py [Note: reduce works
 from __future__ import annotations
 
 REDUCE_IN_FLIGHT = 1            # [Note: reductions in flight]: backward reduce-scatters in flight as a unit's grads arrive
+RELEASE_GRADS = True            # [Note: gradient lifetimes]: zero_grad() frees the grad shards and fp32 grad copies
 SYNC_IN_FLIGHT = 2              # [Note: syncs in flight]: flat groups whose step-end sync is in flight
 STAGING_BYTES = 32 << 20        # [Note: staging chunks]: one piece's all-reduce staging block, at most
 STAGING_OVER = 4                # [Note: staging chunks]: a piece's transients, in blocks, at most

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from shardc.dsl.ir import DType
-from shardc.lowering import GroupPlan, Op, Phase, Row
+from shardc.lowering import RELEASE_GRADS, GroupPlan, Op, Phase, Row
 
 from . import quant
 from .comm import DoneWork, ThenWork, UnitCollectives
@@ -227,7 +227,7 @@ class FlatGroup:
 
     def zero_grads(self) -> None:
         self.finish_grads()
-        self.storage.mark_zero(release=True)   # zeroed lazily and freed: storage.py [Note: grad shard lifetime]
+        self.storage.mark_zero(release=RELEASE_GRADS)   # zeroed lazily, freed: lowering [Note: gradient lifetimes]
         self.syncing = None
 
     # -- update ---------------------------------------------------------------------

@@ -11,16 +11,18 @@ out flat, the reduce-scatter's input; none for a one-parameter unit whose gradie
 the layout already, storage.py [Note: grad accumulation]), one N/s_G-element chunk (its
 output) and, on gloo, the all-to-all's receive buffer (at most the lowering's receive block, in
 blocks past it: runtime/collectives.py [Note: bounded all-to-all]; handed back as soon
-as its local sum is done), all alive until the reduce-scatter is waited. The engine keeps
-at most one unit's reduce-scatter in flight while the next unit's is issued (engine.py),
-so at most two of each are taken at a time. Allocating them fresh per unit and backward
+as its local sum is done), all alive until the reduce-scatter is waited. The engine waits
+the previous unit's reduce-scatter before the next unit's gradients are laid out flat
+(engine.py; shardc.lowering [Note: reductions in flight], REDUCE_IN_FLIGHT = 1), so one
+of each is taken at a time and the next unit reuses them. Allocating them fresh per unit and backward
 costs an allocation and, above the C allocator's reuse threshold (32 MiB for glibc),
 page faults on every use; the pool hands back a view of a tensor an earlier unit or
 micro-batch returned (the first one large enough, or a new one). The engine empties the
 pool (`clear`) at the end of the backward that issues the step's sync and in
 zero_grad(), so between steps, in opt.step() and in the forward that follows it the pool
-holds nothing. Within a step's accumulation window it holds at most 2·(N + N/s_G) elements
-of the largest unit plus two receive blocks (the in-flight bound above). The parameters'
+holds nothing. Within a step's accumulation window it holds at most N + N/s_G elements
+of the largest unit plus one receive block (the in-flight bound above; a smaller free
+tensor is dropped when a larger one is needed). The parameters'
 gathered full buffers are not pooled: their storage is freed on release, so the
 transient window stays what the plan says.
 """

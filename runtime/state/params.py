@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardc.lowering import Op, Per, Phase, Row
+from shardc.lowering import RELEASE_GRADS, Op, Per, Phase, Row
 
 from ..boundary import StepPhase
 from ..errors import RuntimeUsageError
@@ -401,7 +401,10 @@ class ParamSet:
 
     def release_fp32_grads(self) -> None:
         """zero_grad(): the fp32 copies a bf16 grad shard is read through are freed (resized
-        to 0) until the next settle() refills them ([Note: gradients])."""
+        to 0) until the next settle() refills them ([Note: gradients]; shardc.lowering
+        [Note: gradient lifetimes])."""
+        if not RELEASE_GRADS:
+            return
         for _, plain, st, _, _ in self.grads.made():
             if st.gdtype != torch.float32:
                 plain.untyped_storage().resize_(0)
