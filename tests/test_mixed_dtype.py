@@ -184,3 +184,25 @@ def test_simulate_runs_a_mixed_gpt(tmp_path):
     rep = json.loads(proc.stdout)[0]
     assert rep["memory"] == rep["explain_memory"] and rep["memory_equal"], rep["memory"]
     assert rep["ledger_equal"]
+
+
+def test_explain_traces_activations_in_each_units_dtype():
+    """explain's activation trace computes each unit in its own params dtype and casts at the
+    unit boundaries as the ranks do (units/casts.py): with an fp32 root and bf16 blocks, the
+    root saves what the all-fp32 trace saves and each block what the all-bf16 trace saves
+    (its input arrives cast to bf16); before, every unit was traced in the top-level dtype."""
+    import shardc
+    from examples.gpt import tiny
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
+    from shardc.analysis.costmodel.flops import trace, unit_dtypes
+    from shardc.units import find_units
+    with torch.device("meta"):
+        model = tiny()
+    s = shardc.load_strategy(MIXED)
+    units = find_units(model, resolve_bucket(model, s))
+    dts = unit_dtypes(s, units, s.scopes.params.dtype.value)
+    assert dts == ("fp32",) + ("bf16",) * (len(units) - 1)
+    mixed, fp32, bf16 = (trace(model, units, batch=2, seq=16, dtype=d) for d in (dts, "fp32", "bf16"))
+    assert mixed.saved == (fp32.saved[0],) + bf16.saved[1:]
+    assert mixed.inputs == bf16.inputs and mixed.output == fp32.output
+    assert bf16.saved[1] < fp32.saved[1]

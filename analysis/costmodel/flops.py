@@ -2,7 +2,7 @@
 
 Input: a model built on the meta device, its units (root first, as `find_units`
 returns them), the micro-batch shape (sequences × sequence length) and the compute
-dtype. Output: `GraphCost` — forward and backward FLOPs (torch's
+dtype, one for the model or one per unit. Output: `GraphCost` — forward and backward FLOPs (torch's
 `FlopCounterMode`: matmuls, bmm and attention), and per unit the bytes autograd
 saves for the backward (`saved_tensors_hooks`) and the bytes of its input. Nothing is
 allocated: the forward and backward run on meta tensors.
@@ -24,6 +24,11 @@ allocated: the forward and backward run on meta tensors.
   did; other dtypes are shaped through a bf16 view on meta (`_meta_grouped_mm`), so an
   fp32 MoE traces too. An expert loop indexed by the routing (`nonzero`) cannot run on
   meta tensors: such a model falls back to 6·params·tokens, which counts every expert.
+- Each unit computes in its own dtype (its params dtype, where the strategy's overrides
+  give it one): its modules' tensors are cast to it, and its inputs and outputs are cast
+  at its boundaries as the ranks cast them (units/casts.py, [Note: casts at unit
+  boundaries]), so a bf16 block inside an fp32 root saves bf16 activations and hands fp32
+  ones back.
 - Saved bytes exclude parameters (they are model states) and count each tensor once
   (by storage); a tensor saved inside a non-root unit's forward belongs to that unit,
   anything else to the root unit.
@@ -116,13 +121,30 @@ def _meta_grouped_mm():
     return MetaGroupedMM()
 
 
-def trace(model, units, *, batch: int, seq: int, dtype: str = "bf16") -> GraphCost:
-    """Run one micro-batch forward and backward on meta tensors; see the module docstring."""
+def unit_dtypes(strategy, units, dtype: str) -> tuple[str, ...]:
+    """The compute dtype of each unit: `dtype` (the model's: the top-level params dtype, or
+    plan's `--precision`) except where the unit's own params dtype differs from the
+    strategy's top-level one (an override gave it one)."""
+    top = strategy.scopes.params.dtype
+    return tuple(u.scopes.params.dtype.value if u.scopes is not None and u.scopes.params.dtype != top
+                 else dtype for u in units)
+
+
+def trace(model, units, *, batch: int, seq: int, dtype="bf16") -> GraphCost:
+    """Run one micro-batch forward and backward on meta tensors; see the module docstring.
+    `dtype`: one for every unit, or a sequence of one per unit (`unit_dtypes`)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    m = copy.deepcopy(model).to(device="meta", dtype=tdt)
+    from shardc.units.casts import caller_of, install_boundary_casts
+
+    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    dts = [table[d] for d in ((dtype,) * len(units) if isinstance(dtype, str) else dtype)]
+    m = copy.deepcopy(model).to(device="meta", dtype=dts[0])
+    depth = lambda i: 0 if i == 0 else 1 + depth(caller_of(units, i))      # noqa: E731
+    for i in sorted(range(1, len(units)), key=depth):          # outer units first, nested ones after
+        for name in units[i].modules:
+            m.get_submodule(name).to(dts[i])
     mods = dict(m.named_modules())
     params = {p.untyped_storage()._cdata for p in m.parameters()}
     n = len(units)
@@ -145,6 +167,8 @@ def trace(model, units, *, batch: int, seq: int, dtype: str = "bf16") -> GraphCo
         for name in u.modules:
             handles.append(mods[name].register_forward_pre_hook(_enter(i, current, inputs, counter, fwd)))
             handles.append(mods[name].register_forward_hook(_leave(i, current, counter, fwd)))
+    # after the unit hooks, prepended: a unit's input is counted as it arrives, cast
+    handles += install_boundary_casts(m, units, dts)
     x = sample_input(m, batch, seq)
     try:
         with _meta_grouped_mm(), counter, flash_sdpa_mode(), \
