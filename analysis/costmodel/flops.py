@@ -21,7 +21,7 @@ allocated: the forward and backward run on meta tensors.
   2·rows·k·n: the routed rows are tokens × top-k whatever the router picks, so the
   meta trace counts the active experts exactly (torch's counter has no formula for it
   and would count nothing). Its meta kernel accepts bf16 only, as the first CUDA kernel
-  did; other dtypes are shaped through a bf16 view on meta (`_meta_grouped_mm`), so an
+  did; other dtypes are shaped through a bf16 view on meta (`meta_grouped_mm`), so an
   fp32 MoE traces too. An expert loop indexed by the routing (`nonzero`) cannot run on
   meta tensors: such a model falls back to 6·params·tokens, which counts every expert.
 - Each unit computes in its own dtype (its params dtype, where the strategy's overrides
@@ -102,7 +102,7 @@ def grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * math.prod(a_shape) * b_shape[-1]     # rows split, contraction split, or a batch of G matmuls
 
 
-def _meta_grouped_mm():
+def meta_grouped_mm():
     """A TorchDispatchMode under which `aten._grouped_mm` on meta tensors of any float
     dtype takes its shape from the bf16 meta kernel (nothing runs on meta; the result
     keeps the inputs' dtype, and autograd, above this mode, saves the real inputs)."""
@@ -171,13 +171,13 @@ def trace(model, units, *, batch: int, seq: int, dtype="bf16") -> GraphCost:
     handles += install_boundary_casts(m, units, dts)
     x = sample_input(m, batch, seq)
     try:
-        with _meta_grouped_mm(), counter, flash_sdpa_mode(), \
+        with meta_grouped_mm(), counter, flash_sdpa_mode(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = m(x)
             forward = counter.get_total_flops()
             logits = out if torch.is_tensor(out) else out[0]
             loss = logits.float().sum()
-        with _meta_grouped_mm(), counter, flash_sdpa_mode():   # entering the counter again starts from zero
+        with meta_grouped_mm(), counter, flash_sdpa_mode():   # entering the counter again starts from zero
             loss.backward()
             backward = counter.get_total_flops()
     finally:
