@@ -22,8 +22,16 @@ module counts in `dispatched_bytes` the token bytes this rank sends into the two
 of every forward call (the ledger's convention: an all-to-all's input; the counts exchange
 and the backward's all-to-alls excluded; a recomputed forward counts again).
 
-Factories: `moe_tiny()` (built on the current device); `init_module` initializes one module
-of a model built on the meta device (`model.to_empty(device=...); model.apply(init_module)`).
+On meta (or fake) tensors, as in `shardc simulate`, the per-expert counts have no values to
+read: the dispatch then takes a fixed, balanced routing ([Note: the dispatch on meta
+tensors]), so a simulated rank runs the same all-to-alls with the sizes of an even split.
+
+Factories: `moe_tiny()` (built on the current device); `moe_tiny_ep(ep_mesh=None)`,
+`deepseek_v3(ep_mesh=None)` and `mixtral(ep_mesh=None)` (the papers' shapes, for the meta
+device), which place their experts on `ep_mesh` when given (`shardc simulate` passes the
+simulated rank's); `init_module` initializes one module of a model built on the meta device
+(`model.to_empty(device=...); model.apply(init_module)`). Options beyond the tiny model:
+dense first blocks (`n_dense_layers`, `dense_dim`) and shared experts (`n_shared`).
 """
 from __future__ import annotations
 
@@ -48,6 +56,9 @@ class MoEConfig:
     top_k: int = 2
     expert_dim: int = 48      # F, each expert's SwiGLU hidden size
     eps: float = 1e-6
+    n_dense_layers: int = 0   # the first blocks run a dense SwiGLU of dense_dim instead (DeepSeek-V3's 3)
+    dense_dim: int = 0
+    n_shared: int = 0         # shared experts beside the routed ones: one dense SwiGLU of n_shared * F
 
 
 TINY = MoEConfig()
@@ -89,12 +100,26 @@ class Experts(nn.Module):
         return F.grouped_mm(h, w2.transpose(-2, -1), offs=offs)
 
 
+class SwiGLU(nn.Module):
+    """A dense SwiGLU feed-forward (the dense blocks' MLP, and the shared experts)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
 class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = Experts(cfg.n_experts, cfg.dim, cfg.expert_dim)
+        self.shared = SwiGLU(cfg.dim, cfg.n_shared * cfg.expert_dim) if cfg.n_shared else None
 
     def forward(self, x):
         flat = x.reshape(-1, x.size(-1))                                    # (N, D)
@@ -104,16 +129,17 @@ class MoELayer(nn.Module):
         order = ids.argsort(stable=True)                                    # token copies by expert
         counts = ids.new_zeros(self.n_experts).scatter_add_(0, ids, torch.ones_like(ids))
         y = self.experts(flat[order // self.top_k], counts)[order.argsort()]
-        return (y.view(-1, self.top_k, flat.size(-1)) * gates.unsqueeze(-1)).sum(1).view_as(x)
+        y = (y.view(-1, self.top_k, flat.size(-1)) * gates.unsqueeze(-1)).sum(1).view_as(x)
+        return y if self.shared is None else y + self.shared(x)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, cfg: MoEConfig, dense: bool = False):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.eps)
         self.attn = Attention(cfg)
         self.moe_norm = nn.RMSNorm(cfg.dim, eps=cfg.eps)
-        self.moe = MoELayer(cfg)
+        self.moe = SwiGLU(cfg.dim, cfg.dense_dim) if dense else MoELayer(cfg)
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
@@ -125,7 +151,7 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i < cfg.n_dense_layers) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         self.apply(init_module)
@@ -157,6 +183,39 @@ def moe_tiny() -> MoE:
     return MoE(TINY)
 
 
+# The papers' shapes in this example's architecture (plain multi-head attention, SwiGLU
+# experts), for `shardc simulate` and `explain` on the meta device: 672.1B and 47.5B parameters
+# (the papers': 671B and 46.7B).
+# DeepSeek-V3 (arXiv:2412.19437): D 7168, 61 blocks of which the first 3 dense (F 18432),
+# 256 routed experts of F 2048, top-8, one shared expert, vocab 129280 (its MLA attention is
+# written as multi-head attention of 128 heads: 205M parameters a block where MLA has 187M).
+DEEPSEEK_V3 = MoEConfig(vocab=129280, dim=7168, n_layers=61, n_heads=128, n_experts=256, top_k=8,
+                        expert_dim=2048, n_dense_layers=3, dense_dim=18432, n_shared=1)
+# Mixtral 8x7B (arXiv:2401.04088): D 4096, 32 blocks, 8 experts of F 14336, top-2, vocab 32000
+# (its grouped-query attention, 8 key-value heads, written as 32 full heads: 67M a block against 42M).
+MIXTRAL = MoEConfig(vocab=32000, dim=4096, n_layers=32, n_heads=32, n_experts=8, top_k=2, expert_dim=14336)
+
+
+def deepseek_v3(ep_mesh=None) -> MoE:
+    """DeepSeek-V3's shapes; build it on the meta device. `ep_mesh`: see `moe_tiny_ep`."""
+    model = MoE(DEEPSEEK_V3)
+    return model if ep_mesh is None else apply_ep(model, ep_mesh)
+
+
+def mixtral(ep_mesh=None) -> MoE:
+    """Mixtral 8x7B's shapes; build it on the meta device. `ep_mesh`: see `moe_tiny_ep`."""
+    model = MoE(MIXTRAL)
+    return model if ep_mesh is None else apply_ep(model, ep_mesh)
+
+
+def moe_tiny_ep(ep_mesh=None) -> MoE:
+    """`moe_tiny()` with its experts placed on `ep_mesh` when given: `shardc simulate` passes
+    a factory that takes `ep_mesh` the simulated rank's 1-D ep DeviceMesh (None where no
+    process group exists yet, as for explain's sizes: the experts stay plain tensors)."""
+    model = moe_tiny()
+    return model if ep_mesh is None else apply_ep(model, ep_mesh)
+
+
 class ExpertParallel(ParallelStyle):
     """Expert parallelism for an `Experts` module on a 1-D ep DeviceMesh (see the module
     docstring): the parameters Shard(0) over ep, each rank holding E/ep consecutive experts,
@@ -176,9 +235,12 @@ class ExpertParallel(ParallelStyle):
 
     def _dispatch(self, module, inputs, device_mesh):
         """(tokens sorted by global expert, counts per global expert) -> (the tokens this
-        rank's experts serve, sorted by local expert, counts per local expert)."""
+        rank's experts serve, sorted by local expert, counts per local expert). On meta or
+        fake tensors the counts have no values: the fixed routing of `_balanced` stands in."""
         x, counts = inputs
         ep, group = device_mesh.size(), device_mesh.get_group()
+        if _no_values(counts):
+            return self._balanced(module, x, counts, ep, group)
         with torch.no_grad():
             received = torch.empty_like(counts)
             dist.all_to_all_single(received, counts, group=group)
@@ -191,11 +253,31 @@ class ExpertParallel(ParallelStyle):
         self.order = local.repeat_interleave(received.flatten()).argsort(stable=True)
         return x[self.order], received.sum(0)
 
+    def _balanced(self, module, x, counts, ep, group):
+        """[Note: the dispatch on meta tensors] The routing is taken as balanced: this rank's
+        R token copies go to the ep ranks in equal parts (R // ep, the first R % ep ranks
+        one more), every rank receives what it sends (each holds as many token copies), and
+        its experts' rows arrive grouped already (the order is the identity): only shapes
+        and the all-to-alls' sizes follow, which is what a meta step needs. The counts per
+        local expert keep their shape, without values."""
+        rows = x.size(0)
+        self.send = self.recv = [rows // ep + (r < rows % ep) for r in range(ep)]
+        module.dispatched_bytes += x.numel() * x.element_size()
+        x = all_to_all_single_autograd(x, self.recv, self.send, group)
+        self.order = torch.arange(x.size(0), device=x.device)
+        return x, counts.view(ep, -1).sum(0)
+
     def _combine(self, module, out, device_mesh):
         """The experts' rows back to their source ranks, in the order they were sent."""
         out = out[self.order.argsort()]
         module.dispatched_bytes += out.numel() * out.element_size()
         return all_to_all_single_autograd(out, self.send, self.recv, device_mesh.get_group())
+
+
+def _no_values(t: torch.Tensor) -> bool:
+    """A meta tensor, or a fake one (torch's FakeTensorMode): shapes without values."""
+    from torch._subclasses.fake_tensor import is_fake
+    return t.is_meta or is_fake(t)
 
 
 def apply_ep(model: nn.Module, ep_mesh) -> nn.Module:

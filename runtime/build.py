@@ -146,7 +146,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
             g.on_grads = lambda grads, i=u.index, g=g: runtime.unit_grads(i, grads, g)
     if hooks:
         _install_hooks(model, runtime)
-    install_casts(model, specs)                          # casts.py [Note: casts at unit boundaries]
+    install_casts(model, specs)                          # units/casts.py [Note: casts at unit boundaries]
     canon = list(dict.fromkeys(aliases[n] for n in order))
     pset = ParamSet(states, canon, dtensors, comm, ledger, runtime.boundary,
                     {id(g.storage): ecomm for u in states for g in u.groups if g.gplan.experts})

@@ -64,6 +64,12 @@ def expert_runtime(smesh: ShardMesh, experts: ExpertGroup, params: dict) -> Expe
     return ExpertRuntime(esmesh, ep_ranks, out)
 
 
+def ep_device_mesh(smesh: ShardMesh, experts: ExpertGroup) -> DeviceMesh:
+    """This rank's 1-D ep DeviceMesh (dim `shardc_ep`): the mesh its expert DTensors must be
+    on ([Note: the experts' process groups]); `shardc simulate` hands it to the factory."""
+    return _meshes(smesh, experts)[0][EP_DIM]
+
+
 def _meshes(smesh: ShardMesh, experts: ExpertGroup) -> tuple[DeviceMesh, ShardMesh]:
     dm = smesh.device_mesh
     key = (id(smesh), experts.mesh, experts.level, experts.ep)

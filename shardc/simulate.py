@@ -14,7 +14,8 @@ nothing. Inside `runtime.simulation.simulation()` (runtime/simulation.py) `shard
 traces the meta model, lowers the plan, builds the mesh's process groups, allocates the
 shards as meta tensors (bytes without storage) and takes no values; then two steps run
 as a training loop would: `micro_batches` forwards and backwards (a cross-entropy loss on
-meta tokens, attention as the flash kernel, as explain's trace runs it), optionally
+meta tokens, attention as the flash kernel and grouped matmuls of any dtype, as explain's
+trace runs them), optionally
 `clip_grad_norm_`, `opt.step()` with the torch optimizer class and `opt.zero_grad()`.
 The first makes the optimizer's states (torch's optimizers make them at their first
 step); the second, a step as every later one runs, is measured. Per rank:
@@ -28,6 +29,10 @@ step); the second, a step as every later one runs, is measured. Per rank:
     the optimizer's states); beside it
     explain's peak without its framework overhead, which a tracker of tensors cannot see
     (states + the gathered window + one micro-batch's activations);
+  * a factory with an `ep_mesh` parameter is called with
+    this rank's 1-D ep DeviceMesh (runtime/experts.py), on which it places its experts as
+    DTensor Shard(0); explain's sizes are taken from a call with None (no process group
+    exists yet: plain experts, counted on one ep rank);
   * seconds: building the mesh's process groups (`ShardMesh`, every group the plan uses,
     made before the compile, which then finds them cached), lowering the plan (`lower`
     on the model's units, timed once apart), `shardc.compile` (capture, lowering, codegen,
@@ -77,15 +82,24 @@ class _Clock:
         return _Phase()
 
 
-def meta_model(factory, spec: str):
+def takes_ep_mesh(factory) -> bool:
+    """Whether the factory has an `ep_mesh` parameter ([Note: what a simulated rank runs])."""
+    import inspect
+    try:
+        return "ep_mesh" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def meta_model(factory, spec: str, ep_mesh=None):
     """`factory()`'s model on the meta device (`spec` names the factory in messages); one
-    sentence when it cannot be built there."""
+    sentence when it cannot be built there. A factory that takes `ep_mesh` gets it."""
     import torch
     from torch import nn
 
     try:
         with torch.device("meta"):
-            model = factory()
+            model = factory(ep_mesh=ep_mesh) if takes_ep_mesh(factory) else factory()
     except Exception as e:  # noqa: BLE001 — user code: one sentence, no traceback
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ShardcError(FACTORY_NOT_META.format(spec=spec, why=f"it raised {type(e).__name__}: {first}")) from None
@@ -140,10 +154,20 @@ def simulate_rank(strategy, factory, rank: int, *, spec: str = "the model factor
                         smesh.group(lv)
         with clock("lowering"):
             lower(strategy.mesh, units, strategy.prefetch, passes)
-        measured = _run(strategy, meta_model(factory, spec), m, cls, clip, batch, seq, passes, clock, peak)
+        model = meta_model(factory, spec, _ep_mesh(strategy, smesh) if takes_ep_mesh(factory) else None)
+        measured = _run(strategy, model, m, cls, clip, batch, seq, passes, clock, peak)
     finally:
         dist.destroy_process_group()
     return _report(strategy, rank, m, optimizer, clip, batch, seq, predicted, measured, clock.seconds)
+
+
+def _ep_mesh(strategy, smesh):
+    """This rank's 1-D ep DeviceMesh under the strategy's `experts` statement (None without
+    one, or with ep 1): the mesh the runtime checks the experts against."""
+    from shardc.lowering.scopes import expert_group
+    from shardc.runtime.experts import ep_device_mesh
+    experts = expert_group(strategy)
+    return ep_device_mesh(smesh, experts) if experts is not None and experts.ep > 1 else None
 
 
 def _optimizer_class(name: str):
@@ -167,7 +191,7 @@ def _run(strategy, model, m, cls, clip, batch, seq, passes, clock, track: bool) 
     import torch
     import torch.nn.functional as F
     import shardc
-    from shardc.analysis.costmodel.flops import flash_sdpa_mode, sample_input
+    from shardc.analysis.costmodel.flops import flash_sdpa_mode, meta_grouped_mm, sample_input
     from shardc.dtype_check import dtype_check
     from shardc.runtime.memory import held_tensors
     from shardc.runtime.simulation import simulation
@@ -193,16 +217,16 @@ def _run(strategy, model, m, cls, clip, batch, seq, passes, clock, track: bool) 
                 opt.step()
                 opt.zero_grad()
         if not track:
-            with clock("step"), flash_sdpa_mode(), dtype_check(model):
+            with clock("step"), flash_sdpa_mode(), meta_grouped_mm(), dtype_check(model):
                 step(_no_phase)
             peak = None
         else:
-            with flash_sdpa_mode(), dtype_check(model):     # [Note: meta kernels do not check dtypes]
+            with flash_sdpa_mode(), meta_grouped_mm(), dtype_check(model):   # [Note: meta kernels do not check dtypes]
                 step(_no_phase)                 # the first step makes the optimizer's states
             sm.reset_comm_ledger()
             tracker = _step_tracker()
             tracker.track_external(*held_tensors(sm.runtime, sm.params), opt)
-            with clock("step"), tracker, flash_sdpa_mode():
+            with clock("step"), tracker, flash_sdpa_mode(), meta_grouped_mm():
                 step(tracker.phase)             # a step as every later one runs: measured, phase by phase
             peak = {"by_kind": tracker.peak_by_kind(), "phases": tracker.phase_peaks()}
         ledger = [dict(phase=r.phase, op=r.op, levels=list(r.levels), bytes=r.bytes, count=r.count)

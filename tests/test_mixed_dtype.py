@@ -1,4 +1,4 @@
-"""Mixed precision across units (runtime/casts.py, [Note: casts at unit boundaries]): a
+"""Mixed precision across units (units/casts.py, [Note: casts at unit boundaries]): a
 root unit and blocks of different `params dtype` (and `grads dtype`), written as the user
 does (an `override` block, loaded by the DSL), train on 4 gloo ranks at parity with one
 process on the concatenated batch running the same casts — fp32 masters, each unit's
@@ -6,13 +6,18 @@ params cast to its dtype for the forward (torch.func.functional_call), each bloc
 inputs cast to its dtype and its outputs back to the root's. Every unit's inputs arrive in
 the same dtypes on both sides (exact), and the final fp32 parameters agree within a few
 units in the last place of the narrowest dtype in play (rounding happens per rank on one
-side and on the whole batch on the other). Each mix takes its scopes from a named
-strategy drawn with a fixed seed, so random accepted strategies join the sweep."""
+side and on the whole batch on the other).
+
+The sweep draws random strategies with a fixed seed: per unit (the top level for the root,
+the override for the blocks) the params, grads and optim levels, an hpZ secondary, the
+params and grads dtypes, and the strategy's accumulate. Every draw either loads (what
+`shardc check` runs) and trains at parity, or is refused in one ShardcError — by the DSL
+(located diagnostics) or by `shard_module` on the ranks — and never fails with another
+error at run time."""
 from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import os
 import random
 
@@ -25,40 +30,64 @@ from tests.test_runtime_util import ROOT, Tiny, batches, loss_fn, make_opt, max_
 pytestmark = pytest.mark.distributed
 
 MESH = "node(2) > gpu(2)"
-NAMES = ["ddp", "zero1", "zero2", "zero3", "mics", "hsdp_zero2", "paro_igg", "paro_iig", "paro_nig"]
+LEVELS = ((), ("gpu",), ("node",), ("node", "gpu"))
 P_DTYPES = ("fp32", "bf16", "fp16")
 EPS = {"fp32": 2.0 ** -23, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 ULPS = 8           # a few roundings of the narrowest dtype per step, over 3 steps
 TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _mixes():
-    """(root params, blocks params, root grads, blocks grads, strategy): every pair of
-    params dtypes that differ, the grads dtypes drawn with a fixed seed; plus one case of
-    one params dtype whose grads dtypes differ per unit."""
-    rng = random.Random(48)
-    out = []
-    for rp, bp in itertools.product(P_DTYPES, P_DTYPES):
-        if rp != bp:
-            out.append((rp, bp, rng.choice(("fp32", "bf16")), rng.choice(("fp32", "bf16")), rng.choice(NAMES)))
-    out.append(("fp32", "fp32", "fp32", "bf16", rng.choice(NAMES)))
-    return out
+def _draw_scopes(rng, pd, gd):
+    """One unit's scopes: optim levels, grads within them, params within those (a draw in
+    five ignores the nesting, which the DSL's dependency rule refuses), maybe a secondary."""
+    from shardc.dsl.ir import DType, GradsSpec, OptimSpec, ParamsSpec, Secondary
+    sub = lambda lv: tuple(l for l in lv if rng.random() < 0.6)          # noqa: E731
+    o = rng.choice(LEVELS)
+    g, p = (rng.choice(LEVELS), rng.choice(LEVELS)) if rng.random() < 0.2 else (sub(o), None)
+    p = sub(g) if p is None else p
+    sec = Secondary(sub(p) or p) if p and rng.random() < 0.3 else None
+    return (ParamsSpec(p, sec, DType(pd), DType(pd)), GradsSpec(g, DType(gd), DType(gd)), OptimSpec(o))
 
 
-def _strategy_text(name, rp, bp, rg, bg):
-    """The named strategy with the root's dtypes at the top level and the blocks' in an
-    override, as a user writes it; loaded (so checked) by the DSL."""
+def _draw(rng, rp, bp):
+    """A random strategy text with the root's dtypes at the top level and the blocks' in an
+    override, as a user writes it; its (root grads, blocks grads) dtypes and accumulate.
+    One params dtype for both gets grads dtypes that differ."""
     import shardc
     from shardc.dsl import unparse
-    s = shardc.load_strategy(os.path.join(ROOT, "examples", "strategies", f"{name}.shard"), mesh=MESH)
-    from shardc.dsl.ir import DType, Override
-    p = dataclasses.replace(s.params, dtype=DType(rp), comm=DType(rp), secondary=None)
-    g = dataclasses.replace(s.grads, dtype=DType(rg), comm=DType(rg))
-    ov = Override("blocks.*", params=dataclasses.replace(p, dtype=DType(bp), comm=DType(bp)),
-                  grads=dataclasses.replace(g, dtype=DType(bg), comm=DType(bg)))
-    s = dataclasses.replace(s, scopes=dataclasses.replace(s.scopes, params=p, grads=g), overrides=(ov,),
-                            accumulate=1)
-    return unparse(s)
+    from shardc.dsl.ir import Override, Scopes
+    rg, bg = rng.choice(("fp32", "bf16")), rng.choice(("fp32", "bf16"))
+    if rp == bp:
+        rg, bg = rng.choice((("fp32", "bf16"), ("bf16", "fp32")))
+    s = shardc.load_strategy(f"mesh {MESH}\nparams replicate\n")
+    bp_, bg_, bo_ = _draw_scopes(rng, bp, bg)
+    ov = Override("blocks.*", params=bp_, grads=bg_, optim=bo_)
+    s = dataclasses.replace(s, scopes=Scopes(*_draw_scopes(rng, rp, rg)), overrides=(ov,),
+                            accumulate=rng.choice((1, 2)))
+    return unparse(s), rg, bg, s.accumulate
+
+
+def _mixes(refused: list):
+    """(text, root params, blocks params, root grads, blocks grads, accumulate): one accepted
+    draw for every pair of params dtypes that differ and one of a single params dtype
+    (whose grads dtypes may differ per unit); the draws the DSL refuses go to `refused` as
+    (text, error)."""
+    import shardc
+    from shardc.dsl.errors import ShardcError
+    rng = random.Random(48)
+    out = []
+    pairs = [(rp, bp) for rp in P_DTYPES for bp in P_DTYPES if rp != bp] + [("fp32", "fp32")]
+    for rp, bp in pairs:
+        while True:
+            text, rg, bg, acc = _draw(rng, rp, bp)
+            try:
+                shardc.load_strategy(text, mesh=MESH)
+            except ShardcError as e:
+                refused.append((text, e))
+                continue
+            out.append((text, rp, bp, rg, bg, acc))
+            break
+    return out
 
 
 def _units(model, s):
@@ -80,8 +109,9 @@ def _seen_dtypes(model):
     return seen
 
 
-def _reference(model, data, rp, bp):
-    """One process, the same casts written out: fp32 params, the forward on their casts."""
+def _reference(model, data, rp, bp, acc):
+    """One process, the same casts written out: fp32 params, the forward on their casts
+    (the micro-batches' seen dtypes recorded as the ranks run them: `acc` per step)."""
     from torch.func import functional_call
     model = copy.deepcopy(model)
     for b in model.blocks:
@@ -95,39 +125,54 @@ def _reference(model, data, rp, bp):
         loss_fn(functional_call(model, params, (x,)).float(), y).backward()
         opt.step()
         opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.state_dict().items()}, seen
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}, seen * acc
 
 
 def _run(rank, world, mixes):
     import shardc
+    from shardc.dsl.errors import ShardcError
     from shardc.runtime import shard_module
     out = []
-    for rp, bp, rg, bg, name in mixes:
-        s = shardc.load_strategy(_strategy_text(name, rp, bp, rg, bg), mesh=MESH)
-        data = batches(3, world, 1)
+    for text, rp, bp, rg, bg, acc in mixes:
+        s = shardc.load_strategy(text, mesh=MESH)
+        data = batches(3, world, acc)
         model = Tiny()
-        want, want_seen = _reference(model, data, rp, bp)
-        sm = shard_module(copy.deepcopy(model), s, _units(model, s))
+        want, want_seen = _reference(model, data, rp, bp, acc)
+        try:
+            sm = shard_module(copy.deepcopy(model), s, _units(model, s))
+        except ShardcError as e:        # refused at compile, in one sentence
+            out.append(((rp, bp, rg, bg, acc), text, str(e)))
+            continue
         seen = _seen_dtypes(sm.module)
         opt = make_opt("adamw", sm)
         for x, y in data:
-            loss_fn(sm(x.chunk(world)[rank]).float(), y.chunk(world)[rank]).backward()
+            xs, ys = x.chunk(world)[rank].chunk(acc), y.chunk(world)[rank].chunk(acc)
+            for m in range(acc):
+                (loss_fn(sm(xs[m]).float(), ys[m]) / acc).backward()
             opt.step()
             opt.zero_grad()
         got = sm.full_state_dict()
-        out.append(((rp, bp, rg, bg, name), max_rel_err(got, want), seen == want_seen and bool(seen),
-                    {str(v.dtype) for v in got.values()}))
+        out.append(((rp, bp, rg, bg, acc), text, (max_rel_err(got, want), sorted(seen) == sorted(want_seen) and bool(seen),
+                                                  {str(v.dtype) for v in got.values()})))
     return out
 
 
 def test_mixed_dtypes_train_at_parity():
-    mixes = _mixes()
+    refused: list = []
+    mixes = _mixes(refused)
+    assert len(mixes) == 7 and refused, "the draws cover accepted and refused strategies"
+    for text, e in refused:             # one located diagnostic, no traceback
+        assert str(e).startswith("error: ") and "Traceback" not in str(e), (text, str(e))
     for rank_res in dist_run(4, _run, mixes):
-        for (rp, bp, rg, bg, name), err, same_casts, dtypes in rank_res:
-            narrowest = max(EPS[d] for d in (rp, bp, rg, bg))
-            assert same_casts, (rp, bp, rg, bg, name)
+        for case, text, res in rank_res:
+            if isinstance(res, str):
+                assert "\n" not in res.strip() and "Traceback" not in res, (case, text, res)
+                continue
+            err, same_casts, dtypes = res
+            narrowest = max(EPS[d] for d in case[:4])
+            assert same_casts, (case, text)
             assert dtypes == {"torch.float32"}      # the full state dict is the fp32 master
-            assert err < ULPS * narrowest, ((rp, bp, rg, bg, name), err, ULPS * narrowest)
+            assert err < ULPS * narrowest, (case, text, err, ULPS * narrowest)
 
 
 class _CastsItself(torch.nn.Module):
@@ -184,3 +229,25 @@ def test_simulate_runs_a_mixed_gpt(tmp_path):
     rep = json.loads(proc.stdout)[0]
     assert rep["memory"] == rep["explain_memory"] and rep["memory_equal"], rep["memory"]
     assert rep["ledger_equal"]
+
+
+def test_explain_traces_activations_in_each_units_dtype():
+    """explain's activation trace computes each unit in its own params dtype and casts at the
+    unit boundaries as the ranks do (units/casts.py): with an fp32 root and bf16 blocks, the
+    root saves what the all-fp32 trace saves and each block what the all-bf16 trace saves
+    (its input arrives cast to bf16); before, every unit was traced in the top-level dtype."""
+    import shardc
+    from examples.gpt import tiny
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
+    from shardc.analysis.costmodel.flops import trace, unit_dtypes
+    from shardc.units import find_units
+    with torch.device("meta"):
+        model = tiny()
+    s = shardc.load_strategy(MIXED)
+    units = find_units(model, resolve_bucket(model, s))
+    dts = unit_dtypes(s, units, s.scopes.params.dtype.value)
+    assert dts == ("fp32",) + ("bf16",) * (len(units) - 1)
+    mixed, fp32, bf16 = (trace(model, units, batch=2, seq=16, dtype=d) for d in (dts, "fp32", "bf16"))
+    assert mixed.saved == (fp32.saved[0],) + bf16.saved[1:]
+    assert mixed.inputs == bf16.inputs and mixed.output == fp32.output
+    assert bf16.saved[1] < fp32.saved[1]

@@ -2,7 +2,7 @@
 
 Input: a model built on the meta device, its units (root first, as `find_units`
 returns them), the micro-batch shape (sequences × sequence length) and the compute
-dtype. Output: `GraphCost` — forward and backward FLOPs (torch's
+dtype, one for the model or one per unit. Output: `GraphCost` — forward and backward FLOPs (torch's
 `FlopCounterMode`: matmuls, bmm and attention), and per unit the bytes autograd
 saves for the backward (`saved_tensors_hooks`) and the bytes of its input. Nothing is
 allocated: the forward and backward run on meta tensors.
@@ -21,9 +21,14 @@ allocated: the forward and backward run on meta tensors.
   2·rows·k·n: the routed rows are tokens × top-k whatever the router picks, so the
   meta trace counts the active experts exactly (torch's counter has no formula for it
   and would count nothing). Its meta kernel accepts bf16 only, as the first CUDA kernel
-  did; other dtypes are shaped through a bf16 view on meta (`_meta_grouped_mm`), so an
+  did; other dtypes are shaped through a bf16 view on meta (`meta_grouped_mm`), so an
   fp32 MoE traces too. An expert loop indexed by the routing (`nonzero`) cannot run on
   meta tensors: such a model falls back to 6·params·tokens, which counts every expert.
+- Each unit computes in its own dtype (its params dtype, where the strategy's overrides
+  give it one): its modules' tensors are cast to it, and its inputs and outputs are cast
+  at its boundaries as the ranks cast them (units/casts.py, [Note: casts at unit
+  boundaries]), so a bf16 block inside an fp32 root saves bf16 activations and hands fp32
+  ones back.
 - Saved bytes exclude parameters (they are model states) and count each tensor once
   (by storage); a tensor saved inside a non-root unit's forward belongs to that unit,
   anything else to the root unit.
@@ -97,7 +102,7 @@ def grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * math.prod(a_shape) * b_shape[-1]     # rows split, contraction split, or a batch of G matmuls
 
 
-def _meta_grouped_mm():
+def meta_grouped_mm():
     """A TorchDispatchMode under which `aten._grouped_mm` on meta tensors of any float
     dtype takes its shape from the bf16 meta kernel (nothing runs on meta; the result
     keeps the inputs' dtype, and autograd, above this mode, saves the real inputs)."""
@@ -116,13 +121,30 @@ def _meta_grouped_mm():
     return MetaGroupedMM()
 
 
-def trace(model, units, *, batch: int, seq: int, dtype: str = "bf16") -> GraphCost:
-    """Run one micro-batch forward and backward on meta tensors; see the module docstring."""
+def unit_dtypes(strategy, units, dtype: str) -> tuple[str, ...]:
+    """The compute dtype of each unit: `dtype` (the model's: the top-level params dtype, or
+    plan's `--precision`) except where the unit's own params dtype differs from the
+    strategy's top-level one (an override gave it one)."""
+    top = strategy.scopes.params.dtype
+    return tuple(u.scopes.params.dtype.value if u.scopes is not None and u.scopes.params.dtype != top
+                 else dtype for u in units)
+
+
+def trace(model, units, *, batch: int, seq: int, dtype="bf16") -> GraphCost:
+    """Run one micro-batch forward and backward on meta tensors; see the module docstring.
+    `dtype`: one for every unit, or a sequence of one per unit (`unit_dtypes`)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    m = copy.deepcopy(model).to(device="meta", dtype=tdt)
+    from shardc.units.casts import caller_of, install_boundary_casts
+
+    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    dts = [table[d] for d in ((dtype,) * len(units) if isinstance(dtype, str) else dtype)]
+    m = copy.deepcopy(model).to(device="meta", dtype=dts[0])
+    depth = lambda i: 0 if i == 0 else 1 + depth(caller_of(units, i))      # noqa: E731
+    for i in sorted(range(1, len(units)), key=depth):          # outer units first, nested ones after
+        for name in units[i].modules:
+            m.get_submodule(name).to(dts[i])
     mods = dict(m.named_modules())
     params = {p.untyped_storage()._cdata for p in m.parameters()}
     n = len(units)
@@ -145,15 +167,17 @@ def trace(model, units, *, batch: int, seq: int, dtype: str = "bf16") -> GraphCo
         for name in u.modules:
             handles.append(mods[name].register_forward_pre_hook(_enter(i, current, inputs, counter, fwd)))
             handles.append(mods[name].register_forward_hook(_leave(i, current, counter, fwd)))
+    # after the unit hooks, prepended: a unit's input is counted as it arrives, cast
+    handles += install_boundary_casts(m, units, dts)
     x = sample_input(m, batch, seq)
     try:
-        with _meta_grouped_mm(), counter, flash_sdpa_mode(), \
+        with meta_grouped_mm(), counter, flash_sdpa_mode(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = m(x)
             forward = counter.get_total_flops()
             logits = out if torch.is_tensor(out) else out[0]
             loss = logits.float().sum()
-        with _meta_grouped_mm(), counter, flash_sdpa_mode():   # entering the counter again starts from zero
+        with meta_grouped_mm(), counter, flash_sdpa_mode():   # entering the counter again starts from zero
             loss.backward()
             backward = counter.get_total_flops()
     finally:

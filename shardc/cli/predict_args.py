@@ -107,12 +107,13 @@ def graph(args, strategy, spec: str, dtype: str, *, need: str | None = None):
     if seq < 1 or args.tokens % seq:
         raise ShardcError(f"--tokens {args.tokens} must be a whole number of --seq {seq} sequences")
     from shardc.analysis.costmodel.bucketing import resolve_bucket
-    from shardc.analysis.costmodel.flops import trace
+    from shardc.analysis.costmodel.flops import trace, unit_dtypes
     from shardc.cli.loader import meta_model
     from shardc.units import find_units
     model = meta_model(spec, strategy, args.tp)
     try:
-        return trace(model, find_units(model, resolve_bucket(model, strategy)), batch=args.tokens // seq, seq=seq, dtype=dtype)
+        units = find_units(model, resolve_bucket(model, strategy))
+        return trace(model, units, batch=args.tokens // seq, seq=seq, dtype=unit_dtypes(strategy, units, dtype))
     except Exception as e:  # noqa: BLE001 — a model the meta trace cannot run: say so
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         if args.tp > 1:
