@@ -16,6 +16,12 @@ The knobs are DeepSpeed's recommended ones (its Hugging Face integration's "auto
 a model of hidden size h): overlap_comm and contiguous_gradients on, reduce_bucket_size h²,
 stage3_prefetch_bucket_size 0.9·h², stage3_param_persistence_threshold 10·h. The config is
 put in the results (`extra["ds_config"]`). qwZ/qgZ are not set: untested on CPU here.
+
+[Note: MiCS in a scratch venv]
+DeepSpeed 0.19.8 removed MiCS (`mics_shard_size` is refused). `deepspeed:mics` runs DeepSpeed
+0.19.7's, from a scratch venv that has it: `python -m venv --system-site-packages V;
+V/bin/pip install --no-deps deepspeed==0.19.7`, then the benchmark under `V/bin/python` with
+`PYTHONPATH` at this checkout (docs/BENCHMARKS.md). `mics_shard_size` is the node's ranks.
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ import os
 import torch
 from torch import nn
 
-DS_SYSTEMS = {"deepspeed:zero1": 1, "deepspeed:zero2": 2, "deepspeed:zero3": 3, "deepspeed:zeropp": 3}
+DS_SYSTEMS = {"deepspeed:zero1": 1, "deepspeed:zero2": 2, "deepspeed:zero3": 3, "deepspeed:zeropp": 3,
+              "deepspeed:mics": 3}      # MiCS: DeepSpeed <= 0.19.7 only ([Note: MiCS in a scratch venv])
 
 
 def _hidden(model: nn.Module) -> int:
@@ -42,6 +49,8 @@ def ds_config(name: str, per_node: int, accumulate: int, micro_batch: int, hidde
                     stage3_param_persistence_threshold=10 * hidden)
     if name == "deepspeed:zeropp":
         zero["zero_hpz_partition_size"] = per_node
+    if name == "deepspeed:mics":
+        zero["mics_shard_size"] = per_node          # shards inside the node, replicas across nodes
     return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulate,
             "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "zero_optimization": zero,
             "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
