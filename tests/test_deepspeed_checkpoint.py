@@ -149,6 +149,14 @@ def test_deepspeed_checkpoint_resumes_under_shardc(tmp_path, stage, name, world,
     with pytest.raises(shardc.ShardcError, match="has no mp_rank_.*_model_states.pt files") as e:
         deepspeed_to_dcp(str(no_model), str(tmp_path / "x"))
     assert "\n" not in str(e.value)
+    if stage == 3:        # one rank's model-state file gone: stage 3 needs one per rank
+        one_gone = tmp_path / "one_gone"
+        shutil.copytree(os.path.join(path, tag), one_gone)
+        os.remove(sorted(glob.glob(str(one_gone / "*model_states.pt")))[-1])
+        with pytest.raises(shardc.ShardcError, match="holds 4 optimizer partitions but 3 "
+                           "zero_pp_rank_.*_mp_rank_.*_model_states.pt files") as e:
+            deepspeed_to_dcp(str(one_gone), str(tmp_path / "z"))
+        assert "\n" not in str(e.value)
     short = tmp_path / "short"
     shutil.copytree(os.path.join(path, tag), short)
     os.remove(sorted(glob.glob(str(short / "*_optim_states.pt")))[-1])
