@@ -18,10 +18,13 @@ stage3_prefetch_bucket_size 0.9·h², stage3_param_persistence_threshold 10·h. 
 put in the results (`extra["ds_config"]`). qwZ/qgZ are not set: untested on CPU here.
 
 [Note: MiCS in a scratch venv]
-DeepSpeed 0.19.8 removed MiCS (`mics_shard_size` is refused). `deepspeed:mics` runs DeepSpeed
-0.19.7's, from a scratch venv that has it: `python -m venv --system-site-packages V;
-V/bin/pip install --no-deps deepspeed==0.19.7`, then the benchmark under `V/bin/python` with
-`PYTHONPATH` at this checkout (docs/BENCHMARKS.md). `mics_shard_size` is the node's ranks.
+DeepSpeed 0.19.8 and 0.19.7 refuse `mics_shard_size` ("MiCS ZeRO-3 sharding has been
+removed"). `deepspeed:mics` is for 0.19.6, the last release with MiCS, from a scratch venv:
+`python -m venv --system-site-packages V; V/bin/pip install --no-deps deepspeed==0.19.6`,
+then the benchmark under `V/bin/python` with `PYTHONPATH` at this checkout.
+`mics_shard_size` is the node's ranks. On CPU it does not train: MiCS's parameter all-gather
+runs in torch's coalescing manager, which gloo lacks ("Backend gloo does not implement
+startCoalescing"; docs/BENCHMARKS.md). Kept for a cluster whose backend has it (NCCL).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import torch
 from torch import nn
 
 DS_SYSTEMS = {"deepspeed:zero1": 1, "deepspeed:zero2": 2, "deepspeed:zero3": 3, "deepspeed:zeropp": 3,
-              "deepspeed:mics": 3}      # MiCS: DeepSpeed <= 0.19.7 only ([Note: MiCS in a scratch venv])
+              "deepspeed:mics": 3}      # MiCS: DeepSpeed <= 0.19.6 only ([Note: MiCS in a scratch venv])
 
 
 def _hidden(model: nn.Module) -> int:
