@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from tests.harness import dist_run
-from tests.test_deepspeed_checkpoint import K, _data, _model
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]'); "
                     "this test loads shardc's checkpoint into DeepSpeed")
+from tests.test_deepspeed_checkpoint import K, _data, _model  # noqa: E402  (after the skip)
 pytestmark = pytest.mark.distributed
 
 
