@@ -15,7 +15,9 @@ clipping (`gradient_clipping: 0`, DeepSpeed 0.19.8 defaults to 1.0), fp32.
 The knobs are DeepSpeed's recommended ones (its Hugging Face integration's "auto" values for
 a model of hidden size h): overlap_comm and contiguous_gradients on, reduce_bucket_size h²,
 stage3_prefetch_bucket_size 0.9·h², stage3_param_persistence_threshold 10·h. The config is
-put in the results (`extra["ds_config"]`). qwZ/qgZ are not set: untested on CPU here.
+put in the results (`extra["ds_config"]`). qwZ/qgZ are not set: DeepSpeed's
+quantizer op has no CPU build ("This op had not been implemented on CPU backend", raised when
+the engine is built with either key on).
 
 [Note: MiCS in a scratch venv]
 DeepSpeed 0.19.8 and 0.19.7 refuse `mics_shard_size` ("MiCS ZeRO-3 sharding has been
