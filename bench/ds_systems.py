@@ -15,7 +15,18 @@ clipping (`gradient_clipping: 0`, DeepSpeed 0.19.8 defaults to 1.0), fp32.
 The knobs are DeepSpeed's recommended ones (its Hugging Face integration's "auto" values for
 a model of hidden size h): overlap_comm and contiguous_gradients on, reduce_bucket_size h²,
 stage3_prefetch_bucket_size 0.9·h², stage3_param_persistence_threshold 10·h. The config is
-put in the results (`extra["ds_config"]`). qwZ/qgZ are not set: untested on CPU here.
+put in the results (`extra["ds_config"]`). qwZ/qgZ are not set: DeepSpeed's
+quantizer op has no CPU build ("This op had not been implemented on CPU backend", raised when
+the engine is built with either key on).
+
+[Note: MiCS in a scratch venv]
+DeepSpeed 0.19.8 and 0.19.7 refuse `mics_shard_size` ("MiCS ZeRO-3 sharding has been
+removed"). `deepspeed:mics` is for 0.19.6, the last release with MiCS, from a scratch venv:
+`python -m venv --system-site-packages V; V/bin/pip install --no-deps deepspeed==0.19.6`,
+then the benchmark under `V/bin/python` with `PYTHONPATH` at this checkout.
+`mics_shard_size` is the node's ranks. On CPU it does not train: MiCS's parameter all-gather
+runs in torch's coalescing manager, which gloo lacks ("Backend gloo does not implement
+startCoalescing"; docs/BENCHMARKS.md). Kept for a cluster whose backend has it (NCCL).
 """
 from __future__ import annotations
 
@@ -25,7 +36,8 @@ import os
 import torch
 from torch import nn
 
-DS_SYSTEMS = {"deepspeed:zero1": 1, "deepspeed:zero2": 2, "deepspeed:zero3": 3, "deepspeed:zeropp": 3}
+DS_SYSTEMS = {"deepspeed:zero1": 1, "deepspeed:zero2": 2, "deepspeed:zero3": 3, "deepspeed:zeropp": 3,
+              "deepspeed:mics": 3}      # MiCS: DeepSpeed <= 0.19.6 only ([Note: MiCS in a scratch venv])
 
 
 def _hidden(model: nn.Module) -> int:
@@ -42,6 +54,8 @@ def ds_config(name: str, per_node: int, accumulate: int, micro_batch: int, hidde
                     stage3_param_persistence_threshold=10 * hidden)
     if name == "deepspeed:zeropp":
         zero["zero_hpz_partition_size"] = per_node
+    if name == "deepspeed:mics":
+        zero["mics_shard_size"] = per_node          # shards inside the node, replicas across nodes
     return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulate,
             "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "zero_optimization": zero,
             "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}

@@ -57,7 +57,7 @@ class System:
 
 
 PEERS = ("fsdp2:full", "fsdp2:hsdp", "ddp",
-         "deepspeed:zero1", "deepspeed:zero2", "deepspeed:zero3", "deepspeed:zeropp")   # bench/ds_systems.py
+         "deepspeed:zero1", "deepspeed:zero2", "deepspeed:zero3", "deepspeed:zeropp", "deepspeed:mics")   # bench/ds_systems.py
 TP_SUFFIX = re.compile(r"tp(\d*)")
 EP_SUFFIX = re.compile(r"ep(\d*|gpu)")
 

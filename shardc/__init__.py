@@ -6,7 +6,7 @@ Imports are lazy so `import shardc` stays cheap for the CLI.
 from shardc.dsl.errors import ShardcError
 
 __all__ = ["ShardcError", "load_strategy", "compile", "distributed", "buffers_only", "load_safetensors", "checkpoint_errors",
-           "from_deepspeed_config", "load_deepspeed"]
+           "from_deepspeed_config", "load_deepspeed", "save_deepspeed"]
 __version__ = "0.1.0"
 
 
@@ -78,6 +78,14 @@ def load_deepspeed(sm, opt, path, tag=None, work_dir=None):
     docs/deepspeed.md."""
     from shardc.deepspeed import load_deepspeed as _load
     return _load(sm, opt, path, tag=tag, work_dir=work_dir)
+
+
+def save_deepspeed(ckpt, path, tag="from_shardc"):
+    """Write the shardc DCP checkpoint `ckpt` as a DeepSpeed universal checkpoint at `path`
+    (parameters and AdamW's moments and step), which DeepSpeed loads with
+    `"checkpoint": {"load_universal": true}`. One process. See docs/deepspeed.md."""
+    from shardc.deepspeed_universal import dcp_to_deepspeed
+    return dcp_to_deepspeed(ckpt, path, tag=tag)
 
 
 def distributed(backend=None, **init_kwargs):

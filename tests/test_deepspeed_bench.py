@@ -29,3 +29,11 @@ def test_deepspeed_systems_train_like_fsdp2():
     assert zpp["state_bytes"] > 0
     assert zpp["ds_config"]["zero_optimization"]["zero_hpz_partition_size"] == 2   # the node's ranks
     assert zpp["ds_config"]["gradient_clipping"] == 0.0
+
+
+def test_mics_shards_over_the_node():
+    """`deepspeed:mics` (DeepSpeed <= 0.19.6 only: 0.19.7 and 0.19.8 refuse the key, and 0.19.6's
+    MiCS needs a backend with coalescing, which gloo lacks, so it is not trained here) asks for MiCS partitions of the node's ranks, on ZeRO-3."""
+    from tests.bench_modules import load_bench
+    zero = load_bench("ds_systems").ds_config("deepspeed:mics", 4, 2, 2, 64)["zero_optimization"]
+    assert zero["stage"] == 3 and zero["mics_shard_size"] == 4

@@ -4,7 +4,8 @@ DeepSpeed trains the tiny model K steps on 4 gloo ranks with torch's AdamW and s
 (`engine.save_checkpoint`); DeepSpeed's own resume (`engine.load_checkpoint` in a fresh
 engine) then takes one more step. shardc loads the same directory (`shardc.load_deepspeed`:
 DeepSpeed's ds_to_universal, then DCP) under another strategy and world size and takes the
-same step on the same 8 samples: the step's loss and every parameter afterwards equal
+same step on the same 8 samples: AdamW's exp_avg, exp_avg_sq and step count as loaded equal
+DeepSpeed's resumed ones exactly, and the step's loss and every parameter afterwards equal
 DeepSpeed's to float32 rounding. ZeRO-3 of 4 ranks -> PaRO-IIG on 8; ZeRO-2 of 4 -> ZeRO-3
 on 2. Bad input is one sentence each. DeepSpeed is an optional dependency (the
 `deepspeed` extra, not `test`): without it the module skips, saying so.
@@ -69,11 +70,17 @@ def _ds(rank, world, stage, path):
     eng.save_checkpoint(path)
     resumed = engine()
     resumed.load_checkpoint(path)
+    from deepspeed.utils import safe_get_full_optimizer_state
+    if hasattr(resumed.optimizer, "_lazy_init_hp_params_optimizer_state"):   # ZeRO-1/2 link them at step
+        resumed.optimizer._lazy_init_hp_params_optimizer_state()
+    loaded = {n: {k: safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")}
+              for n, p in resumed.module.named_parameters()}
+    steps = {float(st["step"]) for st in resumed.optimizer.optimizer.state.values() if "step" in st}
     loss = step(resumed, *data[K])
     params = list(resumed.module.parameters())
     with deepspeed.zero.GatheredParameters(params):
         after = {n: p.detach().clone() for n, p in resumed.module.named_parameters()}
-    return loss, after
+    return loss, after, loaded, steps
 
 
 def _shardc(rank, world, name, mesh, path, work):
@@ -85,6 +92,7 @@ def _shardc(rank, world, name, mesh, path, work):
     sm = shard_module(m, s, units_for(m, s.scopes))
     opt = make_opt("adamw", sm)
     shardc.load_deepspeed(sm, opt, path, work_dir=work)
+    loaded = sm.full_optim_state_dict(opt)["state"]
     x, y = _data()[K]
     loss = loss_fn(sm(x.chunk(world)[rank]), y.chunk(world)[rank])
     loss.backward()
@@ -99,7 +107,7 @@ def _shardc(rank, world, name, mesh, path, work):
         wrong = None
     except shardc.ShardcError as e:
         wrong = str(e)
-    return loss.item(), sm.full_state_dict(), wrong
+    return loss.item(), sm.full_state_dict(), wrong, loaded
 
 
 def _mean(xs):
@@ -114,6 +122,14 @@ def test_deepspeed_checkpoint_resumes_under_shardc(tmp_path, stage, name, world,
     ds_loss, ds_after = _mean([r[0] for r in ds]), ds[0][1]
     got = dist_run(world, _shardc, name, mesh, path, str(tmp_path / "dcp"))
     loss, after, wrong = _mean([r[0] for r in got]), got[0][1], got[0][2]
+    # what shardc loaded is what DeepSpeed's own resume holds: AdamW's moments and step count
+    ds_loaded, ds_steps, loaded = ds[0][2], ds[0][3], got[0][3]
+    assert ds_steps == {float(K)}, ds_steps
+    for n, want in ds_loaded.items():
+        assert float(loaded[n]["step"]) == K, (n, loaded[n]["step"])
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(loaded[n][k], want[k].reshape(loaded[n][k].shape), rtol=0, atol=0,
+                                       msg=f"{n}.{k}")
     assert abs(loss - ds_loss) <= 1e-5 * abs(ds_loss), (loss, ds_loss)
     assert set(ds_after) <= set(after)          # shardc's also holds the buffer
     err = max((after[n] - ds_after[n]).abs().max().item() for n in ds_after)
@@ -121,7 +137,7 @@ def test_deepspeed_checkpoint_resumes_under_shardc(tmp_path, stage, name, world,
           f"max abs parameter difference {err:.2e}")
     for n in ds_after:
         torch.testing.assert_close(after[n], ds_after[n], rtol=1e-5, atol=1e-6, msg=n)
-    assert wrong and "\n" not in wrong and "shape" in wrong, wrong
+    assert wrong and "\n" not in wrong and "shape" in wrong and "emb.weight" in wrong, wrong
     # bad directories, one sentence each (one process: the conversion needs no group)
     import shardc
     from shardc.deepspeed import deepspeed_to_dcp
@@ -133,6 +149,14 @@ def test_deepspeed_checkpoint_resumes_under_shardc(tmp_path, stage, name, world,
     with pytest.raises(shardc.ShardcError, match="has no mp_rank_.*_model_states.pt files") as e:
         deepspeed_to_dcp(str(no_model), str(tmp_path / "x"))
     assert "\n" not in str(e.value)
+    if stage == 3:        # one rank's model-state file gone: stage 3 needs one per rank
+        one_gone = tmp_path / "one_gone"
+        shutil.copytree(os.path.join(path, tag), one_gone)
+        os.remove(sorted(glob.glob(str(one_gone / "*model_states.pt")))[-1])
+        with pytest.raises(shardc.ShardcError, match="holds 4 optimizer partitions but 3 "
+                           "zero_pp_rank_.*_mp_rank_.*_model_states.pt files") as e:
+            deepspeed_to_dcp(str(one_gone), str(tmp_path / "z"))
+        assert "\n" not in str(e.value)
     short = tmp_path / "short"
     shutil.copytree(os.path.join(path, tag), short)
     os.remove(sorted(glob.glob(str(short / "*_optim_states.pt")))[-1])

@@ -1,7 +1,7 @@
-"""Every ds_config example on docs/deepspeed.md converts (`shardc.from_deepspeed_config`) to a
-strategy that `shardc.load_strategy` accepts, with the scopes its ZeRO stage means; the page's
-shown output is what the converter writes; offload is refused in one sentence. No DeepSpeed
-needed: the converter reads a dict."""
+"""Every ds_config example on docs/deepspeed.md (each `json` block) is followed by exactly what
+`shardc.from_deepspeed_config` returns for it (a `shard` block) or the one sentence it raises
+(a `text` block); each strategy is one `shardc.load_strategy` accepts, with the scopes its ZeRO
+stage means. No DeepSpeed needed: the converter reads a dict."""
 from __future__ import annotations
 
 import json
@@ -17,13 +17,20 @@ PAGE = os.path.join(ROOT, "docs", "deepspeed.md")
 CHECK_MESH = "node(2) > gpu(8)"
 
 
-def _blocks():
-    text = open(PAGE).read()
-    return re.findall(r"```(json|)\n(.*?)```", text, re.S)
+def _pairs():
+    """[(ds_config dict, fence of the block after it, its text)] for every `json` block."""
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", open(PAGE).read(), re.S | re.M)
+    return [(json.loads(body), blocks[i + 1][0], blocks[i + 1][1])
+            for i, (kind, body) in enumerate(blocks) if kind == "json"]
 
 
-def _examples():
-    return [json.loads(body) for kind, body in _blocks() if kind == "json"]
+PAIRS = _pairs()
+
+
+def _mesh(zero):
+    g = zero.get("zero_hpz_partition_size", 1) if zero.get("zero_hpz_partition_size", 1) > 1 else \
+        zero.get("mics_shard_size", -1) if zero.get("mics_shard_size", -1) > 1 else None
+    return f"node(*) > gpu({g})" if g else "node(*) > gpu(local)", (f"node(2) > gpu({g})" if g else CHECK_MESH)
 
 
 def _sharded(strategy):
@@ -32,38 +39,37 @@ def _sharded(strategy):
 
 
 def test_the_page_has_examples():
-    assert len(_examples()) >= 5
+    assert len(PAIRS) >= 6
+    assert all(kind in ("shard", "text") for _, kind, _ in PAIRS)
 
 
-@pytest.mark.parametrize("i", range(5))
-def test_every_example_checks(i):
-    cfg = _examples()[i]
+@pytest.mark.parametrize("i", range(len(PAIRS)))
+def test_every_example_shows_what_the_converter_does(i):
+    cfg, kind, shown = PAIRS[i]
     zero = cfg["zero_optimization"]
-    hpz = zero.get("zero_hpz_partition_size", 1)
-    mesh = f"node(*) > gpu({hpz})" if hpz > 1 else "node(*) > gpu(local)"
-    if any((zero.get(k) or {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param")):
-        with pytest.raises(shardc.ShardcError, match="offload_optimizer .* has no shardc equivalent") as e:
+    mesh, check_mesh = _mesh(zero)
+    if kind == "text":                                     # the page shows the error
+        with pytest.raises(shardc.ShardcError) as e:
             shardc.from_deepspeed_config(cfg, mesh=mesh)
         assert "\n" not in str(e.value)
+        assert shown == f"ShardcError: {e.value}\n"
         return
     text = shardc.from_deepspeed_config(cfg, mesh=mesh)
-    s = shardc.load_strategy(text, mesh=f"node(2) > gpu({hpz})" if hpz > 1 else CHECK_MESH)
-    stage = zero["stage"]
-    want = {1: (False, False, True), 2: (False, True, True), 3: (True, True, True)}[stage]
-    assert _sharded(s) == want, text
-    if hpz > 1:
+    assert text == shown
+    s = shardc.load_strategy(text, mesh=check_mesh)
+    # the scopes the stage means, from DeepSpeed's definitions: stage k shards the last k of
+    # (params, grads, optim) over every rank; MiCS shards all three inside the node only
+    if zero.get("mics_shard_size", -1) > 1:
+        assert all(set(getattr(s.scopes, n).levels) == {"gpu"} for n in ("params", "grads", "optim")), text
+    else:
+        stage = zero["stage"]
+        assert _sharded(s) == tuple(j >= 3 - stage for j in range(3)), text
+    if zero.get("zero_hpz_partition_size", 1) > 1:
         assert s.scopes.params.secondary is not None
     if "reduce_bucket_size" in zero:
         assert s.bucket == int(float(zero["reduce_bucket_size"])) * 4     # elements of fp32 -> bytes
     if cfg.get("gradient_accumulation_steps", 1) > 1:
         assert s.accumulate == cfg["gradient_accumulation_steps"]
-
-
-def test_the_shown_output_is_the_converters():
-    blocks = _blocks()
-    first = next(i for i, (k, _) in enumerate(blocks) if k == "json")
-    shown = blocks[first + 1][1]
-    assert shardc.from_deepspeed_config(json.loads(blocks[first][1])) == shown
 
 
 def test_hpz_that_is_not_the_node_is_refused():
