@@ -3,7 +3,9 @@ fills the shards themselves.
 
 A tiny HF Llama built on meta, compiled under ZeRO-3 on 4 gloo ranks: after compile and
 after `shardc.load_safetensors` no grad shard exists (memory_report still counts their
-planned size, N/s_G per group); the loaded values are `from_pretrained`'s; the first
+planned size, N/s_G per group); the loaded values are `from_pretrained`'s (and under
+PaRO-IIG, whose fp32 params shards over the node are read whole, the master a view of
+them: runtime/state/checkpoint.py [Note: loads in place]); the first
 backward allocates every trainable group's grad shard, and the step after the load
 matches one process training `from_pretrained`'s model on the whole batch (the refused
 bf16 load with dtype="checkpoint" in between changed nothing).
@@ -47,6 +49,13 @@ def _run(rank, world, path, bf16):
     ref = LlamaForCausalLM.from_pretrained(path).state_dict()
     got = sm.full_state_dict()
     out["values"] = [k for k, v in ref.items() if not torch.equal(got[k], v)]
+    with torch.device("meta"):                  # PaRO-IIG: the params shards (over the node) read whole
+        other = LlamaForCausalLM(_cfg())
+    paro = shardc.compile(other, strategy("paro_iig", "node(2) > gpu(2)"), example_inputs=(x[:4],),
+                          init=shardc.buffers_only(other._init_weights))
+    shardc.load_safetensors(paro, path)
+    got = paro.full_state_dict()
+    out["paro_values"] = [k for k, v in ref.items() if not torch.equal(got[k], v)]
     opt = torch.optim.SGD(sm.parameters(), lr=0.1)
     xs = x[4 * rank:4 * rank + 4]
     sm(xs, labels=xs).loss.backward()
@@ -73,7 +82,7 @@ def test_grad_shards_at_first_backward_and_load_in_place(tmp_path):
     want = ref.state_dict()
     for r in results:
         assert r["at_compile"] == 0 and r["after_load"] == 0 and r["planned"]
-        assert r["values"] == []
+        assert r["values"] == [] and r["paro_values"] == []
         msg = r["bf16"]                        # dtype="checkpoint": a bf16 file into fp32 shards is refused
         assert msg.startswith("CheckpointError: ") and "bfloat16" in msg and "dtype bf16" in msg, msg
         assert r["after_backward"] == r["groups"] > 0
