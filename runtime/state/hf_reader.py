@@ -28,7 +28,7 @@ from math import prod
 
 import torch
 
-BLOCK = 8 * 2 ** 20                    # bytes: the staging bound of a cast or off-CPU read
+from shardc.lowering.startup import LOAD_BLOCK as BLOCK   # the staging bound of a cast or off-CPU read
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
