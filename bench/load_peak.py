@@ -2,13 +2,16 @@
 
 Input: a 124.7M-parameter HF Llama (vocab 32000, hidden 768, 12 layers, 4 KV heads; 476 MiB
 in fp32) saved by `save_pretrained` in 6 files with their index. Output, per strategy
-(ZeRO-3, hpZ, PaRO-IIG on 4 gloo ranks, mesh node(2) > gpu(2)): each rank's RSS growth
+(ZeRO-3, hpZ, PaRO-IIG on 4 gloo ranks, mesh node(2) > gpu(2), and FSDP2's DCP load of the
+same files, `LOAD_PEAK_ONLY=fsdp2`): each rank's RSS growth
 from just before `shardc.load_safetensors` to its peak during it (Linux `VmHWM`, reset
 before the load), in MiB and as a share of the whole model, beside the rank's shards
 (params + hpZ secondary + fp32 master where separate), which compile allocated (zeros)
 before the load: the growth is what the load itself costs; and the growth from just
 before `shardc.compile` to the peak of compile and load together (the issue's figure:
-shards, grads if allocated, the load's copies). `LOAD_PEAK_ONLY=zero3` runs one strategy. Usage:
+shards, grads if allocated, the load's copies), the largest rank and the largest of the ranks
+that received the plan (rank 0 alone captures: torch.export's first use in a process costs
+about 32 MiB of code and caches whatever the model). `LOAD_PEAK_ONLY=zero3` runs one strategy. Usage:
     python bench/load_peak.py [workdir]
 """
 from __future__ import annotations
@@ -58,6 +61,37 @@ def _rank(rank, world, path, name, mesh):
     return dict(peak=hwm_load - before, startup=max(hwm_compile, hwm_load) - rss0, share=share)
 
 
+def _fsdp2(rank, world, path):
+    """FSDP2's DCP load of the same files: `fully_shard` per decoder layer and the root on a
+    mesh of 4, `to_empty`, then `dcp.load` of `get_model_state_dict` (DTensor views of the
+    sharded parameters) through torch's `HuggingFaceStorageReader`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**CFG))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    rss0 = _status()["VmRSS"]
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    hwm_shard = _status()["VmHWM"]
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status()["VmRSS"]
+    sd = {k: v for k, v in get_model_state_dict(model).items() if "inv_freq" not in k}
+    dcp.load(sd, storage_reader=HuggingFaceStorageReader(path))
+    hwm_load = _status()["VmHWM"]
+    share = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    return dict(peak=hwm_load - before, startup=max(hwm_shard, hwm_load) - rss0, share=share)
+
+
 def main(workdir: str) -> None:
     from tests.harness import dist_run
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -68,16 +102,19 @@ def main(workdir: str) -> None:
     whole = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**CFG)).parameters()) * 4
     print(f"model {whole / 4 / 1e6:.1f}M params, {whole / MIB:.0f} MiB fp32, "
           f"{len([f for f in os.listdir(path) if f.endswith('.safetensors')])} files")
-    for name, mesh in CASES:
+    for name, mesh in CASES + (("fsdp2", None),):
         if os.environ.get("LOAD_PEAK_ONLY", name) != name:
             continue
-        rs = dist_run(4, _rank, path, name, mesh, timeout=600)
+        rs = dist_run(4, _fsdp2, path, timeout=600) if name == "fsdp2" else \
+            dist_run(4, _rank, path, name, mesh, timeout=600)
         peak = max(r["peak"] for r in rs)
         start = max(r["startup"] for r in rs)
+        others = max(r["startup"] for r in rs[1:])     # ranks that received the plan: no capture
         share = max(r["share"] for r in rs)
         print(f"{name:9s} load peak +{peak / MIB:.0f} MiB/rank = {100 * peak / whole:.0f} % of the model "
               f"(the rank's shards, allocated at compile: {share / MIB:.0f} MiB = {100 * share / whole:.0f} %); "
-              f"compile + load from before compile: +{start / MIB:.0f} MiB = {100 * start / whole:.0f} %")
+              f"compile + load from before compile: +{start / MIB:.0f} MiB = {100 * start / whole:.0f} % "
+              f"(+{others / MIB:.0f} MiB = {100 * others / whole:.0f} % on the ranks that received the plan)")
 
 
 if __name__ == "__main__":

@@ -105,7 +105,9 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     comm = Comm(strategy.mesh, strategy.collectives, ledger, _shard_mesh(mesh, strategy, dev))
     faults.bind(comm.smesh)
     params, aliases, targets, order = _param_maps(model)
-    names_of = {c: [n for n in order if aliases[n] == c] for c in params}
+    names_of = {c: [] for c in params}                   # one pass (was |params| x |order|)
+    for n in order:
+        names_of[aliases[n]].append(n)
     frozen = {n for n, p in params.items() if not p.requires_grad}
     experts = expert_group(strategy)
     ert = expert_runtime(comm.smesh, experts, params) if experts is not None and experts.ep > 1 else None

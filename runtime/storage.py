@@ -34,6 +34,14 @@ gradient, when contiguous and of the grad dtype, is reduce-scattered as it is
 (`whole_grad`), with no flat copy beside it (an embedding's or a head's unit: the largest
 of a language model, where that copy is the backward's peak).
 
+[Note: nothing whole at build]
+Building a storage writes only what it keeps: the params shard, the secondary, the master.
+The full buffer of a gathered group (s_P > 1) is allocated `empty` and its storage resized
+to 0 before the shard is made, so no page of it is ever touched (its first gather refills
+it). Zeroing it, as before, touched N elements per group and the freed pages stayed in the
+process's heap: building the 124.7M Llama's ZeRO-3 units on 4 ranks reached +323 MiB per
+rank for 119 MiB of shards (issue 54's "~120 MiB during compile").
+
 [Note: grad shard lifetime]
 The grad shard (N/s_G elements of the grads dtype) is not allocated at compile: it comes
 into being, zeros, the first time anything touches it, which in training is the unit's
@@ -79,14 +87,17 @@ class FlatStorage:
         self._sizes = layout.split_sizes                     # made once (see Note)
         self._shapes = tuple(s.shape for s in layout.slots)
         self._stable_views: list[torch.Tensor] | None = None
-        full = torch.zeros(self.n, dtype=self.pdtype, device=device)
+        # a gathered group's full buffer is never written before its first gather: allocated
+        # empty (untouched pages cost no memory) and freed at once ([Note: nothing whole at build])
+        make = torch.zeros if self.s_p == 1 else torch.empty
+        full = make(self.n, dtype=self.pdtype, device=device)
         self.full = nn.Parameter(full) if self.trainable else full
         self.full_data = self.full.data            # own version counter (see Note)
         if self.s_p == 1:
             self.shard = self.full_data
         else:
-            self.shard = torch.zeros(self.p_len, dtype=self.pdtype, device=device)
             self.free_full()
+            self.shard = torch.zeros(self.p_len, dtype=self.pdtype, device=device)
         self._init_secondary(device)
         if self.trainable:
             self._init_grads(device)

@@ -290,3 +290,21 @@ def test_step_time_places_the_syncs_on_the_last_backward():
     assert total(c) == pytest.approx(c + a[4e6] / 2 + a[3e6] + a[1e6] + a[2e6])
     # without early_sync every sync is issued when the backward ends
     assert total(100.0, passes=()) == pytest.approx(100.0 + sum(a.values()))
+
+
+def test_startup_counts_a_loads_staging():
+    # lowering/startup.py [Note: start-up peak]. ZeRO-1 with bf16 params: params replicated
+    # (s_P = 1), the fp32 master over the world (s_OS = 8). Root N = 8, block N = 64 (L = 8).
+    # A load's staging: a cast read of the block's params chunk from an fp32 file (N·4 = 256
+    # bytes, under LOAD_BLOCK), or the re-make of its params shard from the master (its OS
+    # chunk sent in bf16, N/8·2, and the gather's output, N·2: 144); both exceed the largest
+    # unit's whole parameters (N·2 = 128), so the load sets the start-up peak.
+    from shardc.lowering import lower
+    from shardc.lowering.startup import load_staging_bytes, shards_bytes, startup_bytes, unit_values_bytes
+    s = strat(M2, (), W2, W2, pdtype=DType.BF16, pcomm=DType.BF16)
+    plan = lower(M2, units(s, 8, 64), s.prefetch)
+    assert unit_values_bytes(plan) == 64 * 2
+    assert shards_bytes(plan) == (8 + 64) * 2 + (8 + 64) // 8 * 4        # bf16 params + fp32 master chunk
+    assert load_staging_bytes(plan) == max(64 * 4, 64 // 8 * 2 + 64 * 2)   # an fp32 file's read of the whole block
+    assert startup_bytes(plan) == shards_bytes(plan) + 64 * 4
+    assert predict_memory(M2, units(s, 8, 64))["startup"] == startup_bytes(plan)

@@ -4,17 +4,9 @@ Input: a Strategy's mesh, the model's `UnitSize`s, the optimizer class name and 
 kwargs. Output: `{"params", "params_secondary", "grads", "optim", "total",
 "transient", "startup"}` in bytes per rank (docs/internals.md, "Memory"). `total` is the
 sum of the four persistent states, as the runtime reports it; `transient` is extra;
-`startup` is the start-up peak (see [Note: start-up peak]).
-
-[Note: start-up peak]
-While a model is sharded (runtime/build.py) a rank holds its shards — params, the hpZ
-secondary and the fp32 master, all allocated before any value is given; the grad shards
-come at the first backward and the optimizer's moments at its first step — plus the
-values being given: on the meta device one module's whole parameters at a time (the
-init), one unit's chunk (the scatter), or a load's staging (one DCP read, or one group's
-chunk: runtime/state/checkpoint.py, [Note: loads in place]). `startup` bounds that by the shards plus the largest unit's whole parameters
-(params dtype, padded), so a model whose `startup` fits starts. The mesh's first rank on
-the scatter path also holds the model it was built with.
+`startup` is the start-up peak, the plan's fact `startup_bytes` (lowering/startup.py,
+[Note: start-up peak]: the shards plus the largest staging of the value sources: init,
+scatter, a load).
 
 [Note: transient window]
 The root unit stays gathered through forward and backward; every other unit is held
@@ -30,6 +22,7 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Mesh
 from shardc.lowering import Lowering, lower
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_KINDS, optimizer_kind
+from shardc.lowering.startup import startup_bytes
 
 # The classes K_state is known for, as the command line spells them.
 OPTIMIZERS = tuple(k.name.lower() for k in OPTIMIZER_KINDS.values() if k.state_bytes is not None)
@@ -56,14 +49,6 @@ def memory_of(plan: Lowering, *, k_state: int, prefetch: int = 1) -> dict[str, i
     mem["transient"] = transient_bytes(plan, prefetch)
     mem["startup"] = startup_bytes(plan)
     return mem
-
-
-def startup_bytes(plan: Lowering) -> int:
-    """The start-up peak per rank (see [Note: start-up peak])."""
-    groups = [g for u in plan.units for g in u.groups]
-    shards = sum(g.params_bytes + g.secondary_bytes + g.master_bytes for g in groups)   # no grads yet
-    unit = max((sum(g.params_bytes * u.factors_of(g).p for g in u.groups) for u in plan.units), default=0)
-    return shards + unit
 
 
 def predict_memory(mesh: Mesh, units, *, optimizer: str = DEFAULT_OPTIMIZER,

@@ -23,6 +23,17 @@ strategy loads any other's checkpoint, FSDP2's included. Trainable parameters ar
 from the fp32 master (this rank's OS chunk), frozen ones from the params shard (its P
 chunk), each as a `ShardcPiece` (runtime/state/pieces.py); an entry a model's hook computes
 (a split, a cast) is a whole tensor, the same on every rank.
+
+[Note: loads in place]
+`load_in_place` (`shardc.load_safetensors`) hands DCP views of the live shards, so the read
+fills them with no copy of the rank's share: a trainable group's fp32 master (its OS chunk),
+a frozen group's params shard. Where the params are fp32 the master is a view of the params
+shard, and where the shard holds more than the master (s_P < s_OS: PaRO-IIG, ZeRO-1/2) the
+load reads the shard's whole range instead, which fills the master too; otherwise (a separate
+master: params in bf16) each group's params shard is re-made from its master by the update
+all-gather, one group at a time, as after a step (staging: that group's OS chunk and the
+gather's output). The staged path (`load_model_state_dict`: model hooks, TP) stages one
+group's chunk at a time beside the dict the caller passed.
 """
 from __future__ import annotations
 
@@ -119,13 +130,17 @@ def load_in_place(v: StateView, have, fill, where: str) -> bool:
     if v.tp or hooks.whole_needed(v.module, v.targets, shapes) or hooks.renamed(v.module, v.targets, shapes):
         return False
     mesh = v.comm.smesh.device_mesh
+    direct = {id(g.storage) for u in v.units for g in u.groups if g.trainable and _reads_shard(g.storage)}
+    shard_pieces = {spec.name: (spec, local) for u in v.units for g in u.groups if id(g.storage) in direct
+                    for spec, local in v.params.pieces(g.storage, shard=True)}
     sd, lost = {}, []
     for name, p in v.params.params.items():
         alias = next((n for n in v.names_of.get(name, [name]) if n in have), None)
         if alias is None:
             lost.append(name)
         else:
-            sd[alias] = wrap(p.to_local(), p._shardc_spec, mesh, v.comm)
+            spec, local = shard_pieces.get(name, (p._shardc_spec, p.to_local()))
+            sd[alias] = wrap(local, spec, mesh, v.comm)
     bufs = {}
     keys = set(hooks.saved_keys(v.module, v.targets, shapes))
     for name, buf in v.module.named_buffers():
@@ -148,12 +163,20 @@ def load_in_place(v: StateView, have, fill, where: str) -> bool:
     with torch.no_grad():
         for u in v.units:
             for g in u.groups:
-                if g.trainable:
+                if g.trainable and id(g.storage) not in direct:
                     g.update_issue(record=False).wait()
         for name, buf in bufs.items():
             buf.copy_(sd[name])
     v.params.loaded(v.params.params)
     return True
+
+
+def _reads_shard(st) -> bool:
+    """Whether a load fills this trainable group's params shard itself rather than its
+    master: the master is a view of the shard (params in fp32) and the shard holds more
+    than the master (s_P < s_OS), so reading the shard's range from the checkpoint fills
+    both with no update all-gather ([Note: loads in place])."""
+    return not st.master_separate and st.s_p < st.s_os
 
 
 def _tied_filled(v: StateView, sd):

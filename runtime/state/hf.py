@@ -47,12 +47,12 @@ def load_safetensors(sm, path, strict: bool = False, dtype: str = "strategy") ->
     than the strategy stores it in is refused, naming the `params ... dtype` to write)."""
     import torch.distributed.checkpoint as dcp
 
-    from . import checkpoint, hooks
+    from . import checkpoint, hf_reader, hooks
     from .load_errors import CheckpointError, check_shapes, checkpoint_errors, missing_keys
 
     where, files = checkpoint_files(os.fspath(path))
     owner = tensor_files(files)
-    reader = _Reader(where, sorted(files))
+    reader = hf_reader.reader(where, sorted(files))
     md = reader.read_metadata()
     v = sm.state_view
     target = hooks.saved_probes(v.module, v.targets, checkpoint.shapes(v))      # names, shapes; no copies
@@ -164,22 +164,3 @@ def _holders(files) -> dict[str, list[str]]:
             for name in f.keys():
                 out.setdefault(name, []).append(file)
     return out
-
-
-def _Reader(path: str, files: list[str]):
-    """torch's `HuggingFaceStorageReader`, reading only `files`."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    class Listing:
-        def __init__(self, fs):
-            self._fs = fs
-
-        def ls(self, p):
-            return list(files)
-
-        def __getattr__(self, name):
-            return getattr(self._fs, name)
-
-    reader = HuggingFaceStorageReader(path if os.path.isdir(path) else os.path.dirname(path) or ".")
-    reader.fs = Listing(reader.fs)
-    return reader

@@ -7,12 +7,16 @@ file, where known), the saved and the expected shape, and what to do; raised ali
 every rank, since every rank reads the same metadata.
 
 [Note: nothing half-loaded]
-Every shardc load runs in two halves. `dcp.load` fills *copies*: the pieces of
-`sm.state_dict()` (runtime/state/pieces.py) are clones of the shards, and the safetensors
-reader writes into them. Only `sm.load_state_dict` writes the shards (masters, params,
-buffers), and it does so after torch's key and shape checks passed on every rank
+torch's recipe runs in two halves. `dcp.load` fills *copies*: the pieces of
+`sm.state_dict()` (runtime/state/pieces.py) are clones of the shards. Only
+`sm.load_state_dict` / `set_state_dict` writes the shards (masters, params, buffers), and
+it does so after torch's key and shape checks passed on every rank
 (runtime/state/checkpoint.py `_agree`). So a load refused here, or one that fails inside
 DCP, leaves the module with the values it had before, and it stays usable.
+`shardc.load_safetensors` reads into the shards themselves (checkpoint.py [Note: loads in
+place]), so every check it can make runs first, from the files' headers (names, shapes,
+dtypes); a failure after the first byte was written (a truncated file, an I/O error) marks
+every parameter as without values until a load succeeds, in one sentence.
 
 `checkpoint_errors(where)` is the same conversion for torch's own recipe, where the caller
 runs `dcp.load` itself:

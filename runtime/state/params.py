@@ -305,7 +305,7 @@ class ParamSet:
         found = {}
         for u in units:
             for g in u.groups:
-                for spec, local in self._pieces(g.storage):
+                for spec, local in self.pieces(g.storage):
                     found[spec.name] = (spec, local, g.storage)
         for name in order:
             if name in found and name not in self.params:
@@ -321,13 +321,14 @@ class ParamSet:
         self.unset: set[str] = set()                 # parameters without values yet (runtime/build.py)
         self.unset_buffers: dict = {}                # buffers materialized as NaN, never given a value
 
-    def _pieces(self, st):
+    def pieces(self, st, shard: bool = False):
         """(PieceSpec, local tensor) per parameter of storage `st`: its OS chunk of the
-        master when trainable, its params chunk of the shard when frozen; the chunk's
+        master when trainable, its params chunk of the shard when frozen (or `shard`: a load
+        filling a trainable group's params shard, whose master is a view of it); the chunk's
         padding rides on the last parameter ([Note: the padding rides on the last piece]
         in runtime/state/pieces.py)."""
         plan = st.plan
-        if st.trainable:
+        if st.trainable and not shard:
             levels, state, start, length, src = plan.os, "optim", st.os_start, st.os_len, st.master
         else:
             levels, state, start, length, src = plan.p, "params", st.p_start, st.p_len, st.shard

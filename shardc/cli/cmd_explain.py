@@ -111,7 +111,8 @@ def render(e) -> None:
         mem.add_row(k, f"{e.memory[k]:,}", human_bytes(e.memory[k]))
     con.print(mem)
     con.print(f"start-up peak per rank: {human_bytes(e.memory['startup'])} (the shards, and the largest unit's "
-              f"whole parameters while they get values; optimizer states come at the first step)", highlight=False)
+              f"whole parameters or a load's staging while they get values; optimizer states come at the "
+              f"first step)", highlight=False)
     led = Table(title="communication ledger per step (logical collectives)")
     for c in ("phase", "op", "levels", "bytes", "count", "total"):
         led.add_column(c, justify="right" if c in ("bytes", "count", "total") else "left")
