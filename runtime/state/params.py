@@ -361,6 +361,13 @@ class ParamSet:
                     f"pass shardc.compile init=fn, or init=shardc.buffers_only(fn) to set buffers only "
                     f"(Hugging Face: model._init_weights)")
 
+    def expect_values(self, names, buffers: dict | None = None) -> None:
+        """These parameters (and NaN buffers) have no values until a load or init gives them
+        (build: a meta-device model; a load that failed part-way: all of them)."""
+        self.unset |= set(names)
+        if buffers is not None:
+            self.unset_buffers = dict(buffers)
+
     def loaded(self, names) -> None:
         self.unset -= set(names)
 
