@@ -31,6 +31,8 @@ are always one flat stage.
 """
 from __future__ import annotations
 
+import contextlib
+
 from math import prod
 from typing import NamedTuple
 
@@ -154,12 +156,50 @@ def bounds(m: int, k: int) -> list[tuple[int, int]]:
 
 
 # -- the registry ------------------------------------------------------------------------------------
-def register(cls):
-    """Class decorator: make `cls()` the algorithm of its `name`."""
+# [Note: a read-only registry]
+# The shipped algorithms register while shardc.algorithms is imported (`register`); the
+# package then seals the registry (`_seal`), so what `auto` chooses among and what a
+# strategy may name is fixed for the process. Any other algorithm (a test's, a user's
+# experiment) is registered for a scope: `with registered(MyAlgorithm): ...` adds it for the
+# block and removes it after, so it never stays an `auto` candidate for the rest of the process.
+_SEALED: list[bool] = [False]
+
+
+def _check_name(cls) -> None:
     if not cls.name or cls.name == AUTO:
         raise ValueError(f"an algorithm needs a name other than {AUTO!r}")
+    if cls.name in _REGISTRY:
+        raise ValueError(f"an algorithm named {cls.name!r} is already registered")
+
+
+def register(cls):
+    """Class decorator for the shipped algorithms: make `cls()` the algorithm of its `name`
+    (only while shardc.algorithms is imported: see [Note: a read-only registry])."""
+    if _SEALED[0]:
+        raise RuntimeError(f"the algorithm registry is read-only after import: register {cls.__name__} "
+                           f"for a scope with `with shardc.algorithms.registered({cls.__name__}): ...`")
+    _check_name(cls)
     _REGISTRY[cls.name] = cls()
     return cls
+
+
+def _seal() -> None:
+    _SEALED[0] = True
+
+
+@contextlib.contextmanager
+def registered(*classes):
+    """Within the block, `classes` are registered algorithms too (see [Note: a read-only registry])."""
+    for cls in classes:
+        _check_name(cls)
+    added = [cls.name for cls in classes]
+    try:
+        for cls in classes:
+            _REGISTRY[cls.name] = cls()
+        yield
+    finally:
+        for name in added:
+            _REGISTRY.pop(name, None)
 
 
 def get(name: str) -> Algorithm:

@@ -1,7 +1,9 @@
 """A collective algorithm is one object (shardc.algorithms): adding one is one file.
 
-`tests/algo_outer_first.py` registers `outer-first` (the hierarchical stages, outermost level
-first for a reduce-scatter). With nothing else changed: a strategy names it and `shardc
+`tests/algo_outer_first.py` defines `outer-first` (the hierarchical stages, outermost level
+first for a reduce-scatter), registered for each test's scope (`registered`: the registry is
+read-only after import, and outside the scope `outer-first` is unknown again, so it is no
+`auto` candidate for the rest of the process). With nothing else changed: a strategy names it and `shardc
 check` reads it; `explain` counts its bytes per link level as its stages move them (written
 out below from the stage volumes); both executors run it — the eager runtime's collectives
 and the whole-step mode's functional ones (run eagerly here, without compiling) give every
@@ -15,7 +17,8 @@ from dataclasses import astuple
 import pytest
 import torch
 
-import tests.algo_outer_first  # noqa: F401  (registers `outer-first`)
+from shardc.algorithms import names, register, registered
+from tests.algo_outer_first import OuterFirst
 from tests.harness import dist_run
 
 pytestmark = pytest.mark.distributed
@@ -23,7 +26,25 @@ TEXT = ("mesh node(2) > gpu(2)\nparams shard over world\ngrads shard over world\
         "collectives outer-first\n")
 
 
-def test_a_new_algorithm_is_read_by_the_dsl_and_the_cost_model():
+@pytest.fixture
+def outer_first():
+    with registered(OuterFirst):
+        yield
+    assert "outer-first" not in names()
+
+
+def test_the_registry_is_read_only_and_a_scoped_algorithm_leaves_with_its_scope():
+    import shardc
+    with pytest.raises(RuntimeError, match="read-only after import"):
+        register(OuterFirst)
+    with registered(OuterFirst):
+        assert names()[-1] == "outer-first"
+    assert "outer-first" not in names()
+    with pytest.raises(shardc.ShardcError, match="unknown collectives algorithm `outer-first`"):
+        shardc.load_strategy(TEXT)
+
+
+def test_a_new_algorithm_is_read_by_the_dsl_and_the_cost_model(outer_first):
     import shardc
     from shardc.analysis.costmodel.links import record_links
     from shardc.lowering import Op
@@ -41,7 +62,11 @@ def test_a_new_algorithm_is_read_by_the_dsl_and_the_cost_model():
 
 
 def _train(rank, world, backend):
-    import tests.algo_outer_first  # noqa: F401
+    with registered(OuterFirst):
+        return _train_in_scope(rank, world, backend)
+
+
+def _train_in_scope(rank, world, backend):
     import shardc
     from examples.gpt import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -61,7 +86,11 @@ def _train(rank, world, backend):
 
 
 def _executors(rank, world):
-    import tests.algo_outer_first  # noqa: F401
+    with registered(OuterFirst):
+        return _executors_in_scope(rank, world)
+
+
+def _executors_in_scope(rank, world):
     from shardc.dsl.ir import Collectives, DType, Level, Mesh
     from shardc.lowering import Op, Per, Phase, Row
     from shardc.runtime import collectives as C
