@@ -142,3 +142,46 @@ def test_the_eager_runtime_trains_with_it_at_parity():
         for k, v in want.items():
             assert float((got[k] - v).norm() / v.norm()) < 1e-5, k
         assert sorted(map(astuple, ledger)) == sorted(map(astuple, predicted))
+
+
+def _shared_paths(rank, world):
+    """The whole-step mode's all-reduce runs the algorithm's pieces (one all-reduce over the
+    reduce group per piece), and its qgZ and gloo reduce-scatters equal the eager runtime's
+    to the bit (one implementation of their local halves, runtime/a2a.py)."""
+    from shardc.dsl.ir import Collectives, DType, Level, Mesh
+    from shardc.lowering import Op, Per, Phase, Row
+    from shardc.runtime import collectives as C
+    from shardc.runtime import funcol
+    from shardc.runtime.mesh import ShardMesh
+    mesh = Mesh((Level("node", 2), Level("gpu", 2)))
+    sm, n, out = ShardMesh(mesh), 4 * 37, {}
+    g = torch.Generator().manual_seed(rank)
+    t, full = torch.randn(2 * n + 1, generator=g), torch.randn(n, generator=g)
+    for algo in (Collectives.HIERARCHICAL, Collectives.HO_RING):
+        row = Row(Phase.SYNC, Op.ALL_REDUCE, mesh.names, mesh.names, 0, Per.STEP, DType.FP32)
+        fcomm, calls, real = funcol.FunctionalComm(sm, algo, [row]), [], funcol.fc.all_reduce
+        funcol.fc.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
+        try:
+            got = fcomm.all_reduce(row, t.clone())
+        finally:
+            funcol.fc.all_reduce = real
+        want = t.clone()
+        C.all_reduce(want, sm, mesh.names, algo=algo).wait()
+        out[f"all_reduce {algo}"] = (len(calls), torch.equal(got, want))
+        for comm in (DType.FP32, DType.INT8):
+            rs = Row(Phase.BACKWARD, Op.REDUCE_SCATTER, mesh.names, mesh.names, 0, Per.BACKWARD, comm)
+            eager = torch.empty(n // 4)
+            C.reduce_scatter(eager, full, sm, mesh.names, algo=algo, comm=comm).wait()
+            functional = funcol.FunctionalComm(sm, algo, [rs]).reduce_scatter(rs, full.clone())
+            out[f"reduce_scatter {algo} {comm.name}"] = torch.equal(functional, eager)
+    return out
+
+
+def test_both_executors_share_the_all_reduce_pieces_and_the_reduce_scatters():
+    from shardc.algorithms import get
+    pieces = {"hierarchical": get("hierarchical").pieces, "ho-ring": get("ho-ring").pieces}
+    assert pieces["ho-ring"] > 1
+    for got in dist_run(4, _shared_paths):
+        for name, p in pieces.items():
+            assert got[f"all_reduce {name}"] == (p, True), name
+            assert got[f"reduce_scatter {name} FP32"] and got[f"reduce_scatter {name} INT8"], name
