@@ -11,7 +11,7 @@ else names it. The registry is read-only after this package is imported; an algo
 a test or a user's experiment is registered for a scope, `with registered(cls): ...`
 (algorithms/base.py [Note: a read-only registry]).
 """
-from .base import AUTO, Algorithm, ReducePlan, _seal, get, names, register, registered, resolve
+from .base import AUTO, PROBE, RUN, Algorithm, ReducePlan, _seal, get, names, register, registered, resolve, stand_in
 
 # the shipped algorithms register themselves; registration order breaks ties in `auto`
 from . import hierarchical  # noqa: F401,E402,I001
@@ -20,4 +20,5 @@ from . import ho_ring  # noqa: F401,E402
 
 _seal()
 
-__all__ = ["AUTO", "Algorithm", "ReducePlan", "get", "names", "register", "registered", "resolve"]
+__all__ = ["AUTO", "PROBE", "RUN", "Algorithm", "ReducePlan", "get", "names", "register", "registered", "resolve",
+           "stand_in"]

@@ -211,9 +211,28 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+# [Note: what `auto` means]
+# `collectives auto` asks for the registered algorithm with the least total communication
+# time for the strategy on its links. The cost model makes that choice when it plans
+# (analysis/costmodel/timing.py `choose_collectives`, the one place that compares
+# algorithms), and the plan then names the algorithm it chose. Where `auto` is read before
+# or without that choice, it stands for the algorithm `stand_in` names, and only here:
+#   * RUN: a collective run under a strategy that still says `auto` (built without a
+#     plan) runs the hierarchical algorithm (on a single level every algorithm is the ring);
+#   * PROBE: bucketing's size probe (analysis/costmodel/bucketing.py), which feeds the
+#     choice and so cannot wait for it, prices a unit's collectives over the ring.
+RUN, PROBE = "run", "probe"
+_STAND_INS = {RUN: "hierarchical", PROBE: "ring"}
+
+
+def stand_in(name: str, use: str = RUN) -> str:
+    """`name`, or for `auto` the algorithm it stands for in `use` (see [Note: what `auto` means])."""
+    return _STAND_INS[use] if str(name) == AUTO else str(name)
+
+
 def resolve(name: str, key: tuple) -> Algorithm:
     """The algorithm a collective over `key` runs: a single level is always the ring; a
-    leftover `auto` (the cost model resolves it when it plans) is hierarchical."""
+    leftover `auto` is its stand-in (see [Note: what `auto` means])."""
     if len(key) < 2:
         return _REGISTRY["ring"]
-    return _REGISTRY["hierarchical" if str(name) == AUTO else str(name)]
+    return _REGISTRY[stand_in(name)]

@@ -241,10 +241,6 @@ class FlatStorage:
         """zero_grad(): the grad shard is logically zero (written lazily, see Note)."""
         self.stale = True
 
-    def zero_now(self) -> None:
-        self.grad_shard.zero_()
-        self.stale = False
-
     def materialize(self) -> None:
         """A stale grad shard (zero_grad() ran, no backward wrote it) becomes zeros."""
         if self.stale:

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardc.lowering import Op, Per, Phase, Row
+from shardc.lowering.rows import norm_row
 
 from ..boundary import StepPhase
 from ..errors import RuntimeUsageError
@@ -471,8 +471,7 @@ class ParamSet:
             part = partial.index_select(0, idx)
             dist.all_reduce(part, op=op, group=group)
             partial.index_copy_(0, idx, part)
-            self.ledger.record_row(Row(Phase.UPDATE, Op.ALL_REDUCE, levels, levels, part.numel() * part.element_size(),
-                                       Per.CLIP, experts=comm is not None))
+            self.ledger.record_row(norm_row(levels, part.numel() * part.element_size(), experts=comm is not None))
         sharded = [k for k, s in enumerate(specs) if s.tp is not None and s.tp.sharded]
         if sharded:
             idx = torch.tensor(sharded, device=partial.device)
