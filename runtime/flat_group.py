@@ -75,7 +75,7 @@ class FlatGroup:
         self.reducing: list[ReduceInFlight] = []
         self.syncing: SyncInFlight | None = None
         self._on_grads = self.reduce_slot_grads    # the engine's handler, once routed (`route_grads`)
-        self.grads = GradState.PENDING             # this backward's gradients (transitions.py)
+        self.grad_state = GradState.PENDING        # this backward's gradients (transitions.py)
 
     def _row(self, phase: Phase, op: Op | None = None) -> Row | None:
         return self.gplan.row(phase, op)
@@ -149,16 +149,16 @@ class FlatGroup:
 
     @property
     def reduced(self) -> bool:
-        return self.grads is GradState.REDUCED
+        return self.grad_state is GradState.REDUCED
 
     def mark_reduced(self) -> None:
         """This backward's gradients are reduced (again, for a module run twice in a forward)."""
-        assert_in_states("a flat group", "mark its gradients reduced", self.grads,
+        assert_in_states("a flat group", "mark its gradients reduced", self.grad_state,
                          GradState.PENDING, GradState.REDUCED)
-        self.grads = GradState.REDUCED
+        self.grad_state = GradState.REDUCED
 
     def end_backward(self) -> None:
-        self.grads = GradState.PENDING
+        self.grad_state = GradState.PENDING
 
     # -- gradients -------------------------------------------------------------------
     def reduce_slot_grads(self, grads) -> None:

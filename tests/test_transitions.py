@@ -65,7 +65,7 @@ def _one_step(rank, world):
     loss_fn(sm(x), x).backward()
     units = sm.runtime.units
     assert all(u.state is TrainingState.IDLE for u in units)
-    assert all(g.grads is GradState.PENDING for u in units for g in u.trainables)
+    assert all(g.grad_state is GradState.PENDING for u in units for g in u.trainables)
     opt.step()
     with pytest.raises(StateTransitionError, match="routed once"):
         units[1].trainables[0].route_grads(print)
