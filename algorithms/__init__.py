@@ -6,14 +6,19 @@ levels and how many pieces it pipelines (algorithms/base.py). The DSL checks nam
 against this registry, the cost model turns the stages into bytes per link level and
 seconds, and both executors (the eager runtime, runtime/collectives.py; the whole-step
 mode's functional collectives, runtime/funcol.py) run the same stages. A new algorithm is
-one file defining an `Algorithm` subclass with `@register` (and its import below, or in
-the user's code before the strategy is read): nothing else names it.
+one file defining an `Algorithm` subclass with `@register` and its import below: nothing
+else names it. The registry is read-only after this package is imported; an algorithm of
+a test or a user's experiment is registered for a scope, `with registered(cls): ...`
+(algorithms/base.py [Note: a read-only registry]).
 """
-from .base import AUTO, Algorithm, ReducePlan, get, names, register, resolve
+from .base import AUTO, PROBE, RUN, Algorithm, ReducePlan, _seal, get, names, register, registered, resolve, stand_in
 
 # the shipped algorithms register themselves; registration order breaks ties in `auto`
 from . import hierarchical  # noqa: F401,E402,I001
 from . import ring  # noqa: F401,E402
 from . import ho_ring  # noqa: F401,E402
 
-__all__ = ["AUTO", "Algorithm", "ReducePlan", "get", "names", "register", "resolve"]
+_seal()
+
+__all__ = ["AUTO", "PROBE", "RUN", "Algorithm", "ReducePlan", "get", "names", "register", "registered", "resolve",
+           "stand_in"]

@@ -31,6 +31,8 @@ are always one flat stage.
 """
 from __future__ import annotations
 
+import contextlib
+
 from math import prod
 from typing import NamedTuple
 
@@ -154,12 +156,50 @@ def bounds(m: int, k: int) -> list[tuple[int, int]]:
 
 
 # -- the registry ------------------------------------------------------------------------------------
-def register(cls):
-    """Class decorator: make `cls()` the algorithm of its `name`."""
+# [Note: a read-only registry]
+# The shipped algorithms register while shardc.algorithms is imported (`register`); the
+# package then seals the registry (`_seal`), so what `auto` chooses among and what a
+# strategy may name is fixed for the process. Any other algorithm (a test's, a user's
+# experiment) is registered for a scope: `with registered(MyAlgorithm): ...` adds it for the
+# block and removes it after, so it never stays an `auto` candidate for the rest of the process.
+_SEALED: list[bool] = [False]
+
+
+def _check_name(cls) -> None:
     if not cls.name or cls.name == AUTO:
         raise ValueError(f"an algorithm needs a name other than {AUTO!r}")
+    if cls.name in _REGISTRY:
+        raise ValueError(f"an algorithm named {cls.name!r} is already registered")
+
+
+def register(cls):
+    """Class decorator for the shipped algorithms: make `cls()` the algorithm of its `name`
+    (only while shardc.algorithms is imported: see [Note: a read-only registry])."""
+    if _SEALED[0]:
+        raise RuntimeError(f"the algorithm registry is read-only after import: register {cls.__name__} "
+                           f"for a scope with `with shardc.algorithms.registered({cls.__name__}): ...`")
+    _check_name(cls)
     _REGISTRY[cls.name] = cls()
     return cls
+
+
+def _seal() -> None:
+    _SEALED[0] = True
+
+
+@contextlib.contextmanager
+def registered(*classes):
+    """Within the block, `classes` are registered algorithms too (see [Note: a read-only registry])."""
+    for cls in classes:
+        _check_name(cls)
+    added = [cls.name for cls in classes]
+    try:
+        for cls in classes:
+            _REGISTRY[cls.name] = cls()
+        yield
+    finally:
+        for name in added:
+            _REGISTRY.pop(name, None)
 
 
 def get(name: str) -> Algorithm:
@@ -171,9 +211,28 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+# [Note: what `auto` means]
+# `collectives auto` asks for the registered algorithm with the least total communication
+# time for the strategy on its links. The cost model makes that choice when it plans
+# (analysis/costmodel/timing.py `choose_collectives`, the one place that compares
+# algorithms), and the plan then names the algorithm it chose. Where `auto` is read before
+# or without that choice, it stands for the algorithm `stand_in` names, and only here:
+#   * RUN: a collective run under a strategy that still says `auto` (built without a
+#     plan) runs the hierarchical algorithm (on a single level every algorithm is the ring);
+#   * PROBE: bucketing's size probe (analysis/costmodel/bucketing.py), which feeds the
+#     choice and so cannot wait for it, prices a unit's collectives over the ring.
+RUN, PROBE = "run", "probe"
+_STAND_INS = {RUN: "hierarchical", PROBE: "ring"}
+
+
+def stand_in(name: str, use: str = RUN) -> str:
+    """`name`, or for `auto` the algorithm it stands for in `use` (see [Note: what `auto` means])."""
+    return _STAND_INS[use] if str(name) == AUTO else str(name)
+
+
 def resolve(name: str, key: tuple) -> Algorithm:
     """The algorithm a collective over `key` runs: a single level is always the ring; a
-    leftover `auto` (the cost model resolves it when it plans) is hierarchical."""
+    leftover `auto` is its stand-in (see [Note: what `auto` means])."""
     if len(key) < 2:
         return _REGISTRY["ring"]
-    return _REGISTRY["hierarchical" if str(name) == AUTO else str(name)]
+    return _REGISTRY[stand_in(name)]

@@ -132,6 +132,13 @@ def clip_rows(mesh: Mesh, optim_levels) -> tuple[Row, ...]:
     return tuple(out)
 
 
+def norm_row(levels: tuple[str, ...], nbytes: int, experts: bool = False) -> Row:
+    """The all-reduce of whole-tensor norm partials over `levels` (`nbytes`: one entry per
+    tensor), what `torch.nn.utils.clip_grad_norm_(sm.parameters())` runs (runtime/state/params.py):
+    a clip row of the measured size, so the ledger gets it through `record_row` like any other."""
+    return Row(Phase.UPDATE, Op.ALL_REDUCE, levels, levels, nbytes, Per.CLIP, experts=experts)
+
+
 PHASE_ORDER = tuple(p.value for p in Phase)
 
 

@@ -194,7 +194,7 @@ class StepBoundary:
 
     def _warn(self, what: str) -> None:
         import torch.distributed as dist       # once per run: on the job's first rank only
-        if not self.ops.early:                 # no sync is issued before the step: nothing is lost
+        if not self.ops.overlaps_sync:         # no sync is issued before the step: nothing is lost
             return
         if not self._warned and dist.get_rank() == 0:
             self._warned = True

@@ -145,7 +145,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     for u in states:
         _placeholders(u, runtime, backend)
         for g in u.trainables:
-            g.on_grads = lambda grads, i=u.index, g=g: runtime.unit_grads(i, grads, g)
+            g.route_grads(lambda grads, i=u.index, g=g: runtime.unit_grads(i, grads, g))
     if hooks:
         _install_hooks(model, runtime)
     install_casts(model, specs)                          # units/casts.py [Note: casts at unit boundaries]
@@ -153,8 +153,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     pset = ParamSet(states, canon, dtensors, comm, ledger, runtime.boundary,
                     {id(g.storage): ecomm for u in states for g in u.groups if g.gplan.experts})
     if not simulation.active():                          # a simulated rank needs no values
-        pset.unset |= unset
-        pset.unset_buffers = unset_buffers(model)
+        pset.expect_values(unset, unset_buffers(model))
     return Built(model, strategy, specs, backend, faults, ledger, dev, comm, aliases, order, targets,
                  names_of, frozen, tp, lowering, runtime, hooks, pset, dtensors)
 

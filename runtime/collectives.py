@@ -76,7 +76,7 @@ from shardc.algorithms.base import bounds, gather_perm, scatter_perm
 from shardc.dsl.ir import Collectives, DType
 from shardc.lowering import RS_RECV_BYTES, STAGING_BYTES, Op, recv_block_bytes
 
-from . import device, quant
+from . import a2a, device, quant
 from .dtypes import torch_dtype
 from .mesh import ShardMesh
 
@@ -150,7 +150,7 @@ def _rs(dst, src, pg, scratch=None):
         hi = min(m, lo + cols)
         recv = _take(scratch, s * (hi - lo), src)
         yield [dist.all_to_all(list(recv.view(s, -1)), [r[lo:hi] for r in rows], group=pg, async_op=True)]
-        _sum_rows(dst[lo:hi], recv.view(s, -1))
+        a2a.sum_rows(recv.view(s, -1), out=dst[lo:hi])
         _give(scratch, recv)
 
 
@@ -158,15 +158,8 @@ def _a2a_sum(dst, src, pg, s, scratch):
     """All-to-all `src` (s rows of dst's size), then sum the s rows received into dst."""
     recv = _take(scratch, src.numel(), src)
     yield [dist.all_to_all_single(recv, src, group=pg, async_op=True)]
-    _sum_rows(dst, recv.view(s, -1))
+    a2a.sum_rows(recv.view(s, -1), out=dst)
     _give(scratch, recv)
-
-
-def _sum_rows(dst, parts):
-    if dst.dtype in (torch.float16, torch.bfloat16):
-        dst.copy_(parts.float().sum(0))
-    else:
-        torch.sum(parts, 0, out=dst)
 
 
 def _take(scratch, n, like):
@@ -291,19 +284,13 @@ def _rs_blocks(out, full, lo, hi, block, sm, stages, scratch):
 
 
 def _qgz(out, inp, sm, key, comm):
-    """Quantized reduce-scatter: quantize s chunks, one all_to_all, dequantize and sum in fp32."""
+    """Quantized reduce-scatter: quantize s chunks, one all_to_all, dequantize and sum in fp32
+    (runtime/a2a.py, shared with the whole-step mode)."""
     pg = sm.group(key, key)
-    s, m = dist.get_world_size(pg), out.numel()
-    p = quant.shard_payload_bytes(m, comm)
-    send = inp.new_empty(s, p, dtype=torch.uint8)          # rows at once: runtime/quant.py
-    for lo, hi in quant.row_batches(s, m):
-        quant.quantize_rows(inp.view(s, m)[lo:hi], comm, out=send[lo:hi])
+    send = a2a.qgz_send(inp, dist.get_world_size(pg), comm)
     recv = torch.empty_like(send)
     yield [dist.all_to_all_single(recv.view(-1), send.view(-1), group=pg, async_op=True)]
-    acc = out.new_zeros(m, dtype=torch.float32)
-    for lo, hi in quant.row_batches(s, m):
-        acc += quant.dequantize_rows(recv[lo:hi], m, comm).sum(0)
-    out.copy_(acc)
+    out.copy_(a2a.qgz_sum(recv, out.numel(), comm))
 
 
 def reduce_scatter(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collectives.RING,

@@ -90,8 +90,7 @@ class Engine:
     def begin_forward(self) -> None:
         self.boundary.check_forward(torch.is_grad_enabled())
         for u in self.units:
-            u.running = False
-            u.calls = 0
+            u.reset_forward()
         self.issue_gather(0)
         self.wait_gather(0)
         self.set_views(self.units[0])
@@ -131,7 +130,7 @@ class Engine:
         if self._queued:                 # activation recomputation inside the backward
             self.wait_gather(i, Phase.BACKWARD)
             self.set_views(u)
-            u.running = True
+            u.start_forward()
             self.events.append(("recompute", i))
             return
         self.boundary.complete_update(i)
@@ -140,7 +139,7 @@ class Engine:
         self.wait_gather(i)
         if i != 0:
             self.set_views(u)
-        u.running = True
+        u.start_forward()
         self.events.append(("run", i))
 
     def watch_backward(self, i: int, out) -> None:
@@ -150,9 +149,7 @@ class Engine:
             register_multi_grad_hook(tensors, lambda grads, i=i: self._pre_backward(i), mode="any")
 
     def finish_forward(self, i: int) -> None:
-        u = self.units[i]
-        u.running = False
-        u.calls = 0
+        self.units[i].end_forward()
         if self._queued:                 # recomputed in the backward: its grads are still due
             return
         if i != 0:
@@ -169,10 +166,8 @@ class Engine:
     def module_done(self, i: int, out):
         """One module of unit i ran (emitted call or forward hook): arm its backward; a unit
         of k modules (a bucket) is gathered on its first call and released after its k-th."""
-        u = self.units[i]
         self.watch_backward(i, out)
-        u.calls += 1
-        if u.calls >= max(1, len(u.spec.modules)):
+        if self.units[i].module_ran():
             self.finish_forward(i)
         return out
 
@@ -216,13 +211,11 @@ class Engine:
         """The gradients of unit i's trainable `group` of this backward are all in (its
         views' backward); the unit is reduced once all of its trainable groups are."""
         self._arm()
-        u = self.units[i]
         waited = self._bound_reductions(group)
         if group.release():            # its full buffer first: the reduction does not read it (FSDP2's order)
             self.events.append(("release", i))
         group.reduce_slot_grads(grads)
-        group.reduced = True
-        u.reduced = all(g.reduced for g in u.trainables)
+        group.mark_reduced()
         self.events.append(("issue_reduce", i))
         self._in_flight.append(group)
         for prev in waited:
@@ -254,8 +247,7 @@ class Engine:
                 if not g.reduced:
                     g.reduce_grad(None)
                     self.events.append(("issue_reduce", u.index))
-                g.reduced = False
-            u.reduced = False
+                g.end_backward()
         for u in self.units:
             for g in u.trainables:
                 g.finish_grads()

@@ -40,7 +40,6 @@ from .mesh import ShardMesh
 from .state.dtensor_params import TPParam
 
 EP_DIM = "shardc_ep"
-_MADE: dict[tuple, tuple[DeviceMesh, ShardMesh]] = {}
 
 
 class ExpertRuntime(NamedTuple):
@@ -71,10 +70,13 @@ def ep_device_mesh(smesh: ShardMesh, experts: ExpertGroup) -> DeviceMesh:
 
 
 def _meshes(smesh: ShardMesh, experts: ExpertGroup) -> tuple[DeviceMesh, ShardMesh]:
+    """The ep x data-parallel DeviceMesh and the experts' ShardMesh, made once per `smesh`
+    (kept on it: runtime/mesh.py `ShardMesh.derived`)."""
+    return smesh.derived(("experts", experts.mesh, experts.level, experts.ep), lambda: _make(smesh, experts))
+
+
+def _make(smesh: ShardMesh, experts: ExpertGroup) -> tuple[DeviceMesh, ShardMesh]:
     dm = smesh.device_mesh
-    key = (id(smesh), experts.mesh, experts.level, experts.ep)
-    if key in _MADE and _MADE[key][1]._default is smesh._default:
-        return _MADE[key]
     if dm.size() != dist.get_world_size():
         raise ShardcError(f"ep {experts.ep} needs the DeviceMesh shardc shards over to hold every rank of the job "
                           f"({dm.size()} of {dist.get_world_size()} here); expert parallelism beside tensor or "
@@ -86,7 +88,6 @@ def _meshes(smesh: ShardMesh, experts: ExpertGroup) -> tuple[DeviceMesh, ShardMe
     t = t.reshape(shape[:i] + [shape[i] // experts.ep, experts.ep] + shape[i + 1:]).movedim(i + 1, 0)
     full = DeviceMesh(smesh.device_type, t.contiguous(), mesh_dim_names=(EP_DIM, *names))
     esmesh = ShardMesh(experts.mesh, smesh.device_type, full[names])
-    _MADE[key] = (full, esmesh)
     return full, esmesh
 
 

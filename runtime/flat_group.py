@@ -35,6 +35,7 @@ from shardc.lowering import RELEASE_GRADS, GroupPlan, Op, Phase, Row
 from . import quant
 from .comm import DoneWork, ThenWork, UnitCollectives
 from .storage import FlatStorage
+from .transitions import GradState, StateTransitionError, assert_in_states
 from .workspace import Workspace
 
 
@@ -73,8 +74,8 @@ class FlatGroup:
         self.gathering: GatherInFlight | None = None
         self.reducing: list[ReduceInFlight] = []
         self.syncing: SyncInFlight | None = None
-        self.on_grads = self.reduce_slot_grads     # the engine's handler replaces it
-        self.reduced = False                       # this backward's gradients are reduced (engine)
+        self._on_grads = self.reduce_slot_grads    # the engine's handler, once routed (`route_grads`)
+        self.grad_state = GradState.PENDING        # this backward's gradients (transitions.py)
 
     def _row(self, phase: Phase, op: Op | None = None) -> Row | None:
         return self.gplan.row(phase, op)
@@ -137,7 +138,27 @@ class FlatGroup:
         return True
 
     def views(self) -> list[torch.Tensor]:
-        return self.storage.views(self.on_grads)
+        return self.storage.views(self._on_grads)
+
+    # -- the backward's transitions (transitions.py [Note: asserted transitions]) -------------
+    def route_grads(self, handler) -> None:
+        """Hand the views' gradients to `handler` (the engine's) instead of reducing them here; once."""
+        if self._on_grads != self.reduce_slot_grads:
+            raise StateTransitionError("a flat group's gradients are routed once (at build)")
+        self._on_grads = handler
+
+    @property
+    def reduced(self) -> bool:
+        return self.grad_state is GradState.REDUCED
+
+    def mark_reduced(self) -> None:
+        """This backward's gradients are reduced (again, for a module run twice in a forward)."""
+        assert_in_states("a flat group", "mark its gradients reduced", self.grad_state,
+                         GradState.PENDING, GradState.REDUCED)
+        self.grad_state = GradState.REDUCED
+
+    def end_backward(self) -> None:
+        self.grad_state = GradState.PENDING
 
     # -- gradients -------------------------------------------------------------------
     def reduce_slot_grads(self, grads) -> None:

@@ -19,11 +19,14 @@ all-reduce and a slice: 4/3 of a ring's bytes at 4 ranks); the choice is made pe
 when the comm is built, not traced. int8/int4 all-gathers (qwZ) gather
 the quantized payloads (runtime/quant.py) with the row's algorithm and decode every chunk;
 int8/int4 reduce-scatters (qgZ) are an `all_to_all_single` of the quantized chunks,
-decoded and summed in fp32.
+decoded and summed in fp32. The reduce-scatter's local halves (the gloo stage's sum, qgZ's
+encode and decode-and-sum) are the eager runtime's own functions (runtime/a2a.py [Note:
+one reduce-scatter, two executors]).
 
 [Note: payloads as two buffers]
 A quantized payload is codes then fp32 block scales (runtime/quant.py). The eager runtime
-moves it as one uint8 buffer; here the codes and the scales travel as two buffers of the
+moves it as one uint8 buffer, and so does qgZ's all-to-all here (its payload rows are made
+and read inside opaque ops); an all-gather's codes and scales travel as two buffers of the
 same algorithm — the same bytes in all, and no bitcast of a collective's output inside a
 graph — encoded and decoded by opaque custom ops (runtime/quant_ops.py [Note: why
 opaque]). The ledger counts the logical collective, whose bytes are the payload's. Functional collectives run on the group's own backend (gloo's
@@ -42,7 +45,7 @@ from shardc.algorithms.base import bounds, gather_perm, scatter_perm
 from shardc.dsl.ir import Collectives, DType
 from shardc.lowering import Row
 
-from . import device, quant_ops
+from . import a2a, device, quant_ops
 from .dtypes import torch_dtype
 from .mesh import ShardMesh
 
@@ -137,8 +140,7 @@ class FunctionalComm:
             return _wait(fc.reduce_scatter_single(inp, "sum", 0, pg))
         with fx_traceback.annotate({AS_TAG: "reduce_scatter"}):
             recv = _wait(fc.all_to_all_single(inp, None, None, pg))
-        parts = recv.view(s, -1)
-        return parts.float().sum(0).to(inp.dtype) if inp.dtype in (torch.float16, torch.bfloat16) else parts.sum(0)
+        return a2a.sum_rows(recv.view(s, -1))              # the eager runtime's sum (runtime/a2a.py)
 
     def _scatter(self, inp: torch.Tensor, key, algo, s: int) -> torch.Tensor:
         stages = algo.scatter(key, self.smesh.mesh.ordered)
@@ -155,15 +157,11 @@ class FunctionalComm:
         return torch.cat(out)
 
     def _qgz(self, inp: torch.Tensor, key, dtype: DType, s: int) -> torch.Tensor:
-        m = inp.numel() // s
-        parts = [quant_ops.encode(c, dtype.bits) for c in inp.view(s, m)]
-        group = self.smesh.group(key, key)
-        codes = _wait(fc.all_to_all_single(torch.cat([c for c, _ in parts]), None, None, group))
-        scales = _wait(fc.all_to_all_single(torch.cat([sc for _, sc in parts]), None, None, group))
-        p, b = codes.numel() // s, scales.numel() // s
-        acc = sum([quant_ops.decode(codes[c * p:(c + 1) * p], scales[c * b:(c + 1) * b], m, dtype.bits)
-                   for c in range(s)])
-        return acc.to(inp.dtype)
+        """qgZ as the eager runtime runs it (runtime/a2a.py): the s chunks' payload rows, one
+        all-to-all, their fp32 sum; the local halves as opaque ops (quant_ops.py)."""
+        send = quant_ops.qgz_send(inp, s, dtype.bits)
+        recv = _wait(fc.all_to_all_single(send.view(-1), None, None, self.smesh.group(key, key)))
+        return quant_ops.qgz_sum(recv.view(s, -1), inp.numel() // s, dtype.bits).to(inp.dtype)
 
     # -- all_reduce ------------------------------------------------------------------------
     def all_reduce(self, row: Row | None, t: torch.Tensor) -> torch.Tensor:
@@ -176,11 +174,14 @@ class FunctionalComm:
         if not plan.scatter or t.numel() < inner:
             return _wait(fc.all_reduce(t, "sum", self.smesh.group(key)))
         n = t.numel()
-        flat = torch.cat([t.reshape(-1), t.new_zeros(-(-n // inner) * inner - n)])
-        chunk = flat
-        for st in plan.scatter:                                      # reduce-scatter down
-            chunk = self._rs(chunk, self.smesh.group(st, st), prod([self._size(x) for x in st]))
-        chunk = _wait(fc.all_reduce(chunk, "sum", self.smesh.group(plan.reduce, plan.reduce)))
-        for st in plan.gather:                                       # all-gather back up
-            chunk = _wait(fc.all_gather_single(chunk, 0, self.smesh.group(st, st)))
-        return chunk[:n].view(t.shape)
+        view = torch.cat([t.reshape(-1), t.new_zeros(-(-n // inner) * inner - n)]).view(inner, -1)
+        parts = []          # the algorithm's pieces: columns of the (inner, ·) view, as eagerly
+        for lo, hi in bounds(view.shape[1], algo.pieces):
+            chunk = view[:, lo:hi].contiguous().view(-1)
+            for st in plan.scatter:                                  # reduce-scatter down
+                chunk = self._rs(chunk, self.smesh.group(st, st), prod([self._size(x) for x in st]))
+            chunk = _wait(fc.all_reduce(chunk, "sum", self.smesh.group(plan.reduce, plan.reduce)))
+            for st in plan.gather:                                   # all-gather back up
+                chunk = _wait(fc.all_gather_single(chunk, 0, self.smesh.group(st, st)))
+            parts.append(chunk.view(inner, -1))
+        return torch.cat(parts, dim=1).reshape(-1)[:n].view(t.shape)

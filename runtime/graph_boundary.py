@@ -16,9 +16,10 @@ grad shard when its backward is done ([Note: gradient hand-off] there). Under th
 that pass or when the loop turned sync off after choosing that graph) runs as one graph
 when the step completes (at opt.step() or clip_grad_norm_, or before a micro-batch that
 runs after the loop said the step ended: the boundary then folds it in exactly, as it
-does eagerly). No unit's sync is issued here before that (`early` is False: the boundary
-never calls `sync_unit` for an early sync in this mode), so no overlap is lost when the
-loop's micro-batch count differs from the plan.
+does eagerly). No unit's sync is issued here before that (`sync_unit` does nothing: the
+boundary's early syncs are the eager executor's); only the sync the last backward's graph
+ran (`early_sync`) is overlap that a micro-batch run past the step loses, so the boundary
+warns of it when there is one (`overlaps_sync`).
 
 Under the `defer_update` pass the update graph leaves out the units the schedule defers:
 opt.step() issues their update all-gathers eagerly and returns, owing them to the next
@@ -35,11 +36,9 @@ from .graph_update import OwedUpdate
 
 class GraphStepOps:
     """The step's sync and update as compiled graphs over every unit (see Note)."""
-    early = False
-
     def __init__(self, units, comm, ledger, world: int, backend, early=None, keys=None):
         self.units, self.comm, self.ledger, self.world = units, comm, ledger, world
-        self.early = early                       # graph_sync.py: groups synced in the last backward
+        self.early_sync = early                  # graph_sync.py `EarlySync`: groups synced in the last backward
         self.keys = keys or {}                   # graph_update.py: deferred unit -> its owed update's key
         self._sync = compile_own(self._sync_graph, backend)
         self._sync_rest = compile_own(self._sync_rest_graph, backend)
@@ -49,12 +48,17 @@ class GraphStepOps:
         self.rest_rows = [r for g in self._rest() for r in g.gplan.rows if r.phase is Phase.SYNC]
         self.update_rows = [r for g in groups for r in g.gplan.rows if r.phase is Phase.UPDATE]
 
+    @property
+    def overlaps_sync(self) -> bool:
+        """Is some of the step's sync run before the step (by the last backward's graph)?"""
+        return self.early_sync is not None
+
     def _groups(self):
         return [u.trainable for u in self.units if u.trainable is not None]
 
     def _rest(self):
         """The groups the early sync does not cover (all of them without it)."""
-        return [g for g in self._groups() if self.early is None or not self.early.covers(g)]
+        return [g for g in self._groups() if self.early_sync is None or not self.early_sync.covers(g)]
 
     # -- the graphs ------------------------------------------------------------------------
     def _sync_graph(self) -> None:
@@ -96,8 +100,7 @@ class GraphStepOps:
     def complete(self) -> None:
         for g in self._groups():
             g.storage.materialize()      # a zero_grad() no backward followed: zeros
-        if self.early is not None and self.early.synced:   # the last backward synced the rest
-            self.early.synced = False
+        if self.early_sync is not None and self.early_sync.take_synced():   # the last backward synced the rest
             if self._rest():
                 self._sync_rest()
             self._record(self.rest_rows)
@@ -116,5 +119,5 @@ class GraphStepOps:
     def zero(self) -> None:
         for g in self._groups():
             g.storage.mark_zero()        # no fill: the next hand-off copies (graph_step.py)
-        if self.early is not None:
-            self.early.synced = False
+        if self.early_sync is not None:
+            self.early_sync.take_synced()

@@ -88,6 +88,11 @@ class EarlySync:
             self.keeps[id(g)] = torch.zeros((), dtype=torch.bool, device=st.grad_shard.device)
             self.rows += [r for r in (rs, ar) if r is not None]
 
+    def take_synced(self) -> bool:
+        """Did a backward sync these groups this step? (and forget it: the step takes it)"""
+        synced, self.synced = self.synced, False
+        return synced
+
     def covers(self, g) -> bool:
         return id(g) in self.functions
 

@@ -16,24 +16,27 @@ update as graphs]). So the gathers travel while the loop zeroes the gradients an
 the next batch, as eagerly. Whatever reads the parameters before that forward completes
 them here (`OwedUpdate.wait`, through the boundary's `complete_updates`, as it waits the
 eager runtime's deferred work). An owed update is keyed by an int the graph carries as a
-constant (`update_keys`): the op finds its in-flight work in `_OWED`.
+constant (`update_keys`): the op finds its in-flight `OwedUpdate` in `_OWED`, which holds
+it weakly: the step boundary of its ShardedModule owns it (`StepBoundary._updates`) until
+it is waited, so an update owed when its module goes away (no forward followed
+opt.step()) is released with the module, buffer and all.
 """
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 
-_OWED: dict[int, tuple] = {}            # key -> (the update all-gather's work, its buffer)
-_KEYS = itertools.count()
+# key -> the OwedUpdate in flight (weakly: its module's boundary owns it; see Note)
+_OWED: "weakref.WeakValueDictionary[int, OwedUpdate]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()               # a fresh key per deferred unit of any runtime: no per-model state
 
 
 @torch.library.custom_op("shardc::await_update", mutates_args=())
 def await_update(shard: torch.Tensor, key: int) -> torch.Tensor:
     """The params shard after the owed update `key` (see Note): its all-gather waited."""
-    work, buf = _OWED.pop(key)
-    work.wait()
-    return buf
+    return _OWED.pop(key).take()
 
 
 @await_update.register_fake
@@ -55,10 +58,16 @@ class OwedUpdate:
 
     def __init__(self, group, key: int):
         self.group, self.key = group, key
-        buf = torch.empty_like(group.storage.shard)
-        _OWED[key] = (group.update_issue(record=False, out=buf), buf)
+        self.buf = torch.empty_like(group.storage.shard)
+        self.work = group.update_issue(record=False, out=self.buf)
+        _OWED[key] = self
+
+    def take(self) -> torch.Tensor:
+        """Its all-gather waited: the gathered shard (handed over once)."""
+        self.work.wait()
+        buf, self.buf, self.work = self.buf, None, None
+        return buf
 
     def wait(self) -> None:
-        work, buf = _OWED.pop(self.key)
-        work.wait()
-        self.group.storage.shard.copy_(buf)
+        _OWED.pop(self.key, None)
+        self.group.storage.shard.copy_(self.take())

@@ -65,7 +65,9 @@ class ShardMesh:
     device type and DeviceMesh while the default process group is the same (`__new__`
     caches it in `_CACHE`): every ShardedModule of a process on one mesh shares its process
     groups, which are collective to create and costly to make twice. A new default group
-    (a test's fresh world, a restarted job) makes a new one."""
+    (a test's fresh world, a restarted job) makes a new one and evicts every entry of the
+    old group (they can never be returned again). Meshes derived from one (the experts'
+    mesh, runtime/experts.py) are kept on it (`derived`), so they live and die with it."""
 
     def __new__(cls, mesh: Mesh, device_type: str = "cpu", device_mesh: DeviceMesh | None = None):
         default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
@@ -76,8 +78,16 @@ class ShardMesh:
         self = super().__new__(cls)
         self._init(mesh, device_type, device_mesh)
         self._default, self._given = default, device_mesh
+        for k in [k for k, v in _CACHE.items() if v._default is not default]:
+            del _CACHE[k]                   # an old world's: never returned again
         _CACHE[key] = self
         return self
+
+    def derived(self, key: tuple, make):
+        """The mesh(es) `make()` derives from this one, made once per `key` (runtime/experts.py)."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     def _init(self, mesh: Mesh, device_type: str, given: DeviceMesh | None) -> None:
         if not dist.is_initialized():
@@ -106,6 +116,7 @@ class ShardMesh:
         self.rank = _linear(mesh, coord)            # this rank's position in the mesh
         self._root = given._get_root_mesh()
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        self._derived: dict[tuple, object] = {}     # `derived`: meshes made from this one
 
     @classmethod
     def get(cls, mesh: Mesh, device_type: str = "cpu", device_mesh: DeviceMesh | None = None) -> "ShardMesh":

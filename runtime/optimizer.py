@@ -37,13 +37,11 @@ from torch.optim.optimizer import (_foreach_supported_types, register_optimizer_
 
 from shardc.lowering.optimizers import OPTIMIZER_KINDS
 
-from .boundary import StepPhase
 from .errors import RuntimeUsageError
 from .state.checkpoint import attach_optimizer_hooks
 from .state.params import ShardParam
 
 ELEMENTWISE = tuple(getattr(torch.optim, n) for n, k in OPTIMIZER_KINDS.items() if k.elementwise)
-_adopted: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
 _installed = False
 
 
@@ -60,25 +58,24 @@ def install() -> None:
 
 
 def _mine(opt) -> tuple:
-    """(param set, its parameters in this optimizer) per ShardedModule owning any of them."""
-    n = sum(len(g["params"]) for g in opt.param_groups)
-    known = _adopted.get(opt)
-    if known is not None and known[0] == n:
-        return known[1]
+    """(param set, its parameters in this optimizer) per ShardedModule owning any of them,
+    read from the optimizer's parameters themselves at each step (by identity: a param
+    group replaced or added since is seen at once); an optimizer over no ShardParam gets ()
+    and is left alone. A set adopts an optimizer once (its `optimizers`, weakly): the
+    element-wise check and the checkpoint hooks ([Note: adoption through torch's optimizer hooks])."""
     sets: dict[int, tuple] = {}
     for g in opt.param_groups:
         for p in g["params"]:
             if isinstance(p, ShardParam):
                 sets.setdefault(id(p._shardc_set), (p._shardc_set, []))[1].append(p)
     owners = tuple((s, tuple(ps)) for s, ps in sets.values())
-    for s, _ in owners:
+    fresh = [s for s, _ in owners if not any(o() is opt for o in s.optimizers)]
+    for s in fresh:
         _check_cls(type(opt), s)
-    if owners:
+    if fresh and len(fresh) == len(owners):        # the optimizer's first adoption: its hooks once
         attach_optimizer_hooks(opt)
-        for s, _ in owners:
-            if not any(o() is opt for o in s.optimizers):
-                s.optimizers.append(weakref.ref(opt))
-    _adopted[opt] = (n, owners)
+        for s in fresh:
+            s.optimizers.append(weakref.ref(opt))
     return owners
 
 
@@ -97,8 +94,6 @@ def _post_step(opt, args, kwargs) -> None:
         s.shard_grads(params)
         if consumed:
             s.boundary.after_step()
-        elif s.boundary.phase is StepPhase.STEPPED:
-            pass
 
 
 def _check_cls(cls, pset) -> None:

@@ -22,7 +22,7 @@ import torch
 from shardc.dsl.ir import DType
 from shardc.lowering import BLOCK, code_bytes
 
-from . import quant
+from . import a2a, quant
 
 BITS = {8: DType.INT8, 4: DType.INT4}
 
@@ -48,3 +48,23 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, m: int, bits: int) -> torc
 @decode.register_fake
 def _(codes, scales, m, bits):
     return scales.new_empty(m, dtype=torch.float32)
+
+
+@torch.library.custom_op("shardc::qgz_send", mutates_args=())
+def qgz_send(x: torch.Tensor, s: int, bits: int) -> torch.Tensor:
+    return a2a.qgz_send(x.reshape(-1), s, BITS[bits])
+
+
+@qgz_send.register_fake
+def _(x, s, bits):
+    return x.new_empty(s, quant.shard_payload_bytes(x.numel() // s, BITS[bits]), dtype=torch.uint8)
+
+
+@torch.library.custom_op("shardc::qgz_sum", mutates_args=())
+def qgz_sum(recv: torch.Tensor, m: int, bits: int) -> torch.Tensor:
+    return a2a.qgz_sum(recv, m, BITS[bits])
+
+
+@qgz_sum.register_fake
+def _(recv, m, bits):
+    return recv.new_empty(m, dtype=torch.float32)

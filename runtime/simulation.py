@@ -23,21 +23,23 @@ refused at its first forward as before.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
-_depth = 0
+# scoped to the block and its context (a thread or task of its own does not see it), not a
+# process-wide flag: torch's own modes are scoped the same way
+_SIMULATING: contextvars.ContextVar[bool] = contextvars.ContextVar("shardc_simulating", default=False)
 
 
 @contextlib.contextmanager
 def simulation():
     """Within the block, models sharded are simulated ranks (see the module note)."""
-    global _depth
-    _depth += 1
+    token = _SIMULATING.set(True)
     try:
         yield
     finally:
-        _depth -= 1
+        _SIMULATING.reset(token)
 
 
 def active() -> bool:
     """Whether a model sharded now is a simulated rank."""
-    return _depth > 0
+    return _SIMULATING.get()

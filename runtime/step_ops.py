@@ -18,7 +18,7 @@ from shardc.lowering import SYNC_IN_FLIGHT
 
 class EagerStepOps:
     """The step's collectives as eager work, unit by unit (see the module docstring)."""
-    early = True                        # a unit's sync can be issued before the step (plan passes)
+    overlaps_sync = True                # a unit's sync can be issued before the step (plan passes)
 
     def __init__(self, units):
         self.units = units

@@ -273,10 +273,6 @@ class FlatStorage:
             g.untyped_storage().resize_(need)
         return g
 
-    def zero_now(self) -> None:
-        self._grad_back().zero_()
-        self.stale = False
-
     def materialize(self) -> None:
         """A stale grad shard (zero_grad() ran, no backward wrote it) becomes zeros."""
         if self.stale:

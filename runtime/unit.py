@@ -1,8 +1,9 @@
 """Unit state — stage: runtime. One unit as the engine and the step boundary see it.
 
 Input: the compiler's `UnitSpec`, the unit's flat groups (flat_group.py) and where each of
-its parameters is referenced in the module. Output: `UnitState`, with the engine's
-per-forward flags (running, module calls) and per-backward flag (reduced); and
+its parameters is referenced in the module. Output: `UnitState`, with its forward's
+`TrainingState` and module count, changed through its own methods (transitions.py,
+[Note: asserted transitions]; its groups' `reduced` is theirs, flat_group.py); and
 `holds_sharded`, whether a module's parameters (or those of a module inside it) were
 taken by a unit.
 
@@ -25,6 +26,7 @@ import torch
 from shardc.units import UnitSpec
 
 from .flat_group import FlatGroup
+from .transitions import TrainingState, assert_in_states
 
 _HELD: "weakref.WeakKeyDictionary[torch.nn.Module, set[str]]" = weakref.WeakKeyDictionary()
 
@@ -41,15 +43,43 @@ class UnitState:
     groups: list[FlatGroup]
     targets: list[list[list[tuple[torch.nn.Module, str]]]]   # group -> slot -> (module, attr)
     wrappers: list[list]                  # group -> slot -> view -> parameter (DTensor), or None
-    reduced: bool = False
-    running: bool = False
-    calls: int = 0
+    state: TrainingState = TrainingState.IDLE
+    calls: int = 0                        # its modules run in this forward (a bucket has several)
 
     def __post_init__(self) -> None:
         for slots in self.targets:
             for pairs in slots:
                 for mod, attr in pairs:
                     _HELD.setdefault(mod, set()).add(attr)
+
+    # -- the forward's transitions ([Note: asserted transitions]) ---------------------------
+    @property
+    def running(self) -> bool:
+        return self.state is TrainingState.FORWARD
+
+    def reset_forward(self) -> None:
+        """A forward begins: every unit is idle with no module run (a forward that raised
+        part-way left some running)."""
+        self.state, self.calls = TrainingState.IDLE, 0
+
+    def start_forward(self) -> None:
+        assert_in_states(f"unit {self.index}", "start its forward", self.state, TrainingState.IDLE)
+        self.state = TrainingState.FORWARD
+
+    def module_ran(self) -> bool:
+        """One of its modules ran; True when that was its last (the forward is done)."""
+        assert_in_states(f"unit {self.index}", "count a module run", self.state, TrainingState.FORWARD)
+        self.calls += 1
+        return self.calls >= max(1, len(self.spec.modules))
+
+    def end_forward(self) -> None:
+        assert_in_states(f"unit {self.index}", "end its forward", self.state, TrainingState.FORWARD)
+        self.state, self.calls = TrainingState.IDLE, 0
+
+    @property
+    def reduced(self) -> bool:
+        """This backward's gradients of all of its trainable groups are reduced."""
+        return all(g.reduced for g in self.trainables)
 
     @property
     def trainables(self) -> list[FlatGroup]:

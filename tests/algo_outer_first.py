@@ -1,10 +1,10 @@
 """A test-only collective algorithm, `collectives outer-first`: the hierarchical stages in the
 other order (reduce-scatter outermost level first, all-gather innermost first), so the outer
-links carry the full volume. What adding an algorithm takes: this one file (tests/test_algorithms.py)."""
-from shardc.algorithms import Algorithm, ReducePlan, register
+links carry the full volume. What adding an algorithm takes: this one file (tests/test_algorithms.py),
+registered for a scope: `with registered(OuterFirst):` (the registry is read-only after import)."""
+from shardc.algorithms import Algorithm, ReducePlan
 
 
-@register
 class OuterFirst(Algorithm):
     name = "outer-first"
 

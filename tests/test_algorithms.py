@@ -1,7 +1,9 @@
 """A collective algorithm is one object (shardc.algorithms): adding one is one file.
 
-`tests/algo_outer_first.py` registers `outer-first` (the hierarchical stages, outermost level
-first for a reduce-scatter). With nothing else changed: a strategy names it and `shardc
+`tests/algo_outer_first.py` defines `outer-first` (the hierarchical stages, outermost level
+first for a reduce-scatter), registered for each test's scope (`registered`: the registry is
+read-only after import, and outside the scope `outer-first` is unknown again, so it is no
+`auto` candidate for the rest of the process). With nothing else changed: a strategy names it and `shardc
 check` reads it; `explain` counts its bytes per link level as its stages move them (written
 out below from the stage volumes); both executors run it — the eager runtime's collectives
 and the whole-step mode's functional ones (run eagerly here, without compiling) give every
@@ -15,7 +17,8 @@ from dataclasses import astuple
 import pytest
 import torch
 
-import tests.algo_outer_first  # noqa: F401  (registers `outer-first`)
+from shardc.algorithms import names, register, registered
+from tests.algo_outer_first import OuterFirst
 from tests.harness import dist_run
 
 pytestmark = pytest.mark.distributed
@@ -23,7 +26,25 @@ TEXT = ("mesh node(2) > gpu(2)\nparams shard over world\ngrads shard over world\
         "collectives outer-first\n")
 
 
-def test_a_new_algorithm_is_read_by_the_dsl_and_the_cost_model():
+@pytest.fixture
+def outer_first():
+    with registered(OuterFirst):
+        yield
+    assert "outer-first" not in names()
+
+
+def test_the_registry_is_read_only_and_a_scoped_algorithm_leaves_with_its_scope():
+    import shardc
+    with pytest.raises(RuntimeError, match="read-only after import"):
+        register(OuterFirst)
+    with registered(OuterFirst):
+        assert names()[-1] == "outer-first"
+    assert "outer-first" not in names()
+    with pytest.raises(shardc.ShardcError, match="unknown collectives algorithm `outer-first`"):
+        shardc.load_strategy(TEXT)
+
+
+def test_a_new_algorithm_is_read_by_the_dsl_and_the_cost_model(outer_first):
     import shardc
     from shardc.analysis.costmodel.links import record_links
     from shardc.lowering import Op
@@ -41,7 +62,11 @@ def test_a_new_algorithm_is_read_by_the_dsl_and_the_cost_model():
 
 
 def _train(rank, world, backend):
-    import tests.algo_outer_first  # noqa: F401
+    with registered(OuterFirst):
+        return _train_in_scope(rank, world, backend)
+
+
+def _train_in_scope(rank, world, backend):
     import shardc
     from examples.gpt import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -61,7 +86,11 @@ def _train(rank, world, backend):
 
 
 def _executors(rank, world):
-    import tests.algo_outer_first  # noqa: F401
+    with registered(OuterFirst):
+        return _executors_in_scope(rank, world)
+
+
+def _executors_in_scope(rank, world):
     from shardc.dsl.ir import Collectives, DType, Level, Mesh
     from shardc.lowering import Op, Per, Phase, Row
     from shardc.runtime import collectives as C
@@ -113,3 +142,46 @@ def test_the_eager_runtime_trains_with_it_at_parity():
         for k, v in want.items():
             assert float((got[k] - v).norm() / v.norm()) < 1e-5, k
         assert sorted(map(astuple, ledger)) == sorted(map(astuple, predicted))
+
+
+def _shared_paths(rank, world):
+    """The whole-step mode's all-reduce runs the algorithm's pieces (one all-reduce over the
+    reduce group per piece), and its qgZ and gloo reduce-scatters equal the eager runtime's
+    to the bit (one implementation of their local halves, runtime/a2a.py)."""
+    from shardc.dsl.ir import Collectives, DType, Level, Mesh
+    from shardc.lowering import Op, Per, Phase, Row
+    from shardc.runtime import collectives as C
+    from shardc.runtime import funcol
+    from shardc.runtime.mesh import ShardMesh
+    mesh = Mesh((Level("node", 2), Level("gpu", 2)))
+    sm, n, out = ShardMesh(mesh), 4 * 37, {}
+    g = torch.Generator().manual_seed(rank)
+    t, full = torch.randn(2 * n + 1, generator=g), torch.randn(n, generator=g)
+    for algo in (Collectives.HIERARCHICAL, Collectives.HO_RING):
+        row = Row(Phase.SYNC, Op.ALL_REDUCE, mesh.names, mesh.names, 0, Per.STEP, DType.FP32)
+        fcomm, calls, real = funcol.FunctionalComm(sm, algo, [row]), [], funcol.fc.all_reduce
+        funcol.fc.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
+        try:
+            got = fcomm.all_reduce(row, t.clone())
+        finally:
+            funcol.fc.all_reduce = real
+        want = t.clone()
+        C.all_reduce(want, sm, mesh.names, algo=algo).wait()
+        out[f"all_reduce {algo}"] = (len(calls), torch.equal(got, want))
+        for comm in (DType.FP32, DType.INT8):
+            rs = Row(Phase.BACKWARD, Op.REDUCE_SCATTER, mesh.names, mesh.names, 0, Per.BACKWARD, comm)
+            eager = torch.empty(n // 4)
+            C.reduce_scatter(eager, full, sm, mesh.names, algo=algo, comm=comm).wait()
+            functional = funcol.FunctionalComm(sm, algo, [rs]).reduce_scatter(rs, full.clone())
+            out[f"reduce_scatter {algo} {comm.name}"] = torch.equal(functional, eager)
+    return out
+
+
+def test_both_executors_share_the_all_reduce_pieces_and_the_reduce_scatters():
+    from shardc.algorithms import get
+    pieces = {"hierarchical": get("hierarchical").pieces, "ho-ring": get("ho-ring").pieces}
+    assert pieces["ho-ring"] > 1
+    for got in dist_run(4, _shared_paths):
+        for name, p in pieces.items():
+            assert got[f"all_reduce {name}"] == (p, True), name
+            assert got[f"reduce_scatter {name} FP32"] and got[f"reduce_scatter {name} INT8"], name

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import shardc.algorithms as algorithms
 from shardc.dsl.ir import Collectives, Strategy
 from shardc.lowering import UnitSize, lower_unit
 from shardc.units import bucket_runs, find_units
@@ -39,7 +40,7 @@ def crossover_bytes(strategy: Strategy, bandwidth=None) -> int:
     from shardc.analysis.costmodel.timing import AlphaBeta
     bw = bandwidth or AlphaBeta()
     mesh = strategy.mesh
-    algo = Collectives.RING if strategy.collectives is Collectives.AUTO else strategy.collectives
+    algo = Collectives(algorithms.stand_in(strategy.collectives, algorithms.PROBE))   # [Note: what `auto` means]
     plan = lower_unit(mesh, UnitSize("probe", 1, 0, strategy.scopes))
     best = 0.0
     for g in plan.groups:

@@ -160,7 +160,8 @@ def _as_units(strategy: Strategy, unit_numels) -> list[UnitSize]:
 
 def choose_collectives(strategy: Strategy, unit_numels, *, bandwidth=None,
                        micro_batches: int | None = None) -> Collectives:
-    """Resolve `collectives auto`: the algorithm with the least total communication time.
+    """Resolve `collectives auto`: the algorithm with the least total communication time
+    (the one place `auto` is chosen: shardc.algorithms [Note: what `auto` means]).
 
     `unit_numels`: per unit (root first) a `UnitSize`, a trainable element count, or a
     `(trainable, frozen)` pair (the last two use the strategy's scopes). An explicit

@@ -157,7 +157,7 @@ def load_in_place(v: StateView, have, fill, where: str) -> bool:
     try:
         fill(sd)
     except CheckpointError as e:                  # shards partly written: unusable until a load
-        v.params.unset |= set(v.params.params)
+        v.params.expect_values(v.params.params)
         raise CheckpointError(f"{str(e).split('; nothing was loaded')[0]}; the load failed part-way, so the "
                               f"model's parameters are unusable until a load succeeds") from None
     with torch.no_grad():

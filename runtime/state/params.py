@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardc.lowering import RELEASE_GRADS, Op, Per, Phase, Row
+from shardc.lowering import RELEASE_GRADS
+from shardc.lowering.rows import norm_row
 
 from ..boundary import StepPhase
 from ..errors import RuntimeUsageError
@@ -377,6 +378,13 @@ class ParamSet:
                     f"pass shardc.compile init=fn, or init=shardc.buffers_only(fn) to set buffers only "
                     f"(Hugging Face: model._init_weights)")
 
+    def expect_values(self, names, buffers: dict | None = None) -> None:
+        """These parameters (and NaN buffers) have no values until a load or init gives them
+        (build: a meta-device model; a load that failed part-way: all of them)."""
+        self.unset |= set(names)
+        if buffers is not None:
+            self.unset_buffers = dict(buffers)
+
     def loaded(self, names) -> None:
         self.unset -= set(names)
 
@@ -490,8 +498,7 @@ class ParamSet:
             part = partial.index_select(0, idx)
             dist.all_reduce(part, op=op, group=group)
             partial.index_copy_(0, idx, part)
-            self.ledger.record_row(Row(Phase.UPDATE, Op.ALL_REDUCE, levels, levels, part.numel() * part.element_size(),
-                                       Per.CLIP, experts=comm is not None))
+            self.ledger.record_row(norm_row(levels, part.numel() * part.element_size(), experts=comm is not None))
         sharded = [k for k, s in enumerate(specs) if s.tp is not None and s.tp.sharded]
         if sharded:
             idx = torch.tensor(sharded, device=partial.device)
