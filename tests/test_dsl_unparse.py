@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import shardc.algorithms as algorithms
 from shardc.dsl import ShardcError, load_strategy, unparse
-from shardc.dsl.ir import (DEPENDENCY, STATES, BufferSync, Collectives, DType, Experts, GradsSpec, Level, Mesh, OptimSpec,
+from shardc.dsl.ir import (DEPENDENCY, STATES, BufferSync, Collectives, DType, Experts, GradsSpec, Granularity, Level, Mesh, OptimSpec,
                            Override, ParamsSpec, Scopes, Secondary, Strategy, UnitsKind, UnitsSpec)
 from shardc.dsl.mesh import MAX_DIGITS
 from shardc.dsl.parser import keywords
@@ -80,7 +80,7 @@ def scopes(draw, mesh: Mesh) -> Scopes:
     return Scopes(
         ParamsSpec(p, secondary, draw(dtypes("params", "comm")) if p else pd, pd),
         GradsSpec(g, draw(dtypes("grads", "comm")) if g else gd, gd),
-        OptimSpec(o))
+        OptimSpec(o, granularity=draw(st.sampled_from(Granularity)) if o else Granularity.FLAT))
 
 
 @st.composite
