@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
 from shardc.lowering import Lowering, RankPlan, Schedule, Stage, expert_group, is_expert, lower, unit_sizes
+from shardc.lowering.owned import owned_plan
 from shardc.units import UnitSpec, canonical_names, local_params, unit_members
 
 from . import buffers, graph_mode, simulation
@@ -150,6 +151,8 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     canon = list(dict.fromkeys(aliases[n] for n in order))
     pset = ParamSet(states, canon, dtensors, comm, ledger, runtime.boundary,
                     {id(g.storage): ecomm for u in states for g in u.groups if g.gplan.experts})
+    pset.owned_plan = owned_plan(strategy.mesh, canonical, {n: t.shape for n, t in params.items()},
+                                 {n: n not in frozen for n in params})   # lowering/owned.py
     if not simulation.active():                          # a simulated rank needs no values
         pset.unset |= unset
         pset.unset_buffers = unset_buffers(model)

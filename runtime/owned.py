@@ -1,0 +1,189 @@
+"""Tensor-owned optimizer steps — stage: runtime.
+
+Input: a torch optimizer that is not element-wise (`torch.optim.Muon`) over a
+ShardedModule's matrices whose `optim` scope is placed by tensor (dsl/ir.py [Note:
+tensor-owned scopes]), and the plan's owners (`ParamSet.owned_plan`, lowering/owned.py).
+Output: that optimizer's step run on whole tensors, each by its owner only: before the
+step every matrix's parameter and reduced gradient go to its owner (one all-to-all per
+group, the plan's SYNC row), the optimizer steps whole-tensor stand-ins of the matrices
+this rank owns, and after it the updated matrices return to the ranks holding their
+chunks (one all-to-all, the UPDATE row), written into the fp32 master chunks that the
+update all-gathers then spread as for any optimizer.
+
+[Note: stand-ins]
+The optimizer is built over the `ShardParam`s (`p.dim() == 2` as the whole parameter's,
+so Muon's own 2-D check passes) and its `param_groups` show them between steps. For the
+step only, each group's list holds one persistent stand-in per matrix (an `nn.Parameter`
+keyed in the optimizer's state, so its momentum lives whole on the owner, across steps):
+on the owner it holds the whole parameter and gradient, elsewhere nothing and no
+gradient, which torch's optimizers skip. After the step the stand-ins' data are released
+and the lists hold the ShardParams again. A whole matrix is transient: the persistent
+cost is the owner's optimizer state (K·m·n), as `explain` counts it.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import RuntimeUsageError
+
+_steps: "weakref.WeakKeyDictionary[torch.optim.Optimizer, OwnedStep]" = weakref.WeakKeyDictionary()
+
+
+def owned_names(pset) -> dict:
+    """name -> (OwnedGroup, OwnedTensor) of every matrix the plan places by tensor."""
+    plan = getattr(pset, "owned_plan", None)
+    return plan.owner_of() if plan is not None else {}
+
+
+def adopt(opt, pset, params) -> None:
+    """`opt` (not element-wise) steps whole tensors over `params`, all owned matrices."""
+    if opt not in _steps:
+        _steps[opt] = OwnedStep(opt, pset, params)
+
+
+def before(opt) -> None:
+    step = _steps.get(opt)
+    if step is not None:
+        step.to_owners()
+
+
+def after(opt) -> None:
+    step = _steps.get(opt)
+    if step is not None:
+        step.from_owners()
+
+
+class _Group:
+    """One OwnedGroup's matrices that this optimizer holds, with their ShardParams."""
+
+    def __init__(self, group, mine: list, pset):
+        self.plan = group
+        self.items = [(t, p) for t, p in mine]                   # plan order
+        specs = [p._shardc_spec for _, p in self.items]
+        self.position = specs[0].index
+        if any(s.ranks != group.ranks or s.index != self.position for s in specs):
+            raise RuntimeUsageError(f"the owners of {specs[0].name!r} and its group disagree with its chunks")
+        comm = pset.comm
+        self.pg = comm.smesh.group(group.levels, group.order)
+        self.ledger = pset.ledger
+        whole = {t.name for t in group.tensors} == {t.name for t, _ in self.items}
+        self.rows = group.rows if whole else ()                 # a subset moves fewer bytes than the plan's rows
+        if not whole and group.ranks > 1:
+            from dataclasses import replace
+            elems = sum(t.numel for t, _ in self.items)
+            self.rows = (replace(group.rows[0], bytes=8 * elems), replace(group.rows[1], bytes=4 * elems))
+
+
+class OwnedStep:
+    """One optimizer's whole-tensor step (see the module notes)."""
+
+    def __init__(self, opt, pset, params):
+        self.opt, self.pset = weakref.ref(opt), pset
+        names = owned_names(pset)
+        by_group: dict[int, tuple] = {}
+        held = {p._shardc_spec.name: p for p in params}
+        for g in pset.owned_plan.groups:
+            mine = [(t, held[t.name]) for t in g.tensors if t.name in held]
+            if mine:
+                by_group[id(g)] = _Group(g, mine, pset)
+        self.groups = list(by_group.values())
+        self.stand_ins = {n: nn.Parameter(torch.empty(0), requires_grad=True) for n in held if n in names}
+        self._saved = None
+
+    # -- before the step ---------------------------------------------------------------------
+    def to_owners(self) -> None:
+        """Every matrix's parameter and gradient (synced, clipped) to its owner; the
+        optimizer's lists hold the stand-ins."""
+        grads = self.pset.grads
+        for g in self.groups:
+            pos, ranks = g.position, g.plan.ranks
+            send, in_split = [], [0] * ranks
+            for t, p in g.items:
+                spec = p._shardc_spec
+                n = spec.hi - spec.lo
+                piece = p.to_local()[:n]
+                grad = grads[t.name][1][:n]
+                send.append((t.owner, piece, grad))
+                in_split[t.owner] += 2 * n
+            # per destination, in plan order: [param piece, grad piece] per matrix
+            flat = [x for d in range(ranks) for o, a, b in send if o == d for x in (a, b)]
+            inp = torch.cat([x.reshape(-1) for x in flat]) if flat else torch.empty(0)
+            mine = [(t, p) for t, p in g.items if t.owner == pos]
+            out_split = [sum(2 * _len(p._shardc_spec.range_of(c)) for _, p in mine) for c in range(ranks)]
+            out = torch.empty(sum(out_split), dtype=inp.dtype, device=inp.device)
+            if g.pg is None:
+                out.copy_(inp)
+            else:
+                dist.all_to_all_single(out, inp, out_split, in_split, group=g.pg)
+                g.ledger.record_row(g.rows[0])
+            wholes = {t.name: (out.new_empty(t.numel), out.new_empty(t.numel))
+                      for t, _ in mine}
+            at = 0
+            for c in range(ranks):
+                for t, p in mine:
+                    a, b = p._shardc_spec.range_of(c)
+                    w, gr = wholes[t.name]
+                    w[a:b] = out[at:at + b - a]
+                    gr[a:b] = out[at + b - a:at + 2 * (b - a)]
+                    at += 2 * (b - a)
+            for t, p in g.items:
+                s = self.stand_ins[t.name]
+                if t.name in wholes:
+                    w, gr = wholes[t.name]
+                    s.data = w.view(t.shape)
+                    s.grad = gr.view(t.shape)
+                else:
+                    s.data, s.grad = torch.empty(0), None
+        opt = self.opt()
+        self._saved = [grp["params"] for grp in opt.param_groups]
+        for grp in opt.param_groups:
+            grp["params"] = [self.stand_ins.get(p._shardc_spec.name, p) for p in grp["params"]]
+
+    # -- after the step ----------------------------------------------------------------------
+    def from_owners(self) -> None:
+        """The updated matrices back into every rank's master chunks; the optimizer's
+        lists hold the ShardParams again."""
+        if self._saved is None:
+            return
+        opt = self.opt()
+        for grp, saved in zip(opt.param_groups, self._saved):
+            grp["params"] = saved
+        self._saved = None
+        for g in self.groups:
+            pos, ranks = g.position, g.plan.ranks
+            mine = [(t, p) for t, p in g.items if t.owner == pos]
+            parts, in_split = [], [0] * ranks
+            for c in range(ranks):
+                for t, p in mine:
+                    a, b = p._shardc_spec.range_of(c)
+                    parts.append(self.stand_ins[t.name].detach().reshape(-1)[a:b])
+                    in_split[c] += b - a
+            inp = torch.cat(parts) if parts else torch.empty(0)
+            out_split = [0] * ranks
+            for t, p in g.items:
+                spec = p._shardc_spec
+                out_split[t.owner] += spec.hi - spec.lo
+            out = torch.empty(sum(out_split), dtype=torch.float32, device=inp.device)
+            if g.pg is None:
+                out.copy_(inp)
+            else:
+                dist.all_to_all_single(out, inp, out_split, in_split, group=g.pg)
+                g.ledger.record_row(g.rows[1])
+            at = 0
+            for d in range(ranks):
+                for t, p in g.items:
+                    if t.owner == d:
+                        n = p._shardc_spec.hi - p._shardc_spec.lo
+                        p.to_local()[:n].copy_(out[at:at + n])
+                        at += n
+            for t, _ in g.items:
+                s = self.stand_ins[t.name]
+                s.data, s.grad = torch.empty(0), None
+
+
+def _len(r) -> int:
+    return r[1] - r[0]
