@@ -101,31 +101,62 @@ def _reference(model, data):
     return {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
-def _train(rank, world, text, acc=2, steps=3):
+def _train(rank, world, texts, acc=2, steps=2):
     from shardc.runtime import shard_module
-    s = shardc.load_strategy(text)
-    data = batches(steps, world, acc)
-    model = Tiny()
-    want = _reference(model, data)
-    sm = shard_module(copy.deepcopy(model), s, _units(model, s))
-    opts = _opts(list(sm.named_parameters()))
-    for x, y in data:
-        xs, ys = x.chunk(world)[rank].chunk(acc), y.chunk(world)[rank].chunk(acc)
-        for m in range(acc):
-            (loss_fn(sm(xs[m]), ys[m]) / acc).backward()
-        sm.clip_grad_norm_(CLIP)
-        for o in opts:
-            o.step()
-        for o in opts:
-            o.zero_grad()
-    state = opts[0].state
-    owned = sum(v["momentum_buffer"].numel() for v in state.values())
-    return max_rel_err(sm.full_state_dict(), want), owned
+    out = []
+    for text in texts:
+        s = shardc.load_strategy(text)
+        data = batches(steps, world, acc)
+        model = Tiny()
+        want = _reference(model, data)
+        sm = shard_module(copy.deepcopy(model), s, _units(model, s))
+        opts = _opts(list(sm.named_parameters()))
+        for x, y in data:
+            xs, ys = x.chunk(world)[rank].chunk(acc), y.chunk(world)[rank].chunk(acc)
+            for m in range(acc):
+                (loss_fn(sm(xs[m]), ys[m]) / acc).backward()
+            sm.clip_grad_norm_(CLIP)
+            for o in opts:
+                o.step()
+            for o in opts:
+                o.zero_grad()
+        owned = sum(v["momentum_buffer"].numel() for v in opts[0].state.values())
+        out.append((max_rel_err(sm.full_state_dict(), want), owned))
+    return out
 
 
-def test_muon_adamw_parity_zero3_by_tensor_4_ranks():
-    results = dist_run(4, _train, OWNED)
-    for err, _ in results:
-        assert err < 1e-5, results
-    # each matrix's momentum lives whole on exactly one rank
-    assert sum(n for _, n in results) == 6 * D * H
+def _layout(mesh, params, grads, optim):
+    return (f"mesh {mesh}\nparams {params}\ngrads  {grads}\noptim  {optim}\naccumulate 2\n"
+            f'override "blocks.*" {{ optim {optim} by tensor }}\n')
+
+
+FOUR = "node(2) > gpu(2)"
+LAYOUTS = {
+    "zero3": (OWNED,),
+    # PaRO-IIG: params and grads over gpu, the matrices' owners over the world
+    "paro_iig": (_layout(FOUR, "shard over gpu", "shard over gpu", "shard over world"),),
+    # owners over gpu, replicated over node (each node's ranks own every matrix once)
+    "owners_gpu": (_layout(FOUR, "shard over gpu", "shard over gpu", "shard over gpu"),),
+    # hpZ: a secondary params shard over gpu
+    "hpz": (_layout(FOUR, "shard over world secondary gpu", "shard over world", "shard over world"),),
+}
+
+
+def _check(results, copies):
+    for rank_res in results:
+        for err, _ in rank_res:
+            assert err < 1e-5, results
+    # each matrix's momentum lives whole on one rank of each owner group (`copies` groups)
+    for k in range(len(results[0])):
+        assert sum(r[k][1] for r in results) == copies[k] * 6 * D * H
+
+
+def test_muon_adamw_parity_by_tensor_4_ranks():
+    names = list(LAYOUTS)
+    _check(dist_run(4, _train, [LAYOUTS[n][0] for n in names]),
+           [2 if n == "owners_gpu" else 1 for n in names])
+
+
+def test_muon_adamw_parity_by_tensor_8_ranks():
+    text = _layout("node(2) > gpu(4)", "shard over world", "shard over world", "shard over world")
+    _check(dist_run(8, _train, [text]), [1])
