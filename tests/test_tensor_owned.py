@@ -160,3 +160,71 @@ def test_muon_adamw_parity_by_tensor_4_ranks():
 def test_muon_adamw_parity_by_tensor_8_ranks():
     text = _layout("node(2) > gpu(4)", "shard over world", "shard over world", "shard over world")
     _check(dist_run(8, _train, [text]), [1])
+
+
+# -- the ledger and the memory equal explain's -------------------------------------------------
+LLAMA_OWNED = """\
+mesh node(2) > gpu(2)
+params shard over world
+grads  shard over world
+optim  shard over world
+accumulate 2
+override "layers.*" { optim shard over world by tensor }
+"""
+
+
+def _llama():
+    import os
+    from shardc.cli.loader import load_factory
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    torch.manual_seed(0)
+    return load_factory(os.path.join(root, "examples/llama.py") + ":llama_tiny")()
+
+
+def _llama_opts(named):
+    muon = [p for n, p in named if n.startswith("layers.") and p.dim() == 2]
+    rest = [p for n, p in named if not (n.startswith("layers.") and p.dim() == 2)]
+    return torch.optim.Muon(muon, lr=LR), torch.optim.AdamW(rest, lr=1e-3)
+
+
+def _measure(rank, world):
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
+    from shardc.runtime import shard_module
+    from shardc.units import find_units
+    s = shardc.load_strategy(LLAMA_OWNED)
+    model = _llama()
+    sm = shard_module(model, s, find_units(model, resolve_bucket(model, s)))
+    opts = _llama_opts(list(sm.named_parameters()))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x = torch.randint(0, 101, (2, 8), generator=g)
+        (sm(x).float().pow(2).mean() / 2).backward()
+    sm.clip_grad_norm_(1.0)
+    for o in opts:
+        o.step()
+    for o in opts:
+        o.zero_grad()
+    ledger = [(r.phase, r.op, tuple(r.levels), r.bytes, r.count) for r in sm.comm_ledger()]
+    return ledger, sm.memory_report()["optim"]
+
+
+def test_ledger_and_optim_memory_equal_explains():
+    from shardc.analysis.costmodel import predict_ledger
+    from shardc.analysis.costmodel.memory import optimizer_state_bytes
+    from shardc.analysis.costmodel.owned import optim_bytes_per_rank, owned_of, with_owned_rows
+    from shardc.analysis.costmodel.report import model_units
+    from shardc.lowering import lower
+    s = shardc.load_strategy(LLAMA_OWNED)
+    model = _llama()
+    units = model_units(s, model)
+    owned = owned_of(s, model)
+    ledger = [(r.phase, r.op, tuple(r.levels), r.bytes, r.count)
+              for r in with_owned_rows(predict_ledger(s, units, micro_batches=2, clip_grad_norm=True), owned)]
+    optim = optim_bytes_per_rank(s, lower(s.mesh, units, s.prefetch), owned,
+                                 k_flat=optimizer_state_bytes("adamw"), k_owned=optimizer_state_bytes("muon"))
+    measured = dist_run(4, _measure)
+    assert any(op == "all_to_all" for _, op, *_ in ledger)
+    for rank, (got_ledger, got_optim) in enumerate(measured):
+        assert got_ledger == ledger, rank
+        assert got_optim == optim[rank], (rank, optim)
+    assert len(set(optim)) > 1          # the owners' whole states differ per rank

@@ -32,7 +32,7 @@ from shardc.lowering import Lowering, lower
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_KINDS, optimizer_kind
 
 # The classes K_state is known for, as the command line spells them.
-OPTIMIZERS = tuple(k.name.lower() for k in OPTIMIZER_KINDS.values() if k.state_bytes is not None)
+OPTIMIZERS = tuple(k.name.lower() for k in OPTIMIZER_KINDS.values() if k.state_bytes is not None and k.elementwise)
 
 
 def optimizer_state_bytes(optimizer: str = DEFAULT_OPTIMIZER, **kw) -> int:
