@@ -228,3 +228,15 @@ def test_ledger_and_optim_memory_equal_explains():
         assert got_ledger == ledger, rank
         assert got_optim == optim[rank], (rank, optim)
     assert len(set(optim)) > 1          # the owners' whole states differ per rank
+
+
+def test_explain_prints_the_owners_and_their_rows(tmp_path, capsys):
+    from shardc.cli import main
+    path = tmp_path / "owned.shard"
+    path.write_text(LLAMA_OWNED)
+    assert main(["explain", str(path), "--model", "examples/llama.py:llama_tiny", "--clip", "--no-graph"]) == 0
+    out = capsys.readouterr().out
+    # llama_tiny's 2 blocks hold 7 matrices each (wq, wk, wv, wo, w1, w2, w3), over 4 owners
+    assert "tensor owners over node, gpu (14 matrices, 4 owners" in out
+    assert sum(f"  owner {r}: " in out for r in range(4)) == 4
+    assert "all_to_all" in out

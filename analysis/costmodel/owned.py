@@ -25,7 +25,7 @@ from shardc.lowering import Lowering, RankPlan, ledger_key, merged
 from shardc.lowering.layout import mixed_index
 from shardc.lowering.owned import OwnedPlan, owned_plan
 
-__all__ = ["Owned", "owned_of", "with_owned_rows", "optim_bytes_per_rank", "owners_lines"]
+__all__ = ["Owned", "owned_of", "with_owned_rows", "optim_bytes_per_rank", "owners_lines", "explain_owned"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +109,32 @@ def owners_lines(owned: Owned) -> list[str]:
             lines.append(f"  owner {pos}: {len(mats)} matrices, {g.owned_elems(pos)} elements, "
                          f"cost {load[pos]:.3g} ({share}): {shown or 'none'}")
     return lines
+
+
+def explain_owned(e, model, *, k_flat: int, k_owned: int):
+    """`e` (an `Explained`) with the owners' rows in its ledger and link bytes and the
+    most-loaded rank's optimizer states in its memory, and the lines explain prints about
+    the owners; `(e, [])` when no scope is by tensor."""
+    import dataclasses
+
+    from shardc.analysis.costmodel.links import inter_intra, link_bytes
+    s = e.strategy
+    owned = owned_of(s, model)
+    if owned is None:
+        return e, []
+    records = tuple(with_owned_rows(e.ledger, owned))
+    links = link_bytes(records, s.mesh, e.algo, s.expert_mesh)
+    inter, intra = inter_intra(links, s.mesh)
+    per_rank = optim_bytes_per_rank(s, e.plan, owned, k_flat=k_flat, k_owned=k_owned)
+    memory = dict(e.memory)
+    memory["optim"] = max(per_rank)
+    memory["total"] = sum(memory[k] for k in ("params", "params_secondary", "grads", "optim"))
+    lines = owners_lines(owned) + [
+        f"optimizer states per rank (element-wise K={k_flat} on chunks, whole-tensor K={k_owned} on owned "
+        f"matrices): " + ", ".join(f"rank {r} {b:,}" for r, b in enumerate(per_rank[:8]))
+        + (f" ... ({len(per_rank)} ranks; memory shows the largest)" if len(per_rank) > 8 else
+           " (memory shows the largest)")]
+    return dataclasses.replace(e, ledger=records, links=links, inter=inter, intra=intra, memory=memory), lines
 
 
 def _numel(shape) -> int:
