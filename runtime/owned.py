@@ -33,6 +33,24 @@ from .errors import RuntimeUsageError
 _steps: "weakref.WeakKeyDictionary[torch.optim.Optimizer, OwnedStep]" = weakref.WeakKeyDictionary()
 
 
+def refuse(plan, strategy, backend: str, tp: dict) -> None:
+    """What tensor ownership does not run yet, in one sentence each: the whole-step mode,
+    an `experts` statement, a tensor-parallel (DTensor) matrix."""
+    if not plan.groups:
+        return
+    where = strategy.file
+    if backend == "inductor":
+        raise RuntimeUsageError(f"{where}: backend='inductor' does not take an `optim ... by tensor` scope yet; "
+                                f"use the eager runtime (backend='eager')")
+    if strategy.experts is not None:
+        raise RuntimeUsageError(f"{where}: an `optim ... by tensor` scope does not combine with an `experts` "
+                                f"statement yet; place the optimizer states element-wise (drop `by tensor`)")
+    dt = next((t.name for g in plan.groups for t in g.tensors if t.name in tp), None)
+    if dt is not None:
+        raise RuntimeUsageError(f"{dt!r} is a tensor-parallel DTensor, which an `optim ... by tensor` scope "
+                                f"cannot own whole yet; keep its unit element-wise with an override")
+
+
 def owned_names(pset) -> dict:
     """name -> (OwnedGroup, OwnedTensor) of every matrix the plan places by tensor."""
     plan = getattr(pset, "owned_plan", None)

@@ -240,3 +240,31 @@ def test_explain_prints_the_owners_and_their_rows(tmp_path, capsys):
     assert "tensor owners over node, gpu (14 matrices, 4 owners" in out
     assert sum(f"  owner {r}: " in out for r in range(4)) == 4
     assert "all_to_all" in out
+
+
+# -- refusals -------------------------------------------------------------------------------------
+def _refusals(rank, world):
+    from shardc.runtime import shard_module
+    out = {}
+    flat = shardc.load_strategy(OWNED.replace(' by tensor', ''))
+    model = Tiny()
+    sm = shard_module(copy.deepcopy(model), flat, _units(model, flat))
+    muon, _ = _split(list(sm.named_parameters()))
+    try:
+        torch.optim.Muon(muon, lr=LR).step()
+    except shardc.ShardcError as e:
+        out["flat"] = str(e)
+    s = shardc.load_strategy(OWNED)
+    try:
+        shard_module(copy.deepcopy(model), s, _units(model, s), backend="inductor")
+    except shardc.ShardcError as e:
+        out["inductor"] = str(e)
+    return out
+
+
+def test_refusals_name_the_tensor_owned_scope():
+    got = dist_run(4, _refusals)[0]
+    assert "Muon is not an element-wise optimizer" in got["flat"]
+    assert "'blocks.0.up.weight' is a flat chunk over node, gpu" in got["flat"]
+    assert "`optim shard over LEVELS by tensor`" in got["flat"] and "\n" not in got["flat"]
+    assert "backend='inductor'" in got["inductor"] and "by tensor" in got["inductor"]
