@@ -61,6 +61,15 @@ def adopt(opt, pset, params) -> None:
     """`opt` (not element-wise) steps whole tensors over `params`, all owned matrices."""
     if opt not in _steps:
         _steps[opt] = OwnedStep(opt, pset, params)
+        opt.register_state_dict_pre_hook(_no_checkpoint, prepend=True)
+        opt.register_load_state_dict_pre_hook(_no_checkpoint, prepend=True)
+
+
+def _no_checkpoint(opt, *_):
+    raise RuntimeUsageError(
+        f"{type(opt).__name__}'s states are placed by tensor (`optim ... by tensor`), whose checkpoints "
+        f"(state_dict, DCP) are not supported yet; save and resume under an element-wise layout or "
+        f"`optim replicate`, or keep the model's own state dict (sm.state_dict()) only")
 
 
 def before(opt) -> None:

@@ -121,6 +121,8 @@ def _train(rank, world, texts, acc=2, steps=2):
             for o in opts:
                 o.zero_grad()
         owned = sum(v["momentum_buffer"].numel() for v in opts[0].state.values())
+        with pytest.raises(shardc.ShardcError, match="placed by tensor"):
+            opts[0].state_dict()
         out.append((max_rel_err(sm.full_state_dict(), want), owned))
     return out
 
