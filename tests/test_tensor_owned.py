@@ -274,3 +274,9 @@ def test_refusals_name_the_tensor_owned_scope():
     assert "'blocks.0.up.weight' is a flat chunk over node, gpu" in got["flat"]
     assert "`optim shard over LEVELS by tensor`" in got["flat"] and "\n" not in got["flat"]
     assert "backend='inductor'" in got["inductor"] and "by tensor" in got["inductor"]
+
+
+def test_newton_schulz_flops_follow_muons_iterations():
+    from shardc.analysis.costmodel.owned import NS_STEPS, ns_step_flops
+    # a 4x6 matrix (m = 4 <= n = 6): X·Xᵀ 2·4·4·6, A·A 2·4³, B·X 2·4·4·6, per iteration
+    assert ns_step_flops((6, 4)) == ns_step_flops((4, 6)) == NS_STEPS * (2 * 96 + 2 * 64 + 2 * 96)

@@ -25,7 +25,10 @@ from shardc.lowering import Lowering, RankPlan, ledger_key, merged
 from shardc.lowering.layout import mixed_index
 from shardc.lowering.owned import OwnedPlan, owned_plan
 
-__all__ = ["Owned", "owned_of", "with_owned_rows", "optim_bytes_per_rank", "owners_lines", "explain_owned"]
+__all__ = ["Owned", "owned_of", "with_owned_rows", "optim_bytes_per_rank", "owners_lines", "explain_owned",
+           "NS_STEPS", "ns_step_flops", "owner_flops"]
+
+NS_STEPS = 5                      # torch.optim.Muon's default ns_steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,24 @@ def with_owned_rows(records, owned: Owned) -> list:
     for row in owned.plan.rows:
         counts[ledger_key(row)] += 1
     return merged(counts)
+
+
+def ns_step_flops(shape, steps: int = NS_STEPS) -> int:
+    """FLOPs of torch.optim.Muon's Newton–Schulz on an m×n matrix (m ≤ n after its transpose),
+    per iteration: A = X·Xᵀ (2m²n), B = b·A + c·A·A (2m³), X = a·X + B·X (2m²n)."""
+    m, n = sorted(tuple(shape))
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def owner_flops(owned: Owned) -> list[tuple[int, ...]]:
+    """Per owner group: each owner's Newton–Schulz FLOPs per step."""
+    out = []
+    for g in owned.plan.groups:
+        load = [0] * g.ranks
+        for t in g.tensors:
+            load[t.owner] += ns_step_flops(t.shape)
+        out.append(tuple(load))
+    return out
 
 
 def optim_bytes_per_rank(strategy: Strategy, lowering: Lowering, owned: Owned, *, k_flat: int,
@@ -111,10 +132,11 @@ def owners_lines(owned: Owned) -> list[str]:
     return lines
 
 
-def explain_owned(e, model, *, k_flat: int, k_owned: int):
-    """`e` (an `Explained`) with the owners' rows in its ledger and link bytes and the
-    most-loaded rank's optimizer states in its memory, and the lines explain prints about
-    the owners; `(e, [])` when no scope is by tensor."""
+def explain_owned(e, model, *, k_flat: int, k_owned: int, flops: float | None = None):
+    """`e` (an `Explained`) with the owners' rows in its ledger and link bytes, the
+    most-loaded rank's optimizer states in its memory and, at `flops` FLOP/s, the most-loaded
+    owner's Newton–Schulz time in its step time (after the sync, not overlapped), and the
+    lines explain prints about the owners; `(e, [])` when no scope is by tensor."""
     import dataclasses
 
     from shardc.analysis.costmodel.links import inter_intra, link_bytes
@@ -134,7 +156,21 @@ def explain_owned(e, model, *, k_flat: int, k_owned: int):
         f"matrices): " + ", ".join(f"rank {r} {b:,}" for r, b in enumerate(per_rank[:8]))
         + (f" ... ({len(per_rank)} ranks; memory shows the largest)" if len(per_rank) > 8 else
            " (memory shows the largest)")]
-    return dataclasses.replace(e, ledger=records, links=links, inter=inter, intra=intra, memory=memory), lines
+    time, rates = e.time, e.rates
+    if flops and time is not None:
+        loads = owner_flops(owned)
+        worst = sum(max(l) for l in loads) / flops
+        mean = sum(sum(l) / len(l) for l in loads) / flops
+        every = sum(sum(l) for l in loads) / flops
+        lines.append(f"optimizer step (Muon's Newton–Schulz, {NS_STEPS} iterations) at {flops:.3g} FLOP/s: "
+                     f"most-loaded owner {worst * 1e3:.3g} ms, mean {mean * 1e3:.3g} ms "
+                     f"(every matrix on every rank: {every * 1e3:.3g} ms); added to the step time")
+        time = dataclasses.replace(time, compute=time.compute + worst, total=time.total + worst)
+        if rates:
+            rates = {k: (v * e.time.total / time.total if k in ("tokens_per_s", "mfu") else v)
+                     for k, v in rates.items()}
+    return dataclasses.replace(e, ledger=records, links=links, inter=inter, intra=intra, memory=memory,
+                               time=time, rates=rates), lines
 
 
 def _numel(shape) -> int:
