@@ -21,9 +21,12 @@ explain, and its most-loaded owner is within the largest single matrix of the me
 [Note: owned rows]
 The step's two all-to-alls run over the optim scope's group, positions in its chunk
 digit order (the order of the master's chunks, so a rank's position is its chunk index).
-Their ledger bytes are the logical payload, every matrix once: fp32 parameter plus
-gradient to the owners (Phase.SYNC), the fp32 parameter back (Phase.UPDATE); each once
-per optimizer step. A group of one rank has no rows (the owner is the rank itself).
+Their ledger bytes follow the all-to-all convention of the links model
+(analysis/costmodel/links.py: each rank's buffer V, V/p to each peer): a rank's mean
+share of every matrix, fp32 parameter plus gradient to the owners (Phase.SYNC,
+8·Σ m·n / p, rounded down) and the fp32 parameter back (Phase.UPDATE, 4·Σ m·n / p);
+each once per optimizer step. A group of one rank has no rows (the owner is the rank
+itself).
 """
 from __future__ import annotations
 
@@ -135,7 +138,7 @@ def owned_plan(mesh: Mesh, units, shapes: dict, trainable: dict) -> OwnedPlan:
         tensors = tuple(OwnedTensor(n, s, o, c) for (n, s), o, c in zip(mats, owners, costs))
         elems = sum(t.numel for t in tensors)
         rows = () if ranks == 1 else (
-            Row(Phase.SYNC, Op.ALL_TO_ALL, levels, order, 2 * FP32 * elems, Per.STEP, state="optim"),
-            Row(Phase.UPDATE, Op.ALL_TO_ALL, levels, order, FP32 * elems, Per.STEP, state="optim"))
+            Row(Phase.SYNC, Op.ALL_TO_ALL, levels, order, 2 * FP32 * elems // ranks, Per.STEP, state="optim"),
+            Row(Phase.UPDATE, Op.ALL_TO_ALL, levels, order, FP32 * elems // ranks, Per.STEP, state="optim"))
         groups.append(OwnedGroup(levels, order, ranks, tensors, rows))
     return OwnedPlan(tuple(groups))

@@ -102,7 +102,8 @@ class _Group:
         if not whole and group.ranks > 1:
             from dataclasses import replace
             elems = sum(t.numel for t, _ in self.items)
-            self.rows = (replace(group.rows[0], bytes=8 * elems), replace(group.rows[1], bytes=4 * elems))
+            r = group.ranks
+            self.rows = (replace(group.rows[0], bytes=8 * elems // r), replace(group.rows[1], bytes=4 * elems // r))
 
 
 class OwnedStep:

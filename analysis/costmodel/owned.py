@@ -132,10 +132,11 @@ def owners_lines(owned: Owned) -> list[str]:
     return lines
 
 
-def explain_owned(e, model, *, k_flat: int, k_owned: int, flops: float | None = None):
+def explain_owned(e, model, *, k_flat: int, k_owned: int, flops: float | None = None, bandwidth=None):
     """`e` (an `Explained`) with the owners' rows in its ledger and link bytes, the
     most-loaded rank's optimizer states in its memory and, at `flops` FLOP/s, the most-loaded
-    owner's Newton–Schulz time in its step time (after the sync, not overlapped), and the
+    owner's Newton–Schulz time in its step time (after the sync, not overlapped), with the
+    owners' two all-to-alls on `bandwidth` (exposed: they bracket the optimizer step), and the
     lines explain prints about the owners; `(e, [])` when no scope is by tensor."""
     import dataclasses
 
@@ -166,6 +167,12 @@ def explain_owned(e, model, *, k_flat: int, k_owned: int, flops: float | None = 
                      f"most-loaded owner {worst * 1e3:.3g} ms, mean {mean * 1e3:.3g} ms "
                      f"(every matrix on every rank: {every * 1e3:.3g} ms); added to the step time")
         time = dataclasses.replace(time, compute=time.compute + worst, total=time.total + worst)
+    if bandwidth is not None and time is not None:
+        from shardc.analysis.costmodel.timing import phase_costs
+        cost, _ = phase_costs([(r, 1) for r in owned.plan.rows], s.mesh, bandwidth, e.algo, s.expert_mesh)
+        comm = {k: v + cost.get(k, 0.0) for k, v in time.comm.items()}
+        time = dataclasses.replace(time, comm=comm, total=time.total + sum(cost.values()))
+    if time is not e.time:
         if rates:
             rates = {k: (v * e.time.total / time.total if k in ("tokens_per_s", "mfu") else v)
                      for k, v in rates.items()}

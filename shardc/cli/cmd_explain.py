@@ -86,7 +86,8 @@ def run(args) -> int:
         from shardc.lowering.optimizers import OWNED_OPTIMIZER
         e, owners = explain_owned(e, meta_model(args.model, strategy, args.tp),
                                   k_flat=optimizer_state_bytes(args.optimizer, **kw),
-                                  k_owned=optimizer_state_bytes(OWNED_OPTIMIZER), flops=rate)
+                                  k_owned=optimizer_state_bytes(OWNED_OPTIMIZER), flops=rate,
+                                  bandwidth=bw)
     if args.plot:
         from shardc.cli.plot import plot_among_named
         plot_among_named(e, args.model, args.plot, optimizer=args.optimizer, optimizer_kwargs=kw)
