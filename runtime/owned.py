@@ -23,6 +23,7 @@ cost is the owner's optimizer state (K·m·n), as `explain` counts it.
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,8 @@ class _Group:
 
     def __init__(self, group, mine: list, pset):
         self.plan = group
-        self.items = [(t, p) for t, p in mine]                   # plan order
+        self.items = list(mine)                                  # plan order
+        self.device = mine[0][1].device
         specs = [p._shardc_spec for _, p in self.items]
         self.position = specs[0].index
         if any(s.ranks != group.ranks or s.index != self.position for s in specs):
@@ -97,12 +99,9 @@ class _Group:
         comm = pset.comm
         self.pg = comm.smesh.group(group.levels, group.order)
         self.ledger = pset.ledger
-        whole = {t.name for t in group.tensors} == {t.name for t, _ in self.items}
-        self.rows = group.rows if whole else ()                 # a subset moves fewer bytes than the plan's rows
-        if not whole and group.ranks > 1:
-            from dataclasses import replace
-            elems = sum(t.numel for t, _ in self.items)
-            r = group.ranks
+        self.rows = group.rows
+        if {t.name for t in group.tensors} != {t.name for t, _ in self.items} and group.ranks > 1:
+            elems, r = sum(t.numel for t, _ in self.items), group.ranks   # a subset: fewer bytes than the plan's
             self.rows = (replace(group.rows[0], bytes=8 * elems // r), replace(group.rows[1], bytes=4 * elems // r))
 
 
@@ -139,7 +138,7 @@ class OwnedStep:
                 in_split[t.owner] += 2 * n
             # per destination, in plan order: [param piece, grad piece] per matrix
             flat = [x for d in range(ranks) for o, a, b in send if o == d for x in (a, b)]
-            inp = torch.cat([x.reshape(-1) for x in flat]) if flat else torch.empty(0)
+            inp = torch.cat([x.reshape(-1) for x in flat]) if flat else torch.empty(0, device=g.device)
             mine = [(t, p) for t, p in g.items if t.owner == pos]
             out_split = [sum(2 * _len(p._shardc_spec.range_of(c)) for _, p in mine) for c in range(ranks)]
             out = torch.empty(sum(out_split), dtype=inp.dtype, device=inp.device)
@@ -190,7 +189,7 @@ class OwnedStep:
                     a, b = p._shardc_spec.range_of(c)
                     parts.append(self.stand_ins[t.name].detach().reshape(-1)[a:b])
                     in_split[c] += b - a
-            inp = torch.cat(parts) if parts else torch.empty(0)
+            inp = torch.cat(parts) if parts else torch.empty(0, device=g.device)
             out_split = [0] * ranks
             for t, p in g.items:
                 spec = p._shardc_spec
