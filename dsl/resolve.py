@@ -341,6 +341,10 @@ def _experts(stmt: ast.Statement, top_bound: dict, sizes: dict[str, int], ctx: _
                                "(the experts then take the top-level scopes)"))
     if whole:
         _ep_twice(inner, whole, ep_word, ctx)
+    by = inner["optim"].scope.by if "optim" in inner and inner["optim"].scope is not None else None
+    if by is not None:
+        ctx.diags.append(error(by.span, f"the experts' optimizer states cannot be placed by {by.text} yet",
+                               "drop `by ...` in the experts block: the experts keep element-wise chunks"))
     scopes, bound = _scopes(inner, top_bound, ctx)
     bound = dict(bound, _label=label, _own=set(inner), _drop=whole)
     own = {k: getattr(scopes, k) for k in STATES if k in inner}

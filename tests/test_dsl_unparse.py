@@ -134,7 +134,7 @@ def experts(draw, mesh: Mesh, top: Scopes) -> Experts:
         return levels if tuple(levels) == mesh.names else tuple(n for n in levels if n != whole)
     sc = draw(scopes(mesh))
     sc = Scopes(replace(sc.params, levels=drop(sc.params.levels)), replace(sc.grads, levels=drop(sc.grads.levels)),
-                replace(sc.optim, levels=drop(sc.optim.levels)))
+                replace(sc.optim, levels=drop(sc.optim.levels), granularity=Granularity.FLAT))   # no `by` yet
     sc = replace(sc, params=replace(sc.params, comm=sc.params.dtype) if not sc.params.levels else sc.params,
                  grads=replace(sc.grads, comm=sc.grads.dtype) if not sc.grads.levels else sc.grads)
     if not sc.params.levels and sc.params.secondary is not None:
