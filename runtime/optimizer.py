@@ -109,8 +109,9 @@ def _post_step(opt, args, kwargs) -> None:
 
 def _check_cls(cls, pset, params) -> bool:
     """Whether `cls` steps whole tensors (runtime/owned.py): not element-wise, over matrices
-    whose optim scope is by tensor. An element-wise one runs on any chunks (False); one
-    that is not is refused on a flat chunk in one sentence naming the tensor-owned scope."""
+    whose optim scope is by tensor or over whole pieces. An element-wise one runs on any
+    chunks (False); one that is not is refused on a flat chunk in one sentence naming the
+    tensor-owned scope."""
     if cls in ELEMENTWISE:
         return False
     owners = owned.owned_names(pset)
@@ -123,7 +124,7 @@ def _check_cls(cls, pset, params) -> bool:
             f"{', '.join(flat[0]._shardc_spec.levels)}); place its 2-D parameters' states by tensor "
             f"(`optim shard over LEVELS by tensor`, each matrix whole on one owner), use one of "
             f"{', '.join(c.__name__ for c in ELEMENTWISE)}, or 'optim replicate'")
-    return any(p._shardc_spec.name in owners for p in params)
+    return True
 
 
 def build_optimizer(pset, aliases: dict[str, str], frozen: set[str], cls,

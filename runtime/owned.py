@@ -16,7 +16,10 @@ so Muon's own 2-D check passes) and its `param_groups` show them between steps. 
 step only, each group's list holds one persistent stand-in per matrix (an `nn.Parameter`
 keyed in the optimizer's state, so its momentum lives whole on the owner, across steps):
 on the owner it holds the whole parameter and gradient, elsewhere nothing and no
-gradient, which torch's optimizers skip. After the step the stand-ins' data are released
+gradient, which torch's optimizers skip. A parameter whose piece is already whole (optim
+`replicate`, or a group of one rank) gets a stand-in too: a view of its piece in its own
+shape (a flat piece is 1-D), updated in place, with no communication. After the step the
+stand-ins' data are released
 and the lists hold the ShardParams again. A whole matrix is transient: the persistent
 cost is the owner's optimizer state (K·m·n), as `explain` counts it.
 """
@@ -67,10 +70,15 @@ def adopt(opt, pset, params) -> None:
 
 
 def _no_checkpoint(opt, *_):
+    step = _steps.get(opt)
+    # the same answer on every rank: owned matrices (the plan's), or state on the views of
+    # whole pieces (every rank steps them all); LBFGS keeps its own list, so none
+    if step is None or not (step.groups or any(step.stand_ins[n] in opt.state for n in step.views)):
+        return
     raise RuntimeUsageError(
-        f"{type(opt).__name__}'s states are placed by tensor (`optim ... by tensor`), whose checkpoints "
-        f"(state_dict, DCP) are not supported yet; save and resume under an element-wise layout or "
-        f"`optim replicate`, or keep the model's own state dict (sm.state_dict()) only")
+        f"{type(opt).__name__}'s states are kept whole per tensor (`optim ... by tensor`, or whole pieces "
+        f"under `optim replicate`), whose checkpoints (state_dict, DCP) are not supported yet; keep the "
+        f"model's own state dict (sm.state_dict()) only, or checkpoint an element-wise optimizer")
 
 
 def before(opt) -> None:
@@ -118,7 +126,10 @@ class OwnedStep:
             if mine:
                 by_group[id(g)] = _Group(g, mine, pset)
         self.groups = list(by_group.values())
-        self.stand_ins = {n: nn.Parameter(torch.empty(0), requires_grad=True) for n in held if n in names}
+        # [Note: stand-ins] whole pieces (optim replicate) are viewed in the parameter's shape, in place
+        self.views = {n: p for n, p in held.items() if n not in names and p._is_whole}
+        self.stand_ins = {n: nn.Parameter(torch.empty(0), requires_grad=True) for n in held
+                          if n in names or n in self.views}
         self._saved = None
 
     # -- before the step ---------------------------------------------------------------------
@@ -165,6 +176,11 @@ class OwnedStep:
                     s.grad = gr.view(t.shape)
                 else:
                     s.data, s.grad = torch.empty(0), None
+        for name, p in self.views.items():
+            s, shape = self.stand_ins[name], tuple(p._shardc_spec.global_shape)
+            n = p._shardc_spec.numel
+            s.data = p.to_local()[:n].view(shape)
+            s.grad = grads[name][1][:n].view(shape) if self.pset.ours(p) else None
         opt = self.opt()
         self._saved = [grp["params"] for grp in opt.param_groups]
         for grp in opt.param_groups:
@@ -210,6 +226,9 @@ class OwnedStep:
             for t, _ in g.items:
                 s = self.stand_ins[t.name]
                 s.data, s.grad = torch.empty(0), None
+        for name in self.views:                  # updated in place: the views share the pieces' storage
+            s = self.stand_ins[name]
+            s.data, s.grad = torch.empty(0), None
 
 
 def _len(r) -> int:

@@ -122,7 +122,7 @@ def _train(rank, world, texts, acc=2, steps=2):
             for o in opts:
                 o.zero_grad()
         owned = sum(v["momentum_buffer"].numel() for v in opts[0].state.values())
-        with pytest.raises(shardc.ShardcError, match="placed by tensor"):
+        with pytest.raises(shardc.ShardcError, match="kept whole per tensor"):
             opts[0].state_dict()
         out.append((max_rel_err(sm.full_state_dict(), want), owned))
     return out
@@ -142,6 +142,8 @@ LAYOUTS = {
     "owners_gpu": (_layout(FOUR, "shard over gpu", "shard over gpu", "shard over gpu"),),
     # hpZ: a secondary params shard over gpu
     "hpz": (_layout(FOUR, "shard over world secondary gpu", "shard over world", "shard over world"),),
+    # DDP: every piece is whole, so Muon steps views of them, every rank every matrix
+    "replicate": (f"mesh {FOUR}\nparams replicate\ngrads  replicate\noptim  replicate\naccumulate 2\n",),
 }
 
 
@@ -157,7 +159,7 @@ def _check(results, copies):
 def test_muon_adamw_parity_by_tensor_4_ranks():
     names = list(LAYOUTS)
     _check(dist_run(4, _train, [LAYOUTS[n][0] for n in names]),
-           [2 if n == "owners_gpu" else 1 for n in names])
+           [{"owners_gpu": 2, "replicate": 4}.get(n, 1) for n in names])
 
 
 def test_muon_adamw_parity_by_tensor_8_ranks():
