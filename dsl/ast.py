@@ -34,9 +34,11 @@ class MeshAst:
 
 @dataclass(frozen=True, slots=True)
 class ScopeAst:
-    """`replicate` (levels == ()) or `shard over LEVELS`; `world` is kept as a Word."""
+    """`replicate` (levels == ()) or `shard over LEVELS [by WORD]`; `world` is kept as a Word.
+    `by`: the granularity word after `by` (`tensor`), or None (element-wise chunks)."""
     levels: tuple[Word, ...]
     span: Span
+    by: Word | None = None
 
     @property
     def replicate(self) -> bool:

@@ -170,10 +170,46 @@ class GradsSpec:
     line: int = 0
 
 
+class Granularity(CodeEnum):
+    """What one rank's share of a sharded state is ([Note: tensor-owned scopes]).
+    FLAT: an element range of the unit's flat buffer (ZeRO's chunks, crossing parameter
+    boundaries). TENSOR (`shard over LEVELS by tensor`): whole tensors, each owned by one
+    rank of the scope's group, the owners balanced across its ranks."""
+    FLAT = "element"
+    TENSOR = "tensor"
+
+
+# [Note: tensor-owned scopes]
+# `optim shard over LEVELS by tensor`: the optimizer's states of each matrix (a trainable
+# 2-D parameter) of the unit live whole on one rank of the LEVELS group, its owner, so an
+# optimizer that is not element-wise (torch.optim.Muon) runs on whole tensors. The
+# parameters' fp32 master stays the flat chunk over LEVELS (the states are placed by
+# tensor, the storage by element); the owners are assigned once, in the plan
+# (lowering/owned.py), and the rest of the unit (norms, biases) stays element-wise.
+# The dependency rule holds on the levels: params ⊆ grads ⊆ optim; only `optim` takes
+# `by tensor` (a gradient reaches its owner from the grads scope's flat chunks).
+
+
 @dataclass(frozen=True, slots=True)
 class OptimSpec:
     levels: tuple[str, ...] = ()
     line: int = 0
+    granularity: Granularity = Granularity.FLAT
+
+    def __post_init__(self):
+        if isinstance(self.granularity, str):        # as its repr writes it: granularity='tensor'
+            object.__setattr__(self, "granularity", Granularity(self.granularity))
+
+    def __repr__(self) -> str:
+        """Reads back as code; the granularity only where it is not the default (element), by
+        its word, so emitted modules need no other import."""
+        by = f", granularity={self.granularity.value!r}" if self.owned else ""
+        return f"OptimSpec(levels={self.levels!r}, line={self.line!r}{by})"
+
+    @property
+    def owned(self) -> bool:
+        """Whole tensors, each on its owner ([Note: tensor-owned scopes])."""
+        return self.granularity is Granularity.TENSOR
 
 
 @dataclass(frozen=True, slots=True)

@@ -193,7 +193,10 @@ class _ToAst(Transformer):
         return ast.ScopeAst((), self._s(meta))
 
     def shard(self, meta, children):
-        return ast.ScopeAst(children[0], self._s(meta))
+        return ast.ScopeAst(children[0], self._s(meta), children[1] if len(children) > 1 else None)
+
+    def by_clause(self, meta, children):
+        return self._w(children[0])
 
     def dtype_word(self, meta, children):
         return self._w(children[0])

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from shardc.dsl import ast, checks
 import shardc.algorithms as algorithms
 from shardc.dsl.diagnostics import Diagnostic, Note, did_you_mean, error, short
-from shardc.dsl.ir import (STATES, BufferSync, Collectives, DType, Experts, GradsSpec, Mesh, MeshDims, OptimSpec,
-                           Override, ParamsSpec, Scopes, Secondary, Span, Strategy, UnitsKind, UnitsSpec)
+from shardc.dsl.ir import (STATES, BufferSync, Collectives, DType, Experts, GradsSpec, Granularity, Mesh, MeshDims,
+                           OptimSpec, Override, ParamsSpec, Scopes, Secondary, Span, Strategy, UnitsKind, UnitsSpec)
 from shardc.dsl.mesh import MAX_DIGITS, MAX_SIZE, bind_mesh, check_ir_mesh, parse_int, resolve_mesh
 from shardc.dsl.quantities import BUCKET_UNITS
 
@@ -224,6 +224,25 @@ def _dtype(stmt: ast.Statement, opt: ast.Option | None, ctx: _Ctx,
     return DType(value)
 
 
+def _by(stmt: ast.Statement, ctx: _Ctx) -> Granularity | None:
+    """The granularity `by WORD` names (FLAT when not written); None after an error."""
+    by = stmt.scope.by if stmt.scope is not None else None
+    if by is None:
+        return Granularity.FLAT
+    words = [g.value for g in Granularity if g is not Granularity.FLAT]
+    if by.text not in words:
+        ctx.diags.append(error(by.span, f"unknown granularity `{by.text}` after `by`",
+                               did_you_mean(by.text, words) or "write `by tensor` (whole tensors, each on one owner)"))
+        return None
+    if stmt.keyword != "optim":
+        ctx.diags.append(error(by.span, f"`{stmt.keyword} ... by {by.text}` is not supported: only `optim` "
+                                        f"places its shards by tensor",
+                               f"write `optim shard over ... by {by.text}` and keep `{stmt.keyword}` "
+                               f"element-wise; each gradient reaches its owner from the grads scope"))
+        return None
+    return Granularity(by.text)
+
+
 def _params(stmt: ast.Statement, ctx: _Ctx) -> ParamsSpec | None:
     levels = _levels(stmt.scope.levels, ctx) if not stmt.scope.replicate else ()
     opts = _opts(stmt, ctx)
@@ -240,7 +259,7 @@ def _params(stmt: ast.Statement, ctx: _Ctx) -> ParamsSpec | None:
         if sec_levels is None:
             return None
         secondary = Secondary(sec_levels, DType(o.value.text) if o.value else None)
-    if levels is None or comm is None or dtype is None:
+    if levels is None or comm is None or dtype is None or _by(stmt, ctx) is None:
         return None
     return ParamsSpec(levels, secondary, comm, dtype, stmt.span.line)
 
@@ -250,14 +269,15 @@ def _grads(stmt: ast.Statement, ctx: _Ctx) -> GradsSpec | None:
     opts = _opts(stmt, ctx)
     dtype = _dtype(stmt, opts.get("dtype"), ctx)
     comm = _dtype(stmt, opts.get("comm"), ctx, default=dtype)   # [Note: comm follows dtype]
-    if levels is None or comm is None or dtype is None:
+    if levels is None or comm is None or dtype is None or _by(stmt, ctx) is None:
         return None
     return GradsSpec(levels, comm, dtype, stmt.span.line)
 
 
 def _optim(stmt: ast.Statement, ctx: _Ctx) -> OptimSpec | None:
     levels = _levels(stmt.scope.levels, ctx) if not stmt.scope.replicate else ()
-    return None if levels is None else OptimSpec(levels, stmt.span.line)
+    by = _by(stmt, ctx)
+    return None if levels is None or by is None else OptimSpec(levels, stmt.span.line, by)
 
 
 def _override(stmt: ast.Statement, top_bound: dict, ctx: _Ctx) -> tuple[Override, dict]:
@@ -321,6 +341,10 @@ def _experts(stmt: ast.Statement, top_bound: dict, sizes: dict[str, int], ctx: _
                                "(the experts then take the top-level scopes)"))
     if whole:
         _ep_twice(inner, whole, ep_word, ctx)
+    by = inner["optim"].scope.by if "optim" in inner and inner["optim"].scope is not None else None
+    if by is not None:
+        ctx.diags.append(error(by.span, f"the experts' optimizer states cannot be placed by {by.text} yet",
+                               "drop `by ...` in the experts block: the experts keep element-wise chunks"))
     scopes, bound = _scopes(inner, top_bound, ctx)
     bound = dict(bound, _label=label, _own=set(inner), _drop=whole)
     own = {k: getattr(scopes, k) for k in STATES if k in inner}

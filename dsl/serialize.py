@@ -22,7 +22,8 @@ def scopes_dict(scopes: Scopes, mesh: Mesh) -> dict:
                    "comm": p.comm.value, "dtype": p.dtype.value},
         "grads": {"levels": list(g.levels), "factor": mesh.factor(g.levels),
                   "comm": g.comm.value, "dtype": g.dtype.value},
-        "optim": {"levels": list(o.levels), "factor": mesh.factor(o.levels)},
+        "optim": {"levels": list(o.levels), "factor": mesh.factor(o.levels)}
+                 | ({"by": o.granularity.value} if o.owned else {}),
     }
 
 

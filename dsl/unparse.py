@@ -65,6 +65,8 @@ def state_clause(spec, mesh: Mesh, whole: str = "") -> str:
     """What follows the `params`/`grads`/`optim` keyword: the scope and its options
     (`whole`: see `scope_text`)."""
     text = scope_text(spec.levels, mesh, whole)
+    if getattr(spec, "owned", False) and spec.levels:
+        text += f" by {spec.granularity.value}"
     sec = getattr(spec, "secondary", None)
     if sec is not None:
         text += f" secondary {', '.join(sec.levels)}" + (f" {sec.quant.value}" if sec.quant else "")

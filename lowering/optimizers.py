@@ -11,16 +11,18 @@ the runtime turns names into classes.
 Bytes of every non-scalar state tensor per element, fp32 (what `memory_report()`
 measures): `state_bytes` with default kwargs, plus each `flags` entry's bytes when that
 kwarg is set (non-zero or true): Adam/AdamW 8 (+4 amsgrad), SGD momentum≠0: 4 else 0,
-Adagrad 4, RMSprop 4 (+4 momentum≠0, +4 centered). A kind with `state_bytes=None` runs
+Adagrad 4, RMSprop 4 (+4 momentum≠0, +4 centered), Muon 4 (its momentum, whole, on each
+matrix's owner: dsl/ir.py [Note: tensor-owned scopes]). A kind with `state_bytes=None` runs
 (sharded, when element-wise) but the cost model does not predict its memory.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_OPTIMIZER", "OPTIMIZER_KINDS", "OptimizerKind", "optimizer_kind"]
+__all__ = ["DEFAULT_OPTIMIZER", "OWNED_OPTIMIZER", "OPTIMIZER_KINDS", "OptimizerKind", "optimizer_kind"]
 
 DEFAULT_OPTIMIZER = "adamw"
+OWNED_OPTIMIZER = "muon"      # the whole-tensor optimizer explain assumes for tensor-owned matrices
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +53,8 @@ OPTIMIZER_KINDS = {k.name: k for k in (
     OptimizerKind("Rprop"),
     OptimizerKind("Adadelta"),
     OptimizerKind("LBFGS", elementwise=False),
+    # whole-matrix updates (Newton–Schulz): its state only under `optim ... by tensor`
+    OptimizerKind("Muon", elementwise=False, state_bytes=4),
 )}
 _BY_LOWER = {name.lower(): k for name, k in OPTIMIZER_KINDS.items()}
 

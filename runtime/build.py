@@ -34,9 +34,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
 from shardc.lowering import Lowering, RankPlan, Schedule, Stage, expert_group, is_expert, lower, unit_sizes
+from shardc.lowering.owned import owned_plan
 from shardc.units import UnitSpec, canonical_names, local_params, unit_members
 
-from . import buffers, graph_mode, simulation
+from . import buffers, graph_mode, owned, simulation
 from .casts import install_casts
 from .comm import Comm
 from .device import model_device
@@ -122,6 +123,9 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     specs = list(units)
     per_unit = unit_members(specs, aliases)              # [Note: unit membership]
     canonical = [dataclasses.replace(u, params=tuple(n)) for u, n in zip(specs, per_unit)]
+    oplan = owned_plan(strategy.mesh, canonical, {n: t.shape for n, t in params.items()},
+                       {n: n not in frozen for n in params})   # lowering/owned.py
+    owned.refuse(oplan, strategy, backend, tp)
     lowered = _lowered(lowering, passes, strategy, unit_sizes(local, canonical, experts))
     # the one plan: what each unit does and the schedule the engine follows
     lowering = dataclasses.replace(lowered, schedule=_checked(schedule, lowered.schedule, len(specs),
@@ -152,6 +156,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     canon = list(dict.fromkeys(aliases[n] for n in order))
     pset = ParamSet(states, canon, dtensors, comm, ledger, runtime.boundary,
                     {id(g.storage): ecomm for u in states for g in u.groups if g.gplan.experts})
+    pset.owned_plan = oplan
     if not simulation.active():                          # a simulated rank needs no values
         pset.expect_values(unset, unset_buffers(model))
     return Built(model, strategy, specs, backend, faults, ledger, dev, comm, aliases, order, targets,

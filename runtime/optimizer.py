@@ -24,8 +24,10 @@ Zeroing is torch's own `zero_grad()` (runtime/state/params.py [Note: gradients])
 [Note: element-wise only]
 Sharding optimizer state is exact only for updates that act element by element (each
 element's new value depends on its own grad and state). LBFGS, Adafactor-style factored
-moments and anything not in `ELEMENTWISE` are refused unless every unit's optim scope
-is `replicate` (s_OS = 1), where each piece is a whole parameter.
+moments and anything not in `ELEMENTWISE` are refused on a parameter whose piece is a flat
+chunk, in one sentence naming it and the tensor-owned scope; they run on parameters whose
+piece is whole (optim `replicate`, s_OS = 1) and on matrices whose optim scope is `by
+tensor` (runtime/owned.py: the owner steps each whole matrix).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from torch.optim.optimizer import (_foreach_supported_types, register_optimizer_
 
 from shardc.lowering.optimizers import OPTIMIZER_KINDS
 
+from . import owned
 from .errors import RuntimeUsageError
 from .state.checkpoint import attach_optimizer_hooks
 from .state.params import ShardParam
@@ -70,8 +73,9 @@ def _mine(opt) -> tuple:
                 sets.setdefault(id(p._shardc_set), (p._shardc_set, []))[1].append(p)
     owners = tuple((s, tuple(ps)) for s, ps in sets.values())
     fresh = [s for s, _ in owners if not any(o() is opt for o in s.optimizers)]
-    for s in fresh:
-        _check_cls(type(opt), s)
+    for s, ps in owners:
+        if s in fresh and _check_cls(type(opt), s, ps):
+            owned.adopt(opt, s, ps)
     if fresh and len(fresh) == len(owners):        # the optimizer's first adoption: its hooks once
         attach_optimizer_hooks(opt)
         for s in fresh:
@@ -86,9 +90,11 @@ def _pre_step(opt, args, kwargs) -> None:
         s.boundary.wait_sync("opt.step()")
         s.settle("opt.step()")
         s.plain_grads(params)
+    owned.before(opt)
 
 
 def _post_step(opt, args, kwargs) -> None:
+    owned.after(opt)
     for s, params in _mine(opt):
         consumed = any(s.ours(p) for p in params)
         s.shard_grads(params)
@@ -96,14 +102,24 @@ def _post_step(opt, args, kwargs) -> None:
             s.boundary.after_step()
 
 
-def _check_cls(cls, pset) -> None:
+def _check_cls(cls, pset, params) -> bool:
+    """Whether `cls` steps whole tensors (runtime/owned.py): not element-wise, over matrices
+    whose optim scope is by tensor or over whole pieces. An element-wise one runs on any
+    chunks (False); one that is not is refused on a flat chunk in one sentence naming the
+    tensor-owned scope."""
     if cls in ELEMENTWISE:
-        return
-    if any(g.storage.s_os > 1 for g in pset.boundary.trainable_groups()):
+        return False
+    owners = owned.owned_names(pset)
+    flat = [p for p in params if p._shardc_spec.name not in owners and not p._is_whole]
+    if flat:
+        name = flat[0]._shardc_spec.name
         raise RuntimeUsageError(
             f"{getattr(cls, '__name__', cls)} is not an element-wise optimizer, so it cannot "
-            f"run on sharded optimizer states; use one of "
-            f"{', '.join(c.__name__ for c in ELEMENTWISE)} or 'optim replicate'")
+            f"run on sharded optimizer states ({name!r} is a flat chunk over "
+            f"{', '.join(flat[0]._shardc_spec.levels)}); place its 2-D parameters' states by tensor "
+            f"(`optim shard over LEVELS by tensor`, each matrix whole on one owner), use one of "
+            f"{', '.join(c.__name__ for c in ELEMENTWISE)}, or 'optim replicate'")
+    return True
 
 
 def build_optimizer(pset, aliases: dict[str, str], frozen: set[str], cls,

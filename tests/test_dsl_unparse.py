@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import shardc.algorithms as algorithms
 from shardc.dsl import ShardcError, load_strategy, unparse
-from shardc.dsl.ir import (DEPENDENCY, STATES, BufferSync, Collectives, DType, Experts, GradsSpec, Level, Mesh, OptimSpec,
+from shardc.dsl.ir import (DEPENDENCY, STATES, BufferSync, Collectives, DType, Experts, GradsSpec, Granularity, Level, Mesh, OptimSpec,
                            Override, ParamsSpec, Scopes, Secondary, Strategy, UnitsKind, UnitsSpec)
 from shardc.dsl.mesh import MAX_DIGITS
 from shardc.dsl.parser import keywords
@@ -80,7 +80,7 @@ def scopes(draw, mesh: Mesh) -> Scopes:
     return Scopes(
         ParamsSpec(p, secondary, draw(dtypes("params", "comm")) if p else pd, pd),
         GradsSpec(g, draw(dtypes("grads", "comm")) if g else gd, gd),
-        OptimSpec(o))
+        OptimSpec(o, granularity=draw(st.sampled_from(Granularity)) if o else Granularity.FLAT))
 
 
 @st.composite
@@ -134,7 +134,7 @@ def experts(draw, mesh: Mesh, top: Scopes) -> Experts:
         return levels if tuple(levels) == mesh.names else tuple(n for n in levels if n != whole)
     sc = draw(scopes(mesh))
     sc = Scopes(replace(sc.params, levels=drop(sc.params.levels)), replace(sc.grads, levels=drop(sc.grads.levels)),
-                replace(sc.optim, levels=drop(sc.optim.levels)))
+                replace(sc.optim, levels=drop(sc.optim.levels), granularity=Granularity.FLAT))   # no `by` yet
     sc = replace(sc, params=replace(sc.params, comm=sc.params.dtype) if not sc.params.levels else sc.params,
                  grads=replace(sc.grads, comm=sc.grads.dtype) if not sc.grads.levels else sc.grads)
     if not sc.params.levels and sc.params.secondary is not None:

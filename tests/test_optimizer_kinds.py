@@ -10,9 +10,9 @@ N = 1000
 
 
 def _state_bytes_per_element(cls, **kw) -> float:
-    p = torch.nn.Parameter(torch.randn(N))
+    p = torch.nn.Parameter(torch.randn(25, N // 25))   # 2-D: Muon takes matrices only
     opt = cls([p], lr=0.01, **kw)
-    p.grad = torch.randn(N)
+    p.grad = torch.randn(25, N // 25)
     opt.step()
     held = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
                if torch.is_tensor(t) and t.dim() > 0)
@@ -32,7 +32,7 @@ def test_the_runtime_shards_exactly_the_element_wise_kinds():
 CASES = [("AdamW", {}), ("AdamW", {"amsgrad": True}), ("Adam", {}), ("Adam", {"amsgrad": True}),
          ("SGD", {}), ("SGD", {"momentum": 0.9}), ("Adagrad", {}), ("RMSprop", {}),
          ("RMSprop", {"momentum": 0.9}), ("RMSprop", {"centered": True}),
-         ("RMSprop", {"momentum": 0.9, "centered": True})]
+         ("RMSprop", {"momentum": 0.9, "centered": True}), ("Muon", {})]
 
 
 @pytest.mark.parametrize("name,kw", CASES)

@@ -25,7 +25,7 @@ from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_KINDS, optim
 from shardc.lowering.startup import startup_bytes
 
 # The classes K_state is known for, as the command line spells them.
-OPTIMIZERS = tuple(k.name.lower() for k in OPTIMIZER_KINDS.values() if k.state_bytes is not None)
+OPTIMIZERS = tuple(k.name.lower() for k in OPTIMIZER_KINDS.values() if k.state_bytes is not None and k.elementwise)
 
 
 def optimizer_state_bytes(optimizer: str = DEFAULT_OPTIMIZER, **kw) -> int:

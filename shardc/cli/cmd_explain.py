@@ -70,6 +70,7 @@ def run(args) -> int:
         strategy = dataclasses.replace(strategy, collectives=Collectives(args.collectives))
     units = load_model_units(strategy, args.model, args.tp)
     kw = {"momentum": args.momentum}
+    owned = any(o.owned for o in [strategy.optim] + [ov.optim for ov in strategy.overrides if ov.optim])
     bw = predict_args.links(args, bandwidth_from_args(args), strategy.mesh)
     rate = predict_args.achievable(args, flops_from_args(args, bw))
     graph = predict_args.graph(args, strategy, args.model, strategy.scopes.params.dtype.value)
@@ -77,6 +78,16 @@ def run(args) -> int:
                 optimizer_kwargs=kw, clip_grad_norm=args.clip, bandwidth=bw, tokens=args.tokens,
                 flops=rate, graph=graph, checkpoint=args.checkpoint, peak_flops=predict_args.peak(args),
                 overhead=predict_args.overhead(args), passes=parse_passes(args.passes))
+    owners = []
+    if owned:                    # `optim ... by tensor`: analysis/costmodel/owned.py
+        from shardc.analysis.costmodel.memory import optimizer_state_bytes
+        from shardc.analysis.costmodel.owned import explain_owned
+        from shardc.cli.loader import meta_model
+        from shardc.lowering.optimizers import OWNED_OPTIMIZER
+        e, owners = explain_owned(e, meta_model(args.model, strategy, args.tp),
+                                  k_flat=optimizer_state_bytes(args.optimizer, **kw),
+                                  k_owned=optimizer_state_bytes(OWNED_OPTIMIZER), flops=rate,
+                                  bandwidth=bw)
     if args.plot:
         from shardc.cli.plot import plot_among_named
         plot_among_named(e, args.model, args.plot, optimizer=args.optimizer, optimizer_kwargs=kw)
@@ -84,6 +95,8 @@ def run(args) -> int:
         print(json.dumps(to_json(e), indent=2))
     else:
         render(e)
+        for line in owners:
+            print(line)
         counted = "6·params·tokens" if graph is None else "FLOPs counted on the traced graph"
         print(f"time model: {bw}; compute {args.tokens} tokens per micro-batch at {flop_rate(rate)} ({counted})")
     if args.plot:                # after the report; on stderr with --json, which keeps stdout JSON
