@@ -11,7 +11,9 @@ before the load: the growth is what the load itself costs; and the growth from j
 before `shardc.compile` to the peak of compile and load together (the issue's figure:
 shards, grads if allocated, the load's copies), the largest rank and the largest of the ranks
 that received the plan (rank 0 alone captures: torch.export's first use in a process costs
-about 32 MiB of code and caches whatever the model). `LOAD_PEAK_ONLY=zero3` runs one strategy. Usage:
+about 32 MiB of code and caches whatever the model). `LOAD_PEAK_ONLY=zero3` runs one strategy.
+`LOAD_PEAK_BIG=1` takes bench/bigmodel.py's 836M Llama (TinyLlama's width, 16 layers) on 8
+ranks instead (ZeRO-3 over gpu(8), hpZ and PaRO-IIG over node(2) > gpu(4)). Usage:
     python bench/load_peak.py [workdir]
 """
 from __future__ import annotations
@@ -28,6 +30,12 @@ MIB = 2 ** 20
 CFG = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
            num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False)
 CASES = (("zero3", "node(1) > gpu(4)"), ("zeropp", "node(2) > gpu(2)"), ("paro_iig", "node(2) > gpu(2)"))
+WORLD = 4
+if os.environ.get("LOAD_PEAK_BIG"):                 # bench/bigmodel.py's 836M model on 8 ranks
+    CFG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False)
+    CASES = (("zero3", "node(1) > gpu(8)"), ("zeropp", "node(2) > gpu(4)"), ("paro_iig", "node(2) > gpu(4)"))
+    WORLD = 8
 
 
 def _status() -> dict[str, int]:
@@ -63,7 +71,7 @@ def _rank(rank, world, path, name, mesh):
 
 def _fsdp2(rank, world, path):
     """FSDP2's DCP load of the same files: `fully_shard` per decoder layer and the root on a
-    mesh of 4, `to_empty`, then `dcp.load` of `get_model_state_dict` (DTensor views of the
+    mesh of WORLD, `to_empty`, then `dcp.load` of `get_model_state_dict` (DTensor views of the
     sharded parameters) through torch's `HuggingFaceStorageReader`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -98,15 +106,16 @@ def main(workdir: str) -> None:
     path = os.path.join(workdir, "hf")
     if not os.path.isdir(path):
         torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(**CFG)).save_pretrained(path, max_shard_size="90MB")
-    whole = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**CFG)).parameters()) * 4
+        LlamaForCausalLM(LlamaConfig(**CFG)).save_pretrained(path, max_shard_size="90MB" if WORLD == 4 else "1GB")
+    with torch.device("meta"):
+        whole = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**CFG)).parameters()) * 4
     print(f"model {whole / 4 / 1e6:.1f}M params, {whole / MIB:.0f} MiB fp32, "
           f"{len([f for f in os.listdir(path) if f.endswith('.safetensors')])} files")
     for name, mesh in CASES + (("fsdp2", None),):
         if os.environ.get("LOAD_PEAK_ONLY", name) != name:
             continue
-        rs = dist_run(4, _fsdp2, path, timeout=600) if name == "fsdp2" else \
-            dist_run(4, _rank, path, name, mesh, timeout=600)
+        rs = dist_run(WORLD, _fsdp2, path, timeout=1800) if name == "fsdp2" else \
+            dist_run(WORLD, _rank, path, name, mesh, timeout=1800)
         peak = max(r["peak"] for r in rs)
         start = max(r["startup"] for r in rs)
         others = max(r["startup"] for r in rs[1:])     # ranks that received the plan: no capture
