@@ -10,7 +10,8 @@ flat stage in the collective's own dtype holds nothing of its own.
 [Note: staging: reduce-scatter]
 `_rs_pieces`: a multi-stage reduce-scatter (hierarchical, ho-ring over two or more
 levels) first permutes its n-byte input into a contiguous copy (`full[...].contiguous()`,
-all pieces at once: n bytes), then each stage but the last writes a new buffer
+all pieces at once: n bytes; none when the group's digit order is already the stages'
+and there is one piece: the permuted view is contiguous), then each stage but the last writes a new buffer
 (`_rs_piece`: n / |S_1|, n / |S_1||S_2|, ...). The copy is held by the piece's generator
 until the collective is waited, so all of it counts for as long as the reduce-scatter is
 in flight. A comm dtype other than the buffers' adds the cast input (n in the comm dtype)
@@ -44,7 +45,7 @@ from __future__ import annotations
 from math import prod
 
 import shardc.algorithms as algorithms
-from shardc.algorithms.base import bounds
+from shardc.algorithms.base import bounds, scatter_perm
 from shardc.dsl.ir import Collectives, Mesh
 from shardc.lowering import STAGING_BYTES, shard_payload_bytes
 from shardc.lowering.peak_facts import CODEC_ROWS
@@ -85,7 +86,9 @@ def reduce_scatter_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> int:
     for st in stages[:-1]:
         v //= _n(mesh, st)
         inter += v
-    return cast + n * c + inter
+    perm = scatter_perm(stages, key)
+    copy = n * c if a.pieces > 1 or perm != sorted(perm) else 0     # a view when the order is already the stages'
+    return cast + copy + inter
 
 
 def all_gather_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> tuple[int, int]:

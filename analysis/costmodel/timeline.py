@@ -64,6 +64,20 @@ chunk (N/s_OS, grad dtype) until `sync_advance` copies it into the OS slice.
 [Note: timeline: start-up]
 memory.py [Note: start-up peak]: the shards plus the largest unit's whole parameters.
 
+[Note: timeline: update gathers]
+After the optimizer's step every group with an update all-gather (OS∖P) issues it at once
+(runtime/step_ops.py `update`, flat_group.py `update_issue`): each holds a clone of its OS
+chunk in the params dtype and its gather's first-stage buffer (staging.py) until waited
+(then, or, for the units the `defer_update` pass lists, before each is next needed in the
+next forward); the one waited holds its last stages.
+
+[Note: timeline: update gathers]
+After the optimizer's step every group with an update all-gather (OS∖P) issues it at once
+(runtime/step_ops.py `update`, flat_group.py `update_issue`): each holds a clone of its OS
+chunk in the params dtype and its gather's first-stage buffer (staging.py) until waited
+(then, or, for the units the `defer_update` pass lists, before each is next needed in the
+next forward); the one waited holds its last stages.
+
 [Note: timeline: optimizer step]
 In opt.step() (runtime/optimizer.py) the optimizer runs over one group's OS chunk at a time
 and the update all-gather sends a copy of it (flat_group.py `update_issue`, `mine.clone()`):
@@ -165,6 +179,7 @@ class _Sizes:
         self.gathered = [sum(g.gathered_bytes for g in u.groups) for u in units]
         self.grad = [sum(_grad_full(u, g) for g in u.groups) for u in units]
         self.reduce, self.rs_staging, self.rs_codec, self.sync, self.sync_ar = ([] for _ in range(5))
+        self.update: list[tuple[int, int, int]] = []  # per group with an update gather: (unit, issued, more at its wait)
         # per phase (forward, backward): a gather issued ahead, and at its wait (codec included)
         self.ag_issued = {Phase.FORWARD: [], Phase.BACKWARD: []}
         self.ag_wait = {Phase.FORWARD: [], Phase.BACKWARD: []}
@@ -188,6 +203,11 @@ class _Sizes:
                         row = g.row(Phase.BACKWARD, Op.ALL_TO_ALL) or g.row(Phase.BACKWARD, Op.REDUCE_SCATTER)
                         rs += reduce_scatter_bytes(mesh, algo, row, g.n, e)
                         rc = max(rc, codec_bytes(mesh, row, g.n))
+                up = g.row(Phase.UPDATE, Op.ALL_GATHER)
+                if up is not None and mesh is not None:
+                    pe = g.params_bytes * f.p // max(g.n, 1)
+                    a, b = all_gather_bytes(mesh, algo, up, g.n // max(f.p, 1), pe)
+                    self.update.append((len(self.reduce), g.optim_elems * pe + a, b - a))
                 rs_row, ar_row = g.row(Phase.SYNC, Op.REDUCE_SCATTER), g.row(Phase.SYNC, Op.ALL_REDUCE)
                 if rs_row is not None:
                     syn += g.optim_elems * e + (reduce_scatter_bytes(mesh, algo, rs_row, g.n // f.g, e)
@@ -227,6 +247,8 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     held: set[int] = set()
     made = 0
     waits: list[Point] = []
+    deferred = set(plan.schedule.update_deferred)
+    owed = {k: a for k, a, _ in z.update if k in deferred}     # waited where each unit is next needed
     for st in plan.schedule.forward:
         held |= {st.unit, *st.issue} if size[st.unit] else set(st.issue)
         last = sum(size[i] for i in held)
@@ -236,7 +258,9 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
                                             z.ag_wait[Phase.FORWARD][st.unit]),
                                            ("gathers issued ahead", sum(z.ag_issued[Phase.FORWARD][k]
                                                                         for k in st.issue if k != st.unit)),
-                                           ("reduce workspace pool", pool))))
+                                           ("reduce workspace pool", pool),
+                                           ("update gathers owed", sum(owed.values())))))
+        owed.pop(st.unit, None)
         if left is not None:
             made += left[st.unit]
         if st.unit != 0:
@@ -300,6 +324,9 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         Point("sync", (("states", states), kept, *sync_buffers)),
         max(Point("step", (("states", states), *sync_buffers)),
             Point("step", (("states", states), ("optimizer step temporaries", STEP_TEMPORARIES * chunk))),
+            Point("step", (("states", states), ("update gathers in flight", sum(a for _, a, _ in z.update)),
+                           ("update gather staging at its wait",
+                            max((b for k, _, b in z.update if k not in deferred), default=0)))),
             key=lambda p: p.bytes),
     ]
     return Timeline(tuple(pts))
