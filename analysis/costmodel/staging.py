@@ -23,7 +23,8 @@ receive payloads (s x the quantized shard each) and an fp32 accumulator of the o
 |S_1||S_2| m, ..., the last the whole n, copied into the output when the gather is
 waited. Issued (`Work` runs every piece to its first stage) it holds the first stage's
 buffer; at its wait the last two at once (n + n / |S_k|). qwZ (a quantized comm) holds
-the quantized shard and the gathered payloads (s of them).
+the quantized shard and the gathered payloads (s of them), and at its wait the larger of
+its stages' buffers and the decode's temporaries (the stages' are freed before `decode`).
 
 [Note: staging: all-reduce]
 `_ar_plan` / `_ar_blocks`: a staged all-reduce copies a block of at most STAGING_BYTES
@@ -104,8 +105,10 @@ def all_gather_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> tuple[int, int
     if row.comm.quantized:                      # qwZ: the quantized shard and s gathered payloads
         p = shard_payload_bytes(n // s, row.comm)
         if not staged:
-            return p + s * p, p + s * p
-        return p + s * p + p * _n(mesh, stages[0]), p + 2 * s * p + s * p // _n(mesh, stages[-1])
+            return p + s * p, p + s * p + codec_bytes(mesh, row, n)
+        # the stages' buffers are freed before the payloads are decoded
+        return (p + s * p + p * _n(mesh, stages[0]),
+                p + s * p + max(s * p + s * p // _n(mesh, stages[-1]), codec_bytes(mesh, row, n)))
     c = elem_bytes(row.comm)
     cast = n * c if c != elem else 0
     if not staged:

@@ -193,7 +193,7 @@ class _Sizes:
                         row = g.row(ph, Op.ALL_GATHER) or g.row(Phase.FORWARD, Op.ALL_GATHER)
                         a, b = all_gather_bytes(mesh, algo, row, g.n, g.gathered_bytes // max(g.n, 1))
                         ag[ph][0] += a
-                        ag[ph][1] += b + codec_bytes(mesh, row, g.n)
+                        ag[ph][1] += b
                 if not g.trainable:
                     continue
                 e = _grad_full(u, g) // max(g.n, 1)
