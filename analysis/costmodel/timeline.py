@@ -37,9 +37,12 @@ backward's peak is 65,544 bytes above states + activations, 4 x the 16,384-byte 
 The trace's activations are the units' saved tensors; the model's output (the logits) and
 the loss are the loop's (shardc/simulate.py's step: `out`, `logits`, cross entropy's saved
 log-softmax). At the forward's end `LOSS_FORWARD` tensors of the logits' size are alive
-beside the activations; through the backward `LOSS_KEPT` (the loss's gradient of the
+beside the activations; from a unit's reduce on `LOSS_KEPT` (the loss's gradient of the
 logits too), until the loop drops them after `backward()`. Measured on HF GPT-2 at 4 ranks
-(bench/peak_probe.py): 2 and 3 x the logits, to 220 bytes.
+(bench/peak_probe.py): 2 and 3 x the logits, to 220 bytes. The point while a unit's
+backward runs leaves them out: it already counts the unit's saved tensors whole (a bound),
+and on HF GPT-2 and Llama (ddp, lins_7b, PaRO at 4 ranks) it was 3 x the logits above the
+measured peak with them.
 
 [Note: timeline: autograd gradient]
 In the backward autograd makes the unit's gradients, full size N in the grad dtype, before
@@ -289,7 +292,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         flight = (flight + [i])[-REDUCES_IN_FLIGHT:]
         gathered = sum(size[k] for k in held)
         # while its backward runs: its saved tensors and its gradient, the previous reduce in flight
-        pts = [Point("backward", (("states", states), ("gathered", gathered), ("activations left", alive), kept,
+        pts = [Point("backward", (("states", states), ("gathered", gathered), ("activations left", alive),
                                   (f"autograd's gradient of {units[i].name}", z.grad[i]),
                                   ("reduce workspace", max(sum(in_flight[k] for k in flight[:-1]), pool)),
                                   ("gathers issued ahead", ahead), ("early syncs", early_bytes))),
