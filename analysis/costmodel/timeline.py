@@ -29,7 +29,9 @@ at the second. Under checkpointing all of them stay counted.
 [Note: timeline: loss gradient]
 The backward starts at the loss: cross entropy on the fp32 logits (shardc/simulate.py's
 step) makes gradients the logits' size (the trace's `output`) while the root's head runs
-its backward, beside every activation and the units gathered at the forward's end.
+its backward, beside every activation, the units gathered at the forward's end and the
+gathers the backward's first stage issued (measured on GPT tiny zero3 at 4 ranks: the
+last unit's gather is held at the loss).
 `LOSS_GRADIENTS` of them is measured, not derived: on GPT tiny at 4 ranks (ddp) the
 backward's peak is 65,544 bytes above states + activations, 4 x the 16,384-byte logits.
 
@@ -275,7 +277,12 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     kept = ("loss tensors", LOSS_KEPT * output)
     # backward: each unit's gradient made, its reduce issued beside the previous unit's
     alive = activations
-    bwd = Point("backward", (("states", states), ("gathered at the forward's end", last),
+    # at the loss: the backward's first stage has issued its gathers (the engine's backward
+    # pre-hook on the output, [Note: timeline: loss gradient])
+    first = plan.schedule.backward[0] if plan.schedule.backward else None
+    at_loss = held | ({first.unit, *first.issue} if first is not None and size[first.unit] else
+                      set(first.issue) if first is not None else set())
+    bwd = Point("backward", (("states", states), ("gathered at the loss", sum(size[k] for k in at_loss)),
                              ("activations", activations), ("loss gradients", LOSS_GRADIENTS * output),
                              ("reduce workspace pool", pool)))
     stages = {st.unit: st for st in plan.schedule.backward}
