@@ -19,16 +19,32 @@ and backward walk the same window (memory.py [Note: transient window]).
 [Note: timeline: activations]
 At the end of the forward (with its loss) one micro-batch's saved tensors are all alive
 (activations.py [Note: activation peak]); the backward frees them unit by unit (the
-trace's per-unit `saved`). A unit's own saved tensors count while its gradient is made
-and its reduce issued (an upper bound: autograd frees them as the unit's backward runs);
-they are gone for the next unit. Under checkpointing all of them stay counted.
+trace's per-unit `saved`). Each unit has two points: while its backward runs, its own
+saved tensors still count beside its gradient and the previous unit's reduce in flight
+(an upper bound: autograd frees them as the unit's backward runs); once its reduce is
+issued they are gone (its gradient, its reduce and that reduce's staging counted instead).
+Measured (bench/peak_probe.py, HF GPT-2 at 4 ranks): ddp peaks at the first point, zero3
+at the second. Under checkpointing all of them stay counted.
 
 [Note: timeline: loss gradient]
 The backward starts at the loss: cross entropy on the fp32 logits (shardc/simulate.py's
 step) makes gradients the logits' size (the trace's `output`) while the root's head runs
-its backward, beside every activation and the units gathered at the forward's end.
+its backward, beside every activation, the units gathered at the forward's end and the
+gathers the backward's first stage issued (measured on GPT tiny zero3 at 4 ranks: the
+last unit's gather is held at the loss).
 `LOSS_GRADIENTS` of them is measured, not derived: on GPT tiny at 4 ranks (ddp) the
 backward's peak is 65,544 bytes above states + activations, 4 x the 16,384-byte logits.
+
+[Note: timeline: loss tensors]
+The trace's activations are the units' saved tensors; the model's output (the logits) and
+the loss are the loop's (shardc/simulate.py's step: `out`, `logits`, cross entropy's saved
+log-softmax). At the forward's end `LOSS_FORWARD` tensors of the logits' size are alive
+beside the activations; from a unit's reduce on `LOSS_KEPT` (the loss's gradient of the
+logits too), until the loop drops them after `backward()`. Measured on HF GPT-2 at 4 ranks
+(bench/peak_probe.py): 2 and 3 x the logits, to 220 bytes. The point while a unit's
+backward runs leaves them out: it already counts the unit's saved tensors whole (a bound),
+and on HF GPT-2 and Llama (ddp, lins_7b, PaRO at 4 ranks) it was 3 x the logits above the
+measured peak with them.
 
 [Note: timeline: autograd gradient]
 In the backward autograd makes the unit's gradients, full size N in the grad dtype, before
@@ -39,7 +55,7 @@ freed once `reduce_grad` has copied them (s_G > 1) or added them in (s_G = 1).
 runtime/workspace.py [Note: reduce workspace]: with s_G > 1 a unit's reduce-scatter holds
 its flat input (N) and its output chunk (N/s_G) until it is waited; the engine keeps one
 unit's in flight while the next is issued, so two units' worth are alive at the
-backward's peak (`REDUCES_IN_FLIGHT`). With more than one micro-batch the pool keeps
+backward's peak (`REDUCES_IN_FLIGHT`, shardc.lowering.peak_facts). With more than one micro-batch the pool keeps
 them between micro-batches (emptied only at the backward that issues the step's sync), so
 every later forward and backward holds the two largest units' worth from its start.
 Measured: the planner's zero2-like pick with `accumulate 4` on GPT tiny at 4 ranks peaks
@@ -53,6 +69,20 @@ chunk (N/s_OS, grad dtype) until `sync_advance` copies it into the OS slice.
 [Note: timeline: start-up]
 memory.py [Note: start-up peak]: the shards plus the largest unit's whole parameters.
 
+[Note: timeline: update gathers]
+After the optimizer's step every group with an update all-gather (OS∖P) issues it at once
+(runtime/step_ops.py `update`, flat_group.py `update_issue`): each holds a clone of its OS
+chunk in the params dtype and its gather's first-stage buffer (staging.py) until waited
+(then, or, for the units the `defer_update` pass lists, before each is next needed in the
+next forward); the one waited holds its last stages.
+
+[Note: timeline: update gathers]
+After the optimizer's step every group with an update all-gather (OS∖P) issues it at once
+(runtime/step_ops.py `update`, flat_group.py `update_issue`): each holds a clone of its OS
+chunk in the params dtype and its gather's first-stage buffer (staging.py) until waited
+(then, or, for the units the `defer_update` pass lists, before each is next needed in the
+next forward); the one waited holds its last stages.
+
 [Note: timeline: optimizer step]
 In opt.step() (runtime/optimizer.py) the optimizer runs over one group's OS chunk at a time
 and the update all-gather sends a copy of it (flat_group.py `update_issue`, `mine.clone()`):
@@ -60,22 +90,55 @@ and the update all-gather sends a copy of it (flat_group.py `update_issue`, `min
 `shardc simulate` (AdamW, foreach): 2.0x the largest chunk for zero3, 0.67x for ddp, on
 GPT tiny and small at 4 ranks, so the rule is a bound; foreach against fused is not yet
 measured apart.
+
+[Note: timeline: collective staging]
+A multi-stage collective (hierarchical, ho-ring over two or more levels), a cast to another
+comm dtype and a quantized one hold buffers of their own while in flight (staging.py has
+the rules, each naming its site in runtime/collectives.py). The backward counts, beside
+each reduce in flight, its reduce-scatter's staging; the gather waited for the unit
+(`at its wait`: its last two stage buffers) and the gathers issued ahead of it (their
+first stage's buffer).
+
+[Note: timeline: step-end sync]
+The backward that ends the step issues every unit's sync (flat_group.py `sync_issue`):
+a unit the `early_sync` pass lists right after its own reduce is waited (engine.py
+`_bound_reductions`), the others at the backward's end, at most SYNC_IN_FLIGHT groups at
+a time (shardc.lowering [Note: syncs in flight], runtime/step_ops.py). A sync in its
+reduce-scatter stage holds its output chunk (N/s_OS) and the reduce-scatter's staging;
+an early sync is advanced when the next unit's is issued (boundary.py `sync_early`): its
+chunk is copied into the OS slice and its all-reduce over the replicas goes out, holding
+that all-reduce's staging until opt.step() waits it; a sync with no all-reduce stays in
+its reduce-scatter stage until then. A sync with no reduce-scatter stage issues its
+all-reduce at once. So at the backward's end ("sync") and at the start of opt.step()
+("step") the early syncs' buffers and the bounded ones are alive; the loss's tensors
+(`LOSS_KEPT` x the logits: the loop's `out`, `logits` and cross entropy's saved
+log-softmax, freed when the loop drops them after `backward()`) are still held at the
+backward's end. The simulated step measures "sync" inside its backward phase (`MEASURED`).
+
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.lowering import Lowering, Op, Phase
+from shardc.lowering import SYNC_IN_FLIGHT, Lowering, Op, Phase
+from shardc.lowering.peak_facts import REDUCES_IN_FLIGHT
 
-# One owner: the engine keeps one unit's reduce-scatter in flight while the next is issued
-# (runtime/engine.py, runtime/workspace.py [Note: reduce workspace]).
-REDUCES_IN_FLIGHT = 2
+from .staging import all_gather_bytes, all_reduce_bytes, codec_bytes, reduce_scatter_bytes
+
 # Gradients the loss's backward makes, each the size of the fp32 logits ([Note: timeline: loss gradient]).
 LOSS_GRADIENTS = 4
+# Tensors of the logits' size the loop holds: at the forward's end (the logits, cross entropy's
+# log-softmax) and through the backward (those and the loss's gradient of the logits)
+# ([Note: timeline: loss tensors]).
+LOSS_FORWARD = 2
+LOSS_KEPT = 3
 # fp32 temporaries of the largest group's optimizer chunk in the step ([Note: timeline: optimizer step]).
 STEP_TEMPORARIES = 2
 
 PHASES = ("startup", "forward", "backward", "sync", "step")
+# The timeline's points each phase of `shardc simulate`'s measured step spans: the sync is
+# issued inside the backward that ends the step.
+MEASURED = {"forward": ("forward",), "backward": ("backward", "sync"), "step": ("step",)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +163,10 @@ class Timeline:
     def phase(self, name: str) -> Point:
         return next(p for p in self.points if p.phase == name)
 
+    def measured_phase(self, name: str) -> int:
+        """explain's bytes for a phase of the simulated step (`MEASURED`)."""
+        return max(self.phase(p).bytes for p in MEASURED[name])
+
     def to_json(self) -> list[dict]:
         return [{"phase": p.phase, "bytes": p.bytes, "buffers": dict(p.buffers)} for p in self.points]
 
@@ -109,54 +176,167 @@ def _grad_full(u, g) -> int:
     return g.grads_bytes * u.factors_of(g).g if g.trainable else 0
 
 
+class _Sizes:
+    """Per unit: the bytes each buffer kind of the [Note]s holds (staging.py for the collectives')."""
+
+    def __init__(self, plan: Lowering, mesh, algo):
+        units = plan.units
+        self.gathered = [sum(g.gathered_bytes for g in u.groups) for u in units]
+        self.grad = [sum(_grad_full(u, g) for g in u.groups) for u in units]
+        self.reduce, self.rs_staging, self.rs_codec, self.sync, self.sync_ar = ([] for _ in range(5))
+        self.update: list[tuple[int, int, int]] = []  # per group with an update gather: (unit, issued, more at its wait)
+        # per phase (forward, backward): a gather issued ahead, and at its wait (codec included)
+        self.ag_issued = {Phase.FORWARD: [], Phase.BACKWARD: []}
+        self.ag_wait = {Phase.FORWARD: [], Phase.BACKWARD: []}
+        for u in units:
+            red = rs = rc = syn = ar = 0
+            ag = {ph: [0, 0] for ph in self.ag_wait}
+            for g in u.groups:
+                f = u.factors_of(g)
+                if g.gathered_bytes and mesh is not None:
+                    for ph in ag:
+                        row = g.row(ph, Op.ALL_GATHER) or g.row(Phase.FORWARD, Op.ALL_GATHER)
+                        a, b = all_gather_bytes(mesh, algo, row, g.n, g.gathered_bytes // max(g.n, 1))
+                        ag[ph][0] += a
+                        ag[ph][1] += b
+                if not g.trainable:
+                    continue
+                e = _grad_full(u, g) // max(g.n, 1)
+                if f.g > 1:
+                    red += _grad_full(u, g) + g.grads_bytes
+                    if mesh is not None:
+                        row = g.row(Phase.BACKWARD, Op.ALL_TO_ALL) or g.row(Phase.BACKWARD, Op.REDUCE_SCATTER)
+                        rs += reduce_scatter_bytes(mesh, algo, row, g.n, e)
+                        rc = max(rc, codec_bytes(mesh, row, g.n))
+                up = g.row(Phase.UPDATE, Op.ALL_GATHER)
+                if up is not None and mesh is not None:
+                    pe = g.params_bytes * f.p // max(g.n, 1)
+                    a, b = all_gather_bytes(mesh, algo, up, g.n // max(f.p, 1), pe)
+                    self.update.append((len(self.reduce), g.optim_elems * pe + a, b - a))
+                rs_row, ar_row = g.row(Phase.SYNC, Op.REDUCE_SCATTER), g.row(Phase.SYNC, Op.ALL_REDUCE)
+                if rs_row is not None:
+                    syn += g.optim_elems * e + (reduce_scatter_bytes(mesh, algo, rs_row, g.n // f.g, e)
+                                                if mesh is not None else 0)
+                if ar_row is not None and mesh is not None:
+                    ar += all_reduce_bytes(mesh, algo, ar_row, g.optim_elems, e)
+            for lst, v in ((self.reduce, red), (self.rs_staging, rs), (self.rs_codec, rc), (self.sync, syn),
+                           (self.sync_ar, ar)):
+                lst.append(v)
+            for ph, (a, b) in ag.items():
+                self.ag_issued[ph].append(a)
+                self.ag_wait[ph].append(b)
+
+    def synced_early(self, i: int, advanced: bool) -> int:
+        """Unit i's early sync: in its reduce-scatter stage, or advanced to its all-reduce
+        (a sync with no all-reduce stays in its reduce-scatter stage)."""
+        return self.sync_ar[i] if advanced and self.sync_ar[i] else self.sync[i] + (0 if self.sync[i] else self.sync_ar[i])
+
+
 def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None = None,
-             output: int = 0, micro_batches: int = 1) -> Timeline:
+             output: int = 0, micro_batches: int = 1, mesh=None, algo=None) -> Timeline:
     """The phases' peaks of one step ([Note]s above), from the plan and the states.
     `saved`: each unit's saved activation bytes (the trace's, unit order; None or under
-    checkpointing: `activations` stays alive through the whole backward)."""
+    checkpointing: `activations` stays alive through the whole backward). `mesh`, `algo`:
+    the strategy's mesh and its resolved collective algorithm, for the collectives' own
+    buffers (None: not counted)."""
     states = int(memory["total"])
     units = plan.units
-    size = [sum(g.gathered_bytes for g in u.groups) for u in units]
-    grad = [sum(_grad_full(u, g) for g in u.groups) for u in units]
-    reduce = [sum(_grad_full(u, g) + g.grads_bytes for g in u.groups
-                  if g.trainable and u.factors_of(g).g > 1) for u in units]
+    z = _Sizes(plan, mesh, algo)
+    size = z.gathered
+    in_flight = [z.reduce[i] + z.rs_staging[i] for i in range(len(units))]
     # the pool kept between micro-batches ([Note: timeline: reduce workspace])
-    pool = sum(sorted(reduce, reverse=True)[:REDUCES_IN_FLIGHT]) if micro_batches > 1 else 0
-    # forward: the window as each unit runs; the activations peak at the forward's end
+    pool = sum(sorted(z.reduce, reverse=True)[:REDUCES_IN_FLIGHT]) if micro_batches > 1 else 0
+    # forward: the window as each unit runs, each unit's gather waited beside what ran before
+    # it; the activations peak at the forward's end
+    left = list(saved) if saved is not None and len(saved) == len(units) else None
     held: set[int] = set()
+    made = 0
+    waits: list[Point] = []
+    deferred = set(plan.schedule.update_deferred)
+    owed = {k: a for k, a, _ in z.update if k in deferred}     # waited where each unit is next needed
     for st in plan.schedule.forward:
         held |= {st.unit, *st.issue} if size[st.unit] else set(st.issue)
         last = sum(size[i] for i in held)
+        if size[st.unit] and mesh is not None:
+            waits.append(Point("forward", (("states", states), ("gathered", last), ("activations so far", made),
+                                           (f"gather staging of {units[st.unit].name}",
+                                            z.ag_wait[Phase.FORWARD][st.unit]),
+                                           ("gathers issued ahead", sum(z.ag_issued[Phase.FORWARD][k]
+                                                                        for k in st.issue if k != st.unit)),
+                                           ("reduce workspace pool", pool),
+                                           ("update gathers owed", sum(owed.values())))))
+        owed.pop(st.unit, None)
+        if left is not None:
+            made += left[st.unit]
         if st.unit != 0:
             held.discard(st.unit)
     fwd = Point("forward", (("states", states), ("gathered at the forward's end", last),
-                            ("activations", activations), ("reduce workspace pool", pool)))
+                            ("activations", activations), ("logits and loss", LOSS_FORWARD * output),
+                            ("reduce workspace pool", pool)))
+    fwd = max([fwd, *waits], key=lambda p: p.bytes)
+    kept = ("loss tensors", LOSS_KEPT * output)
     # backward: each unit's gradient made, its reduce issued beside the previous unit's
-    left = list(saved) if saved is not None and len(saved) == len(units) else None
     alive = activations
-    bwd = Point("backward", (("states", states), ("gathered at the forward's end", last),
+    # at the loss: the backward's first stage has issued its gathers (the engine's backward
+    # pre-hook on the output, [Note: timeline: loss gradient])
+    first = plan.schedule.backward[0] if plan.schedule.backward else None
+    at_loss = held | ({first.unit, *first.issue} if first is not None and size[first.unit] else
+                      set(first.issue) if first is not None else set())
+    bwd = Point("backward", (("states", states), ("gathered at the loss", sum(size[k] for k in at_loss)),
                              ("activations", activations), ("loss gradients", LOSS_GRADIENTS * output),
                              ("reduce workspace pool", pool)))
-    flight = []
-    for st in plan.schedule.backward:
-        held |= {st.unit, *st.issue} if size[st.unit] else set(st.issue)
-        flight = (flight + [reduce[st.unit]])[-REDUCES_IN_FLIGHT:]
-        pt = Point("backward", (("states", states), ("gathered", sum(size[i] for i in held)),
-                                ("activations left", alive), (f"autograd's gradient of {units[st.unit].name}",
-                                                              grad[st.unit]),
-                                ("reduce workspace", max(sum(flight), pool))))
-        bwd = pt if pt.bytes > bwd.bytes else bwd
+    stages = {st.unit: st for st in plan.schedule.backward}
+    early = set(plan.schedule.sync_early)
+    flight: list[int] = []
+    synced: list[int] = []
+    order = [i for i in range(len(units) - 1, 0, -1)] + [0]
+    for i in order:
+        st = stages.get(i)
+        issue = set(st.issue) if st is not None else set()
+        held |= issue | ({i} if size[i] and st is not None else set())
+        ahead = sum(z.ag_issued[Phase.BACKWARD][k] for k in issue if k != i)
+        early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
+        flight = (flight + [i])[-REDUCES_IN_FLIGHT:]
+        gathered = sum(size[k] for k in held)
+        # while its backward runs: its saved tensors and its gradient, the previous reduce in flight
+        pts = [Point("backward", (("states", states), ("gathered", gathered), ("activations left", alive),
+                                  (f"autograd's gradient of {units[i].name}", z.grad[i]),
+                                  ("reduce workspace", max(sum(in_flight[k] for k in flight[:-1]), pool)),
+                                  ("gathers issued ahead", ahead), ("early syncs", early_bytes))),
+               # its reduce issued: its saved tensors freed, its gradient copied
+               Point("backward", (("states", states), ("gathered", gathered),
+                                  ("activations left", alive - (left[i] if left is not None else 0)), kept,
+                                  (f"autograd's gradient of {units[i].name}", z.grad[i]),
+                                  ("reduce workspace", max(sum(z.reduce[k] for k in flight), pool)),
+                                  ("reduce-scatter staging", sum(z.rs_staging[k] for k in flight)),
+                                  ("reduce codec", z.rs_codec[i]),
+                                  ("gathers issued ahead", ahead), ("early syncs", early_bytes)))]
+        if st is not None and size[i]:
+            pts.append(Point("backward", (("states", states), ("gathered", gathered), ("activations left", alive), kept,
+                                          ("reduce workspace", sum(in_flight[k] for k in flight[:-1])),
+                                          (f"gather staging of {units[i].name}", z.ag_wait[Phase.BACKWARD][i]),
+                                          ("early syncs", early_bytes))))
+        bwd = max([bwd, *pts], key=lambda p: p.bytes)
         if left is not None:                # its saved tensors are gone once its backward ran
-            alive -= left[st.unit]
-        if st.unit != 0:
-            held.discard(st.unit)
-    sync = sum(g.optim_elems * (g.grads_bytes * u.factors_of(g).g // max(g.n, 1))
-               for u in units for g in u.groups if g.trainable and g.row(Phase.SYNC, Op.REDUCE_SCATTER) is not None)
+            alive -= left[i]
+        if i != 0:
+            held.discard(i)
+        if len(flight) == REDUCES_IN_FLIGHT and flight[0] in early:
+            synced.append(flight[0])        # its reduce waited: its sync goes out
+    synced += [k for k in flight if k in early and k not in synced]
+    rest = sorted((z.sync[k] + z.sync_ar[k] for k in range(len(units)) if k not in early), reverse=True)
+    early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
+    sync_buffers = (("early syncs", early_bytes), ("syncs in flight", sum(rest[:SYNC_IN_FLIGHT])))
     chunk = max((g.optim_elems * 4 for u in units for g in u.groups if g.trainable), default=0)
     pts = [
         Point("startup", (("shards and the largest unit's whole parameters", int(memory["startup"])),)),
         fwd, bwd,
-        Point("sync", (("states", states), ("sync chunks", sync))),
-        Point("step", (("states", states), ("optimizer step temporaries", STEP_TEMPORARIES * chunk))),
+        Point("sync", (("states", states), kept, *sync_buffers)),
+        max(Point("step", (("states", states), *sync_buffers)),
+            Point("step", (("states", states), ("optimizer step temporaries", STEP_TEMPORARIES * chunk))),
+            Point("step", (("states", states), ("update gathers in flight", sum(a for _, a, _ in z.update)),
+                           ("update gather staging at its wait",
+                            max((b for k, _, b in z.update if k not in deferred), default=0)))),
+            key=lambda p: p.bytes),
     ]
     return Timeline(tuple(pts))
