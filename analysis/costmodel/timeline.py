@@ -120,8 +120,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.lowering import SYNC_IN_FLIGHT, Lowering, Op, Phase
-from shardc.lowering.peak_facts import REDUCES_IN_FLIGHT
+from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Op, Phase
 
 from .staging import all_gather_bytes, all_reduce_bytes, codec_bytes, reduce_scatter_bytes
 
@@ -183,7 +182,16 @@ class _Sizes:
         units = plan.units
         self.gathered = [sum(g.gathered_bytes for g in u.groups) for u in units]
         self.grad = [sum(_grad_full(u, g) for g in u.groups) for u in units]
+        # the grad shard's bytes ([Note: timeline: grad shards]): from its gradients' arrival
+        # (s_G = 1), from its reduce-scatter's wait (s_G > 1)
+        self.shard_on_arrival = [sum(g.grads_bytes for g in u.groups if g.trainable and u.factors_of(g).g == 1)
+                                 for u in units]
+        self.shard_on_wait = [sum(g.grads_bytes for g in u.groups if g.trainable and u.factors_of(g).g > 1)
+                              for u in units]
         self.reduce, self.rs_staging, self.rs_codec, self.sync, self.sync_ar = ([] for _ in range(5))
+        # the gloo all-to-all's receive block is not counted: a simulated rank (and a device
+        # backend) reduce-scatters natively ([Note: timeline: reduce workspace])
+        self.recv = 0
         self.update: list[tuple[int, int, int]] = []  # per group with an update gather: (unit, issued, more at its wait)
         # per phase (forward, backward): a gather issued ahead, and at its wait (codec included)
         self.ag_issued = {Phase.FORWARD: [], Phase.BACKWARD: []}
@@ -239,13 +247,18 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     checkpointing: `activations` stays alive through the whole backward). `mesh`, `algo`:
     the strategy's mesh and its resolved collective algorithm, for the collectives' own
     buffers (None: not counted)."""
-    states = int(memory["total"])
     units = plan.units
     z = _Sizes(plan, mesh, algo)
     size = z.gathered
-    in_flight = [z.reduce[i] + z.rs_staging[i] for i in range(len(units))]
-    # the pool kept between micro-batches ([Note: timeline: reduce workspace])
-    pool = sum(sorted(z.reduce, reverse=True)[:REDUCES_IN_FLIGHT]) if micro_batches > 1 else 0
+    grads = int(memory["grads"])
+    # the model states without the grad shards: zero_grad() freed them ([Note: timeline: grad shards])
+    bare = int(memory["total"]) - (grads if RELEASE_GRADS else 0)
+    states = int(memory["total"])
+    # the pool kept between micro-batches ([Note: timeline: reduce workspace]): one unit's
+    # flat input and output chunk, the largest, and one receive block
+    pool = (max(z.reduce, default=0) + z.recv) if micro_batches > 1 else 0
+    # a forward after the first micro-batch's backward holds every grad shard
+    fwd_states = states if micro_batches > 1 or not RELEASE_GRADS else bare
     # forward: the window as each unit runs, each unit's gather waited beside what ran before
     # it; the activations peak at the forward's end
     left = list(saved) if saved is not None and len(saved) == len(units) else None
@@ -254,11 +267,12 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     waits: list[Point] = []
     deferred = set(plan.schedule.update_deferred)
     owed = {k: a for k, a, _ in z.update if k in deferred}     # waited where each unit is next needed
+    last = 0
     for st in plan.schedule.forward:
         held |= {st.unit, *st.issue} if size[st.unit] else set(st.issue)
         last = sum(size[i] for i in held)
         if size[st.unit] and mesh is not None:
-            waits.append(Point("forward", (("states", states), ("gathered", last), ("activations so far", made),
+            waits.append(Point("forward", (("states", fwd_states), ("gathered", last), ("activations so far", made),
                                            (f"gather staging of {units[st.unit].name}",
                                             z.ag_wait[Phase.FORWARD][st.unit]),
                                            ("gathers issued ahead", sum(z.ag_issued[Phase.FORWARD][k]
@@ -270,24 +284,27 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
             made += left[st.unit]
         if st.unit != 0:
             held.discard(st.unit)
-    fwd = Point("forward", (("states", states), ("gathered at the forward's end", last),
+    fwd = Point("forward", (("states", fwd_states), ("gathered at the forward's end", last),
                             ("activations", activations), ("logits and loss", LOSS_FORWARD * output),
                             ("reduce workspace pool", pool)))
     fwd = max([fwd, *waits], key=lambda p: p.bytes)
     kept = ("loss tensors", LOSS_KEPT * output)
-    # backward: each unit's gradient made, its reduce issued beside the previous unit's
+    # backward: each unit's gradient made, its reduce issued once the previous unit's is waited
     alive = activations
     # at the loss: the backward's first stage has issued its gathers (the engine's backward
     # pre-hook on the output, [Note: timeline: loss gradient])
     first = plan.schedule.backward[0] if plan.schedule.backward else None
     at_loss = held | ({first.unit, *first.issue} if first is not None and size[first.unit] else
                       set(first.issue) if first is not None else set())
-    bwd = Point("backward", (("states", states), ("gathered at the loss", sum(size[k] for k in at_loss)),
+    bwd = Point("backward", (("states", fwd_states), ("gathered at the loss", sum(size[k] for k in at_loss)),
                              ("activations", activations), ("loss gradients", LOSS_GRADIENTS * output),
                              ("reduce workspace pool", pool)))
     stages = {st.unit: st for st in plan.schedule.backward}
     early = set(plan.schedule.sync_early)
-    flight: list[int] = []
+    # grad shards alive: every one after the first micro-batch, else none yet
+    shards = grads if fwd_states == states else 0
+    ws = pool                                   # the reduce workspace's high-water mark
+    prev: int | None = None                     # the unit whose reduce-scatter is in flight
     synced: list[int] = []
     order = [i for i in range(len(units) - 1, 0, -1)] + [0]
     for i in order:
@@ -295,35 +312,49 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         issue = set(st.issue) if st is not None else set()
         held |= issue | ({i} if size[i] and st is not None else set())
         ahead = sum(z.ag_issued[Phase.BACKWARD][k] for k in issue if k != i)
+        if shards != grads:
+            shards += z.shard_on_arrival[i]     # s_G = 1: the shard exists from its gradients' arrival
         early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
-        flight = (flight + [i])[-REDUCES_IN_FLIGHT:]
+        in_flight = z.rs_staging[prev] if prev is not None else 0
         gathered = sum(size[k] for k in held)
         # while its backward runs: its saved tensors and its gradient, the previous reduce in flight
-        pts = [Point("backward", (("states", states), ("gathered", gathered), ("activations left", alive),
+        pts = [Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
+                                  ("activations left", alive),
                                   (f"autograd's gradient of {units[i].name}", z.grad[i]),
-                                  ("reduce workspace", max(sum(in_flight[k] for k in flight[:-1]), pool)),
-                                  ("gathers issued ahead", ahead), ("early syncs", early_bytes))),
-               # its reduce issued: its saved tensors freed, its gradient copied
-               Point("backward", (("states", states), ("gathered", gathered),
-                                  ("activations left", alive - (left[i] if left is not None else 0)), kept,
-                                  (f"autograd's gradient of {units[i].name}", z.grad[i]),
-                                  ("reduce workspace", max(sum(z.reduce[k] for k in flight), pool)),
-                                  ("reduce-scatter staging", sum(z.rs_staging[k] for k in flight)),
-                                  ("reduce codec", z.rs_codec[i]),
+                                  ("reduce workspace", ws), ("reduce-scatter staging", in_flight),
                                   ("gathers issued ahead", ahead), ("early syncs", early_bytes)))]
         if st is not None and size[i]:
-            pts.append(Point("backward", (("states", states), ("gathered", gathered), ("activations left", alive), kept,
-                                          ("reduce workspace", sum(in_flight[k] for k in flight[:-1])),
+            pts.append(Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
+                                          ("activations left", alive), kept,
+                                          ("reduce workspace", ws), ("reduce-scatter staging", in_flight),
                                           (f"gather staging of {units[i].name}", z.ag_wait[Phase.BACKWARD][i]),
-                                          ("early syncs", early_bytes))))
-        bwd = max([bwd, *pts], key=lambda p: p.bytes)
-        if left is not None:                # its saved tensors are gone once its backward ran
-            alive -= left[i]
+                                          ("gathers issued ahead", ahead), ("early syncs", early_bytes))))
+        # its gradients copied: its gathered buffer freed first, the previous reduce waited
         if i != 0:
             held.discard(i)
-        if len(flight) == REDUCES_IN_FLIGHT and flight[0] in early:
-            synced.append(flight[0])        # its reduce waited: its sync goes out
-    synced += [k for k in flight if k in early and k not in synced]
+        gathered = sum(size[k] for k in held)
+        if prev is not None:
+            if shards != grads:
+                shards += z.shard_on_wait[prev]
+            if prev in early:
+                synced.append(prev)         # its reduce waited: its sync goes out
+        early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
+        if z.reduce[i]:
+            ws = max(ws, z.reduce[i] + z.recv)
+        done = alive - (left[i] if left is not None else 0)
+        # its gradients copied and its reduce issued (autograd's gradient freed only when its
+        # views' backward returns, after the issue): the reduce-scatter's staging and codec
+        pts.append(Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
+                                      ("activations left", done), kept,
+                                      (f"autograd's gradient of {units[i].name}", z.grad[i]),
+                                      ("reduce workspace", ws),
+                                      ("reduce-scatter staging", z.rs_staging[i]), ("reduce codec", z.rs_codec[i]),
+                                      ("gathers issued ahead", ahead), ("early syncs", early_bytes))))
+        bwd = max([bwd, *pts], key=lambda p: p.bytes)
+        alive = done                        # its saved tensors are gone once its backward ran
+        prev = i                            # waited (its reduce, its early sync's turn) as the next gradients arrive
+    if prev is not None and prev in early and prev not in synced:
+        synced.append(prev)
     rest = sorted((z.sync[k] + z.sync_ar[k] for k in range(len(units)) if k not in early), reverse=True)
     early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
     sync_buffers = (("early syncs", early_bytes), ("syncs in flight", sum(rest[:SYNC_IN_FLIGHT])))
@@ -331,7 +362,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     pts = [
         Point("startup", (("shards and the largest unit's whole parameters", int(memory["startup"])),)),
         fwd, bwd,
-        Point("sync", (("states", states), kept, *sync_buffers)),
+        Point("sync", (("states", states), kept, ("reduce workspace", ws), *sync_buffers)),
         max(Point("step", (("states", states), *sync_buffers)),
             Point("step", (("states", states), ("optimizer step temporaries", STEP_TEMPORARIES * chunk))),
             Point("step", (("states", states), ("update gathers in flight", sum(a for _, a, _ in z.update)),
