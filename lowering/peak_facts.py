@@ -1,17 +1,10 @@
 """Runtime bounds the memory timeline reads — stage 3 (lowering): constants of the plan that
 runtime/ obeys and analysis/costmodel/timeline.py counts. Input: none. Output:
-`REDUCES_IN_FLIGHT`, the one owner of its fact (the others live in lowering/transients.py).
-
-[Note: reduces in flight]
-In the backward each unit's gradient is reduce-scattered as soon as autograd made it
-(runtime/flat_group.py `reduce_grad`); issuing unit j's reduce-scatter first waits unit
-j-1's (runtime/engine.py `_bound_reductions`, FSDP2's rule), so at most REDUCES_IN_FLIGHT
-units' reductions — each its flat input, its output chunk and its collective's staging —
-are alive at once: the one just issued and the one before it.
+`CODEC_ROWS`, the one owner of its fact. The transient buffers' bounds (REDUCE_IN_FLIGHT,
+RELEASE_GRADS, SYNC_IN_FLIGHT, STAGING_BYTES, ...) live in lowering/transients.py.
 """
 from __future__ import annotations
 
-REDUCES_IN_FLIGHT = 2           # [Note: reduces in flight]: units whose backward reduce is in flight
 CODEC_ROWS = 1 << 24            # [Note: codec batches]: elements a quantized collective codes per call, at most
 
 # [Note: codec batches]

@@ -8,21 +8,24 @@ runtime/collectives.py, stage by stage (the algorithm's stages: shardc.algorithm
 flat stage in the collective's own dtype holds nothing of its own.
 
 [Note: staging: reduce-scatter]
-`_rs_pieces`: a multi-stage reduce-scatter (hierarchical, ho-ring over two or more
-levels) first permutes its n-byte input into a contiguous copy (`full[...].contiguous()`,
-all pieces at once: n bytes; none when the group's digit order is already the stages'
-and there is one piece: the permuted view is contiguous), then each stage but the last writes a new buffer
-(`_rs_piece`: n / |S_1|, n / |S_1||S_2|, ...). The copy is held by the piece's generator
-until the collective is waited, so all of it counts for as long as the reduce-scatter is
-in flight. A comm dtype other than the buffers' adds the cast input (n in the comm dtype)
+`_rs_pieces` / `_rs_blocks`: a multi-stage reduce-scatter (hierarchical, ho-ring over two
+or more levels) goes a block of at most STAGING_BYTES (shardc.lowering [Note: staging
+chunks]) per piece at a time: the block's columns are copied out contiguous in the stages'
+order (b bytes; none when one piece's one block is the whole input and the group's digit
+order is already the stages': the permuted view is contiguous), then each stage but the
+last writes a new buffer (`_rs_piece`: b / |S_1|, b / |S_1||S_2|, ...); the block is freed
+before the piece's next. Every piece's block counts for as long as the reduce-scatter is
+in flight (a bound: the pieces run at once from the issue). A comm dtype other than the buffers' adds the cast input (n in the comm dtype)
 and its output (`tmp`). qgZ (`_qgz`, a quantized comm) is one all-to-all: the send and
 receive payloads (s x the quantized shard each) and an fp32 accumulator of the output.
 
 [Note: staging: all-gather]
-`_ag_piece`: each stage of a multi-stage all-gather writes a new buffer, |S_1| m, then
-|S_1||S_2| m, ..., the last the whole n, copied into the output when the gather is
-waited. Issued (`Work` runs every piece to its first stage) it holds the first stage's
-buffer; at its wait the last two at once (n + n / |S_k|). qwZ (a quantized comm) holds
+`_ag_piece`: a multi-stage all-gather goes a block of at most STAGING_BYTES (shardc.lowering
+[Note: staging chunks]) of each piece's columns at a time; each stage writes a new buffer,
+|S_1| b, then |S_1||S_2| b, ..., the last the block's whole s b, placed into its columns of
+the output before the next block is gathered. Issued (`Work` runs every piece to its first
+stage) it holds each piece's first stage's buffer; at its wait the last two at once
+(s b + s b / |S_k| per piece: n + n / |S_k| when the blocks are whole pieces). qwZ (a quantized comm) holds
 the quantized shard and the gathered payloads (s of them), and at its wait the larger of
 its stages' buffers and the decode's temporaries (the stages' are freed before `decode`).
 
@@ -83,13 +86,20 @@ def reduce_scatter_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> int:
     stages = a.scatter(key, mesh.ordered)
     if stages == (key,) and a.pieces == 1:
         return cast
-    inter, v = 0, n * c
-    for st in stages[:-1]:
-        v //= _n(mesh, st)
-        inter += v
-    perm = scatter_perm(stages, key)
-    copy = n * c if a.pieces > 1 or perm != sorted(perm) else 0     # a view when the order is already the stages'
-    return cast + copy + inter
+    # per piece, one block of at most STAGING_BYTES of its columns at a time: copied out (no
+    # copy when the one block is the whole input in the stages' order: a view), then each
+    # stage but the last writes a new buffer
+    m = n // s
+    block = max(1, STAGING_BYTES // (s * c))
+    inplace = a.pieces == 1 and scatter_perm(stages, key) == sorted(scatter_perm(stages, key))
+    total = 0
+    for lo, hi in bounds(m, a.pieces):
+        b = min(hi - lo, block) * s * c
+        total += 0 if inplace and b == m * s * c else b
+        for st in stages[:-1]:
+            b //= _n(mesh, st)
+            total += b
+    return cast + total
 
 
 def all_gather_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> tuple[int, int]:
@@ -113,8 +123,13 @@ def all_gather_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> tuple[int, int
     cast = n * c if c != elem else 0
     if not staged:
         return cast, cast
-    first = (n // s) * c * _n(mesh, stages[0])
-    last = n * c + n * c // _n(mesh, stages[-1])
+    # per piece, one block of at most STAGING_BYTES of its columns at a time
+    block = max(1, STAGING_BYTES // (s * c))
+    first = last = 0
+    for lo, hi in bounds(n // s, a.pieces):
+        b = min(hi - lo, block) * c
+        first += b * _n(mesh, stages[0])
+        last += b * s + b * s // _n(mesh, stages[-1])
     return cast + first, cast + last
 
 

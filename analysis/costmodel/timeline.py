@@ -7,9 +7,23 @@ micro-batch's activations (activations.py). Output: a `Timeline`, one `Point` pe
 peak; its maximum is explain's peak (the framework overhead is added apart, a named
 constant: activations.py [Note: framework overhead]).
 
-Each buffer kind has a [Note] naming the runtime site that allocates and frees it. The
-model states (params, hpZ secondary, grad shard, optimizer states and master) are alive in
-every phase after start-up and are one buffer, "states".
+Each buffer kind has a [Note] naming the runtime site that allocates and frees it; the
+bounds the runtime obeys are read from the lowering (lowering/transients.py:
+REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, STAGING_BYTES; lowering/peak_facts.py:
+CODEC_ROWS), never restated here. The model states (params, hpZ secondary, optimizer
+states and master) are alive in every phase after start-up and are one buffer, "states";
+the grad shards join them as [Note: timeline: grad shards] says.
+
+[Note: timeline: grad shards]
+shardc.lowering [Note: gradient lifetimes] (RELEASE_GRADS): zero_grad() frees every grad
+shard, so the forward of a step's first micro-batch holds none ("states" there is
+memory_report()'s total less its `grads`). In the backward a unit's shard appears when its
+gradients arrive (s_G = 1) or when its reduce-scatter is waited (s_G > 1: as the next unit's
+gradients arrive, or at the backward's end); a group with no gradient's at the sync. From
+the sync to zero_grad() every shard is alive (the sync and step points count the whole
+total). With more than one micro-batch the later forwards and backwards hold every shard.
+Not counted: the fp32 copies a bf16 grad shard is read through (from the sync's completion
+to zero_grad(); the sweep's models are fp32).
 
 [Note: timeline: gathered window]
 runtime/flat_group.py `issue_gather` allocates a unit's full buffer (storage.py
@@ -19,12 +33,12 @@ and backward walk the same window (memory.py [Note: transient window]).
 [Note: timeline: activations]
 At the end of the forward (with its loss) one micro-batch's saved tensors are all alive
 (activations.py [Note: activation peak]); the backward frees them unit by unit (the
-trace's per-unit `saved`). Each unit has two points: while its backward runs, its own
-saved tensors still count beside its gradient and the previous unit's reduce in flight
-(an upper bound: autograd frees them as the unit's backward runs); once its reduce is
-issued they are gone (its gradient, its reduce and that reduce's staging counted instead).
-Measured (bench/peak_probe.py, HF GPT-2 at 4 ranks): ddp peaks at the first point, zero3
-at the second. Under checkpointing all of them stay counted.
+trace's per-unit `saved`). Each unit has its points: while its backward runs (and at its
+gather's wait), its own saved tensors still count beside its gradient and the previous
+unit's reduce in flight (an upper bound: autograd frees them as the unit's backward runs);
+once its reduce is issued they are gone (its gradient, its reduce and that reduce's
+staging counted instead). Measured (HF GPT-2 at 4 ranks, after peak-runtime): ddp peaks at
+the first point, zero3 at its gather's wait, zeropp at the issue (its qgZ codec). Under checkpointing all of them stay counted.
 
 [Note: timeline: loss gradient]
 The backward starts at the loss: cross entropy on the fp32 logits (shardc/simulate.py's
@@ -49,17 +63,21 @@ measured peak with them.
 [Note: timeline: autograd gradient]
 In the backward autograd makes the unit's gradients, full size N in the grad dtype, before
 the unit's hook lays them out flat (runtime/flat_group.py `reduce_slot_grads`); they are
-freed once `reduce_grad` has copied them (s_G > 1) or added them in (s_G = 1).
+freed when the unit's views' backward returns (shardc.lowering [Note: reductions in
+flight]), after `reduce_grad` has copied them (s_G > 1) or added them in (s_G = 1) and
+issued the reduce: so they count beside the reduce's staging and codec at its issue
+(measured: zeropp's qgZ issue on HF GPT-2 at 4 ranks, 1.005 with them, 0.945 without).
 
 [Note: timeline: reduce workspace]
-runtime/workspace.py [Note: reduce workspace]: with s_G > 1 a unit's reduce-scatter holds
-its flat input (N) and its output chunk (N/s_G) until it is waited; the engine keeps one
-unit's in flight while the next is issued, so two units' worth are alive at the
-backward's peak (`REDUCES_IN_FLIGHT`, shardc.lowering.peak_facts). With more than one micro-batch the pool keeps
-them between micro-batches (emptied only at the backward that issues the step's sync), so
-every later forward and backward holds the two largest units' worth from its start.
-Measured: the planner's zero2-like pick with `accumulate 4` on GPT tiny at 4 ranks peaks
-at the loss at states + activations + loss gradients + this pool (to 8 bytes).
+runtime/workspace.py [Note: reduce workspace], shardc.lowering [Note: reductions in
+flight] (REDUCE_IN_FLIGHT = 1): with s_G > 1 a unit's reduce-scatter holds its flat input
+(N) and its output chunk (N/s_G) until the next unit's gradients arrive; that wait comes
+before the next copy, and the unit's gathered buffer is freed before it too, so the next
+unit's flat input reuses the same workspace. The pool keeps what was handed back, so from
+a unit's copy on it holds the largest (N + N/s_G) so far (its high-water mark) and, on the
+gloo all-to-all path, one receive block (not counted: a simulated rank reduce-scatters
+natively). With more than one micro-batch the pool keeps it between micro-batches, so
+every later forward and backward holds the largest unit's worth from its start.
 
 [Note: timeline: sync chunk]
 runtime/flat_group.py `sync_issue`: where the step-end sync has a reduce-scatter stage
@@ -68,13 +86,6 @@ chunk (N/s_OS, grad dtype) until `sync_advance` copies it into the OS slice.
 
 [Note: timeline: start-up]
 memory.py [Note: start-up peak]: the shards plus the largest unit's whole parameters.
-
-[Note: timeline: update gathers]
-After the optimizer's step every group with an update all-gather (OS∖P) issues it at once
-(runtime/step_ops.py `update`, flat_group.py `update_issue`): each holds a clone of its OS
-chunk in the params dtype and its gather's first-stage buffer (staging.py) until waited
-(then, or, for the units the `defer_update` pass lists, before each is next needed in the
-next forward); the one waited holds its last stages.
 
 [Note: timeline: update gathers]
 After the optimizer's step every group with an update all-gather (OS∖P) issues it at once
@@ -95,14 +106,15 @@ measured apart.
 A multi-stage collective (hierarchical, ho-ring over two or more levels), a cast to another
 comm dtype and a quantized one hold buffers of their own while in flight (staging.py has
 the rules, each naming its site in runtime/collectives.py). The backward counts, beside
-each reduce in flight, its reduce-scatter's staging; the gather waited for the unit
-(`at its wait`: its last two stage buffers) and the gathers issued ahead of it (their
-first stage's buffer).
+the reduce in flight, its reduce-scatter's staging; the gather waited for the unit
+(`at its wait`: its last two stage buffers) and, at that wait too, the gathers issued
+ahead of it (their first stage's buffer; measured: zero3 on HF GPT-2 at 4 ranks, 0.997
+with them at the wait, 0.963 without).
 
 [Note: timeline: step-end sync]
 The backward that ends the step issues every unit's sync (flat_group.py `sync_issue`):
 a unit the `early_sync` pass lists right after its own reduce is waited (engine.py
-`_bound_reductions`), the others at the backward's end, at most SYNC_IN_FLIGHT groups at
+`_bound_reductions`: as the next unit's gradients arrive), the others at the backward's end, at most SYNC_IN_FLIGHT groups at
 a time (shardc.lowering [Note: syncs in flight], runtime/step_ops.py). A sync in its
 reduce-scatter stage holds its output chunk (N/s_OS) and the reduce-scatter's staging;
 an early sync is advanced when the next unit's is issued (boundary.py `sync_early`): its
@@ -112,8 +124,8 @@ its reduce-scatter stage until then. A sync with no reduce-scatter stage issues 
 all-reduce at once. So at the backward's end ("sync") and at the start of opt.step()
 ("step") the early syncs' buffers and the bounded ones are alive; the loss's tensors
 (`LOSS_KEPT` x the logits: the loop's `out`, `logits` and cross entropy's saved
-log-softmax, freed when the loop drops them after `backward()`) are still held at the
-backward's end. The simulated step measures "sync" inside its backward phase (`MEASURED`).
+log-softmax, freed when the loop drops them after `backward()`) and the reduce workspace
+are still held at the backward's end. The simulated step measures "sync" inside its backward phase (`MEASURED`).
 
 """
 from __future__ import annotations
