@@ -6,7 +6,7 @@ micro-batch of 64 tokens.
   unit's step-end sync issued early, held to the step), zeropp (hpZ secondary, qwZ gathers
   and qgZ reduce-scatters with their codecs): explain's forward, backward and step are each
   within 3 % of the measured phase.
-- a transient left out of the timeline (the reduce-scatter's staging, 18 % of zero3's
+- a transient left out of the timeline (the reduce-scatter's staging, 10 % of zero3's
   peak here) makes simulate report the miss and exit 1.
 """
 from __future__ import annotations
