@@ -18,8 +18,9 @@ the grad shards join them as [Note: timeline: grad shards] says.
 shardc.lowering [Note: gradient lifetimes] (RELEASE_GRADS): zero_grad() frees every grad
 shard, so the forward of a step's first micro-batch holds none ("states" there is
 memory_report()'s total less its `grads`). In the backward a unit's shard appears when its
-gradients arrive (s_G = 1) or when its reduce-scatter is waited (s_G > 1: as the next unit's
-gradients arrive, or at the backward's end); a group with no gradient's at the sync. From
+gradients arrive (s_G = 1: after its backward ran, so not beside its saved tensors while
+it runs) or when its reduce-scatter is waited (s_G > 1: as the next unit's gradients arrive,
+or at the backward's end); a group with no gradient's at the sync. From
 the sync to zero_grad() every shard is alive (the sync and step points count the whole
 total). With more than one micro-batch the later forwards and backwards hold every shard.
 Not counted: the fp32 copies a bf16 grad shard is read through (from the sync's completion
@@ -112,6 +113,10 @@ ahead of it (their first stage's buffer; measured: zero3 on HF GPT-2 at 4 ranks,
 with them at the wait, 0.963 without).
 
 [Note: timeline: step-end sync]
+An early sync with an all-reduce stage is advanced (its chunk copied into the OS slice and
+freed) right after the next unit's is issued, so at that issue two syncs are in their
+reduce-scatter stage (a point of its own: measured on lins_7b, HF Llama at 4 ranks, two
+chunks from `sync_issue` beside the root's gradient; explain 1.065 x measured before).
 The backward that ends the step issues every unit's sync (flat_group.py `sync_issue`):
 a unit the `early_sync` pass lists right after its own reduce is waited (engine.py
 `_bound_reductions`: as the next unit's gradients arrive), the others at the backward's end, at most SYNC_IN_FLIGHT groups at
@@ -204,12 +209,14 @@ class _Sizes:
         # the gloo all-to-all's receive block is not counted: a simulated rank (and a device
         # backend) reduce-scatters natively ([Note: timeline: reduce workspace])
         self.recv = 0
+        self.has_ar: list[bool] = []
         self.update: list[tuple[int, int, int]] = []  # per group with an update gather: (unit, issued, more at its wait)
         # per phase (forward, backward): a gather issued ahead, and at its wait (codec included)
         self.ag_issued = {Phase.FORWARD: [], Phase.BACKWARD: []}
         self.ag_wait = {Phase.FORWARD: [], Phase.BACKWARD: []}
         for u in units:
             red = rs = rc = syn = ar = 0
+            has_ar = False
             ag = {ph: [0, 0] for ph in self.ag_wait}
             for g in u.groups:
                 f = u.factors_of(g)
@@ -237,19 +244,26 @@ class _Sizes:
                 if rs_row is not None:
                     syn += g.optim_elems * e + (reduce_scatter_bytes(mesh, algo, rs_row, g.n // f.g, e)
                                                 if mesh is not None else 0)
+                if ar_row is not None:
+                    has_ar = True
                 if ar_row is not None and mesh is not None:
                     ar += all_reduce_bytes(mesh, algo, ar_row, g.optim_elems, e)
             for lst, v in ((self.reduce, red), (self.rs_staging, rs), (self.rs_codec, rc), (self.sync, syn),
                            (self.sync_ar, ar)):
                 lst.append(v)
+            self.has_ar.append(has_ar)
             for ph, (a, b) in ag.items():
                 self.ag_issued[ph].append(a)
                 self.ag_wait[ph].append(b)
 
     def synced_early(self, i: int, advanced: bool) -> int:
-        """Unit i's early sync: in its reduce-scatter stage, or advanced to its all-reduce
-        (a sync with no all-reduce stays in its reduce-scatter stage)."""
-        return self.sync_ar[i] if advanced and self.sync_ar[i] else self.sync[i] + (0 if self.sync[i] else self.sync_ar[i])
+        """Unit i's early sync: in its reduce-scatter stage (its chunk and staging), or advanced
+        to its all-reduce (its chunk copied into the OS slice and freed: the all-reduce's
+        staging only); a sync with no all-reduce stays in its reduce-scatter stage, one with
+        no reduce-scatter is in its all-reduce from its issue."""
+        if advanced and self.has_ar[i]:
+            return self.sync_ar[i]
+        return self.sync[i] if self.sync[i] else self.sync_ar[i]
 
 
 def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None = None,
@@ -324,8 +338,6 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         issue = set(st.issue) if st is not None else set()
         held |= issue | ({i} if size[i] and st is not None else set())
         ahead = sum(z.ag_issued[Phase.BACKWARD][k] for k in issue if k != i)
-        if shards != grads:
-            shards += z.shard_on_arrival[i]     # s_G = 1: the shard exists from its gradients' arrival
         early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
         in_flight = z.rs_staging[prev] if prev is not None else 0
         gathered = sum(size[k] for k in held)
@@ -345,11 +357,22 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         if i != 0:
             held.discard(i)
         gathered = sum(size[k] for k in held)
+        if shards != grads:
+            shards += z.shard_on_arrival[i]     # s_G = 1: the shard exists from its gradients' arrival
         if prev is not None:
             if shards != grads:
                 shards += z.shard_on_wait[prev]
             if prev in early:
                 synced.append(prev)         # its reduce waited: its sync goes out
+        if prev is not None and prev in early:
+            # the previous unit's sync issued while the one before it is still in its
+            # reduce-scatter stage (boundary.py `sync_early` advances it right after)
+            issuing = sum(z.synced_early(k, n + 2 < len(synced)) for n, k in enumerate(synced))
+            pts.append(Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
+                                          ("activations left", alive - (left[i] if left is not None else 0)), kept,
+                                          (f"autograd's gradient of {units[i].name}", z.grad[i]),
+                                          ("reduce workspace", ws), ("reduce-scatter staging", in_flight),
+                                          ("gathers issued ahead", ahead), ("early syncs", issuing))))
         early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
         if z.reduce[i]:
             ws = max(ws, z.reduce[i] + z.recv)
