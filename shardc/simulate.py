@@ -28,7 +28,8 @@ step); the second, a step as every later one runs, is measured. Per rank:
     storages and the gradients the optimizer reads, runtime/memory.py `held_tensors`, and
     the optimizer's states); beside it
     explain's peak without its framework overhead, which a tracker of tensors cannot see
-    (states + the gathered window + one micro-batch's activations);
+    (the memory timeline's maximum, analysis/costmodel/timeline.py), and per phase
+    explain's point for that phase (`explain_phases`, `phases_within`);
   * a factory with an `ep_mesh` parameter is called with
     this rank's 1-D ep DeviceMesh (runtime/experts.py), on which it places its experts as
     DTensor Shard(0); explain's sizes are taken from a call with None (no process group
@@ -324,7 +325,10 @@ def _report(strategy, rank, m, optimizer, clip, batch, seq, predicted, measured,
                  "explain_parts": {k: peak[k] for k in ("states", "gathered", "activations")},
                  "within": _within(measured["peak"], peak),
                  "explain_phase": peak.get("phase"), "explain_buffers": peak.get("buffers"),
-                 "explain_timeline": peak.get("timeline")},
+                 "explain_timeline": peak.get("timeline"),
+                 "explain_phases": _explain_phases(peak.get("timeline")),
+                 "phases_within": _phases_within((measured["peak"] or {}).get("phases", {}),
+                                                 _explain_phases(peak.get("timeline")))},
         "seconds": seconds,
     }
 
@@ -339,6 +343,22 @@ def _within(measured, peak) -> bool | None:
     if measured is None or peak["peak"] is None:
         return None
     return measured["by_kind"].get("Total", 0) <= (1 + PEAK_TOLERANCE) * (peak["peak"] - peak["overhead"])
+
+
+def _explain_phases(timeline) -> dict:
+    """explain's bytes for each measured phase (`PHASES`): the largest of the timeline's
+    points that phase spans (analysis/costmodel/timeline.py `MEASURED`: the step-end sync is
+    issued inside the backward)."""
+    from shardc.analysis.costmodel.timeline import MEASURED
+    if not timeline:
+        return {}
+    at = {p["phase"]: p["bytes"] for p in timeline}
+    return {ph: max(at[p] for p in MEASURED[ph] if p in at) for ph in PHASES}
+
+
+def _phases_within(measured: dict, explained: dict) -> dict:
+    """{phase: the measured peak is no more than PEAK_TOLERANCE above explain's}."""
+    return {ph: measured[ph] <= (1 + PEAK_TOLERANCE) * explained[ph] for ph in measured if ph in explained}
 
 
 def _largest(phases: dict) -> str | None:

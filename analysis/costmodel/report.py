@@ -78,7 +78,8 @@ def explain(strategy: Strategy, units, *, micro_batches: int | None = None, opti
     rates = {"tokens_per_s": m * tokens / t.total, "mfu": m * model_flops / (t.total * peak_flops),
              "model_flops": model_flops}
     return Explained(strategy, units, m, memory, tuple(records), algo, links, inter, intra, t,
-                     peak_memory(memory, graph, checkpoint, FRAMEWORK_OVERHEAD if overhead is None else overhead, plan, m), rates,
+                     peak_memory(memory, graph, checkpoint, FRAMEWORK_OVERHEAD if overhead is None else overhead, plan, m,
+                                 strategy.mesh, algo), rates,
                      shared_links(bw, strategy.mesh), plan)
 
 

@@ -7,9 +7,24 @@ micro-batch's activations (activations.py). Output: a `Timeline`, one `Point` pe
 peak; its maximum is explain's peak (the framework overhead is added apart, a named
 constant: activations.py [Note: framework overhead]).
 
-Each buffer kind has a [Note] naming the runtime site that allocates and frees it. The
-model states (params, hpZ secondary, grad shard, optimizer states and master) are alive in
-every phase after start-up and are one buffer, "states".
+Each buffer kind has a [Note] naming the runtime site that allocates and frees it; the
+bounds the runtime obeys are read from the lowering (lowering/transients.py:
+REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, STAGING_BYTES; lowering/peak_facts.py:
+CODEC_ROWS), never restated here. The model states (params, hpZ secondary, optimizer
+states and master) are alive in every phase after start-up and are one buffer, "states";
+the grad shards join them as [Note: timeline: grad shards] says.
+
+[Note: timeline: grad shards]
+shardc.lowering [Note: gradient lifetimes] (RELEASE_GRADS): zero_grad() frees every grad
+shard, so the forward of a step's first micro-batch holds none ("states" there is
+memory_report()'s total less its `grads`). In the backward a unit's shard appears when its
+gradients arrive (s_G = 1: after its backward ran, so not beside its saved tensors while
+it runs) or when its reduce-scatter is waited (s_G > 1: as the next unit's gradients arrive,
+or at the backward's end); a group with no gradient's at the sync. From
+the sync to zero_grad() every shard is alive (the sync and step points count the whole
+total). With more than one micro-batch the later forwards and backwards hold every shard.
+Not counted: the fp32 copies a bf16 grad shard is read through (from the sync's completion
+to zero_grad(); the sweep's models are fp32).
 
 [Note: timeline: gathered window]
 runtime/flat_group.py `issue_gather` allocates a unit's full buffer (storage.py
@@ -19,31 +34,51 @@ and backward walk the same window (memory.py [Note: transient window]).
 [Note: timeline: activations]
 At the end of the forward (with its loss) one micro-batch's saved tensors are all alive
 (activations.py [Note: activation peak]); the backward frees them unit by unit (the
-trace's per-unit `saved`). A unit's own saved tensors count while its gradient is made
-and its reduce issued (an upper bound: autograd frees them as the unit's backward runs);
-they are gone for the next unit. Under checkpointing all of them stay counted.
+trace's per-unit `saved`). Each unit has its points: while its backward runs (and at its
+gather's wait), its own saved tensors still count beside its gradient and the previous
+unit's reduce in flight (an upper bound: autograd frees them as the unit's backward runs);
+once its reduce is issued they are gone (its gradient, its reduce and that reduce's
+staging counted instead). Measured (HF GPT-2 at 4 ranks, after peak-runtime): ddp peaks at
+the first point, zero3 at its gather's wait, zeropp at the issue (its qgZ codec). Under checkpointing all of them stay counted.
 
 [Note: timeline: loss gradient]
 The backward starts at the loss: cross entropy on the fp32 logits (shardc/simulate.py's
 step) makes gradients the logits' size (the trace's `output`) while the root's head runs
-its backward, beside every activation and the units gathered at the forward's end.
+its backward, beside every activation, the units gathered at the forward's end and the
+gathers the backward's first stage issued (measured on GPT tiny zero3 at 4 ranks: the
+last unit's gather is held at the loss).
 `LOSS_GRADIENTS` of them is measured, not derived: on GPT tiny at 4 ranks (ddp) the
 backward's peak is 65,544 bytes above states + activations, 4 x the 16,384-byte logits.
+
+[Note: timeline: loss tensors]
+The trace's activations are the units' saved tensors; the model's output (the logits) and
+the loss are the loop's (shardc/simulate.py's step: `out`, `logits`, cross entropy's saved
+log-softmax). At the forward's end `LOSS_FORWARD` tensors of the logits' size are alive
+beside the activations; from a unit's reduce on `LOSS_KEPT` (the loss's gradient of the
+logits too), until the loop drops them after `backward()`. Measured on HF GPT-2 at 4 ranks
+(bench/peak_probe.py): 2 and 3 x the logits, to 220 bytes. The point while a unit's
+backward runs leaves them out: it already counts the unit's saved tensors whole (a bound),
+and on HF GPT-2 and Llama (ddp, lins_7b, PaRO at 4 ranks) it was 3 x the logits above the
+measured peak with them.
 
 [Note: timeline: autograd gradient]
 In the backward autograd makes the unit's gradients, full size N in the grad dtype, before
 the unit's hook lays them out flat (runtime/flat_group.py `reduce_slot_grads`); they are
-freed once `reduce_grad` has copied them (s_G > 1) or added them in (s_G = 1).
+freed when the unit's views' backward returns (shardc.lowering [Note: reductions in
+flight]), after `reduce_grad` has copied them (s_G > 1) or added them in (s_G = 1) and
+issued the reduce: so they count beside the reduce's staging and codec at its issue
+(measured: zeropp's qgZ issue on HF GPT-2 at 4 ranks, 1.005 with them, 0.945 without).
 
 [Note: timeline: reduce workspace]
-runtime/workspace.py [Note: reduce workspace]: with s_G > 1 a unit's reduce-scatter holds
-its flat input (N) and its output chunk (N/s_G) until it is waited; the engine keeps one
-unit's in flight while the next is issued, so two units' worth are alive at the
-backward's peak (`REDUCES_IN_FLIGHT`). With more than one micro-batch the pool keeps
-them between micro-batches (emptied only at the backward that issues the step's sync), so
-every later forward and backward holds the two largest units' worth from its start.
-Measured: the planner's zero2-like pick with `accumulate 4` on GPT tiny at 4 ranks peaks
-at the loss at states + activations + loss gradients + this pool (to 8 bytes).
+runtime/workspace.py [Note: reduce workspace], shardc.lowering [Note: reductions in
+flight] (REDUCE_IN_FLIGHT = 1): with s_G > 1 a unit's reduce-scatter holds its flat input
+(N) and its output chunk (N/s_G) until the next unit's gradients arrive; that wait comes
+before the next copy, and the unit's gathered buffer is freed before it too, so the next
+unit's flat input reuses the same workspace. The pool keeps what was handed back, so from
+a unit's copy on it holds the largest (N + N/s_G) so far (its high-water mark) and, on the
+gloo all-to-all path, one receive block (not counted: a simulated rank reduce-scatters
+natively). With more than one micro-batch the pool keeps it between micro-batches, so
+every later forward and backward holds the largest unit's worth from its start.
 
 [Note: timeline: sync chunk]
 runtime/flat_group.py `sync_issue`: where the step-end sync has a reduce-scatter stage
@@ -53,6 +88,13 @@ chunk (N/s_OS, grad dtype) until `sync_advance` copies it into the OS slice.
 [Note: timeline: start-up]
 memory.py [Note: start-up peak]: the shards plus the largest unit's whole parameters.
 
+[Note: timeline: update gathers]
+After the optimizer's step every group with an update all-gather (OS∖P) issues it at once
+(runtime/step_ops.py `update`, flat_group.py `update_issue`): each holds a clone of its OS
+chunk in the params dtype and its gather's first-stage buffer (staging.py) until waited
+(then, or, for the units the `defer_update` pass lists, before each is next needed in the
+next forward); the one waited holds its last stages.
+
 [Note: timeline: optimizer step]
 In opt.step() (runtime/optimizer.py) the optimizer runs over one group's OS chunk at a time
 and the update all-gather sends a copy of it (flat_group.py `update_issue`, `mine.clone()`):
@@ -60,22 +102,59 @@ and the update all-gather sends a copy of it (flat_group.py `update_issue`, `min
 `shardc simulate` (AdamW, foreach): 2.0x the largest chunk for zero3, 0.67x for ddp, on
 GPT tiny and small at 4 ranks, so the rule is a bound; foreach against fused is not yet
 measured apart.
+
+[Note: timeline: collective staging]
+A multi-stage collective (hierarchical, ho-ring over two or more levels), a cast to another
+comm dtype and a quantized one hold buffers of their own while in flight (staging.py has
+the rules, each naming its site in runtime/collectives.py). The backward counts, beside
+the reduce in flight, its reduce-scatter's staging; the gather waited for the unit
+(`at its wait`: its last two stage buffers) and, at that wait too, the gathers issued
+ahead of it (their first stage's buffer; measured: zero3 on HF GPT-2 at 4 ranks, 0.997
+with them at the wait, 0.963 without).
+
+[Note: timeline: step-end sync]
+An early sync with an all-reduce stage is advanced (its chunk copied into the OS slice and
+freed) right after the next unit's is issued, so at that issue two syncs are in their
+reduce-scatter stage (a point of its own: measured on lins_7b, HF Llama at 4 ranks, two
+chunks from `sync_issue` beside the root's gradient; explain 1.065 x measured before).
+The backward that ends the step issues every unit's sync (flat_group.py `sync_issue`):
+a unit the `early_sync` pass lists right after its own reduce is waited (engine.py
+`_bound_reductions`: as the next unit's gradients arrive), the others at the backward's end, at most SYNC_IN_FLIGHT groups at
+a time (shardc.lowering [Note: syncs in flight], runtime/step_ops.py). A sync in its
+reduce-scatter stage holds its output chunk (N/s_OS) and the reduce-scatter's staging;
+an early sync is advanced when the next unit's is issued (boundary.py `sync_early`): its
+chunk is copied into the OS slice and its all-reduce over the replicas goes out, holding
+that all-reduce's staging until opt.step() waits it; a sync with no all-reduce stays in
+its reduce-scatter stage until then. A sync with no reduce-scatter stage issues its
+all-reduce at once. So at the backward's end ("sync") and at the start of opt.step()
+("step") the early syncs' buffers and the bounded ones are alive; the loss's tensors
+(`LOSS_KEPT` x the logits: the loop's `out`, `logits` and cross entropy's saved
+log-softmax, freed when the loop drops them after `backward()`) and the reduce workspace
+are still held at the backward's end. The simulated step measures "sync" inside its backward phase (`MEASURED`).
+
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.lowering import Lowering, Op, Phase
+from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Op, Phase
 
-# One owner: the engine keeps one unit's reduce-scatter in flight while the next is issued
-# (runtime/engine.py, runtime/workspace.py [Note: reduce workspace]).
-REDUCES_IN_FLIGHT = 2
+from .staging import all_gather_bytes, all_reduce_bytes, codec_bytes, reduce_scatter_bytes
+
 # Gradients the loss's backward makes, each the size of the fp32 logits ([Note: timeline: loss gradient]).
 LOSS_GRADIENTS = 4
+# Tensors of the logits' size the loop holds: at the forward's end (the logits, cross entropy's
+# log-softmax) and through the backward (those and the loss's gradient of the logits)
+# ([Note: timeline: loss tensors]).
+LOSS_FORWARD = 2
+LOSS_KEPT = 3
 # fp32 temporaries of the largest group's optimizer chunk in the step ([Note: timeline: optimizer step]).
 STEP_TEMPORARIES = 2
 
 PHASES = ("startup", "forward", "backward", "sync", "step")
+# The timeline's points each phase of `shardc simulate`'s measured step spans: the sync is
+# issued inside the backward that ends the step.
+MEASURED = {"forward": ("forward",), "backward": ("backward", "sync"), "step": ("step",)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +179,10 @@ class Timeline:
     def phase(self, name: str) -> Point:
         return next(p for p in self.points if p.phase == name)
 
+    def measured_phase(self, name: str) -> int:
+        """explain's bytes for a phase of the simulated step (`MEASURED`)."""
+        return max(self.phase(p).bytes for p in MEASURED[name])
+
     def to_json(self) -> list[dict]:
         return [{"phase": p.phase, "bytes": p.bytes, "buffers": dict(p.buffers)} for p in self.points]
 
@@ -109,54 +192,217 @@ def _grad_full(u, g) -> int:
     return g.grads_bytes * u.factors_of(g).g if g.trainable else 0
 
 
+class _Sizes:
+    """Per unit: the bytes each buffer kind of the [Note]s holds (staging.py for the collectives')."""
+
+    def __init__(self, plan: Lowering, mesh, algo):
+        units = plan.units
+        self.gathered = [sum(g.gathered_bytes for g in u.groups) for u in units]
+        self.grad = [sum(_grad_full(u, g) for g in u.groups) for u in units]
+        # the grad shard's bytes ([Note: timeline: grad shards]): from its gradients' arrival
+        # (s_G = 1), from its reduce-scatter's wait (s_G > 1)
+        self.shard_on_arrival = [sum(g.grads_bytes for g in u.groups if g.trainable and u.factors_of(g).g == 1)
+                                 for u in units]
+        self.shard_on_wait = [sum(g.grads_bytes for g in u.groups if g.trainable and u.factors_of(g).g > 1)
+                              for u in units]
+        self.reduce, self.rs_staging, self.rs_codec, self.sync, self.sync_ar = ([] for _ in range(5))
+        # the gloo all-to-all's receive block is not counted: a simulated rank (and a device
+        # backend) reduce-scatters natively ([Note: timeline: reduce workspace])
+        self.recv = 0
+        self.has_ar: list[bool] = []
+        self.update: list[tuple[int, int, int]] = []  # per group with an update gather: (unit, issued, more at its wait)
+        # per phase (forward, backward): a gather issued ahead, and at its wait (codec included)
+        self.ag_issued = {Phase.FORWARD: [], Phase.BACKWARD: []}
+        self.ag_wait = {Phase.FORWARD: [], Phase.BACKWARD: []}
+        for u in units:
+            red = rs = rc = syn = ar = 0
+            has_ar = False
+            ag = {ph: [0, 0] for ph in self.ag_wait}
+            for g in u.groups:
+                f = u.factors_of(g)
+                if g.gathered_bytes and mesh is not None:
+                    for ph in ag:
+                        row = g.row(ph, Op.ALL_GATHER) or g.row(Phase.FORWARD, Op.ALL_GATHER)
+                        a, b = all_gather_bytes(mesh, algo, row, g.n, g.gathered_bytes // max(g.n, 1))
+                        ag[ph][0] += a
+                        ag[ph][1] += b
+                if not g.trainable:
+                    continue
+                e = _grad_full(u, g) // max(g.n, 1)
+                if f.g > 1:
+                    red += _grad_full(u, g) + g.grads_bytes
+                    if mesh is not None:
+                        row = g.row(Phase.BACKWARD, Op.ALL_TO_ALL) or g.row(Phase.BACKWARD, Op.REDUCE_SCATTER)
+                        rs += reduce_scatter_bytes(mesh, algo, row, g.n, e)
+                        rc = max(rc, codec_bytes(mesh, row, g.n))
+                up = g.row(Phase.UPDATE, Op.ALL_GATHER)
+                if up is not None and mesh is not None:
+                    pe = g.params_bytes * f.p // max(g.n, 1)
+                    a, b = all_gather_bytes(mesh, algo, up, g.n // max(f.p, 1), pe)
+                    self.update.append((len(self.reduce), g.optim_elems * pe + a, b - a))
+                rs_row, ar_row = g.row(Phase.SYNC, Op.REDUCE_SCATTER), g.row(Phase.SYNC, Op.ALL_REDUCE)
+                if rs_row is not None:
+                    syn += g.optim_elems * e + (reduce_scatter_bytes(mesh, algo, rs_row, g.n // f.g, e)
+                                                if mesh is not None else 0)
+                if ar_row is not None:
+                    has_ar = True
+                if ar_row is not None and mesh is not None:
+                    ar += all_reduce_bytes(mesh, algo, ar_row, g.optim_elems, e)
+            for lst, v in ((self.reduce, red), (self.rs_staging, rs), (self.rs_codec, rc), (self.sync, syn),
+                           (self.sync_ar, ar)):
+                lst.append(v)
+            self.has_ar.append(has_ar)
+            for ph, (a, b) in ag.items():
+                self.ag_issued[ph].append(a)
+                self.ag_wait[ph].append(b)
+
+    def synced_early(self, i: int, advanced: bool) -> int:
+        """Unit i's early sync: in its reduce-scatter stage (its chunk and staging), or advanced
+        to its all-reduce (its chunk copied into the OS slice and freed: the all-reduce's
+        staging only); a sync with no all-reduce stays in its reduce-scatter stage, one with
+        no reduce-scatter is in its all-reduce from its issue."""
+        if advanced and self.has_ar[i]:
+            return self.sync_ar[i]
+        return self.sync[i] if self.sync[i] else self.sync_ar[i]
+
+
 def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None = None,
-             output: int = 0, micro_batches: int = 1) -> Timeline:
+             output: int = 0, micro_batches: int = 1, mesh=None, algo=None) -> Timeline:
     """The phases' peaks of one step ([Note]s above), from the plan and the states.
     `saved`: each unit's saved activation bytes (the trace's, unit order; None or under
-    checkpointing: `activations` stays alive through the whole backward)."""
-    states = int(memory["total"])
+    checkpointing: `activations` stays alive through the whole backward). `mesh`, `algo`:
+    the strategy's mesh and its resolved collective algorithm, for the collectives' own
+    buffers (None: not counted)."""
     units = plan.units
-    size = [sum(g.gathered_bytes for g in u.groups) for u in units]
-    grad = [sum(_grad_full(u, g) for g in u.groups) for u in units]
-    reduce = [sum(_grad_full(u, g) + g.grads_bytes for g in u.groups
-                  if g.trainable and u.factors_of(g).g > 1) for u in units]
-    # the pool kept between micro-batches ([Note: timeline: reduce workspace])
-    pool = sum(sorted(reduce, reverse=True)[:REDUCES_IN_FLIGHT]) if micro_batches > 1 else 0
-    # forward: the window as each unit runs; the activations peak at the forward's end
+    z = _Sizes(plan, mesh, algo)
+    size = z.gathered
+    grads = int(memory["grads"])
+    # the model states without the grad shards: zero_grad() freed them ([Note: timeline: grad shards])
+    bare = int(memory["total"]) - (grads if RELEASE_GRADS else 0)
+    states = int(memory["total"])
+    # the pool kept between micro-batches ([Note: timeline: reduce workspace]): one unit's
+    # flat input and output chunk, the largest, and one receive block
+    pool = (max(z.reduce, default=0) + z.recv) if micro_batches > 1 else 0
+    # a forward after the first micro-batch's backward holds every grad shard
+    fwd_states = states if micro_batches > 1 or not RELEASE_GRADS else bare
+    # forward: the window as each unit runs, each unit's gather waited beside what ran before
+    # it; the activations peak at the forward's end
+    left = list(saved) if saved is not None and len(saved) == len(units) else None
     held: set[int] = set()
+    made = 0
+    waits: list[Point] = []
+    deferred = set(plan.schedule.update_deferred)
+    owed = {k: a for k, a, _ in z.update if k in deferred}     # waited where each unit is next needed
+    last = 0
     for st in plan.schedule.forward:
         held |= {st.unit, *st.issue} if size[st.unit] else set(st.issue)
         last = sum(size[i] for i in held)
+        if size[st.unit] and mesh is not None:
+            waits.append(Point("forward", (("states", fwd_states), ("gathered", last), ("activations so far", made),
+                                           (f"gather staging of {units[st.unit].name}",
+                                            z.ag_wait[Phase.FORWARD][st.unit]),
+                                           ("gathers issued ahead", sum(z.ag_issued[Phase.FORWARD][k]
+                                                                        for k in st.issue if k != st.unit)),
+                                           ("reduce workspace pool", pool),
+                                           ("update gathers owed", sum(owed.values())))))
+        owed.pop(st.unit, None)
+        if left is not None:
+            made += left[st.unit]
         if st.unit != 0:
             held.discard(st.unit)
-    fwd = Point("forward", (("states", states), ("gathered at the forward's end", last),
-                            ("activations", activations), ("reduce workspace pool", pool)))
-    # backward: each unit's gradient made, its reduce issued beside the previous unit's
-    left = list(saved) if saved is not None and len(saved) == len(units) else None
+    fwd = Point("forward", (("states", fwd_states), ("gathered at the forward's end", last),
+                            ("activations", activations), ("logits and loss", LOSS_FORWARD * output),
+                            ("reduce workspace pool", pool)))
+    fwd = max([fwd, *waits], key=lambda p: p.bytes)
+    kept = ("loss tensors", LOSS_KEPT * output)
+    # backward: each unit's gradient made, its reduce issued once the previous unit's is waited
     alive = activations
-    bwd = Point("backward", (("states", states), ("gathered at the forward's end", last),
+    # at the loss: the backward's first stage has issued its gathers (the engine's backward
+    # pre-hook on the output, [Note: timeline: loss gradient])
+    first = plan.schedule.backward[0] if plan.schedule.backward else None
+    at_loss = held | ({first.unit, *first.issue} if first is not None and size[first.unit] else
+                      set(first.issue) if first is not None else set())
+    bwd = Point("backward", (("states", fwd_states), ("gathered at the loss", sum(size[k] for k in at_loss)),
                              ("activations", activations), ("loss gradients", LOSS_GRADIENTS * output),
                              ("reduce workspace pool", pool)))
-    flight = []
-    for st in plan.schedule.backward:
-        held |= {st.unit, *st.issue} if size[st.unit] else set(st.issue)
-        flight = (flight + [reduce[st.unit]])[-REDUCES_IN_FLIGHT:]
-        pt = Point("backward", (("states", states), ("gathered", sum(size[i] for i in held)),
-                                ("activations left", alive), (f"autograd's gradient of {units[st.unit].name}",
-                                                              grad[st.unit]),
-                                ("reduce workspace", max(sum(flight), pool))))
-        bwd = pt if pt.bytes > bwd.bytes else bwd
-        if left is not None:                # its saved tensors are gone once its backward ran
-            alive -= left[st.unit]
-        if st.unit != 0:
-            held.discard(st.unit)
-    sync = sum(g.optim_elems * (g.grads_bytes * u.factors_of(g).g // max(g.n, 1))
-               for u in units for g in u.groups if g.trainable and g.row(Phase.SYNC, Op.REDUCE_SCATTER) is not None)
+    stages = {st.unit: st for st in plan.schedule.backward}
+    early = set(plan.schedule.sync_early)
+    # grad shards alive: every one after the first micro-batch, else none yet
+    shards = grads if fwd_states == states else 0
+    ws = pool                                   # the reduce workspace's high-water mark
+    prev: int | None = None                     # the unit whose reduce-scatter is in flight
+    synced: list[int] = []
+    order = [i for i in range(len(units) - 1, 0, -1)] + [0]
+    for i in order:
+        st = stages.get(i)
+        issue = set(st.issue) if st is not None else set()
+        held |= issue | ({i} if size[i] and st is not None else set())
+        ahead = sum(z.ag_issued[Phase.BACKWARD][k] for k in issue if k != i)
+        early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
+        in_flight = z.rs_staging[prev] if prev is not None else 0
+        gathered = sum(size[k] for k in held)
+        # while its backward runs: its saved tensors and its gradient, the previous reduce in flight
+        pts = [Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
+                                  ("activations left", alive),
+                                  (f"autograd's gradient of {units[i].name}", z.grad[i]),
+                                  ("reduce workspace", ws), ("reduce-scatter staging", in_flight),
+                                  ("gathers issued ahead", ahead), ("early syncs", early_bytes)))]
+        if st is not None and size[i]:
+            pts.append(Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
+                                          ("activations left", alive), kept,
+                                          ("reduce workspace", ws), ("reduce-scatter staging", in_flight),
+                                          (f"gather staging of {units[i].name}", z.ag_wait[Phase.BACKWARD][i]),
+                                          ("gathers issued ahead", ahead), ("early syncs", early_bytes))))
+        # its gradients copied: its gathered buffer freed first, the previous reduce waited
+        if i != 0:
+            held.discard(i)
+        gathered = sum(size[k] for k in held)
+        if shards != grads:
+            shards += z.shard_on_arrival[i]     # s_G = 1: the shard exists from its gradients' arrival
+        if prev is not None:
+            if shards != grads:
+                shards += z.shard_on_wait[prev]
+            if prev in early:
+                synced.append(prev)         # its reduce waited: its sync goes out
+        if prev is not None and prev in early:
+            # the previous unit's sync issued while the one before it is still in its
+            # reduce-scatter stage (boundary.py `sync_early` advances it right after)
+            issuing = sum(z.synced_early(k, n + 2 < len(synced)) for n, k in enumerate(synced))
+            pts.append(Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
+                                          ("activations left", alive - (left[i] if left is not None else 0)), kept,
+                                          (f"autograd's gradient of {units[i].name}", z.grad[i]),
+                                          ("reduce workspace", ws), ("reduce-scatter staging", in_flight),
+                                          ("gathers issued ahead", ahead), ("early syncs", issuing))))
+        early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
+        if z.reduce[i]:
+            ws = max(ws, z.reduce[i] + z.recv)
+        done = alive - (left[i] if left is not None else 0)
+        # its gradients copied and its reduce issued (autograd's gradient freed only when its
+        # views' backward returns, after the issue): the reduce-scatter's staging and codec
+        pts.append(Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
+                                      ("activations left", done), kept,
+                                      (f"autograd's gradient of {units[i].name}", z.grad[i]),
+                                      ("reduce workspace", ws),
+                                      ("reduce-scatter staging", z.rs_staging[i]), ("reduce codec", z.rs_codec[i]),
+                                      ("gathers issued ahead", ahead), ("early syncs", early_bytes))))
+        bwd = max([bwd, *pts], key=lambda p: p.bytes)
+        alive = done                        # its saved tensors are gone once its backward ran
+        prev = i                            # waited (its reduce, its early sync's turn) as the next gradients arrive
+    if prev is not None and prev in early and prev not in synced:
+        synced.append(prev)
+    rest = sorted((z.sync[k] + z.sync_ar[k] for k in range(len(units)) if k not in early), reverse=True)
+    early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
+    sync_buffers = (("early syncs", early_bytes), ("syncs in flight", sum(rest[:SYNC_IN_FLIGHT])))
     chunk = max((g.optim_elems * 4 for u in units for g in u.groups if g.trainable), default=0)
     pts = [
         Point("startup", (("shards and the largest unit's whole parameters", int(memory["startup"])),)),
         fwd, bwd,
-        Point("sync", (("states", states), ("sync chunks", sync))),
-        Point("step", (("states", states), ("optimizer step temporaries", STEP_TEMPORARIES * chunk))),
+        Point("sync", (("states", states), kept, ("reduce workspace", ws), *sync_buffers)),
+        max(Point("step", (("states", states), *sync_buffers)),
+            Point("step", (("states", states), ("optimizer step temporaries", STEP_TEMPORARIES * chunk))),
+            Point("step", (("states", states), ("update gathers in flight", sum(a for _, a, _ in z.update)),
+                           ("update gather staging at its wait",
+                            max((b for k, _, b in z.update if k not in deferred), default=0)))),
+            key=lambda p: p.bytes),
     ]
     return Timeline(tuple(pts))

@@ -125,9 +125,12 @@ def render(rep: dict) -> None:
     kinds = ", ".join(f"{k} {human_bytes(v)}" for k, v in pk["by_kind"].items() if v)
     measured = "not measured (--no-peak)" if pk["measured"] is None else f"{human_bytes(pk['measured'])} ({kinds})"
     con.print(f"peak during the step (torch's MemTracker): {measured}; explain: "
-              f"{predicted} (states + gathered units + activations, without the framework overhead)", highlight=False)
+              f"{predicted} (the memory timeline's maximum, at {pk.get('explain_phase')}, without the framework "
+              f"overhead)", highlight=False)
     if pk.get("phases"):
-        con.print("peak by phase: " + ", ".join(f"{k} {human_bytes(v)}" for k, v in pk["phases"].items())
+        ex = pk.get("explain_phases") or {}
+        con.print("peak by phase, measured (explain): " + ", ".join(
+            f"{k} {human_bytes(v)}" + (f" ({human_bytes(ex[k])})" if k in ex else "") for k, v in pk["phases"].items())
                   + f" (the largest: {pk['phase']})", highlight=False)
     sec = rep["seconds"]
     con.print("seconds (wall / CPU): " + ", ".join(f"{k} {v['wall']:.2f} / {v['cpu']:.2f}" for k, v in sec.items()),

@@ -1,0 +1,170 @@
+"""A collective's own buffers — the bytes one all-gather, reduce-scatter or all-reduce holds
+beside its input and output while it is in flight, for the memory timeline (timeline.py).
+
+Input: the strategy's mesh, the resolved collective algorithm (`Collectives`, as explain
+resolves `auto`), one plan `Row` (levels, digit order, comm dtype) and the collective's
+size. Output: bytes per rank. Each rule follows the executor that allocates the buffers,
+runtime/collectives.py, stage by stage (the algorithm's stages: shardc.algorithms); one
+flat stage in the collective's own dtype holds nothing of its own.
+
+[Note: staging: reduce-scatter]
+`_rs_pieces` / `_rs_blocks`: a multi-stage reduce-scatter (hierarchical, ho-ring over two
+or more levels) goes a block of at most STAGING_BYTES (shardc.lowering [Note: staging
+chunks]) per piece at a time: the block's columns are copied out contiguous in the stages'
+order (b bytes; none when one piece's one block is the whole input and the group's digit
+order is already the stages': the permuted view is contiguous), then each stage but the
+last writes a new buffer (`_rs_piece`: b / |S_1|, b / |S_1||S_2|, ...); the block is freed
+before the piece's next. Every piece's block counts for as long as the reduce-scatter is
+in flight (a bound: the pieces run at once from the issue). A comm dtype other than the buffers' adds the cast input (n in the comm dtype)
+and its output (`tmp`). qgZ (`_qgz`, a quantized comm) is one all-to-all: the send and
+receive payloads (s x the quantized shard each) and an fp32 accumulator of the output.
+
+[Note: staging: all-gather]
+`_ag_piece`: a multi-stage all-gather goes a block of at most STAGING_BYTES (shardc.lowering
+[Note: staging chunks]) of each piece's columns at a time; each stage writes a new buffer,
+|S_1| b, then |S_1||S_2| b, ..., the last the block's whole s b, placed into its columns of
+the output before the next block is gathered. Issued (`Work` runs every piece to its first
+stage) it holds each piece's first stage's buffer; at its wait the last two at once
+(s b + s b / |S_k| per piece: n + n / |S_k| when the blocks are whole pieces). qwZ (a quantized comm) holds
+the quantized shard and the gathered payloads (s of them), and at its wait the larger of
+its stages' buffers and the decode's temporaries (the stages' are freed before `decode`).
+
+[Note: staging: all-reduce]
+`_ar_plan` / `_ar_blocks`: a staged all-reduce copies a block of at most STAGING_BYTES
+(shardc.lowering [Note: staging chunks]) per piece out contiguous (no copy when one block
+is every column: the view is already contiguous), then each scatter stage writes a new
+buffer (b / |S_1|, ...), all alive until the block is copied back. An input
+whose length is not a multiple of the scatter stages' ranks is first padded (a copy of n,
+alive for the whole all-reduce).
+
+[Note: staging: codec temporaries]
+runtime/quant.py codes a quantized collective's rows a batch at a time (shardc.lowering
+[Note: codec batches]); `encode_rows` holds the zero-padded fp32 copy of the batch, the
+quotient then its rounding and its clamp (`CODEC_FP32` fp32 copies at once) and the int8
+codes; `decode_rows` the float codes, the padded copy and the scaled result. These live
+only while the collective is issued (encode) or waited (decode), beside its payloads.
+"""
+from __future__ import annotations
+
+from math import prod
+
+import shardc.algorithms as algorithms
+from shardc.algorithms.base import bounds, scatter_perm
+from shardc.dsl.ir import Collectives, Mesh
+from shardc.lowering import STAGING_BYTES, shard_payload_bytes
+from shardc.lowering.peak_facts import CODEC_ROWS
+from shardc.lowering.rows import elem_bytes
+
+CODEC_FP32 = 3      # fp32 copies of a batch alive at once in the codec ([Note: staging: codec temporaries])
+
+
+def _key(mesh: Mesh, row) -> tuple[str, ...]:
+    order = row.order or mesh.ordered(row.levels)
+    return tuple(l for l in order if mesh.size(l) > 1)
+
+
+def _n(mesh: Mesh, stage) -> int:
+    return prod(mesh.size(l) for l in stage)
+
+
+def _algo(mesh: Mesh, algo: Collectives | None, key):
+    return algorithms.resolve(Collectives.AUTO.value if algo is None else Collectives(algo).value, key)
+
+
+def reduce_scatter_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> int:
+    """Bytes a reduce-scatter of `n` input elements of `elem` bytes holds while in flight
+    ([Note: staging: reduce-scatter])."""
+    key = _key(mesh, row)
+    if not key or row is None:
+        return 0
+    s = _n(mesh, key)
+    if row.comm.quantized:                      # qgZ: the send and receive payloads
+        return 2 * s * shard_payload_bytes(n // s, row.comm)
+    c = elem_bytes(row.comm)
+    cast = n * c + (n // s) * c if c != elem else 0
+    a = _algo(mesh, algo, key)
+    stages = a.scatter(key, mesh.ordered)
+    if stages == (key,) and a.pieces == 1:
+        return cast
+    # per piece, one block of at most STAGING_BYTES of its columns at a time: copied out (no
+    # copy when the one block is the whole input in the stages' order: a view), then each
+    # stage but the last writes a new buffer
+    m = n // s
+    block = max(1, STAGING_BYTES // (s * c))
+    inplace = a.pieces == 1 and scatter_perm(stages, key) == sorted(scatter_perm(stages, key))
+    total = 0
+    for lo, hi in bounds(m, a.pieces):
+        b = min(hi - lo, block) * s * c
+        total += 0 if inplace and b == m * s * c else b
+        for st in stages[:-1]:
+            b //= _n(mesh, st)
+            total += b
+    return cast + total
+
+
+def all_gather_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> tuple[int, int]:
+    """(issued, at its wait): bytes an all-gather of `n` output elements holds
+    ([Note: staging: all-gather])."""
+    key = _key(mesh, row)
+    if not key or row is None:
+        return 0, 0
+    s = _n(mesh, key)
+    a = _algo(mesh, algo, key)
+    stages = a.gather(key, mesh.ordered)
+    staged = not (stages == (key,) and a.pieces == 1)
+    if row.comm.quantized:                      # qwZ: the quantized shard and s gathered payloads
+        p = shard_payload_bytes(n // s, row.comm)
+        if not staged:
+            return p + s * p, p + s * p + codec_bytes(mesh, row, n)
+        # the stages' buffers are freed before the payloads are decoded
+        return (p + s * p + p * _n(mesh, stages[0]),
+                p + s * p + max(s * p + s * p // _n(mesh, stages[-1]), codec_bytes(mesh, row, n)))
+    c = elem_bytes(row.comm)
+    cast = n * c if c != elem else 0
+    if not staged:
+        return cast, cast
+    # per piece, one block of at most STAGING_BYTES of its columns at a time
+    block = max(1, STAGING_BYTES // (s * c))
+    first = last = 0
+    for lo, hi in bounds(n // s, a.pieces):
+        b = min(hi - lo, block) * c
+        first += b * _n(mesh, stages[0])
+        last += b * s + b * s // _n(mesh, stages[-1])
+    return cast + first, cast + last
+
+
+def all_reduce_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> int:
+    """Bytes a staged all-reduce of `n` elements of `elem` bytes holds while in flight
+    ([Note: staging: all-reduce])."""
+    key = _key(mesh, row)
+    if not key or row is None:
+        return 0
+    a = _algo(mesh, algo, key)
+    plan = a.reduce(key, mesh.ordered)
+    inner = prod(_n(mesh, st) for st in plan.scatter)
+    if not plan.scatter or n < inner:
+        return 0
+    pad = 0 if n % inner == 0 else -(-n // inner) * inner * elem
+    cols = -(-n // inner)
+    block = max(1, STAGING_BYTES // (inner * elem))
+    total = 0
+    for lo, hi in bounds(cols, a.pieces):
+        b = min(hi - lo, block) * inner * elem
+        if hi - lo < cols or block < cols:       # a block of some columns: copied out contiguous
+            total += b
+        for st in plan.scatter:
+            b //= _n(mesh, st)
+            total += b
+    return pad + total
+
+
+def codec_bytes(mesh: Mesh, row, n: int) -> int:
+    """The codec's temporaries of a quantized collective over n elements: one batch's
+    ([Note: staging: codec temporaries]); 0 for a collective in a float dtype."""
+    key = _key(mesh, row) if row is not None else ()
+    if not key or not row.comm.quantized:
+        return 0
+    s = _n(mesh, key)
+    m = max(n // s, 1)
+    batch = min(s, max(1, CODEC_ROWS // m)) * m
+    return CODEC_FP32 * 4 * batch + batch

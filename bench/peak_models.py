@@ -1,0 +1,19 @@
+"""Small Hugging Face causal LMs for the peak sweep (bench/peak_sweep.py): GPT-2 and Llama
+from configs (no weights), built on whatever device is current (the meta one under
+`shardc simulate`). Dropout off, as tests/test_hf_models.py has it."""
+from __future__ import annotations
+
+V = 512
+
+
+def gpt2_small():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=128, n_embd=128, n_layer=4, n_head=4,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def llama_small():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
