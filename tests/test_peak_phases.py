@@ -15,8 +15,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -31,36 +29,37 @@ def _shard(name: str) -> str:
     return os.path.join(ROOT, "examples", "strategies", f"{name}.shard")
 
 
-def test_each_phase_within_three_percent():
+def _simulate(name: str) -> tuple[int, dict]:
+    """`shardc simulate NAME.shard ... --json` in this process: (exit status, rank 0's peak)."""
+    from shardc.cli import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["simulate", _shard(name), *ARGS])
+    return rc, json.loads(out.getvalue())[0]["peak"]
+
+
+@pytest.mark.parametrize("name", ["zero3", "zero1", "zeropp"])
+def test_each_phase_within_three_percent(name):
     pytest.importorskip("transformers", reason="the HF GPT-2 factory needs transformers (a test extra)")
-    runs = {s: subprocess.Popen([sys.executable, "-m", "shardc.cli", "simulate", _shard(s), *ARGS],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-            for s in ("zero3", "zero1", "zeropp")}
-    for name, proc in runs.items():
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, (name, err[-2000:])
-        peak = json.loads(out)[0]["peak"]
-        assert set(peak["phases"]) == {"forward", "backward", "step"}
-        for phase, measured in peak["phases"].items():
-            explained = peak["explain_phases"][phase]
-            assert abs(explained - measured) <= TOLERANCE * measured, (name, phase, explained, measured)
-        assert all(peak["phases_within"].values()) and peak["within"] is True
-        # the peak is the timeline's maximum, and names its phase and buffers
-        top = max(peak["explain_timeline"], key=lambda p: p["bytes"])
-        assert (peak["explain"], peak["explain_phase"]) == (top["bytes"], top["phase"])
-        assert sum(peak["explain_buffers"].values()) == top["bytes"]
+    rc, peak = _simulate(name)
+    assert rc == 0
+    assert set(peak["phases"]) == {"forward", "backward", "step"}
+    for phase, measured in peak["phases"].items():
+        explained = peak["explain_phases"][phase]
+        assert abs(explained - measured) <= TOLERANCE * measured, (name, phase, explained, measured)
+    assert all(peak["phases_within"].values()) and peak["within"] is True
+    # the peak is the timeline's maximum, and names its phase and buffers
+    top = max(peak["explain_timeline"], key=lambda p: p["bytes"])
+    assert (peak["explain"], peak["explain_phase"]) == (top["bytes"], top["phase"])
+    assert sum(peak["explain_buffers"].values()) == top["bytes"]
 
 
 def test_a_transient_left_out_is_a_miss(monkeypatch):
     pytest.importorskip("transformers", reason="the HF GPT-2 factory needs transformers (a test extra)")
     from shardc.analysis.costmodel import timeline
-    from shardc.cli import main
 
     monkeypatch.setattr(timeline, "reduce_scatter_bytes", lambda *a, **k: 0)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = main(["simulate", _shard("zero3"), *ARGS])
-    peak = json.loads(out.getvalue())[0]["peak"]
+    rc, peak = _simulate("zero3")
     assert rc == 1 and peak["within"] is False and peak["phases_within"]["backward"] is False
     assert peak["measured"] > (1 + TOLERANCE) * peak["explain"], peak
 
