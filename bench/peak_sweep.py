@@ -3,8 +3,8 @@ named strategy (examples/strategies/*.shard) on small HF GPT-2 and Llama
 (bench/peak_models.py) at 4 and 8 ranks, each rank 0 of `shardc simulate --json` (one
 process each, the strategy's own `accumulate`).
 
-    python bench/peak_sweep.py [-o bench/results/peak-sweep_DATE.json] [--only zero3,ddp]
-    python bench/peak_sweep.py --render bench/results/peak-sweep_DATE.json   # the markdown table
+    python bench/peak_sweep.py [-o bench/results/simulate_DATE_peak-sweep.json] [--only zero3,ddp]
+    python bench/peak_sweep.py --render bench/results/simulate_DATE_peak-sweep.json   # the markdown table
 
 Output: one JSON line per run (model, strategy, mesh, explain's timeline and phase, the
 measured per-phase peaks) and, with --render, docs/explain.md's per-strategy table.

@@ -16,7 +16,8 @@ MODELS = tuple(load_bench("models").PRESETS)          # MODEL: `--model`, one of
 DATE = r"\d{4}-\d\d-\d\d"
 NAME = re.compile(rf"(?:({'|'.join(KINDS)})_(\d+[mg]bit)(_(?:{'|'.join(MODELS)}))?|({'|'.join(WORLD_1)}))"
                   rf"_({DATE})(_[a-z0-9-]+)?\.(json|md|txt|jsonl|jsonl\.gz)")
-PAGES = [ROOT / "docs" / "BENCHMARKS.md", ROOT / "docs" / "explain.md", ROOT / "docs" / "simulate.md", ROOT / "README.md"]
+PAGES = [ROOT / "docs" / "BENCHMARKS.md", ROOT / "docs" / "explain.md", ROOT / "docs" / "simulate.md",
+         ROOT / "docs" / "checkpoints.md", ROOT / "README.md"]
 CITATION = re.compile(rf"(?:[\w{{}},*-]+_\d+[mg]bit|\b(?:{'|'.join(WORLD_1)})_{DATE})[\w{{}},*.-]*[\w}}*]")
 OUTPUTS = ("gpu_trace",)       # written by bench scripts when they run, not shipped
 
