@@ -152,12 +152,7 @@ class OwnedStep:
             inp = torch.cat([x.reshape(-1) for x in flat]) if flat else torch.empty(0, device=g.device)
             mine = [(t, p) for t, p in g.items if t.owner == pos]
             out_split = [sum(2 * _len(p._shardc_spec.range_of(c)) for _, p in mine) for c in range(ranks)]
-            out = torch.empty(sum(out_split), dtype=inp.dtype, device=inp.device)
-            if g.pg is None:
-                out.copy_(inp)
-            else:
-                dist.all_to_all_single(out, inp, out_split, in_split, group=g.pg)
-                g.ledger.record_row(g.rows[0])
+            out = _exchange(g, inp, out_split, in_split, g.rows[0], inp.dtype)
             wholes = {t.name: (out.new_empty(t.numel), out.new_empty(t.numel))
                       for t, _ in mine}
             at = 0
@@ -210,12 +205,7 @@ class OwnedStep:
             for t, p in g.items:
                 spec = p._shardc_spec
                 out_split[t.owner] += spec.hi - spec.lo
-            out = torch.empty(sum(out_split), dtype=torch.float32, device=inp.device)
-            if g.pg is None:
-                out.copy_(inp)
-            else:
-                dist.all_to_all_single(out, inp, out_split, in_split, group=g.pg)
-                g.ledger.record_row(g.rows[1])
+            out = _exchange(g, inp, out_split, in_split, g.rows[1], torch.float32)
             at = 0
             for d in range(ranks):
                 for t, p in g.items:
@@ -233,3 +223,15 @@ class OwnedStep:
 
 def _len(r) -> int:
     return r[1] - r[0]
+
+
+def _exchange(g, inp, out_split, in_split, row, dtype):
+    """One owner group's all-to-all (`out_split`/`in_split` elements per rank), recorded
+    as its plan row; a group of one rank copies."""
+    out = torch.empty(sum(out_split), dtype=dtype, device=inp.device)
+    if g.pg is None:
+        out.copy_(inp)
+    else:
+        dist.all_to_all_single(out, inp, out_split, in_split, group=g.pg)
+        g.ledger.record_row(row)
+    return out
