@@ -61,9 +61,9 @@ def fsdp2_ep_ledger(sizes: list[int], expert_sizes: list[int], M: int) -> list[R
     own mesh's (node, gpu), the same three collectives each (records marked `experts`)."""
     recs = fsdp2_ledger(sizes, 0, M, hybrid=False)
     for phi in expert_sizes:
-        recs += [Rec("forward", "all_gather", WORLD, 4 * phi, M, experts=True),
-                 Rec("backward", "all_gather", WORLD, 4 * phi, M, experts=True),
-                 Rec("backward", "reduce_scatter", WORLD, 4 * phi, 1, experts=True)]
+        recs += [Rec("forward", "all_gather", WORLD, 4 * phi, M, over="experts"),
+                 Rec("backward", "all_gather", WORLD, 4 * phi, M, over="experts"),
+                 Rec("backward", "reduce_scatter", WORLD, 4 * phi, 1, over="experts")]
     return recs
 
 

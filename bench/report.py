@@ -29,6 +29,7 @@ import statistics
 
 from shardc.analysis.costmodel import link_bytes
 from shardc.dsl.ir import Collectives, Level, Mesh
+from shardc.lowering import Over
 
 from models import build_model
 from peers import Rec, fsdp2_ep_ledger, peer_ledger
@@ -48,12 +49,12 @@ def level_bytes(system: str, res: dict, model_name: str, nodes: int, per_node: i
     if res.get("ledger") is not None:
         steps = res["ledger_steps"]
         recs = [Rec(r["phase"], r["op"], tuple(r["levels"]), r["bytes"], r["count"] / steps,
-                    experts=r.get("experts", False)) for r in res["ledger"]]
+                    over=r.get("over", "experts" if r.get("experts") else "dense")) for r in res["ledger"]]
         return link_bytes(recs, _mesh(res["mesh"]), Collectives(res["collectives"]),
-                          expert_mesh=_mesh(res.get("expert_mesh")))
+                          meshes={Over.EXPERTS: _mesh(res.get("expert_mesh"))})
     if res.get("ep", 1) > 1:       # fsdp2+epN: dense and expert units (peers.py)
         recs = fsdp2_ep_ledger(res["unit_numels"], res["expert_numels"], accumulate)
-        return link_bytes(recs, _mesh(res["mesh"]), Collectives.RING, expert_mesh=_mesh(res["expert_mesh"]))
+        return link_bytes(recs, _mesh(res["mesh"]), Collectives.RING, meshes={Over.EXPERTS: _mesh(res["expert_mesh"])})
     if res.get("tp", 1) > 1:       # the dp mesh and the TP-local unit sizes (peers.py)
         mesh = Mesh(tuple(Level(n, s) for n, s in res["mesh"]))
         recs = peer_ledger(system, None, mesh.levels[-1].size, accumulate, sizes=res["unit_numels"])

@@ -643,7 +643,7 @@ def check_ledger(args, init_model) -> dict:
             ok = ledger == predicted
             extra = [r for r in ledger if r not in predicted]
             missing = [r for r in predicted if r not in ledger]
-            r = dict(ep=s.experts.ep, records=len(ledger), expert_records=sum(bool(x.experts) for x in ledger),
+            r = dict(ep=s.experts.ep, records=len(ledger), expert_records=sum(x.over == "experts" for x in ledger),
                      bytes=sum(x.bytes * x.count for x in ledger), equal=ok, memory_equal=mem_eq,
                      measured_not_predicted=[str(x) for x in extra[:5]],
                      predicted_not_measured=[str(x) for x in missing[:5]],

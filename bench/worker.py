@@ -199,7 +199,7 @@ def measure(sys_, model, args, rank: int, local_rank: int) -> dict:
     ledger = None
     if sys_.ledger:
         ledger = [dict(phase=r.phase, op=r.op, levels=list(r.levels), bytes=r.bytes,
-                       count=r.count, experts=r.experts) for r in sys_.ledger()]
+                       count=r.count, over=r.over) for r in sys_.ledger()]
     keys = ("mesh", "collectives", "tp", "unit_numels", "backend", "ep", "expert_mesh", "expert_numels",
             "ds_config", "deepspeed", "memory_note")         # the last three: DeepSpeed systems
     return {**{k: sys_.extra[k] for k in keys if k in sys_.extra},

@@ -42,7 +42,7 @@ from shardc.compiler.passes.meta import Call, info
 from shardc.compiler.plan import Plan
 from shardc.dsl.ir import STATES, Scopes, Strategy
 from shardc.dsl.unparse import state_clause, state_text
-from shardc.lowering import Phase
+from shardc.lowering import Over, Phase
 
 __all__ = ["emit", "statement"]
 
@@ -177,7 +177,7 @@ def _stage_line(plan: Plan, stage, c: "_Commenter") -> str:
 def _cause(plan: Plan, c: "_Commenter", u, g, r) -> str:
     """The strategy line behind row `r`: an expert group's follows the experts' scopes and
     names the `experts` statement (its ep and the experts' mesh)."""
-    if not g.experts:
+    if g.placement.over is Over.DENSE:
         return c.stmt(u.scopes, r.state)
     s = plan.strategy
     e = s.experts

@@ -11,12 +11,21 @@ A `Row` is one logical collective a flat group issues: its phase, op, the levels
 group (mesh order), the digit order of a rank's position in it, the payload bytes the
 ledger records and how often it runs (`Per`). A group issues exactly its rows; the
 ledger of a step is the sum of the rows times their counts.
+
+[Note: a group is keyed by its placement]
+A flat group is what its parameters share: trainable or frozen, and a `Placement` — the
+data-parallel mesh they are placed over (`Over`: the strategy's mesh, or the experts'
+mesh), their scopes and shard factors on it, and so the granularity of their optimizer
+states (flat chunks, or whole tensors with their owners, lowering/owned.py). Every
+consumer reads a group's mesh, scopes and factors from its placement and a row's mesh
+from `Row.over`; none maps a kind back to a mesh. A new placement is a new `Over` value
+(its mesh, `Placement.mesh`) and the runtime file that places its parameters.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.dsl.ir import CodeEnum, DType, Mesh, Scopes
+from shardc.dsl.ir import CodeEnum, DType, Granularity, Mesh, Scopes
 
 
 class Phase(CodeEnum):
@@ -25,6 +34,15 @@ class Phase(CodeEnum):
     BACKWARD = "backward"
     SYNC = "sync"
     UPDATE = "update"
+
+
+class Over(CodeEnum):
+    """The data-parallel mesh a group's (and its rows') levels are on, in ledger order."""
+    DENSE = "dense"        # the strategy's mesh
+    EXPERTS = "experts"    # the experts' mesh (dsl/ir.py [Note: the experts' mesh])
+
+    def rank(self) -> int:
+        return list(Over).index(self)
 
 
 class Op(CodeEnum):
@@ -53,19 +71,19 @@ class Row:
     per: Per
     comm: DType = DType.FP32          # wire dtype (quantized payloads: INT8/INT4)
     state: str = "params"             # the strategy statement that causes it
-    experts: bool = False             # an expert group's: its levels are the experts' mesh's
+    over: Over = Over.DENSE           # the mesh its levels are on (its group's placement's)
 
 
 @dataclass(frozen=True, slots=True)
 class LedgerRecord:
     """One merged ledger line: rows (predicted) or calls (measured) with equal keys, counted.
-    `experts`: the rows of expert groups, whose levels are the experts' mesh's."""
+    `over`: the mesh its levels are on (an `Over` value)."""
     phase: str
     op: str
     levels: tuple[str, ...]
     bytes: int
     count: int
-    experts: bool = False
+    over: str = Over.DENSE.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +109,26 @@ class ExpertGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a group's parameters are placed ([Note: a group is keyed by its placement]): the
+    data-parallel mesh (`over`, that mesh `mesh`), their scopes on it and the scopes' shard
+    factors. Its granularity is the optimizer scope's (flat chunks, or whole tensors)."""
+    over: Over
+    mesh: Mesh
+    scopes: Scopes
+    factors: Factors
+
+    @property
+    def granularity(self) -> Granularity:
+        return self.scopes.optim.granularity
+
+
+@dataclass(frozen=True, slots=True)
 class GroupPlan:
-    """One flat group of a unit: its parameters share (trainable, data-parallel mesh,
-    scopes) — the unit's dense parameters on the strategy's mesh, or its experts
-    (`experts`) on the experts' mesh with their scopes (`UnitPlan.expert_factors`)."""
+    """One flat group of a unit: its parameters share `trainable` and `placement` ([Note: a
+    group is keyed by its placement])."""
     trainable: bool
+    placement: Placement
     phi: int                          # real elements
     n: int                            # padded elements (internals.md "Padding")
     rows: tuple[Row, ...]
@@ -105,7 +138,14 @@ class GroupPlan:
     optim_elems: int                  # N / s_OS: elements of the optimizer chunk
     master_bytes: int                 # fp32 master copy (params dtype not fp32)
     gathered_bytes: int               # full params while gathered (0 when s_P = 1)
-    experts: bool = False
+
+    @property
+    def key(self) -> tuple[bool, Placement]:
+        return self.trainable, self.placement
+
+    @property
+    def factors(self) -> Factors:
+        return self.placement.factors
 
     def row(self, phase: Phase, op: Op | None = None) -> Row | None:
         return next((r for r in self.rows if r.phase is phase and (op is None or r.op is op)), None)
@@ -113,20 +153,17 @@ class GroupPlan:
 
 @dataclass(frozen=True, slots=True)
 class UnitPlan:
+    """One unit: its own scopes and their factors on the strategy's mesh, and its groups,
+    each with its placement (an expert group's scopes are the experts')."""
     name: str
     scopes: Scopes
     factors: Factors
     groups: tuple[GroupPlan, ...]
     root: bool = False
-    expert_factors: Factors | None = None   # the experts' groups' factors (None: no experts)
-
-    def factors_of(self, g: GroupPlan) -> Factors:
-        """The shard factors of group `g`: the experts' for an expert group."""
-        return self.expert_factors if g.experts else self.factors
 
     @property
     def gathered(self) -> bool:
-        return any(self.factors_of(g).p > 1 for g in self.groups) if self.groups else self.factors.p > 1
+        return any(g.factors.p > 1 for g in self.groups) if self.groups else self.factors.p > 1
 
 
 @dataclass(frozen=True, slots=True)

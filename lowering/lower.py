@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from shardc.dsl.ir import Mesh, Scopes
 
-from .ir import ExpertGroup, Lowering, UnitPlan
+from .ir import ExpertGroup, Lowering, Over, Placement, UnitPlan
 from .layout import factors, pad_multiple, padded
 from .passes import run_plan_passes
 from .rows import clip_rows, group_plan
@@ -49,32 +49,37 @@ def unit_sizes(params, units, experts: ExpertGroup | None = None) -> list[UnitSi
     return out
 
 
-def _groups(sc: Scopes, mesh: Mesh, counts, root: bool, experts: bool):
-    f = factors(sc, mesh)
+def placement(over: Over, mesh: Mesh, sc: Scopes) -> Placement:
+    """The placement of a group over `mesh` (named `over`) with scopes `sc`."""
+    return Placement(over, mesh, sc, factors(sc, mesh))
+
+
+def _groups(pl: Placement, counts, root: bool):
     out = []
     for phi, trainable in counts:
         if phi:
-            n = padded(phi, pad_multiple(f, trainable))
-            out.append(group_plan(sc, f, mesh, phi, n, trainable, root, experts))
-    return f, out
+            n = padded(phi, pad_multiple(pl.factors, trainable))
+            out.append(group_plan(pl, phi, n, trainable, root))
+    return out
 
 
 def lower_unit(mesh: Mesh, u: UnitSize) -> UnitPlan:
-    f, groups = _groups(u.scopes, mesh, ((u.trainable, True), (u.frozen, False)), u.root, False)
-    ef = None
+    dense = placement(Over.DENSE, mesh, u.scopes)
+    groups = _groups(dense, ((u.trainable, True), (u.frozen, False)), u.root)
     if u.experts is not None:
         e = u.experts
-        ef, more = _groups(e.scopes, e.mesh, ((u.expert_trainable, True), (u.expert_frozen, False)), u.root, True)
-        groups += more
-    return UnitPlan(u.name, u.scopes, f, tuple(groups), u.root, ef)
+        groups += _groups(placement(Over.EXPERTS, e.mesh, e.scopes),
+                          ((u.expert_trainable, True), (u.expert_frozen, False)), u.root)
+    return UnitPlan(u.name, u.scopes, dense.factors, tuple(groups), u.root)
 
 
 def _clip_levels(mesh: Mesh, p: UnitPlan, experts: ExpertGroup | None):
     """The level sets of the strategy's mesh whose clip all-reduce adds this unit's
     squared norms ([Note: clip rows of experts])."""
-    if any(g.trainable and not g.experts for g in p.groups):
+    overs = {g.placement.over for g in p.groups if g.trainable}
+    if Over.DENSE in overs:
         yield p.scopes.optim.levels
-    if experts is not None and any(g.trainable and g.experts for g in p.groups):
+    if experts is not None and Over.EXPERTS in overs:
         yield expert_clip_levels(mesh, experts)
 
 

@@ -1,7 +1,7 @@
 """Rows and storage — part of stage 3 (lowering): what one flat group sends and holds.
 
-Input: a unit's `Scopes` and `Factors` on a `Mesh`, a group's padded size N, whether it
-is trainable and whether the unit is the root. Output: a `GroupPlan` — the group's
+Input: a group's `Placement` (its mesh, scopes and factors), its padded size N, whether
+it is trainable and whether the unit is the root. Output: a `GroupPlan` — the group's
 ledger rows (docs/internals.md "Ledger") and its bytes per rank (internals.md "Memory").
 This module owns the payload formula, bytes per element and the quantized block size.
 
@@ -30,7 +30,7 @@ from math import ceil
 
 from shardc.dsl.ir import DType, Mesh, Scopes
 
-from .ir import Factors, GroupPlan, LedgerRecord, Op, Per, Phase, Row
+from .ir import Factors, GroupPlan, LedgerRecord, Op, Over, Per, Phase, Placement, Row
 from .layout import minus
 
 BLOCK = 256            # elements per fp32 scale of a quantized payload
@@ -106,20 +106,20 @@ def _secondary_bytes(sc: Scopes, f: Factors, n: int, root: bool) -> int:
     return shard_payload_bytes(per, sec.quant) if sec.quant else per * elem_bytes(sc.params.dtype)
 
 
-def group_plan(sc: Scopes, f: Factors, mesh: Mesh, phi: int, n: int, trainable: bool, root: bool,
-               experts: bool = False) -> GroupPlan:
+def group_plan(pl: Placement, phi: int, n: int, trainable: bool, root: bool) -> GroupPlan:
+    sc, f, mesh = pl.scopes, pl.factors, pl.mesh
     rows = tuple(_gathers(sc, f, mesh, n, root)) + (tuple(_gradients(sc, f, mesh, n)) if trainable else ())
-    if experts:
-        rows = tuple(replace(r, experts=True) for r in rows)
+    if pl.over is not Over.DENSE:
+        rows = tuple(replace(r, over=pl.over) for r in rows)
     pb = elem_bytes(sc.params.dtype)
     return GroupPlan(
-        trainable=trainable, phi=phi, n=n, rows=rows,
+        trainable=trainable, placement=pl, phi=phi, n=n, rows=rows,
         params_bytes=n // f.p * pb,
         secondary_bytes=_secondary_bytes(sc, f, n, root),
         grads_bytes=n // f.g * elem_bytes(sc.grads.dtype) if trainable else 0,
         optim_elems=n // f.os if trainable else 0,
         master_bytes=n // f.os * 4 if trainable and sc.params.dtype is not DType.FP32 else 0,
-        gathered_bytes=n * pb if f.p > 1 else 0, experts=experts)
+        gathered_bytes=n * pb if f.p > 1 else 0)
 
 
 def clip_rows(mesh: Mesh, optim_levels) -> tuple[Row, ...]:
@@ -132,11 +132,11 @@ def clip_rows(mesh: Mesh, optim_levels) -> tuple[Row, ...]:
     return tuple(out)
 
 
-def norm_row(levels: tuple[str, ...], nbytes: int, experts: bool = False) -> Row:
+def norm_row(levels: tuple[str, ...], nbytes: int, over: Over = Over.DENSE) -> Row:
     """The all-reduce of whole-tensor norm partials over `levels` (`nbytes`: one entry per
     tensor), what `torch.nn.utils.clip_grad_norm_(sm.parameters())` runs (runtime/state/params.py):
     a clip row of the measured size, so the ledger gets it through `record_row` like any other."""
-    return Row(Phase.UPDATE, Op.ALL_REDUCE, levels, levels, nbytes, Per.CLIP, experts=experts)
+    return Row(Phase.UPDATE, Op.ALL_REDUCE, levels, levels, nbytes, Per.CLIP, over=over)
 
 
 PHASE_ORDER = tuple(p.value for p in Phase)
@@ -144,11 +144,11 @@ PHASE_ORDER = tuple(p.value for p in Phase)
 
 def ledger_key(row: Row, phase: Phase | None = None) -> tuple:
     """What the ledger counts a run of `row` under (`phase` overrides the row's: a backward
-    re-gather that reuses the forward row): (phase, op, levels, bytes, experts)."""
-    return (Phase(phase or row.phase).value, Op(row.op).value, tuple(row.levels), int(row.bytes), row.experts)
+    re-gather that reuses the forward row): (phase, op, levels, bytes, over)."""
+    return (Phase(phase or row.phase).value, Op(row.op).value, tuple(row.levels), int(row.bytes), Over(row.over).value)
 
 
 def merged(counts) -> list[LedgerRecord]:
-    """`{ledger_key: count}` as ledger records, in ledger order (phase, op, levels, bytes, dense first)."""
-    keys = sorted(counts, key=lambda k: (PHASE_ORDER.index(k[0]), k[1], k[2], k[3], k[4]))
+    """`{ledger_key: count}` as ledger records, in ledger order (phase, op, levels, bytes, `Over` order)."""
+    keys = sorted(counts, key=lambda k: (PHASE_ORDER.index(k[0]), k[1], k[2], k[3], Over(k[4]).rank()))
     return [LedgerRecord(p, o, tuple(l), b, counts[(p, o, l, b, e)], e) for p, o, l, b, e in keys]

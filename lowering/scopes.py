@@ -23,9 +23,9 @@ import fnmatch
 from dataclasses import replace
 
 from shardc.dsl.errors import ShardcError
-from shardc.dsl.ir import DEPENDENCY, Scopes, Strategy
+from shardc.dsl.ir import DEPENDENCY, Mesh, Scopes, Strategy
 
-from .ir import ExpertGroup
+from .ir import ExpertGroup, Over
 
 
 def _matches(pattern: str, unit: str, modules: tuple[str, ...]) -> bool:
@@ -84,6 +84,23 @@ def is_expert(experts: ExpertGroup, fqn: str) -> bool:
     """Whether parameter `fqn` is an expert: the pattern matches it or a module holding it."""
     parts = fqn.split(".")
     return any(fnmatch.fnmatchcase(".".join(parts[:k]), experts.pattern) for k in range(1, len(parts) + 1))
+
+
+def over_of(experts: ExpertGroup | None, fqn: str) -> Over:
+    """The mesh parameter `fqn` is placed over: the experts' when `experts` names it."""
+    return Over.EXPERTS if experts is not None and is_expert(experts, fqn) else Over.DENSE
+
+
+def placement_meshes(strategy: Strategy) -> dict[Over, Mesh]:
+    """The mesh of each placement (`Over`) under `strategy`: the one owner of that map."""
+    return {Over.DENSE: strategy.mesh, Over.EXPERTS: strategy.expert_mesh}
+
+
+def row_mesh(row, mesh: Mesh, meshes=None) -> Mesh:
+    """The mesh `row`'s levels are on (a `Row` or a ledger record with `over`): its
+    placement's in `meshes` (`placement_meshes`), else `mesh`."""
+    on = (meshes or {}).get(Over(getattr(row, "over", Over.DENSE)))
+    return mesh if on is None else on
 
 
 def expert_clip_levels(mesh, experts: ExpertGroup) -> tuple[str, ...]:

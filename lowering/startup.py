@@ -41,16 +41,16 @@ def shards_bytes(plan: Lowering) -> int:
 
 def unit_values_bytes(plan: Lowering) -> int:
     """The largest unit's whole parameters (params dtype, padded): init's and scatter's bound."""
-    return max((sum(g.params_bytes * u.factors_of(g).p for g in u.groups) for u in plan.units), default=0)
+    return max((sum(g.params_bytes * g.factors.p for g in u.groups) for u in plan.units), default=0)
 
 
 def load_staging_bytes(plan: Lowering) -> int:
     """A load's largest staging (see [Note: start-up peak])."""
-    chunk = max((g.n // u.factors_of(g).p * 4 for u in plan.units for g in u.groups), default=0)   # fp32 file
+    chunk = max((g.n // g.factors.p * 4 for u in plan.units for g in u.groups), default=0)   # fp32 file
     staging = min(LOAD_BLOCK, chunk)
     for u in plan.units:
         for g in u.groups:
-            f = u.factors_of(g)
+            f = g.factors
             if g.trainable and g.master_bytes and f.p < f.os and g.row(Phase.UPDATE, Op.ALL_GATHER) is not None:
                 staging = max(staging, g.params_bytes * f.p // f.os + g.params_bytes)
     return staging

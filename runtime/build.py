@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
-from shardc.lowering import Lowering, RankPlan, Schedule, Stage, expert_group, is_expert, lower, unit_sizes
+from shardc.lowering import Lowering, Over, RankPlan, Schedule, Stage, expert_group, lower, over_of, unit_sizes
 from shardc.lowering.owned import owned_plan
 from shardc.units import UnitSpec, canonical_names, local_params, unit_members
 
@@ -115,7 +115,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     tp = tp_params(params, strategy.mesh.names, ert.params if ert else ())   # DTensor parameters (TP, SP)
     check_root_dims(comm.smesh.device_mesh, tp)
     dtensors = tp | (ert.params if ert else {})         # views wrapped, pieces at their global offsets
-    ecomm = Comm(experts.mesh, strategy.collectives, ledger, ert.smesh) if ert else comm
+    comms = {Over.DENSE: comm, Over.EXPERTS: Comm(experts.mesh, strategy.collectives, ledger, ert.smesh) if ert else comm}
     if backend == "inductor":
         graph_mode.refuse(tp)
     source = Source.NONE if simulation.active() else _source(meta, init, comm.smesh, dev)
@@ -130,13 +130,13 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     # the one plan: what each unit does and the schedule the engine follows
     lowering = dataclasses.replace(lowered, schedule=_checked(schedule, lowered.schedule, len(specs),
                                                               hooks or backend == "inductor"))
-    _warm_groups(comm, ecomm, experts, specs)
-    for c in {id(comm): comm, id(ecomm): ecomm}.values():
+    _warm_groups(comms, experts, specs)
+    for c in {id(c): c for c in comms.values()}.values():
         faults.apply_timeout(c.smesh)
     faults.register()
-    states = _units(specs, per_unit, lowering, frozen, local, targets, dtensors, strategy, experts, (comm, ecomm),
+    states = _units(specs, per_unit, lowering, frozen, local, targets, dtensors, strategy, experts, comms,
                     faults, dev)
-    unset = _values(source, model, states, params, targets, init, dev, (comm.smesh, ecomm.smesh), rng)
+    unset = _values(source, model, states, params, targets, init, dev, {o: c.smesh for o, c in comms.items()}, rng)
     for places in targets.values():
         for mod, attr in places:
             del mod._parameters[attr]
@@ -154,8 +154,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
         _install_hooks(model, runtime)
     install_casts(model, specs)                          # units/casts.py [Note: casts at unit boundaries]
     canon = list(dict.fromkeys(aliases[n] for n in order))
-    pset = ParamSet(states, canon, dtensors, comm, ledger, runtime.boundary,
-                    {id(g.storage): ecomm for u in states for g in u.groups if g.gplan.experts})
+    pset = ParamSet(states, canon, dtensors, comm, ledger, runtime.boundary, comms)
     pset.owned_plan = oplan
     if not simulation.active():                          # a simulated rank needs no values
         pset.expect_values(unset, unset_buffers(model))
@@ -235,13 +234,13 @@ def _source(meta: bool, init, smesh: ShardMesh, dev: torch.device) -> Source:
 
 def _values(source: Source, model, states, params, targets, init, dev, smeshes, rng) -> set[str]:
     """Every storage's values from `source`; returns the parameters left without one. The
-    experts' values come from the first rank of their own mesh (`smeshes`: the dense and
-    the experts' ShardMesh), which holds this rank's experts."""
+    experts' values come from the first rank of their own mesh (`smeshes`: the ShardMesh of
+    each placement's mesh), which holds this rank's experts."""
     storages = [g.storage for u in states for g in u.groups]
-    smesh, esmesh = smeshes
+    smesh, esmesh = smeshes[Over.DENSE], smeshes[Over.EXPERTS]
     if source is Source.SCATTER:
-        for mesh, experts in ((smesh, False), (esmesh, True)):
-            mine = [g.storage for u in states for g in u.groups if g.gplan.experts == experts]
+        for over, mesh in smeshes.items():
+            mine = [g.storage for u in states for g in u.groups if g.gplan.placement.over is over]
             scatter_values(mine, params if mesh.rank == 0 else None, mesh)
         materialize_buffers(model, dev)
         buffers.broadcast(model, smesh.dp_group())
@@ -263,22 +262,19 @@ def _values(source: Source, model, states, params, targets, init, dev, smeshes, 
 
 # -- units ------------------------------------------------------------------------------------
 def _units(specs, per_unit, lowering, frozen, local, targets, tp, strategy, experts, comms, faults, dev) -> list:
-    """The sharded units; an expert group's rows run on the experts' Comm (`comms`: the
-    dense and the experts'), divided by the whole data-parallel world like every group's
+    """The sharded units; a group's rows run on the Comm of its placement's mesh (`comms`,
+    keyed by `Over`), divided by the whole data-parallel world like every group's
     (runtime/experts.py, [Note: expert gradients are averaged over the whole data-parallel degree])."""
     states, workspace = [], Workspace()        # one reduce workspace for every unit
     for i, (spec, names, uplan) in enumerate(zip(specs, per_unit, lowering.units)):
-        plans = {False: RankPlan(strategy.mesh, spec.scopes, comms[0].rank)}
-        if experts is not None:
-            plans[True] = RankPlan(experts.mesh, experts.scopes, comms[1].rank)
         groups, tg = [], []
-        guarded = {e: faults.guard(comms[e], spec.name) for e in (False, True)}
+        guarded = {o: faults.guard(c, spec.name) for o, c in comms.items()}
         for gplan in uplan.groups:
-            sel = [n for n in names if (n not in frozen) == gplan.trainable
-                   and (experts is not None and is_expert(experts, n)) == gplan.experts]
+            pl = gplan.placement
+            sel = [n for n in names if (n not in frozen) == gplan.trainable and over_of(experts, n) is pl.over]
             layout = build_layout([(n, tuple(local[n].shape)) for n in sel], gplan.trainable, gplan.n)
-            st = FlatStorage(layout, plans[gplan.experts], dev, i == 0)
-            groups.append(FlatGroup(st, gplan, guarded[gplan.experts], workspace, strategy.mesh.world))
+            st = FlatStorage(layout, RankPlan(pl.mesh, pl.scopes, comms[pl.over].rank), dev, i == 0, pl.over)
+            groups.append(FlatGroup(st, gplan, guarded[pl.over], workspace, strategy.mesh.world))
             tg.append([targets[s.fqn] for s in st.layout.slots])
         wrappers = [[tp[s.fqn].wrap if s.fqn in tp else None for s in g.storage.layout.slots] for g in groups]
         states.append(UnitState(i, spec, groups, tg, wrappers))
@@ -297,10 +293,11 @@ def _placeholders(u: UnitState, runtime, backend: str) -> None:
                 setattr(mod, attr, torch.empty(s.shape, dtype=g.storage.pdtype, device="meta"))
 
 
-def _warm_groups(comm, ecomm, experts, specs) -> None:
+def _warm_groups(comms, experts, specs) -> None:
     """Create every process group up front, in the same order on every rank (`experts`: the
     strategy's expert group, or None)."""
-    scopes = [(spec.scopes, comm) for spec in specs] + ([(experts.scopes, ecomm)] if experts is not None else [])
+    scopes = [(spec.scopes, comms[Over.DENSE]) for spec in specs]
+    scopes += [(experts.scopes, comms[Over.EXPERTS])] if experts is not None else []
     for sc, c in scopes:
         plan = RankPlan(c.smesh.mesh, sc, c.rank)
         for lv in plan.groups():
@@ -362,11 +359,12 @@ def _lowered(lowering: Lowering | None, passes, strategy: Strategy, sizes) -> Lo
     these units: names, scopes, element counts), else lowered here with `passes`."""
     if lowering is None:
         return lower(strategy.mesh, sizes, strategy.prefetch, passes)
-    want = [(s.name, s.scopes, tuple((t, e, phi) for phi, t, e in ((s.trainable, True, False), (s.frozen, False, False),
-                                                                    (s.expert_trainable, True, True),
-                                                                    (s.expert_frozen, False, True)) if phi))
+    want = [(s.name, s.scopes, tuple((t, o, phi) for phi, t, o in ((s.trainable, True, Over.DENSE),
+                                                                    (s.frozen, False, Over.DENSE),
+                                                                    (s.expert_trainable, True, Over.EXPERTS),
+                                                                    (s.expert_frozen, False, Over.EXPERTS)) if phi))
             for s in sizes]
-    got = [(u.name, u.scopes, tuple((g.trainable, g.experts, g.phi) for g in u.groups)) for u in lowering.units]
+    got = [(u.name, u.scopes, tuple((g.trainable, g.placement.over, g.phi) for g in u.groups)) for u in lowering.units]
     if len(got) != len(want):
         raise ShardcError(f"the lowering given to shard_module plans {len(got)} units, the unit list has {len(want)}")
     bad = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), None)

@@ -64,7 +64,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardc.lowering import RankPlan
+from shardc.lowering import Over, RankPlan
 
 from . import quant
 from .dtypes import torch_dtype
@@ -75,8 +75,9 @@ from .workspace import Workspace
 class FlatStorage:
     """One flat group's tensors (see the module notes); `trainable` groups also hold grads."""
 
-    def __init__(self, layout: GroupLayout, plan: RankPlan, device: torch.device, is_root: bool):
-        self.layout, self.plan, self.is_root = layout, plan, is_root
+    def __init__(self, layout: GroupLayout, plan: RankPlan, device: torch.device, is_root: bool,
+                 over: Over = Over.DENSE):
+        self.layout, self.plan, self.is_root, self.over = layout, plan, is_root, over
         sc = plan.scopes
         self.n = layout.n
         self.trainable = layout.trainable

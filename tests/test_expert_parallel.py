@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 
+from shardc.lowering import Over
 from tests.harness import dist_run
 
 pytestmark = pytest.mark.distributed
@@ -124,7 +125,7 @@ def test_experts_on_an_ep_dim_train_at_parity_and_the_ledger_is_explains():
         predicted = [dataclasses.replace(r, count=2 * r.count)                    # two steps
                      for r in predict_ledger(s, units, micro_batches=2, clip_grad_norm=True)]
         ledger, memory = results[0][c][2], results[0][c][3]
-        assert ledger == predicted and any(r.experts for r in ledger), src
+        assert ledger == predicted and any(r.over == "experts" for r in ledger), src
         p_mem = predict_memory(s.mesh, units, optimizer="adamw" if kind == "adamw" else "sgd",
                                optimizer_kwargs={} if kind == "adamw" else {"momentum": 0.9})
         keys = ("params", "params_secondary", "grads", "optim", "total")
@@ -270,7 +271,7 @@ def test_shardc_compile_and_the_emitted_module_take_ep(tmp_path):
     from shardc.compiler.api import compile_source
     source, plan = compile_source(moe_tiny(), EP2_4, example_inputs=(torch.zeros(2, 7, dtype=torch.long),))
     # the plan is the runtime's: one ep rank's experts (E/2 of each w1, w2, w3) on node(2) > gpu(1)
-    groups = [g for u in plan.lowering.units for g in u.groups if g.experts]
+    groups = [g for u in plan.lowering.units for g in u.groups if g.placement.over is Over.EXPERTS]
     assert groups and all(g.phi == 2 * 3 * 48 * 32 for g in groups)
     assert 'experts "*.experts" ep 2' in source and "Experts(pattern='*.experts'" in source
     emitted = tmp_path / "emitted_ep.py"

@@ -17,6 +17,7 @@ from torch import nn
 import shardc
 from shardc.analysis.costmodel.report import explain, model_units
 from shardc.dsl.errors import ShardcError
+from shardc.lowering import Over
 
 E, H, F, LAYERS = 8, 16, 32, 2
 EXPERT = E * (F * H + H * F)          # one block's expert elements, all experts
@@ -60,8 +61,8 @@ def _local4(monkeypatch):
 def expert_groups(strategy):
     plan = explain(strategy, model_units(strategy, moe())).plan
     blocks = plan.units[1:]
-    assert len(blocks) == LAYERS and not any(g.experts for g in plan.units[0].groups)
-    return plan, [next(g for g in u.groups if g.experts) for u in blocks], blocks
+    assert len(blocks) == LAYERS and all(g.placement.over is Over.DENSE for g in plan.units[0].groups)
+    return plan, [next(g for g in u.groups if g.placement.over is Over.EXPERTS) for u in blocks], blocks
 
 
 def rows(g):
@@ -74,16 +75,16 @@ def test_ep2_zero3_shards_the_experts_over_the_ranks_ep_leaves():
     local = EXPERT // 2
     for u, g in zip(blocks, groups):
         assert (g.phi, g.n) == (local, local)                       # 4 divides it: no padding
-        assert (u.expert_factors.p, u.expert_factors.g, u.expert_factors.os) == (4, 4, 4)
+        assert (g.factors.p, g.factors.g, g.factors.os) == (4, 4, 4)
         assert (u.factors.p, u.factors.os) == (8, 8)                # dense: every rank
         assert g.params_bytes == local // 4 * 4 and g.grads_bytes == local // 4 * 4
         assert g.optim_elems == local // 4 and g.gathered_bytes == local * 4
         assert rows(g) == {("forward", "all_gather", ("node", "gpu"), local * 4),
                            ("backward", "all_gather", ("node", "gpu"), local * 4),
                            ("backward", "reduce_scatter", ("node", "gpu"), local * 4)}
-        assert all(r.experts for r in g.rows)
-        dense = next(d for d in u.groups if not d.experts)
-        assert dense.phi == DENSE and not any(r.experts for r in dense.rows)
+        assert all(r.over is Over.EXPERTS for r in g.rows) and g.placement.mesh == load("ep2_zero3").expert_mesh
+        dense = next(d for d in u.groups if d.placement.over is Over.DENSE)
+        assert dense.phi == DENSE and all(r.over is Over.DENSE for r in dense.rows)
     # one clip all-reduce: the experts' OS levels plus gpu are the dense optimizer's levels
     assert [(r.levels, r.bytes) for r in plan.clip_rows] == [(("node", "gpu"), 4)]
 
@@ -93,7 +94,7 @@ def test_ep_a_whole_level_leaves_the_experts_the_nodes():
     _, groups, blocks = expert_groups(load("ep_zero3"))
     local = EXPERT // 4
     for u, g in zip(blocks, groups):
-        assert (u.expert_factors.p, u.expert_factors.g, u.expert_factors.os) == (2, 2, 2)
+        assert (g.factors.p, g.factors.g, g.factors.os) == (2, 2, 2)
         assert g.params_bytes == local // 2 * 4
         assert {(p, o, b) for p, o, _, b in rows(g)} == {("forward", "all_gather", local * 4),
                                                          ("backward", "all_gather", local * 4),
@@ -129,7 +130,7 @@ def test_explain_json_shows_the_experts_rows_apart(tmp_path, capsys):
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     local = EXPERT // 2
-    experts = [r for r in doc["ledger"] if r.get("experts")]
+    experts = [r for r in doc["ledger"] if r.get("over") == "experts"]
     assert {(r["phase"], r["op"], r["bytes"], r["count"]) for r in experts} == {
         ("forward", "all_gather", local * 4, LAYERS), ("backward", "all_gather", local * 4, LAYERS),
         ("backward", "reduce_scatter", local * 4, LAYERS)}

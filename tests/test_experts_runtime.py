@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from shardc.lowering import Over
 from tests.harness import dist_run
 
 pytestmark = pytest.mark.distributed
@@ -147,7 +148,7 @@ def test_expert_groups_train_at_parity_and_the_ledger_is_explains():
         ledger, memory = results[0][c][1], results[0][c][2]
         predicted = [dataclasses.replace(r, count=2 * r.count)          # two steps
                      for r in predict_ledger(s, units, micro_batches=2, clip_grad_norm=True)]
-        assert ledger == predicted and any(r.experts for r in ledger), \
+        assert ledger == predicted and any(r.over == "experts" for r in ledger), \
             ([r for r in ledger if r not in predicted], [r for r in predicted if r not in ledger])
         p_mem = predict_memory(s.mesh, units, optimizer="adamw" if kind == "adamw" else "sgd",
                                optimizer_kwargs={} if kind == "adamw" else {"momentum": 0.9})
@@ -166,7 +167,7 @@ def _update_job(rank, world):
     issued, original = [], FlatGroup.update_issue
 
     def tracked(self, record=True):
-        work, entry = original(self, record), [self.gplan.experts, False]
+        work, entry = original(self, record), [self.gplan.placement.over is Over.EXPERTS, False]
         issued.append(entry)
 
         class Waited:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from shardc.dsl.ir import Strategy
-from shardc.lowering import LedgerRecord, Lowering, Per, ledger_key, lower, merged
+from shardc.lowering import LedgerRecord, Lowering, Over, Per, ledger_key, lower, merged
 
 
 __all__ = ["LedgerRecord", "predict_ledger", "ledger_of", "ledger_dicts", "counted_rows"]
@@ -49,4 +49,4 @@ def predict_ledger(strategy: Strategy, units, *, micro_batches: int | None = Non
 def ledger_dicts(records) -> list[dict]:
     """Records as JSON-ready dicts (`levels` as a list)."""
     return [{"phase": r.phase, "op": r.op, "levels": list(r.levels), "bytes": r.bytes,
-             "count": r.count} | ({"experts": True} if r.experts else {}) for r in records]
+             "count": r.count} | ({"over": r.over} if r.over != Over.DENSE.value else {}) for r in records]

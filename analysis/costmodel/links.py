@@ -29,7 +29,7 @@ from __future__ import annotations
 import shardc.algorithms as algorithms
 from shardc.algorithms.base import FACTOR as _FACTOR, flat_bytes
 from shardc.dsl.ir import Collectives, Mesh
-from shardc.lowering import Op
+from shardc.lowering import Op, row_mesh
 
 FACTOR = {Op(k): v for k, v in _FACTOR.items()}
 
@@ -56,14 +56,14 @@ def record_links(op: Op, levels, nbytes: float, mesh: Mesh, algo: Collectives) -
     return out
 
 
-def link_bytes(records, mesh: Mesh, algo: Collectives = Collectives.RING,
-               expert_mesh: Mesh | None = None) -> dict[str, float]:
+def link_bytes(records, mesh: Mesh, algo: Collectives = Collectives.RING, meshes=None) -> dict[str, float]:
     """Per-rank bytes sent over each level's links in one step (every level listed);
-    `records` are ledger records, which spell their op (`Op` values); an expert group's
-    are over `expert_mesh`, whose levels are the same links."""
+    `records` are ledger records, which spell their op (`Op` values); a record over another
+    placement's mesh (`over`) is on that mesh in `meshes` (`placement_meshes`), whose levels
+    are the same links."""
     out = {name: 0.0 for name in mesh.names}
     for r in records:
-        on = expert_mesh if getattr(r, "experts", False) and expert_mesh is not None else mesh
+        on = row_mesh(r, mesh, meshes)
         for level, b in record_links(Op(r.op), r.levels, r.bytes, on, algo).items():
             out[level] += b * r.count
     return out

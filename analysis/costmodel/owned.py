@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from shardc.dsl.ir import Strategy
-from shardc.lowering import Lowering, RankPlan, ledger_key, merged
+from shardc.lowering import Lowering, Over, RankPlan, ledger_key, merged, placement_meshes
 from shardc.lowering.layout import mixed_index
 from shardc.lowering.owned import OwnedPlan, owned_plan
 
@@ -56,7 +56,7 @@ def with_owned_rows(records, owned: Owned) -> list:
     """The ledger `records` (one step's) with the owners' rows, once each."""
     counts: Counter = Counter()
     for r in records:
-        counts[(r.phase, r.op, tuple(r.levels), r.bytes, r.experts)] += r.count
+        counts[(r.phase, r.op, tuple(r.levels), r.bytes, r.over)] += r.count
     for row in owned.plan.rows:
         counts[ledger_key(row)] += 1
     return merged(counts)
@@ -90,7 +90,7 @@ def optim_bytes_per_rank(strategy: Strategy, lowering: Lowering, owned: Owned, *
         total = 0
         for spec, up in zip(owned.units, lowering.units):
             for g in up.groups:
-                if g.experts:
+                if g.placement.over is not Over.DENSE:
                     continue
                 total += g.master_bytes
                 if not g.trainable:
@@ -146,7 +146,7 @@ def explain_owned(e, model, *, k_flat: int, k_owned: int, flops: float | None = 
     if owned is None:
         return e, []
     records = tuple(with_owned_rows(e.ledger, owned))
-    links = link_bytes(records, s.mesh, e.algo, s.expert_mesh)
+    links = link_bytes(records, s.mesh, e.algo, placement_meshes(s))
     inter, intra = inter_intra(links, s.mesh)
     per_rank = optim_bytes_per_rank(s, e.plan, owned, k_flat=k_flat, k_owned=k_owned)
     memory = dict(e.memory)
@@ -169,7 +169,7 @@ def explain_owned(e, model, *, k_flat: int, k_owned: int, flops: float | None = 
         time = dataclasses.replace(time, compute=time.compute + worst, total=time.total + worst)
     if bandwidth is not None and time is not None:
         from shardc.analysis.costmodel.timing import phase_costs
-        cost, _ = phase_costs([(r, 1) for r in owned.plan.rows], s.mesh, bandwidth, e.algo, s.expert_mesh)
+        cost, _ = phase_costs([(r, 1) for r in owned.plan.rows], s.mesh, bandwidth, e.algo, placement_meshes(s))
         comm = {k: v + cost.get(k, 0.0) for k, v in time.comm.items()}
         time = dataclasses.replace(time, comm=comm, total=time.total + sum(cost.values()))
     if time is not e.time:

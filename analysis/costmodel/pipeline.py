@@ -72,15 +72,15 @@ class Waits(NamedTuple):
     sync: list[tuple[Parts, Parts | None]]   # the step sync's stages (None: no second)
 
 
-def waits_of(plan, mesh: Mesh, bw, algo: Collectives, costs, expert_mesh: Mesh | None = None) -> Waits:
+def waits_of(plan, mesh: Mesh, bw, algo: Collectives, costs, meshes=None) -> Waits:
     """Every unit's link waits, by the role the engine gives them (`costs` =
-    timing.phase_costs; an expert group's rows are over `expert_mesh`)."""
+    timing.phase_costs; a row is over its placement's mesh in `meshes`)."""
     on = lambda level: bw.key(mesh, level)     # [Note: shared links] in network.py
 
     def w(i, phase, keep=lambda r: True) -> Parts:
         out: Parts = {}
         for r in (r for g in plan.units[i].groups for r in g.rows if r.phase is phase and keep(r)):
-            cost, busy = costs([(r, 1)], mesh, bw, algo, expert_mesh)
+            cost, busy = costs([(r, 1)], mesh, bw, algo, meshes)
             out[on(r.levels[0])] = out.get(on(r.levels[0]), 0.0) + cost[phase.value] - busy[phase.value]
         return out
 

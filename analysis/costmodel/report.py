@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Strategy
-from shardc.lowering import Lowering, expert_group, lower
+from shardc.lowering import Lowering, expert_group, lower, placement_meshes
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 
 from shardc.analysis.costmodel.activations import FRAMEWORK_OVERHEAD, peak_memory
@@ -67,7 +67,7 @@ def explain(strategy: Strategy, units, *, micro_batches: int | None = None, opti
     records = ledger_of(plan, forwards=m, backwards=m, clips=int(clip_grad_norm))
     bw = bandwidth or AlphaBeta()
     algo = choose_collectives(strategy, list(units), bandwidth=bw, micro_batches=m)
-    links = link_bytes(records, strategy.mesh, algo, strategy.expert_mesh)
+    links = link_bytes(records, strategy.mesh, algo, placement_meshes(strategy))
     inter, intra = inter_intra(links, strategy.mesh)
     mb_flops = graph.executed_flops(checkpoint) if graph is not None else None
     tokens = graph.tokens if graph is not None else tokens

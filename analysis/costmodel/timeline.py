@@ -189,7 +189,7 @@ class Timeline:
 
 def _grad_full(u, g) -> int:
     """A group's whole local gradient, grad dtype (its shard times s_G)."""
-    return g.grads_bytes * u.factors_of(g).g if g.trainable else 0
+    return g.grads_bytes * g.factors.g if g.trainable else 0
 
 
 class _Sizes:
@@ -201,9 +201,9 @@ class _Sizes:
         self.grad = [sum(_grad_full(u, g) for g in u.groups) for u in units]
         # the grad shard's bytes ([Note: timeline: grad shards]): from its gradients' arrival
         # (s_G = 1), from its reduce-scatter's wait (s_G > 1)
-        self.shard_on_arrival = [sum(g.grads_bytes for g in u.groups if g.trainable and u.factors_of(g).g == 1)
+        self.shard_on_arrival = [sum(g.grads_bytes for g in u.groups if g.trainable and g.factors.g == 1)
                                  for u in units]
-        self.shard_on_wait = [sum(g.grads_bytes for g in u.groups if g.trainable and u.factors_of(g).g > 1)
+        self.shard_on_wait = [sum(g.grads_bytes for g in u.groups if g.trainable and g.factors.g > 1)
                               for u in units]
         self.reduce, self.rs_staging, self.rs_codec, self.sync, self.sync_ar = ([] for _ in range(5))
         # the gloo all-to-all's receive block is not counted: a simulated rank (and a device
@@ -219,7 +219,7 @@ class _Sizes:
             has_ar = False
             ag = {ph: [0, 0] for ph in self.ag_wait}
             for g in u.groups:
-                f = u.factors_of(g)
+                f = g.factors
                 if g.gathered_bytes and mesh is not None:
                     for ph in ag:
                         row = g.row(ph, Op.ALL_GATHER) or g.row(Phase.FORWARD, Op.ALL_GATHER)

@@ -49,7 +49,7 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Mesh, Strategy
 
 from shardc.analysis.costmodel.ledger import counted_rows
-from shardc.lowering import PHASE_ORDER, Op, lower
+from shardc.lowering import PHASE_ORDER, Op, lower, placement_meshes, row_mesh
 from shardc.analysis.costmodel.network import collective_seconds, in_node_link
 import shardc.algorithms as algorithms
 from shardc.analysis.costmodel.network import stage_sizes as _stage_sizes
@@ -96,15 +96,15 @@ class StepTime:
         return self.total - self.compute
 
 
-def phase_costs(rows, mesh: Mesh, bw, algo: Collectives, expert_mesh: Mesh | None = None) -> tuple[dict, dict]:
+def phase_costs(rows, mesh: Mesh, bw, algo: Collectives, meshes=None) -> tuple[dict, dict]:
     """Per phase: (seconds, seconds that occupy the cores) of `counted_rows`; the second is 0
-    unless `bw` is a profile with CPU seconds ([Note: CPU share of a collective]). An expert
-    group's row is over `expert_mesh` (its levels' sizes are the experts' mesh's)."""
+    unless `bw` is a profile with CPU seconds ([Note: CPU share of a collective]). A row is
+    over its placement's mesh in `meshes` (`placement_meshes`; its levels' sizes are that mesh's)."""
     out, busy = {p: 0.0 for p in PHASE_ORDER}, {p: 0.0 for p in PHASE_ORDER}
     cost = getattr(bw, "cost", None)
     for r, n in rows:
         phase = r.phase.value
-        on = expert_mesh if r.experts and expert_mesh is not None else mesh
+        on = row_mesh(r, mesh, meshes)
         t, k = cost(r.op, r.levels, r.bytes, on, algo, r.comm.value) if cost else \
             (bw.seconds(r.op, r.levels, r.bytes, on, algo), 0.0)
         out[phase] += n * t
@@ -125,12 +125,12 @@ def step_time(strategy: Strategy, units: list[UnitSize], bw, *, micro_batches: i
         algo = choose_collectives(strategy, units, bandwidth=bw, micro_batches=m)
     plan = lower(strategy.mesh, units, strategy.prefetch, passes)
     rows = counted_rows(plan, forwards=m, backwards=m)
-    comm, k = phase_costs(rows, strategy.mesh, bw, algo, strategy.expert_mesh)
+    comm, k = phase_costs(rows, strategy.mesh, bw, algo, placement_meshes(strategy))
     c_mb = (dense_flops(units, tokens) if mb_flops is None else mb_flops) / flops
     if strategy.prefetch <= 0:
         total = m * c_mb + sum(comm.values())
     else:
-        waits = waits_of(plan, strategy.mesh, bw, algo, phase_costs, strategy.expert_mesh)
+        waits = waits_of(plan, strategy.mesh, bw, algo, phase_costs, placement_meshes(strategy))
         w_update, w_forward = comm["update"] - k["update"], (comm["forward"] - k["forward"]) / max(m, 1)
         total = (step(plan, waits, compute=c_mb, shares=_shares(units, unit_flops), micro_batches=m)
                  + k["forward"] + k["backward"] + k["sync"] + k["update"]
@@ -180,7 +180,7 @@ def choose_collectives(strategy: Strategy, unit_numels, *, bandwidth=None,
     best, best_t, missing = None, math.inf, None
     for algo in (Collectives(n) for n in algorithms.names()):      # registration order breaks ties
         try:
-            t = sum(phase_costs(rows, mesh, bw, algo, strategy.expert_mesh)[0].values())
+            t = sum(phase_costs(rows, mesh, bw, algo, placement_meshes(strategy))[0].values())
         except ShardcError as e:      # a profile without this algorithm: choose among the others
             missing = missing or e
             continue

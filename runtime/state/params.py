@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardc.lowering import RELEASE_GRADS
+from shardc.lowering import RELEASE_GRADS, Over
 from shardc.lowering.rows import norm_row
 
 from ..boundary import StepPhase
@@ -300,7 +300,7 @@ class ParamSet:
 
     def __init__(self, units, order: list[str], tp: dict, comm, ledger, boundary, comms: dict | None = None):
         self.comm, self.ledger, self.boundary, self.tp = comm, ledger, boundary, tp
-        self._comms = comms or {}                   # id(storage) -> its Comm, where not `comm` (experts)
+        self._comms = comms or {Over.DENSE: comm}   # the Comm of each placement's mesh (`Over`)
         self.params: dict[str, ShardParam] = {}
         self.grads = _LazyGrads(self._grad_views)  # name -> (ShardGrad, plain view, storage), made at first use
         found = {}
@@ -328,7 +328,7 @@ class ParamSet:
         filling a trainable group's params shard, whose master is a view of it); the chunk's
         padding rides on the last parameter ([Note: the padding rides on the last piece]
         in runtime/state/pieces.py)."""
-        plan = st.plan
+        plan, over = st.plan, st.over
         if st.trainable and not shard:
             levels, state, start, length, src = plan.os, "optim", st.os_start, st.os_len, st.master
         else:
@@ -342,7 +342,8 @@ class ParamSet:
                 b = length
             spec = PieceSpec(slot.fqn, slot.shape, slot.offset, length, levels, plan.order(state),
                              ranks, start // length if length else 0, self.tp.get(slot.fqn),
-                             pad=(b - a) - (hi - lo), comm=self._comms.get(id(st)))
+                             pad=(b - a) - (hi - lo), over=over,
+                             comm=self._comms[over] if over is not Over.DENSE else None)
             yield spec, src[a:b]
 
     def _grad_views(self, spec: PieceSpec, st):
@@ -489,16 +490,16 @@ class ParamSet:
         op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
         by_levels: dict[tuple, list[int]] = {}
         for k, s in enumerate(specs):
-            by_levels.setdefault((s.levels, s.comm), []).append(k)
-        for (levels, comm), ks in by_levels.items():
-            group = (comm or self.comm).smesh.group(levels)
+            by_levels.setdefault((s.levels, s.over), []).append(k)
+        for (levels, over), ks in by_levels.items():
+            group = self._comms[over].smesh.group(levels)
             if group is None:
                 continue
             idx = torch.tensor(ks, device=partial.device)
             part = partial.index_select(0, idx)
             dist.all_reduce(part, op=op, group=group)
             partial.index_copy_(0, idx, part)
-            self.ledger.record_row(norm_row(levels, part.numel() * part.element_size(), experts=comm is not None))
+            self.ledger.record_row(norm_row(levels, part.numel() * part.element_size(), over=over))
         sharded = [k for k, s in enumerate(specs) if s.tp is not None and s.tp.sharded]
         if sharded:
             idx = torch.tensor(sharded, device=partial.device)

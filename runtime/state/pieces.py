@@ -51,6 +51,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from shardc.lowering import Over
+
 from ..errors import RuntimeUsageError
 
 
@@ -68,6 +70,7 @@ class PieceSpec:
     tp: object = None                # its TPParam (runtime/state/dtensor_params.py), or None
     pad: int = 0                     # padding elements after the piece in this rank's tensor (see Note)
     comm: object = None              # its group's Comm where not the module's (the experts' mesh)
+    over: Over = Over.DENSE          # the mesh its group is placed over (its Comm's)
 
     @property
     def numel(self) -> int:

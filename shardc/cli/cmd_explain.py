@@ -130,7 +130,7 @@ def render(e) -> None:
     for c in ("phase", "op", "levels", "bytes", "count", "total"):
         led.add_column(c, justify="right" if c in ("bytes", "count", "total") else "left")
     for r in e.ledger:
-        levels = ",".join(r.levels) + (" (experts)" if r.experts else "")
+        levels = ",".join(r.levels) + (f" ({r.over})" if r.over != "dense" else "")
         led.add_row(r.phase, r.op, levels, f"{r.bytes:,}", str(r.count), human_bytes(r.bytes * r.count))
     con.print(led)
     lk = Table(title=f"bytes each rank sends per step, by link level ({e.algo.value})")
