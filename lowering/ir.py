@@ -202,11 +202,69 @@ class Schedule:
 
 
 @dataclass(frozen=True, slots=True)
+class OwnedTensor:
+    name: str                         # canonical parameter FQN
+    shape: tuple[int, ...]
+    owner: int                        # its owner's position in the group
+    flops: int                        # `ns_flops(shape)`
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class OwnedGroup:
+    """The matrices whose optimizer states one group of ranks owns (one optim scope placed
+    by tensor, lowering/owned.py)."""
+    levels: tuple[str, ...]           # the optim scope's levels, mesh order
+    order: tuple[str, ...]            # digit order of a position (the master chunks')
+    ranks: int
+    tensors: tuple[OwnedTensor, ...]  # plan order: units in forward order, their parameters in order
+    rows: tuple[Row, ...]             # [Note: owned rows]
+
+    def load(self) -> tuple[int, ...]:
+        """Newton–Schulz cost per owner position."""
+        out = [0] * self.ranks
+        for t in self.tensors:
+            out[t.owner] += t.flops
+        return tuple(out)
+
+    def owned_elems(self, position: int) -> int:
+        """Elements of the matrices `position` owns (its whole-tensor optimizer states)."""
+        return sum(t.numel for t in self.tensors if t.owner == position)
+
+    def imbalance(self) -> float:
+        """The most-loaded owner's cost over the mean, minus 1 (0 = perfectly even)."""
+        load = self.load()
+        mean = sum(load) / len(load)
+        return max(load) / mean - 1.0 if mean else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class OwnedPlan:
+    groups: tuple[OwnedGroup, ...] = ()
+
+    def owner_of(self) -> dict[str, tuple[OwnedGroup, OwnedTensor]]:
+        return {t.name: (g, t) for g in self.groups for t in g.tensors}
+
+    @property
+    def rows(self) -> tuple[Row, ...]:
+        return tuple(r for g in self.groups for r in g.rows)
+
+
+@dataclass(frozen=True, slots=True)
 class Lowering:
-    """The one plan: every unit's groups and rows, the clip rows and the schedule."""
+    """The one plan: every unit's groups and rows, the clip rows, the schedule, and the
+    owners of the matrices whose optimizer states are placed by tensor (`owned`: a group
+    whose placement's granularity is TENSOR has its matrices there, lowering/owned.py)."""
     units: tuple[UnitPlan, ...]
     clip_rows: tuple[Row, ...]
     schedule: Schedule
+    owned: OwnedPlan = OwnedPlan()
 
     def backward_order(self) -> tuple[int, ...]:
         """Units with trainable parameters in the order the backward finishes them: the

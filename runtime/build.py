@@ -129,7 +129,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     lowered = _lowered(lowering, passes, strategy, unit_sizes(local, canonical, experts))
     # the one plan: what each unit does and the schedule the engine follows
     lowering = dataclasses.replace(lowered, schedule=_checked(schedule, lowered.schedule, len(specs),
-                                                              hooks or backend == "inductor"))
+                                                              hooks or backend == "inductor"), owned=oplan)
     _warm_groups(comms, experts, specs)
     for c in {id(c): c for c in comms.values()}.values():
         faults.apply_timeout(c.smesh)
@@ -154,8 +154,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
         _install_hooks(model, runtime)
     install_casts(model, specs)                          # units/casts.py [Note: casts at unit boundaries]
     canon = list(dict.fromkeys(aliases[n] for n in order))
-    pset = ParamSet(states, canon, dtensors, comm, ledger, runtime.boundary, comms)
-    pset.owned_plan = oplan
+    pset = ParamSet(states, canon, dtensors, comm, ledger, runtime.boundary, comms, lowering.owned)
     if not simulation.active():                          # a simulated rank needs no values
         pset.expect_values(unset, unset_buffers(model))
     return Built(model, strategy, specs, backend, faults, ledger, dev, comm, aliases, order, targets,

@@ -2,7 +2,8 @@
 
 Input: a torch optimizer that is not element-wise (`torch.optim.Muon`) over a
 ShardedModule's matrices whose `optim` scope is placed by tensor (dsl/ir.py [Note:
-tensor-owned scopes]), and the plan's owners (`ParamSet.owned_plan`, lowering/owned.py).
+tensor-owned scopes]), and the plan's owners (`Lowering.owned`, lowering/owned.py, which
+`ParamSet.owned_plan` holds).
 Output: that optimizer's step run on whole tensors, each by its owner only: before the
 step every matrix's parameter and reduced gradient go to its owner (one all-to-all per
 group, the plan's SYNC row), the optimizer steps whole-tensor stand-ins of the matrices

@@ -298,8 +298,10 @@ def _norm_args(func, args, kwargs) -> tuple[list, float, bool]:
 class ParamSet:
     """Every parameter of one ShardedModule as a `ShardParam` (see the module notes)."""
 
-    def __init__(self, units, order: list[str], tp: dict, comm, ledger, boundary, comms: dict | None = None):
+    def __init__(self, units, order: list[str], tp: dict, comm, ledger, boundary, comms: dict | None = None,
+                 owned_plan=None):
         self.comm, self.ledger, self.boundary, self.tp = comm, ledger, boundary, tp
+        self.owned_plan = owned_plan                # the plan's owners (Lowering.owned; runtime/owned.py)
         self._comms = comms or {Over.DENSE: comm}   # the Comm of each placement's mesh (`Over`)
         self.params: dict[str, ShardParam] = {}
         self.grads = _LazyGrads(self._grad_views)  # name -> (ShardGrad, plain view, storage), made at first use
