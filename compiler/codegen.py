@@ -177,7 +177,7 @@ def _stage_line(plan: Plan, stage, c: "_Commenter") -> str:
 def _cause(plan: Plan, c: "_Commenter", u, g, r) -> str:
     """The strategy line behind row `r`: an expert group's follows the experts' scopes and
     names the `experts` statement (its ep and the experts' mesh)."""
-    if g.placement.over is Over.DENSE:
+    if g.placement.over != Over.EXPERTS:
         return c.stmt(u.scopes, r.state)
     s = plan.strategy
     e = s.experts

@@ -36,13 +36,17 @@ class Phase(CodeEnum):
     UPDATE = "update"
 
 
-class Over(CodeEnum):
-    """The data-parallel mesh a group's (and its rows') levels are on, in ledger order."""
-    DENSE = "dense"        # the strategy's mesh
-    EXPERTS = "experts"    # the experts' mesh (dsl/ir.py [Note: the experts' mesh])
+@dataclass(frozen=True, slots=True)
+class Over:
+    """What a group's parameters are placed over, named: a placement kind (its data-parallel
+    mesh and scopes). `Over.DENSE`: the strategy's mesh and the unit's scopes; `Over.EXPERTS`:
+    the experts' mesh and scopes (dsl/ir.py [Note: the experts' mesh]); a registered kind
+    adds its own (lowering/placements.py). Ledger order: these two, then registration order."""
+    value: str
 
-    def rank(self) -> int:
-        return list(Over).index(self)
+
+Over.DENSE = Over("dense")
+Over.EXPERTS = Over("experts")
 
 
 class Op(CodeEnum):

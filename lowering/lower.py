@@ -15,7 +15,8 @@ from .ir import ExpertGroup, Lowering, Over, Placement, UnitPlan
 from .layout import factors, pad_multiple, padded
 from .passes import run_plan_passes
 from .rows import clip_rows, group_plan
-from .scopes import expert_clip_levels, is_expert
+from .placements import get as get_kind, kinds
+from .scopes import expert_clip_levels, over_of
 from .schedule import schedule
 
 
@@ -23,7 +24,8 @@ from .schedule import schedule
 class UnitSize:
     """Element counts of one unit (before padding) and its resolved scopes; with an
     `experts` statement, the counts of its expert parameters apart (`experts` says where
-    they go) — the dense counts then leave them out."""
+    they go), and those of a registered placement kind's (`placed`: (Over, trainable,
+    frozen) per kind, lowering/placements.py) — the dense counts then leave them out."""
     name: str
     trainable: int
     frozen: int
@@ -32,6 +34,7 @@ class UnitSize:
     expert_trainable: int = 0
     expert_frozen: int = 0
     experts: ExpertGroup | None = None
+    placed: tuple[tuple[Over, int, int], ...] = ()
 
 
 def unit_sizes(params, units, experts: ExpertGroup | None = None) -> list[UnitSize]:
@@ -40,12 +43,15 @@ def unit_sizes(params, units, experts: ExpertGroup | None = None) -> list[UnitSi
     an expert's local shard where `experts` names it (`is_expert`)."""
     out = []
     for i, u in enumerate(units):
-        mine = [n for n in u.params if experts is not None and is_expert(experts, n)]
-        dense = [n for n in u.params if n not in mine]
+        over = {n: over_of(experts, n, params[n]) for n in u.params}
+        of = lambda o: [n for n in u.params if over[n] == o]
         count = lambda names, t: sum(params[n].numel() for n in names if params[n].requires_grad == t)
+        dense, mine = of(Over.DENSE), of(Over.EXPERTS)
+        placed = tuple((k.over, count(of(k.over), True), count(of(k.over), False)) for k in kinds()
+                       if of(k.over))
         out.append(UnitSize(u.name, count(dense, True), count(dense, False), u.scopes, root=(i == 0),
                             expert_trainable=count(mine, True), expert_frozen=count(mine, False),
-                            experts=experts if mine else None))
+                            experts=experts if mine else None, placed=placed))
     return out
 
 
@@ -70,15 +76,20 @@ def lower_unit(mesh: Mesh, u: UnitSize) -> UnitPlan:
         e = u.experts
         groups += _groups(placement(Over.EXPERTS, e.mesh, e.scopes),
                           ((u.expert_trainable, True), (u.expert_frozen, False)), u.root)
+    for over, trainable, frozen in u.placed:            # registered kinds (lowering/placements.py)
+        k = get_kind(over)
+        groups += _groups(placement(over, k.mesh(mesh), k.scopes(u.scopes)), ((trainable, True), (frozen, False)),
+                          u.root)
     return UnitPlan(u.name, u.scopes, dense.factors, tuple(groups), u.root)
 
 
 def _clip_levels(mesh: Mesh, p: UnitPlan, experts: ExpertGroup | None):
     """The level sets of the strategy's mesh whose clip all-reduce adds this unit's
     squared norms ([Note: clip rows of experts])."""
-    overs = {g.placement.over for g in p.groups if g.trainable}
-    if Over.DENSE in overs:
-        yield p.scopes.optim.levels
+    overs = {g.placement.over: g.placement for g in p.groups if g.trainable}
+    for over, pl in overs.items():
+        if over != Over.EXPERTS:
+            yield pl.scopes.optim.levels
     if experts is not None and Over.EXPERTS in overs:
         yield expert_clip_levels(mesh, experts)
 

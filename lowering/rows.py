@@ -32,6 +32,7 @@ from shardc.dsl.ir import DType, Mesh, Scopes
 
 from .ir import Factors, GroupPlan, LedgerRecord, Op, Over, Per, Phase, Placement, Row
 from .layout import minus
+from .placements import rank as placement_rank
 
 BLOCK = 256            # elements per fp32 scale of a quantized payload
 CLIP_BYTES = 4         # the squared-norm scalar of clip_grad_norm_
@@ -109,7 +110,7 @@ def _secondary_bytes(sc: Scopes, f: Factors, n: int, root: bool) -> int:
 def group_plan(pl: Placement, phi: int, n: int, trainable: bool, root: bool) -> GroupPlan:
     sc, f, mesh = pl.scopes, pl.factors, pl.mesh
     rows = tuple(_gathers(sc, f, mesh, n, root)) + (tuple(_gradients(sc, f, mesh, n)) if trainable else ())
-    if pl.over is not Over.DENSE:
+    if pl.over != Over.DENSE:
         rows = tuple(replace(r, over=pl.over) for r in rows)
     pb = elem_bytes(sc.params.dtype)
     return GroupPlan(
@@ -145,10 +146,10 @@ PHASE_ORDER = tuple(p.value for p in Phase)
 def ledger_key(row: Row, phase: Phase | None = None) -> tuple:
     """What the ledger counts a run of `row` under (`phase` overrides the row's: a backward
     re-gather that reuses the forward row): (phase, op, levels, bytes, over)."""
-    return (Phase(phase or row.phase).value, Op(row.op).value, tuple(row.levels), int(row.bytes), Over(row.over).value)
+    return (Phase(phase or row.phase).value, Op(row.op).value, tuple(row.levels), int(row.bytes), row.over.value)
 
 
 def merged(counts) -> list[LedgerRecord]:
     """`{ledger_key: count}` as ledger records, in ledger order (phase, op, levels, bytes, `Over` order)."""
-    keys = sorted(counts, key=lambda k: (PHASE_ORDER.index(k[0]), k[1], k[2], k[3], Over(k[4]).rank()))
+    keys = sorted(counts, key=lambda k: (PHASE_ORDER.index(k[0]), k[1], k[2], k[3], placement_rank(k[4])))
     return [LedgerRecord(p, o, tuple(l), b, counts[(p, o, l, b, e)], e) for p, o, l, b, e in keys]

@@ -26,6 +26,7 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import DEPENDENCY, Mesh, Scopes, Strategy
 
 from .ir import ExpertGroup, Over
+from .placements import kind_of, kinds
 
 
 def _matches(pattern: str, unit: str, modules: tuple[str, ...]) -> bool:
@@ -86,20 +87,26 @@ def is_expert(experts: ExpertGroup, fqn: str) -> bool:
     return any(fnmatch.fnmatchcase(".".join(parts[:k]), experts.pattern) for k in range(1, len(parts) + 1))
 
 
-def over_of(experts: ExpertGroup | None, fqn: str) -> Over:
-    """The mesh parameter `fqn` is placed over: the experts' when `experts` names it."""
-    return Over.EXPERTS if experts is not None and is_expert(experts, fqn) else Over.DENSE
+def over_of(experts: ExpertGroup | None, fqn: str, tensor=None) -> Over:
+    """The placement of parameter `fqn`: the experts' when `experts` names it, else a
+    registered kind's that takes it (lowering/placements.py), else the unit's own."""
+    if experts is not None and is_expert(experts, fqn):
+        return Over.EXPERTS
+    kind = kind_of(fqn, tensor) if tensor is not None else None
+    return kind.over if kind is not None else Over.DENSE
 
 
 def placement_meshes(strategy: Strategy) -> dict[Over, Mesh]:
     """The mesh of each placement (`Over`) under `strategy`: the one owner of that map."""
-    return {Over.DENSE: strategy.mesh, Over.EXPERTS: strategy.expert_mesh}
+    return {Over.DENSE: strategy.mesh, Over.EXPERTS: strategy.expert_mesh} | \
+        {k.over: k.mesh(strategy.mesh) for k in kinds()}
 
 
 def row_mesh(row, mesh: Mesh, meshes=None) -> Mesh:
     """The mesh `row`'s levels are on (a `Row` or a ledger record with `over`): its
     placement's in `meshes` (`placement_meshes`), else `mesh`."""
-    on = (meshes or {}).get(Over(getattr(row, "over", Over.DENSE)))
+    over = getattr(row, "over", Over.DENSE)
+    on = (meshes or {}).get(over if isinstance(over, Over) else Over(over))
     return mesh if on is None else on
 
 

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
 from shardc.lowering import Lowering, Over, RankPlan, Schedule, Stage, expert_group, lower, over_of, unit_sizes
+from shardc.lowering import placements
 from shardc.lowering.owned import owned_plan
 from shardc.units import UnitSpec, canonical_names, local_params, unit_members
 
@@ -116,6 +117,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     check_root_dims(comm.smesh.device_mesh, tp)
     dtensors = tp | (ert.params if ert else {})         # views wrapped, pieces at their global offsets
     comms = {Over.DENSE: comm, Over.EXPERTS: Comm(experts.mesh, strategy.collectives, ledger, ert.smesh) if ert else comm}
+    comms |= {k.over: comm for k in placements.kinds()}     # a registered kind is on the strategy's mesh
     if backend == "inductor":
         graph_mode.refuse(tp)
     source = Source.NONE if simulation.active() else _source(meta, init, comm.smesh, dev)
@@ -239,7 +241,7 @@ def _values(source: Source, model, states, params, targets, init, dev, smeshes, 
     smesh, esmesh = smeshes[Over.DENSE], smeshes[Over.EXPERTS]
     if source is Source.SCATTER:
         for over, mesh in smeshes.items():
-            mine = [g.storage for u in states for g in u.groups if g.gplan.placement.over is over]
+            mine = [g.storage for u in states for g in u.groups if g.gplan.placement.over == over]
             scatter_values(mine, params if mesh.rank == 0 else None, mesh)
         materialize_buffers(model, dev)
         buffers.broadcast(model, smesh.dp_group())
@@ -270,7 +272,7 @@ def _units(specs, per_unit, lowering, frozen, local, targets, tp, strategy, expe
         guarded = {o: faults.guard(c, spec.name) for o, c in comms.items()}
         for gplan in uplan.groups:
             pl = gplan.placement
-            sel = [n for n in names if (n not in frozen) == gplan.trainable and over_of(experts, n) is pl.over]
+            sel = [n for n in names if (n not in frozen) == gplan.trainable and over_of(experts, n, local[n]) == pl.over]
             layout = build_layout([(n, tuple(local[n].shape)) for n in sel], gplan.trainable, gplan.n)
             st = FlatStorage(layout, RankPlan(pl.mesh, pl.scopes, comms[pl.over].rank), dev, i == 0, pl.over)
             groups.append(FlatGroup(st, gplan, guarded[pl.over], workspace, strategy.mesh.world))
@@ -297,6 +299,7 @@ def _warm_groups(comms, experts, specs) -> None:
     strategy's expert group, or None)."""
     scopes = [(spec.scopes, comms[Over.DENSE]) for spec in specs]
     scopes += [(experts.scopes, comms[Over.EXPERTS])] if experts is not None else []
+    scopes += [(k.scopes(spec.scopes), comms[k.over]) for k in placements.kinds() for spec in specs]
     for sc, c in scopes:
         plan = RankPlan(c.smesh.mesh, sc, c.rank)
         for lv in plan.groups():
@@ -361,7 +364,9 @@ def _lowered(lowering: Lowering | None, passes, strategy: Strategy, sizes) -> Lo
     want = [(s.name, s.scopes, tuple((t, o, phi) for phi, t, o in ((s.trainable, True, Over.DENSE),
                                                                     (s.frozen, False, Over.DENSE),
                                                                     (s.expert_trainable, True, Over.EXPERTS),
-                                                                    (s.expert_frozen, False, Over.EXPERTS)) if phi))
+                                                                    (s.expert_frozen, False, Over.EXPERTS))
+                                                    + tuple(x for o, t, f in s.placed for x in ((t, True, o), (f, False, o)))
+                                                    if phi))
             for s in sizes]
     got = [(u.name, u.scopes, tuple((g.trainable, g.placement.over, g.phi) for g in u.groups)) for u in lowering.units]
     if len(got) != len(want):

@@ -46,9 +46,9 @@ def clip_grad_norm_(groups, clip_rows, comm, tp: dict, max_norm: float, device, 
     weighted by `expert_clip_weight` (shardc.lowering, [Note: clip rows of experts])."""
     rows = {r.levels: r for r in clip_rows}
     by_levels: dict[tuple, list] = {}
-    experts = expert_group(strategy) if any(g.storage.over is Over.EXPERTS for g in groups) else None
+    experts = expert_group(strategy) if any(g.storage.over == Over.EXPERTS for g in groups) else None
     for g in groups:
-        if g.storage.over is Over.EXPERTS:
+        if g.storage.over == Over.EXPERTS:
             key, w = expert_clip_levels(strategy.mesh, experts), expert_clip_weight(experts)
         else:
             key, w = g.storage.plan.os, 1

@@ -271,7 +271,7 @@ def test_shardc_compile_and_the_emitted_module_take_ep(tmp_path):
     from shardc.compiler.api import compile_source
     source, plan = compile_source(moe_tiny(), EP2_4, example_inputs=(torch.zeros(2, 7, dtype=torch.long),))
     # the plan is the runtime's: one ep rank's experts (E/2 of each w1, w2, w3) on node(2) > gpu(1)
-    groups = [g for u in plan.lowering.units for g in u.groups if g.placement.over is Over.EXPERTS]
+    groups = [g for u in plan.lowering.units for g in u.groups if g.placement.over == Over.EXPERTS]
     assert groups and all(g.phi == 2 * 3 * 48 * 32 for g in groups)
     assert 'experts "*.experts" ep 2' in source and "Experts(pattern='*.experts'" in source
     emitted = tmp_path / "emitted_ep.py"

@@ -61,8 +61,8 @@ def _local4(monkeypatch):
 def expert_groups(strategy):
     plan = explain(strategy, model_units(strategy, moe())).plan
     blocks = plan.units[1:]
-    assert len(blocks) == LAYERS and all(g.placement.over is Over.DENSE for g in plan.units[0].groups)
-    return plan, [next(g for g in u.groups if g.placement.over is Over.EXPERTS) for u in blocks], blocks
+    assert len(blocks) == LAYERS and all(g.placement.over == Over.DENSE for g in plan.units[0].groups)
+    return plan, [next(g for g in u.groups if g.placement.over == Over.EXPERTS) for u in blocks], blocks
 
 
 def rows(g):
@@ -82,9 +82,9 @@ def test_ep2_zero3_shards_the_experts_over_the_ranks_ep_leaves():
         assert rows(g) == {("forward", "all_gather", ("node", "gpu"), local * 4),
                            ("backward", "all_gather", ("node", "gpu"), local * 4),
                            ("backward", "reduce_scatter", ("node", "gpu"), local * 4)}
-        assert all(r.over is Over.EXPERTS for r in g.rows) and g.placement.mesh == load("ep2_zero3").expert_mesh
-        dense = next(d for d in u.groups if d.placement.over is Over.DENSE)
-        assert dense.phi == DENSE and all(r.over is Over.DENSE for r in dense.rows)
+        assert all(r.over == Over.EXPERTS for r in g.rows) and g.placement.mesh == load("ep2_zero3").expert_mesh
+        dense = next(d for d in u.groups if d.placement.over == Over.DENSE)
+        assert dense.phi == DENSE and all(r.over == Over.DENSE for r in dense.rows)
     # one clip all-reduce: the experts' OS levels plus gpu are the dense optimizer's levels
     assert [(r.levels, r.bytes) for r in plan.clip_rows] == [(("node", "gpu"), 4)]
 

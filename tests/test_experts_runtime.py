@@ -167,7 +167,7 @@ def _update_job(rank, world):
     issued, original = [], FlatGroup.update_issue
 
     def tracked(self, record=True):
-        work, entry = original(self, record), [self.gplan.placement.over is Over.EXPERTS, False]
+        work, entry = original(self, record), [self.gplan.placement.over == Over.EXPERTS, False]
         issued.append(entry)
 
         class Waited:

@@ -90,7 +90,7 @@ def optim_bytes_per_rank(strategy: Strategy, lowering: Lowering, owned: Owned, *
         total = 0
         for spec, up in zip(owned.units, lowering.units):
             for g in up.groups:
-                if g.placement.over is not Over.DENSE:
+                if g.placement.over != Over.DENSE:
                     continue
                 total += g.master_bytes
                 if not g.trainable:

@@ -20,9 +20,10 @@ __all__ = ["UnitSize", "model_unit_sizes", "model_params", "dense_flops", "ep_lo
 
 def model_params(units) -> tuple[int, int]:
     """(the model's parameters, the experts among them), global: an expert parameter's
-    count is one ep rank's part (`ep_local`) times ep."""
+    count is one ep rank's part (`ep_local`) times ep; a registered kind's are whole."""
     experts = sum((u.expert_trainable + u.expert_frozen) * (u.experts.ep if u.experts else 1) for u in units)
-    return sum(u.trainable + u.frozen for u in units) + experts, experts
+    placed = sum(t + f for u in units for _, t, f in u.placed)
+    return sum(u.trainable + u.frozen for u in units) + placed + experts, experts
 
 
 def dense_flops(units, tokens: int) -> int:

@@ -345,7 +345,7 @@ class ParamSet:
             spec = PieceSpec(slot.fqn, slot.shape, slot.offset, length, levels, plan.order(state),
                              ranks, start // length if length else 0, self.tp.get(slot.fqn),
                              pad=(b - a) - (hi - lo), over=over,
-                             comm=self._comms[over] if over is not Over.DENSE else None)
+                             comm=self._comms[over] if over != Over.DENSE else None)
             yield spec, src[a:b]
 
     def _grad_views(self, spec: PieceSpec, st):
