@@ -4,7 +4,8 @@ Input: nothing (these are the types); produced by `shardc.lowering.lower`, read 
 runtime (flat groups issue their rows, the engine follows the schedule), the cost model
 (ledger and memory are sums over the rows) and codegen (the emitted module prints it).
 
-Every class is a small frozen dataclass whose repr reads back as code; kinds are enums.
+Every class is a small frozen dataclass whose repr reads back as code; kinds are enums
+(but `Over`, a value, since a registered placement kind adds one).
 
 [Note: rows]
 A `Row` is one logical collective a flat group issues: its phase, op, the levels of its
@@ -13,13 +14,14 @@ ledger records and how often it runs (`Per`). A group issues exactly its rows; t
 ledger of a step is the sum of the rows times their counts.
 
 [Note: a group is keyed by its placement]
-A flat group is what its parameters share: trainable or frozen, and a `Placement` — the
-data-parallel mesh they are placed over (`Over`: the strategy's mesh, or the experts'
-mesh), their scopes and shard factors on it, and so the granularity of their optimizer
-states (flat chunks, or whole tensors with their owners, lowering/owned.py). Every
-consumer reads a group's mesh, scopes and factors from its placement and a row's mesh
-from `Row.over`; none maps a kind back to a mesh. A new placement is a new `Over` value
-(its mesh, `Placement.mesh`) and the runtime file that places its parameters.
+A flat group is what its parameters share: trainable or frozen, and a `Placement` — its
+kind (`Over`: the unit's own scopes on the strategy's mesh, the experts' on theirs, or a
+registered kind's), the data-parallel mesh it is placed over, its scopes and shard factors
+on it, and so the granularity of its optimizer states (flat chunks, or whole tensors whose
+owners are `Lowering.owned`, lowering/owned.py). Every consumer reads a group's mesh,
+scopes and factors from its placement and a row's mesh from `Row.over`; none maps a kind
+back to a mesh. A new kind is a new `Over` value and the file that says which parameters
+it takes and their scopes (lowering/placements.py [Note: placement kinds]).
 """
 from __future__ import annotations
 

@@ -22,19 +22,23 @@ from .schedule import schedule
 
 @dataclass(frozen=True, slots=True)
 class UnitSize:
-    """Element counts of one unit (before padding) and its resolved scopes; with an
-    `experts` statement, the counts of its expert parameters apart (`experts` says where
-    they go), and those of a registered placement kind's (`placed`: (Over, trainable,
-    frozen) per kind, lowering/placements.py) — the dense counts then leave them out."""
+    """Element counts of one unit (before padding) and its resolved scopes: its own (dense)
+    parameters', and apart those of each other placement (`placed`: (Over, trainable,
+    frozen) per kind): with an `experts` statement its expert parameters' (`experts` says
+    where they go), and a registered kind's (lowering/placements.py)."""
     name: str
     trainable: int
     frozen: int
     scopes: Scopes
     root: bool = False
-    expert_trainable: int = 0
-    expert_frozen: int = 0
     experts: ExpertGroup | None = None
     placed: tuple[tuple[Over, int, int], ...] = ()
+
+    def counts(self, over: Over) -> tuple[int, int]:
+        """(trainable, frozen) elements placed by kind `over`."""
+        if over == Over.DENSE:
+            return self.trainable, self.frozen
+        return next(((t, f) for o, t, f in self.placed if o == over), (0, 0))
 
 
 def unit_sizes(params, units, experts: ExpertGroup | None = None) -> list[UnitSize]:
@@ -46,12 +50,11 @@ def unit_sizes(params, units, experts: ExpertGroup | None = None) -> list[UnitSi
         over = {n: over_of(experts, n, params[n]) for n in u.params}
         of = lambda o: [n for n in u.params if over[n] == o]
         count = lambda names, t: sum(params[n].numel() for n in names if params[n].requires_grad == t)
-        dense, mine = of(Over.DENSE), of(Over.EXPERTS)
-        placed = tuple((k.over, count(of(k.over), True), count(of(k.over), False)) for k in kinds()
-                       if of(k.over))
+        dense = of(Over.DENSE)
+        placed = tuple((o, count(of(o), True), count(of(o), False))
+                       for o in (Over.EXPERTS, *(k.over for k in kinds())) if of(o))
         out.append(UnitSize(u.name, count(dense, True), count(dense, False), u.scopes, root=(i == 0),
-                            expert_trainable=count(mine, True), expert_frozen=count(mine, False),
-                            experts=experts if mine else None, placed=placed))
+                            experts=experts if of(Over.EXPERTS) else None, placed=placed))
     return out
 
 
@@ -69,17 +72,22 @@ def _groups(pl: Placement, counts, root: bool):
     return out
 
 
+def _placement(mesh: Mesh, u: UnitSize, over: Over) -> Placement:
+    """The placement of unit `u`'s parameters of kind `over` (lowering/placements.py [Note: placement kinds])."""
+    if over == Over.DENSE:
+        return placement(over, mesh, u.scopes)
+    if over == Over.EXPERTS:
+        return placement(over, u.experts.mesh, u.experts.scopes)
+    k = get_kind(over)
+    return placement(over, k.mesh(mesh), k.scopes(u.scopes))
+
+
 def lower_unit(mesh: Mesh, u: UnitSize) -> UnitPlan:
-    dense = placement(Over.DENSE, mesh, u.scopes)
-    groups = _groups(dense, ((u.trainable, True), (u.frozen, False)), u.root)
-    if u.experts is not None:
-        e = u.experts
-        groups += _groups(placement(Over.EXPERTS, e.mesh, e.scopes),
-                          ((u.expert_trainable, True), (u.expert_frozen, False)), u.root)
-    for over, trainable, frozen in u.placed:            # registered kinds (lowering/placements.py)
-        k = get_kind(over)
-        groups += _groups(placement(over, k.mesh(mesh), k.scopes(u.scopes)), ((trainable, True), (frozen, False)),
-                          u.root)
+    groups, dense = [], placement(Over.DENSE, mesh, u.scopes)
+    for over in (Over.DENSE, *(o for o, _, _ in u.placed)):
+        trainable, frozen = u.counts(over)
+        groups += _groups(dense if over == Over.DENSE else _placement(mesh, u, over),
+                          ((trainable, True), (frozen, False)), u.root)
     return UnitPlan(u.name, u.scopes, dense.factors, tuple(groups), u.root)
 
 

@@ -361,12 +361,8 @@ def _lowered(lowering: Lowering | None, passes, strategy: Strategy, sizes) -> Lo
     these units: names, scopes, element counts), else lowered here with `passes`."""
     if lowering is None:
         return lower(strategy.mesh, sizes, strategy.prefetch, passes)
-    want = [(s.name, s.scopes, tuple((t, o, phi) for phi, t, o in ((s.trainable, True, Over.DENSE),
-                                                                    (s.frozen, False, Over.DENSE),
-                                                                    (s.expert_trainable, True, Over.EXPERTS),
-                                                                    (s.expert_frozen, False, Over.EXPERTS))
-                                                    + tuple(x for o, t, f in s.placed for x in ((t, True, o), (f, False, o)))
-                                                    if phi))
+    want = [(s.name, s.scopes, tuple((t, o, phi) for o in (Over.DENSE, *(o for o, _, _ in s.placed))
+                                     for phi, t in zip(s.counts(o), (True, False)) if phi))
             for s in sizes]
     got = [(u.name, u.scopes, tuple((g.trainable, g.placement.over, g.phi) for g in u.groups)) for u in lowering.units]
     if len(got) != len(want):

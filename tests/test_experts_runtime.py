@@ -144,7 +144,7 @@ def test_expert_groups_train_at_parity_and_the_ledger_is_explains():
                 assert float((sd[k] - v).norm() / v.norm()) < 1e-5, (kind, k)
         s = shardc.load_strategy(text)
         units = model_units(s, model())
-        assert any(u.expert_trainable for u in units) and all(u.trainable for u in units[1:])
+        assert any(u.counts(Over.EXPERTS)[0] for u in units) and all(u.trainable for u in units[1:])
         ledger, memory = results[0][c][1], results[0][c][2]
         predicted = [dataclasses.replace(r, count=2 * r.count)          # two steps
                      for r in predict_ledger(s, units, micro_batches=2, clip_grad_norm=True)]

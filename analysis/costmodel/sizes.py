@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardc.dsl.errors import ShardcError
-from shardc.lowering import ExpertGroup, UnitSize, is_expert, unit_sizes
+from shardc.lowering import ExpertGroup, Over, UnitSize, is_expert, unit_sizes
 from shardc.units import local_params
 
 __all__ = ["UnitSize", "model_unit_sizes", "model_params", "dense_flops", "ep_local", "placed_params"]
@@ -21,8 +21,8 @@ __all__ = ["UnitSize", "model_unit_sizes", "model_params", "dense_flops", "ep_lo
 def model_params(units) -> tuple[int, int]:
     """(the model's parameters, the experts among them), global: an expert parameter's
     count is one ep rank's part (`ep_local`) times ep; a registered kind's are whole."""
-    experts = sum((u.expert_trainable + u.expert_frozen) * (u.experts.ep if u.experts else 1) for u in units)
-    placed = sum(t + f for u in units for _, t, f in u.placed)
+    experts = sum(sum(u.counts(Over.EXPERTS)) * (u.experts.ep if u.experts else 1) for u in units)
+    placed = sum(t + f for u in units for o, t, f in u.placed if o != Over.EXPERTS)
     return sum(u.trainable + u.frozen for u in units) + placed + experts, experts
 
 
