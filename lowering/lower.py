@@ -79,7 +79,7 @@ def _placement(mesh: Mesh, u: UnitSize, over: Over) -> Placement:
     if over == Over.EXPERTS:
         return placement(over, u.experts.mesh, u.experts.scopes)
     k = get_kind(over)
-    return placement(over, k.mesh(mesh), k.scopes(u.scopes))
+    return placement(over, mesh, k.scopes(u.scopes))
 
 
 def lower_unit(mesh: Mesh, u: UnitSize) -> UnitPlan:

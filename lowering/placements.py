@@ -1,17 +1,18 @@
 """Placement kinds — part of stage 3 (lowering): which parameters a kind places, over which
 mesh and with which scopes.
 
-Input: a parameter (its canonical FQN and a tensor-like object: `shape`, `dim()`,
+Input: a parameter (its canonical FQN and a tensor-like object: `shape`,
 `requires_grad`; a meta tensor will do) and a unit's resolved `Scopes` on the strategy's
 mesh. Output: the kind that places it (`kind_of`; None: the unit's own, `Over.DENSE`), and
-that kind's scopes and mesh, from which `lower` makes the group's `Placement`.
+that kind's scopes, from which `lower` makes the group's `Placement`.
 
 [Note: placement kinds]
 A group is keyed by its placement (lowering/ir.py [Note: a group is keyed by its
 placement]). Two kinds come with the language: `Over.DENSE` (the unit's scopes on the
 strategy's mesh) and `Over.EXPERTS` (the `experts` statement's parameters on the experts'
 mesh, with their own runtime: runtime/experts.py). Any other kind is a `PlacementKind`: its
-`Over` value, which parameters it takes, and its scopes on the strategy's mesh. Every
+`Over` value, which parameters it takes, and its scopes on the strategy's mesh (a kind on
+a mesh of its own, as the experts', needs that mesh's Comm in runtime/build.py). Every
 stage reads a group's placement and nothing else, so such a kind is that one value and the
 file defining it: the lowering makes its groups (`unit_sizes`, `lower_unit`), the runtime
 places their flat chunks (runtime/build.py), the clip adds their squares over their
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from shardc.dsl.ir import Mesh, Scopes
+from shardc.dsl.ir import Scopes
 
 from .ir import Over
 
@@ -46,10 +47,6 @@ class PlacementKind:
     def scopes(self, unit: Scopes) -> Scopes:
         """The scopes of its parameters in a unit whose own scopes are `unit`."""
         return unit
-
-    def mesh(self, mesh: Mesh) -> Mesh:
-        """The data-parallel mesh of its parameters (default: the strategy's `mesh`)."""
-        return mesh
 
 
 _BUILTIN = (Over.DENSE, Over.EXPERTS)

@@ -99,7 +99,7 @@ def over_of(experts: ExpertGroup | None, fqn: str, tensor=None) -> Over:
 def placement_meshes(strategy: Strategy) -> dict[Over, Mesh]:
     """The mesh of each placement (`Over`) under `strategy`: the one owner of that map."""
     return {Over.DENSE: strategy.mesh, Over.EXPERTS: strategy.expert_mesh} | \
-        {k.over: k.mesh(strategy.mesh) for k in kinds()}
+        {k.over: strategy.mesh for k in kinds()}
 
 
 def row_mesh(row, mesh: Mesh, meshes=None) -> Mesh:

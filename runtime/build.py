@@ -129,6 +129,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
                        {n: n not in frozen for n in params})   # lowering/owned.py
     owned.refuse(oplan, strategy, backend, tp)
     lowered = _lowered(lowering, passes, strategy, unit_sizes(local, canonical, experts))
+    _refuse_graph_kinds(lowered, backend)
     # the one plan: what each unit does and the schedule the engine follows
     lowering = dataclasses.replace(lowered, schedule=_checked(schedule, lowered.schedule, len(specs),
                                                               hooks or backend == "inductor"), owned=oplan)
@@ -171,6 +172,15 @@ def _refuse_graph_experts(strategy: Strategy, backend: str) -> None:
     where = f"{strategy.file}:{e.line}" if e.line else strategy.file
     raise ShardcError(f"{where}: backend='inductor' does not take an `experts` statement yet; "
                       f"use the eager runtime (backend='eager')")
+
+
+def _refuse_graph_kinds(lowering: Lowering, backend: str) -> None:
+    """A registered placement kind (lowering/placements.py) does not run in the whole-step mode yet."""
+    kind = next((g.placement.over for u in lowering.units for g in u.groups
+                 if g.placement.over not in (Over.DENSE, Over.EXPERTS)), None)
+    if kind is not None and backend == "inductor":
+        raise ShardcError(f"backend='inductor' does not take the placement kind {kind.value!r} yet; "
+                          f"use the eager runtime (backend='eager')")
 
 
 # -- where the values come from -------------------------------------------------------------

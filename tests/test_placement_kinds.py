@@ -2,7 +2,7 @@
 kind is one `Over` value and the file defining it. The test-only kind `vectors`
 (tests/placement_vectors.py: trainable 1-D parameters replicated) is planned as its own
 groups, trains at parity with one process on the concatenated batch, and its ledger
-equals the plan's; outside its scope no model sees it."""
+equals the plan's; outside its scope no model sees it; the whole-step mode refuses it."""
 from __future__ import annotations
 
 import copy
@@ -96,6 +96,8 @@ def _train_in_scope(rank, world):
         opt.step()
         opt.zero_grad()
     overs = sorted({g.placement.over.value for u in sm.lowering.units for g in u.groups})
+    with pytest.raises(shardc.ShardcError, match="does not take the placement kind 'vectors' yet"):
+        shard_module(copy.deepcopy(model), s, _units(model, s), backend="inductor")
     return max_rel_err(sm.full_state_dict(), want), norms, got_norms, sm.comm_ledger(), overs
 
 
