@@ -118,11 +118,16 @@ class ExpertGroup:
 class Placement:
     """Where a group's parameters are placed ([Note: a group is keyed by its placement]): the
     data-parallel mesh (`over`, that mesh `mesh`), their scopes on it and the scopes' shard
-    factors. Its granularity is the optimizer scope's (flat chunks, or whole tensors)."""
+    factors. Its granularity is the optimizer scope's (flat chunks, or whole tensors). Its
+    clip: the strategy-mesh levels whose all-reduce adds its squared norms, and how many
+    times that sum meets each of its optimizer slices (lowering/scopes.py [Note: clip rows
+    of experts]; 1 but for experts whose optim scope leaves out the level ep borrows from)."""
     over: Over
     mesh: Mesh
     scopes: Scopes
     factors: Factors
+    clip_levels: tuple[str, ...] = ()
+    clip_weight: int = 1
 
     @property
     def granularity(self) -> Granularity:

@@ -16,7 +16,7 @@ from .layout import factors, pad_multiple, padded
 from .passes import run_plan_passes
 from .rows import clip_rows, group_plan
 from .placements import get as get_kind, kinds
-from .scopes import expert_clip_levels, over_of
+from .scopes import expert_clip_levels, expert_clip_weight, over_of
 from .schedule import schedule
 
 
@@ -58,9 +58,11 @@ def unit_sizes(params, units, experts: ExpertGroup | None = None) -> list[UnitSi
     return out
 
 
-def placement(over: Over, mesh: Mesh, sc: Scopes) -> Placement:
-    """The placement of a group over `mesh` (named `over`) with scopes `sc`."""
-    return Placement(over, mesh, sc, factors(sc, mesh))
+def placement(over: Over, mesh: Mesh, sc: Scopes, clip: tuple | None = None, weight: int = 1) -> Placement:
+    """The placement of a group over `mesh` (named `over`) with scopes `sc`; its clip
+    all-reduce is over `clip` (default: its optim levels, `mesh` being the strategy's)."""
+    return Placement(over, mesh, sc, factors(sc, mesh), mesh.ordered(sc.optim.levels) if clip is None else clip,
+                     weight)
 
 
 def _groups(pl: Placement, counts, root: bool):
@@ -77,7 +79,8 @@ def _placement(mesh: Mesh, u: UnitSize, over: Over) -> Placement:
     if over == Over.DENSE:
         return placement(over, mesh, u.scopes)
     if over == Over.EXPERTS:
-        return placement(over, u.experts.mesh, u.experts.scopes)
+        e = u.experts
+        return placement(over, e.mesh, e.scopes, expert_clip_levels(mesh, e), expert_clip_weight(e))
     k = get_kind(over)
     return placement(over, mesh, k.scopes(u.scopes))
 
@@ -91,21 +94,12 @@ def lower_unit(mesh: Mesh, u: UnitSize) -> UnitPlan:
     return UnitPlan(u.name, u.scopes, dense.factors, tuple(groups), u.root)
 
 
-def _clip_levels(mesh: Mesh, p: UnitPlan, experts: ExpertGroup | None):
-    """The level sets of the strategy's mesh whose clip all-reduce adds this unit's
-    squared norms ([Note: clip rows of experts])."""
-    overs = {g.placement.over: g.placement for g in p.groups if g.trainable}
-    for over, pl in overs.items():
-        if over != Over.EXPERTS:
-            yield pl.scopes.optim.levels
-    if experts is not None and Over.EXPERTS in overs:
-        yield expert_clip_levels(mesh, experts)
 
 
 def lower(mesh: Mesh, units, prefetch: int = 1, passes=None) -> Lowering:
     """The plan over `units` (UnitSizes, forward order, root first) on `mesh` with `prefetch`,
     rewritten by the plan passes named in `passes` (None: all of `passes.PLAN_PASSES`)."""
     plans = tuple(lower_unit(mesh, u) for u in units)
-    clip = clip_rows(mesh, [lv for p, u in zip(plans, units) for lv in _clip_levels(mesh, p, u.experts)])
+    clip = clip_rows(mesh, [g.placement.clip_levels for p in plans for g in p.groups if g.trainable])
     sched = schedule([p.gathered and bool(p.groups) for p in plans], prefetch)
     return run_plan_passes(Lowering(plans, clip, sched), passes)

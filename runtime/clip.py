@@ -19,8 +19,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardc.lowering import Over, expert_clip_levels, expert_clip_weight, expert_group
-
 
 def _squares(st, tp: dict) -> torch.Tensor:
     """Squared norm of this rank's OS slice, tp-replicated elements weighted 1/tp."""
@@ -40,19 +38,15 @@ def _tp_size(tp: dict) -> int:
     return next(iter(tp.values())).mesh.size()
 
 
-def clip_grad_norm_(groups, clip_rows, comm, tp: dict, max_norm: float, device, strategy=None) -> torch.Tensor:
+def clip_grad_norm_(groups, clip_rows, comm, tp: dict, max_norm: float, device) -> torch.Tensor:
     """See the module note; `groups` are the trainable flat groups, `comm` the collectives on
-    the strategy's mesh; an expert group's squares (`strategy`'s experts) are added over `expert_clip_levels`,
-    weighted by `expert_clip_weight` (shardc.lowering, [Note: clip rows of experts])."""
+    the strategy's mesh; a group's squares are added over its placement's clip levels,
+    weighted by its clip weight (shardc.lowering `Placement`, [Note: clip rows of experts])."""
     rows = {r.levels: r for r in clip_rows}
     by_levels: dict[tuple, list] = {}
-    experts = expert_group(strategy) if any(g.storage.over == Over.EXPERTS for g in groups) else None
     for g in groups:
-        if g.storage.over == Over.EXPERTS:
-            key, w = expert_clip_levels(strategy.mesh, experts), expert_clip_weight(experts)
-        else:
-            key, w = g.storage.plan.os, 1
-        by_levels.setdefault(key, []).append((g.storage, w))
+        pl = g.gplan.placement
+        by_levels.setdefault(pl.clip_levels, []).append((g.storage, pl.clip_weight))
     total = torch.zeros(1, dtype=torch.float32, device=device)
     for levels, storages in by_levels.items():
         sq = torch.zeros(1, dtype=torch.float32, device=device)

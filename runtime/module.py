@@ -119,8 +119,7 @@ class ShardedModule(nn.Module):
         self.params.drop_frozen_grads()
         self.params.grads_changed()
         return clip.clip_grad_norm_(boundary.trainable_groups(), self.lowering.clip_rows,
-                                    self.faults.guard(self.comm, "<all units>"), self.tp, max_norm, self.device,
-                                    self.strategy)
+                                    self.faults.guard(self.comm, "<all units>"), self.tp, max_norm, self.device)
 
     def set_timeout(self, seconds: float) -> None:
         """Change the shardc timeout (every wait on a peer, and the process groups')."""
