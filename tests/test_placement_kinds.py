@@ -72,6 +72,10 @@ def test_a_registered_kind_is_its_own_groups_with_its_placements_rows():
         assert dense.phi == sum(params[n].numel() for n in spec.params) - phi
     # the clip's all-reduce stays the dense optimizer's (a replicated group adds its squares locally)
     assert plan.clip_rows == plain.clip_rows
+    # the plan, its placements included, still reads back as code
+    from shardc.dsl import ir as dsl_ir
+    from shardc.lowering import ir
+    assert eval(repr(plan), {**vars(dsl_ir), **vars(ir)}) == plan
 
 
 def _train(rank, world):
