@@ -28,6 +28,17 @@ read and reset at each phase's end, so each phase's figure is its own maximum: `
 `step` (the optimizer step and the update all-gathers), `zero_grad`. Output: per system the
 peak per phase (rank 0's and the max over ranks) and the states held before the step.
 
+`--layers N`: the same four systems on bench/bigmodel.py's Llama of TinyLlama's width (hidden
+2048, vocabulary 32000, untied head; 16 layers: the 836M model) with N layers, batch 1 x 128
+tokens per rank, each system in a `torchrun` of its own under bigmodel.py's watchdog (a run
+that leaves the machine under 0.75 GiB is stopped; its ranks are the OOM killer's first
+pick). The model is built on meta and its start-up is tracked too (`startup`: shardc's
+`compile(init=_init_weights)`, the exact init of every unit whole; FSDP2's `fully_shard`,
+`to_empty` and `apply(_init_weights)` on each rank's shards), then the step as above
+(`--cold`: the first step is the tracked one, its optimizer states made in `step`).
+
+    flock /work/locks/big.lock python bench/peak_fsdp2.py --layers 16 --json bench/results/systems_100gbit_DATE_peak-fsdp2-l16.json
+
 `--simulate`: the same comparison at LLaMA-65B's shapes (examples/llama.py `llama_65b`) as
 rank 0 of 1024 (`node(128) > gpu(8)`), under torch's fake process group, one process per
 system (`sim_worker`), one 2048-token sequence, AdamW, the second step tracked by the same
@@ -74,27 +85,62 @@ def hsdp_text() -> str:
     return text.replace("shard over world", "shard over gpu").replace("collectives ring\n", "")
 
 
-def build(system: str, x: torch.Tensor):
-    """(the model to call, its optimizer, its states' tensors for the tracker, sync())."""
+def build(system: str, x: torch.Tensor, layers: int = 0, phases: dict | None = None, load: str | None = None):
+    """(the model to call, its optimizer, its states' tensors for the tracker, sync()).
+    `layers` > 0: bench/bigmodel.py's Llama of TinyLlama's width with that many layers, built
+    on meta and initialized as each system starts (shardc: `compile(init=_init_weights)`;
+    FSDP2: `fully_shard`, `to_empty`, `apply(_init_weights)`), the start-up tracked by the
+    same MemTracker into `phases["startup"]` (with the by-kind split under "startup_kinds").
+    `load`: a DCP checkpoint directory the values are loaded from instead (both systems: the
+    non-persistent rotary cache computed, then `get_model_state_dict`, `dcp.load`,
+    `set_model_state_dict`: bench/bigmodel.py `load_dcp`)."""
+    import contextlib
     torch.manual_seed(0)
-    model = llama_small()
+    tracker = None
+    if layers:
+        sys.path.insert(0, HERE)
+        import bigmodel
+        from shardc.simulate import _step_tracker
+        with torch.device("meta"):
+            model = bigmodel.llama(layers)
+        tracker = _step_tracker()
+    else:
+        model = llama_small()
+    track = tracker.phase("startup") if tracker is not None else contextlib.nullcontext()
     if system.startswith("shardc"):
         import shardc
         from shardc.runtime.memory import held_tensors
         text = UNITS if system.endswith("zero3") else hsdp_text()
-        sm = shardc.compile(model, text, example_inputs=(x,), mesh=MESH)
+        with tracker if tracker is not None else contextlib.nullcontext(), track:
+            init = shardc.buffers_only(model._init_weights) if load else model._init_weights
+            sm = shardc.compile(model, text, example_inputs=(x,), mesh=MESH, **({"init": init} if layers else {}))
+            if load:
+                bigmodel.load_dcp(sm, load)
         opt = sm.optimizer(torch.optim.AdamW, lr=1e-3)
-        return (sm, opt, lambda: [*held_tensors(sm.runtime, sm.params), opt],
-                lambda: sm.runtime.boundary.wait_sync("the benchmark's sync phase"))
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    mesh = (init_device_mesh("cpu", (WORLD,), mesh_dim_names=("shard",)) if system.endswith("zero3") else
-            init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard")))
-    for mod in [model.model.embed_tokens, *model.model.layers, model.lm_head]:
-        fully_shard(mod, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return model, opt, lambda: [model, opt], lambda: None
+        out = (sm, opt, lambda: [*held_tensors(sm.runtime, sm.params), opt],
+               lambda: sm.runtime.boundary.wait_sync("the benchmark's sync phase"))
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        with tracker if tracker is not None else contextlib.nullcontext(), track:
+            mesh = (init_device_mesh("cpu", (WORLD,), mesh_dim_names=("shard",)) if system.endswith("zero3") else
+                    init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard")))
+            for mod in [model.model.embed_tokens, *model.model.layers, model.lm_head]:
+                fully_shard(mod, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            if layers:
+                model.to_empty(device="cpu")
+                model.apply(bigmodel.rotary_only(model._init_weights) if load else model._init_weights)
+                if load:
+                    bigmodel.load_dcp(model, load)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        out = (model, opt, lambda: [model, opt], lambda: None)
+    if tracker is not None and phases is not None:
+        from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+        snap = tracker.__dict__.get("phases", {}).get("startup", {})
+        phases["startup"] = int(snap.get(_TOTAL_KEY, 0))
+        phases["startup_kinds"] = {getattr(k, "value", str(k)): int(v) for k, v in snap.items()}
+    return out
 
 
 def loss_of(model, x):
@@ -103,15 +149,24 @@ def loss_of(model, x):
     return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), x.flatten())
 
 
-def measure(system: str, x: torch.Tensor) -> dict:
+def measure(system: str, x: torch.Tensor, layers: int = 0, warm: bool = True, load: str | None = None,
+            step: bool = True) -> dict:
+    """One system's peaks per phase; `warm`: after one unmeasured step (the optimizer's
+    states made before the tracked step), else the first step is the tracked one. With
+    `load` (a DCP load of `load`) or not `step`: the start-up only."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
     from shardc.simulate import _step_tracker
-    model, opt, external, sync = build(system, x)
-    loss_of(model, x).backward()            # a first step: the optimizer's states are made
-    sync()
-    opt.step()
-    opt.zero_grad()
+    start: dict = {}
+    model, opt, external, sync = build(system, x, layers, start, load)
+    if load or not step:
+        k = {getattr(k, "value", str(k)): int(v) for k, v in start["startup_kinds"].items()}
+        return {"states": 0, "peaks": {"startup": start["startup"]}, "peak": 0, "by_kind": {"startup": k}}
+    if warm:
+        loss_of(model, x).backward()            # a first step: the optimizer's states are made
+        sync()
+        opt.step()
+        opt.zero_grad()
     gc.collect()
     tracker = _step_tracker()
     tracker.track_external(*external())
@@ -124,8 +179,9 @@ def measure(system: str, x: torch.Tensor) -> dict:
         kinds[phase] = {getattr(k, "value", str(k)): int(v) for k, v in snap.items()}
         for dev, snap in tracker._curr_mem_snap.items():
             tracker._peak_mem[dev] = snap[_TOTAL_KEY]
+            tracker._peak_mem_snap[dev] = dict(snap)
     with tracker:
-        start = int(sum(s[_TOTAL_KEY] for s in tracker._curr_mem_snap.values()))
+        begin = int(sum(s[_TOTAL_KEY] for s in tracker._curr_mem_snap.values()))
         loss = loss_of(model, x)
         end("forward")
         loss.backward()
@@ -139,32 +195,57 @@ def measure(system: str, x: torch.Tensor) -> dict:
         end("zero_grad")
     del model, opt, tracker
     gc.collect()
-    return {"states": start, "peaks": peaks, "peak": max(peaks.values()), "by_kind": kinds}
+    if "startup" in start:
+        peaks["startup"], kinds["startup"] = start["startup"], start["startup_kinds"]
+    return {"states": begin, "peaks": peaks, "peak": max(v for k, v in peaks.items() if k != "startup"),
+            "by_kind": kinds}
 
 
-def worker(out: str) -> None:
+def worker(out: str, layers: int = 0, warm: bool = True, systems=SYSTEMS, load: str | None = None,
+           save: str | None = None, step: bool = True) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
+    if layers:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")                 # if the machine runs out, the kernel kills a rank, not a neighbour
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, 8192, (BATCH, SEQ), generator=g)
+    if layers:
+        sys.path.insert(0, HERE)
+        import bigmodel
+        x = bigmodel.batch(rank)
+    else:
+        x = torch.randint(0, 8192, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
+    phases = ("startup",) if load or not step else PHASES + (("startup",) if layers else ())
+    if save:                                # the values the `load` runs read: FSDP2's init, saved
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        model = build("fsdp2:zero3", x, layers)[0]
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=save)
+        return dist.destroy_process_group()
     results = {}
-    for system in SYSTEMS:
-        r = measure(system, x)
+    for system in systems:
+        r = measure(system, x, layers, warm, load, step)
         got = [None] * WORLD
         dist.all_gather_object(got, r)
         results[system] = {"rank0": got[0], "max_over_ranks": {
             "states": max(g["states"] for g in got), "peak": max(g["peak"] for g in got),
-            "peaks": {p: max(g["peaks"][p] for g in got) for p in PHASES}}}
+            "peaks": {p: max(g["peaks"][p] for g in got) for p in phases}}}
+        if rank == 0:                       # each system's figures kept as they come
+            if layers:
+                meta = {"model": f"bench/bigmodel.py:llama_{layers} (TinyLlama's width, fp32)",
+                        "params": bigmodel.n_params(layers), "batch": 1, "seq": bigmodel.TOKENS,
+                        "warm": warm, "step": step, "start-up": "meta build to values ready (shardc: compile with "
+                        "init=_init_weights; FSDP2: fully_shard, to_empty, apply(_init_weights))" if not load else
+                        "meta build to values loaded from a DCP checkpoint of FSDP2's init (no step)"}
+            else:
+                meta = {"model": "LlamaForCausalLM h256 i704 L4 v8192 fp32", "params": sum(
+                    p.numel() for p in llama_small().parameters()), "batch": BATCH, "seq": SEQ}
+            meta.update({"world": WORLD, "mesh": MESH, "torch": torch.__version__,
+                         "tracker": "torch.distributed._tools.mem_tracker.MemTracker (shardc.simulate's)"})
+            with open(out, "w") as f:
+                json.dump({"meta": meta, "systems": results}, f, indent=1)
         dist.barrier()
-    if rank == 0:
-        meta = {"model": "LlamaForCausalLM h256 i704 L4 v8192 fp32", "params": sum(
-            p.numel() for p in llama_small().parameters()), "world": WORLD, "mesh": MESH, "batch": BATCH,
-            "seq": SEQ, "tracker": "torch.distributed._tools.mem_tracker.MemTracker (shardc.simulate's)",
-            "torch": torch.__version__}
-        with open(out, "w") as f:
-            json.dump({"meta": meta, "systems": results}, f, indent=1)
     dist.destroy_process_group()
 
 
@@ -172,11 +253,17 @@ def table(path: str) -> str:
     with open(path) as f:
         r = json.load(f)["systems"]
     mib = 1 << 20
-    rows = ["| system | states | " + " | ".join(PHASES) + " | peak |", "|---" * (len(PHASES) + 3) + "|"]
+    phases = [p for p in (*PHASES, "startup") if any(p in v.get("max_over_ranks", {}).get("peaks", {})
+                                                      for v in r.values())]
+    rows = ["| system | states | " + " | ".join(phases) + " | step peak |", "|---" * (len(phases) + 3) + "|"]
     for system, v in r.items():
+        if "max_over_ranks" not in v:
+            why = "stopped by the watchdog" if v["run"].get("stopped") else f"exit {v['run']['rc']}"
+            rows.append(f"| {system} | did not finish ({why}) |")
+            continue
         m = v["max_over_ranks"]
         rows.append(f"| {system} | {m['states'] / mib:.2f} | " + " | ".join(
-            f"{m['peaks'][p] / mib:.2f}" for p in PHASES) + f" | {m['peak'] / mib:.2f} |")
+            f"{m['peaks'][p] / mib:.2f}" for p in phases) + f" | {m['peak'] / mib:.2f} |")
     return "\n".join(rows) + "\n\n(MiB per rank, the max over the 8 ranks of torch's MemTracker)"
 
 
@@ -270,11 +357,20 @@ def main() -> None:
     ap.add_argument("--json", help="driver: run the 8 ranks, write the results here")
     ap.add_argument("--table", help="print docs/BENCHMARKS.md's rows from a result file")
     ap.add_argument("--simulate", help="LLaMA-65B at 1024 simulated ranks: write the results here")
+    ap.add_argument("--layers", type=int, default=0, help="bench/bigmodel.py's Llama with this many layers "
+                    "(16: 836M), built on meta, its start-up tracked too (default: the small Llama)")
+    ap.add_argument("--cold", action="store_true", help="track the first step (no unmeasured step before)")
+    ap.add_argument("--load", metavar="DIR", help="--layers: the start-up only, a DCP load of DIR/dcp (saved "
+                    "there first from FSDP2's init when absent)")
+    ap.add_argument("--no-step", action="store_true", help="--layers: the start-up only")
+    ap.add_argument("--save", help=argparse.SUPPRESS)
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of " + ", ".join(SYSTEMS))
+    ap.add_argument("--need-gib", type=float, default=20, help="--layers: wait for this much available memory")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--sim-worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        return worker(a.worker)
+        return worker(a.worker, a.layers, not a.cold, tuple(a.systems.split(",")), a.load, a.save, not a.no_step)
     if a.sim_worker:
         return print(json.dumps(sim_worker(a.sim_worker)))
     if a.simulate:
@@ -285,10 +381,57 @@ def main() -> None:
         with open(a.table) as f:
             r = json.load(f)
         return print(table(a.table) if "rank0" in next(iter(r["systems"].values())) else sim_table(r["systems"]))
+    if a.layers:
+        return print(table(big(a)))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-                    "--master-port", "29641", sys.argv[0], "--worker", os.path.abspath(a.json)], check=True, env=env)
+                    "--master-port", "29641", sys.argv[0], "--worker", os.path.abspath(a.json)],
+                   check=True, env=env)
     print(table(a.json))
+
+
+def big(a) -> str:
+    """`--layers N`: one `torchrun` per system (a system's freed memory is not always given
+    back to the OS in the process), in SYSTEMS' order, under bench/bigmodel.py's watchdog (a
+    run that leaves the machine under 0.75 GiB is stopped; its ranks are the OOM killer's
+    first pick). The systems' results are merged into `a.json`."""
+    import threading
+    import time
+    sys.path.insert(0, HERE)
+    import bigmodel
+    merged: dict = {"meta": {}, "systems": {}}
+    load = os.path.join(os.path.abspath(a.load), "dcp") if a.load else None
+    if load and not os.path.exists(load):
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port",
+                        "29641", sys.argv[0], "--worker", "-", "--layers", str(a.layers), "--save", load],
+                       check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    for system in a.systems.split(","):
+        part = os.path.abspath(a.json) + "." + system.replace(":", "-")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port",
+               "29641", sys.argv[0], "--worker", part, "--layers", str(a.layers), "--systems", system]
+        have = bigmodel.wait_for_memory(int(a.need_gib * bigmodel.GIB), 600)
+        print(f"{system}: {have / bigmodel.GIB:.1f} GiB available", flush=True)
+        seen: dict = {}
+        load0, t0 = os.getloadavg(), time.perf_counter()
+        proc = subprocess.Popen(cmd + (["--cold"] if a.cold else []) + (["--load", load] if load else []) +
+                                (["--no-step"] if a.no_step else []), env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                start_new_session=True)
+        threading.Thread(target=bigmodel.watch, args=(proc, int(0.75 * bigmodel.GIB), seen), daemon=True).start()
+        rc = proc.wait()
+        run = dict(torchrun_s=round(time.perf_counter() - t0, 1), loadavg_before=load0, loadavg_after=os.getloadavg(),
+                   max_sum_rss=seen.get("max_sum_rss"), min_available=seen.get("min_available"),
+                   stopped=seen.get("killed"), rc=rc)
+        if os.path.exists(part):
+            with open(part) as f:
+                got = json.load(f)
+            os.remove(part)
+            merged["meta"] = got["meta"]
+            merged["systems"][system] = dict(got["systems"][system], run=run)
+        else:
+            merged["systems"][system] = {"run": run}
+        with open(a.json, "w") as f:
+            json.dump(merged, f, indent=1)
+    return a.json
 
 
 if __name__ == "__main__":

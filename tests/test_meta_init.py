@@ -12,6 +12,8 @@
   model partly on meta, a first rank on meta beside ranks with values, and `init=` for a
   model with values.
 - Values from the first rank: the others on meta receive only their own chunks (a scatter).
+- The check for a parameter no init touched holds no mask of the whole parameter (start-up's
+  peak is the shards and the largest unit's whole parameters, explain's `startup`).
 """
 from __future__ import annotations
 
@@ -220,3 +222,24 @@ def _tensor_parallel(rank, world):
 def test_tensor_parallel_parameters_built_on_meta():
     for bad in dist_run(4, _tensor_parallel):
         assert bad == [], bad
+
+
+def test_unset_check_holds_no_whole_parameter_mask():
+    # runtime/state/init.py [Note: no whole-parameter mask]: `torch.isnan(t).all()` would make a
+    # bool mask of t, a quarter of its fp32 bytes, beside it at start-up's peak; in blocks the
+    # check holds at most NAN_BLOCK bools, and it still tells all-NaN from a single value anywhere.
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from runtime.state.init import NAN_BLOCK, _all_nan
+    t = torch.full((4 * NAN_BLOCK,), float("nan"))          # 16 MiB of fp32: a whole mask is 4 MiB
+    tracker = MemTracker()
+    with tracker:
+        assert _all_nan(t)
+    peak = tracker.get_tracker_snapshot("peak")[t.device]["Total"]
+    # t itself (the tracker counts an operator's inputs), one block's mask, one-element results;
+    # a whole mask would be t.numel() bytes (4 MiB) instead of NAN_BLOCK (1 MiB)
+    assert peak <= t.nbytes + NAN_BLOCK + 16, peak
+    for i in (0, NAN_BLOCK - 1, 4 * NAN_BLOCK - 1):
+        u = t.clone()
+        u[i] = 0.0
+        assert not _all_nan(u)

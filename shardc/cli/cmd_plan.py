@@ -83,7 +83,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"candidates": len(cands), "fit": len(fit), "best": shard_text(fit[0]) if fit else None,
                           "objective": args.objective, "why": why(fit[0], fit[1], args.objective) if len(fit) > 1 else None,
-                          "ranking": [row(c) for c in fit[:args.top]]}, indent=2))
+                          "ranking": [row(c) for c in fit[:args.top]],
+                          # the first layout the budget rejects (the smallest peak over it)
+                          "rejected": next((row(c) for c in cands if not c.fits), None)}, indent=2))
     else:
         render(cands, fit, args, budget)
     if not fit:
@@ -124,12 +126,13 @@ def describe(c) -> str:
 
 
 def row(c) -> dict:
+    from shardc.analysis.planner import shard_text
     sc, r = c.scopes, c.report
     return {**{k: list(getattr(sc, k).levels) for k in STATES},
             "collectives": r.algo.value, "memory": c.memory, "model_states": r.memory["total"],
             "inter": round(r.inter), "intra": round(r.intra), "step_seconds": c.step_time,
             "comm_seconds": c.comm_time, "comm_by_phase": dict(r.time.comm), "peak": c.report.peak, "mfu": r.rates["mfu"],
-            "tokens_per_s": r.rates["tokens_per_s"]}
+            "tokens_per_s": r.rates["tokens_per_s"], "shard": shard_text(c)}
 
 
 def render(cands, fit, args, budget) -> None:
