@@ -12,6 +12,9 @@
   model partly on meta, a first rank on meta beside ranks with values, and `init=` for a
   model with values.
 - Values from the first rank: the others on meta receive only their own chunks (a scatter).
+- The init itself runs on the first rank only (runtime/state/init_first.py): the others
+  call `init` on no module and draw nothing, yet end with the values and with the RNG
+  where one process's `model.apply(init)` leaves it.
 """
 from __future__ import annotations
 
@@ -220,3 +223,26 @@ def _tensor_parallel(rank, world):
 def test_tensor_parallel_parameters_built_on_meta():
     for bad in dist_run(4, _tensor_parallel):
         assert bad == [], bad
+
+
+def _first_draws(rank, world):
+    calls = []
+
+    def counted(m):
+        calls.append(type(m).__name__)
+        init_fn(m)
+    sm = _sharded("zero3", MESH[world][0], init=counted)
+    after = torch.rand(4)                                  # the RNG after the init
+    ref = meta_tiny()
+    torch.manual_seed(SEED)
+    ref.to_empty(device="cpu")
+    ref.head.weight = ref.emb.weight
+    ref.apply(init_fn)
+    return len(calls), len(list(ref.modules())), _same(sm.full_state_dict(), ref.state_dict()), \
+        torch.equal(after, torch.rand(4))
+
+
+def test_only_the_first_rank_runs_the_init():
+    for rank, (calls, modules, bad, rng_same) in enumerate(dist_run(4, _first_draws)):
+        assert calls == (modules if rank == 0 else 0), (rank, calls, modules)
+        assert bad == [] and rng_same, (rank, bad, rng_same)
