@@ -87,6 +87,9 @@ ALGOS = ("ring", "hierarchical", "ho-ring", "auto")     # `shardc:HOW@ALGO`: zer
 WIDTH = dict(hidden_size=2048, intermediate_size=5632, vocab_size=32000, num_attention_heads=32,
              num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,
              tie_word_embeddings=False, use_cache=False)
+if os.environ.get("BIGMODEL_TINY"):     # a check of the script itself in seconds (no figure from it is reported)
+    WIDTH = dict(WIDTH, hidden_size=64, intermediate_size=128, vocab_size=512, num_attention_heads=4,
+                 num_key_value_heads=2)
 GIB = 2 ** 30
 HF_FILE_BYTES = GIB                 # the largest safetensors file prepare_hf writes
 
