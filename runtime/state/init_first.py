@@ -21,10 +21,11 @@ buffer (the group's layout; NaN before `fn` runs, the padding zero), so what `fn
 is already laid out; a parameter `fn` replaced (`.data = ...`) or of another dtype than
 the group's params is copied in (cast) once its last holder ran. When a group's last
 parameter is final, the buffer is scattered over the data-parallel group (a replicated
-group, s_P = 1, is broadcast), each rank receiving straight into its params shard; the
-scatter runs asynchronously (gloo's worker thread) while the first rank initializes the
-next modules, and at most `SENDS_IN_FLIGHT` buffers wait for their sends beside the one
-being filled. The other ranks draw nothing: they join the same scatters in the same
+group, s_P = 1, is broadcast), each rank receiving straight into its params shard. The
+scatter is asynchronous, and up to `SENDS_IN_FLIGHT` sent buffers may stay in flight while
+the first rank fills the next; it is 0, so the first rank holds one unit's buffer, the
+bound lowering/startup.py states (1 would overlap a send with the next unit's draws, at
+one more unit's buffer). The other ranks draw nothing: they join the same scatters in the same
 order, which each computes from the model's structure alone (a group is sent after the
 module that last holds one of its parameters). Then one broadcast gives every rank the
 first rank's `unset`, its RNG state after the init (so a rank's generator is where one
@@ -32,9 +33,10 @@ process's would be, as when every rank ran the init) and an error `fn` raised (e
 raises it; the first rank sends zeros for the groups it had not filled, so no rank waits
 for a send that never comes); and buffers are broadcast as after a scatter (a buffer's
 init may draw too).
-Memory: a rank other than the first holds its shards only; the first holds one module
-beyond them while `fn` runs on it, the buffer being filled and up to `SENDS_IN_FLIGHT`
-sent ones (lowering/startup.py's `unit_values_bytes` is one buffer).
+Memory: a rank other than the first holds its shards only; the first, beyond them, the
+buffer being filled (its parameters are views of it: a parameter of another dtype is
+one more tensor while its module runs) and `SENDS_IN_FLIGHT` sent ones
+(lowering/startup.py's `unit_values_bytes` is one buffer).
 Used where the data-parallel group is the whole world and no parameter is a DTensor
 (runtime/build.py); else every rank runs the init (init.py).
 """
@@ -52,7 +54,8 @@ from ..buffers import broadcast
 from .init import _materialize as _materialize_alone
 from .init import all_nan, apply_order, materialize_buffers, rng
 
-SENDS_IN_FLIGHT = 1            # scattered buffers a first rank keeps while it fills the next
+SENDS_IN_FLIGHT = 0            # scattered buffers a first rank keeps while it fills the next (0: the bound of
+#                                lowering/startup.py, one unit; 1 overlaps the send with the next unit)
 
 
 class _Schedule:
