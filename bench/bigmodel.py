@@ -33,13 +33,23 @@ A shardc system may end in `@ring|@hierarchical|@ho-ring|@auto` (bench/systems.p
 suffix): the strategy with that `collectives` line (zero3 on this 2-level mesh is `auto`,
 which resolves to HO-Ring); `--strategy FILE` replaces zero3.shard.
 
-Then, unless `--no-step`, one training step: batch 1 x 128 random tokens per rank (seeded
+`--rounds N` runs the systems N times in turn (shardc and FSDP2 interleaved on a loaded
+machine; the file keeps every round, the summaries add the medians); `--plan-cache DIR`
+is `$SHARDC_PLAN_CACHE` for the shardc systems, emptied before each round, so each round's
+first shardc system captures and lowers and the others read its plan (a restart's
+start-up, shardc/handoff.py). The driver is bench/bigmodel_driver.py, the start-up paths
+bench/bigmodel_startup.py; `--table FILE --phases` prints the start-up per phase.
+
+Then, unless `--no-step`, one training step (with `--no-step`, the first forward alone): batch 1 x 128 random tokens per rank (seeded
 by rank), forward, the next-token cross-entropy from the logits, backward, AdamW (lr 3e-4)
 `step()`, `zero_grad()`.
 
 Output: per system and per rank, the start-up wall time (the meta build to values ready,
-after a barrier: the slowest rank's) and its phases (compile, the init's own time inside
-`_init_weights`, the load), the peak RSS of start-up and of the first step (Linux `VmHWM`
+after a barrier: the slowest rank's), its CPU seconds (`time.process_time`, the rank's
+threads too) and its phases (shardc: build, capture and lowering on the rank that compiled,
+the plan's wait, groups, allocation, values, load; FSDP2: build, groups, `fully_shard`,
+`to_empty`, init or load; both: the first forward; the init's own time inside
+`_init_weights`), the peak RSS of start-up and of the first step (Linux `VmHWM`
 from /proc/self/status, reset by writing 5 to /proc/self/clear_refs after the start-up
 figure is read, so the step's peak is its own; `ru_maxrss` of the whole process beside it),
 the RSS after importing torch, transformers and shardc and after start-up (`VmRSS`), the
