@@ -260,7 +260,8 @@ def phase_table(paths: list[str]) -> None:
         with open(path) as f:
             res = json.load(f)
         systems = list(res["systems"])
-        print(f"| phase ({res['layers']} layers, {res['params'] / 1e6:.0f} M; median of {res.get('rounds', 1)}) | "
+        n = min(len(r.get("rounds", [r])) for r in res["systems"].values())       # rounds that ran
+        print(f"| phase ({res['layers']} layers, {res['params'] / 1e6:.0f} M; median of {n}) | "
               + " | ".join(systems) + " |")
         print("|---|" + "---:|" * len(systems))
         for row, sk, fk in PHASE_ROWS:
