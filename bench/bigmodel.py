@@ -33,13 +33,23 @@ A shardc system may end in `@ring|@hierarchical|@ho-ring|@auto` (bench/systems.p
 suffix): the strategy with that `collectives` line (zero3 on this 2-level mesh is `auto`,
 which resolves to HO-Ring); `--strategy FILE` replaces zero3.shard.
 
-Then, unless `--no-step`, one training step: batch 1 x 128 random tokens per rank (seeded
+`--rounds N` runs the systems N times in turn (shardc and FSDP2 interleaved on a loaded
+machine; the file keeps every round, the summaries add the medians); `--plan-cache DIR`
+is `$SHARDC_PLAN_CACHE` for the shardc systems, emptied before each round, so each round's
+first shardc system captures and lowers and the others read its plan (a restart's
+start-up, shardc/handoff.py). The driver is bench/bigmodel_driver.py, the start-up paths
+bench/bigmodel_startup.py; `--table FILE --phases` prints the start-up per phase.
+
+Then, unless `--no-step`, one training step (with `--no-step`, the first forward alone): batch 1 x 128 random tokens per rank (seeded
 by rank), forward, the next-token cross-entropy from the logits, backward, AdamW (lr 3e-4)
 `step()`, `zero_grad()`.
 
 Output: per system and per rank, the start-up wall time (the meta build to values ready,
-after a barrier: the slowest rank's) and its phases (compile, the init's own time inside
-`_init_weights`, the load), the peak RSS of start-up and of the first step (Linux `VmHWM`
+after a barrier: the slowest rank's), its CPU seconds (`time.process_time`, the rank's
+threads too) and its phases (shardc: build, capture and lowering on the rank that compiled,
+the plan's wait, groups, allocation, values, load; FSDP2: build, groups, `fully_shard`,
+`to_empty`, init or load; both: the first forward; the init's own time inside
+`_init_weights`), the peak RSS of start-up and of the first step (Linux `VmHWM`
 from /proc/self/status, reset by writing 5 to /proc/self/clear_refs after the start-up
 figure is read, so the step's peak is its own; `ru_maxrss` of the whole process beside it),
 the RSS after importing torch, transformers and shardc and after start-up (`VmRSS`), the
@@ -70,8 +80,6 @@ import json
 import os
 import re
 import resource
-import shutil
-import subprocess
 import sys
 import time
 
@@ -89,6 +97,9 @@ ALGOS = ("ring", "hierarchical", "ho-ring", "auto")     # `shardc:HOW@ALGO`: zer
 WIDTH = dict(hidden_size=2048, intermediate_size=5632, vocab_size=32000, num_attention_heads=32,
              num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,
              tie_word_embeddings=False, use_cache=False)
+if os.environ.get("BIGMODEL_TINY"):     # a check of the script itself in seconds (no figure from it is reported)
+    WIDTH = dict(WIDTH, hidden_size=64, intermediate_size=128, vocab_size=512, num_attention_heads=4,
+                 num_key_value_heads=2)
 GIB = 2 ** 30
 HF_FILE_BYTES = GIB                 # the largest safetensors file prepare_hf writes
 
@@ -174,109 +185,13 @@ def local_bytes(t) -> int:
 
 # ---------------------------------------------------------------------------- one rank
 
+def parse_algo(system: str) -> str | None:
+    return system.split("@")[1] if "@" in system else None
+
+
 def batch(rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(SEED + 1 + rank)
     return torch.randint(0, WIDTH["vocab_size"], (1, TOKENS), generator=g)
-
-
-def rotary_only(init):
-    """`init` applied to the rotary embeddings only (their non-persistent cache: FSDP2's
-    `to_empty` leaves it garbage and no checkpoint holds it)."""
-    def fn(m):
-        if "RotaryEmbedding" in type(m).__name__:
-            init(m)
-    return fn
-
-
-class Timed:
-    """`fn` per module, with the wall and CPU seconds spent inside it summed (the init's own
-    cost: the random draws and fills, not the copies into shards around it)."""
-
-    def __init__(self, fn):
-        self.fn, self.wall, self.cpu = fn, 0.0, 0.0
-
-    def __call__(self, module):
-        w, c = time.perf_counter(), time.thread_time()
-        self.fn(module)
-        self.wall += time.perf_counter() - w
-        self.cpu += time.thread_time() - c
-
-
-def strategy(path: str, algo: str | None) -> str:
-    """The strategy file's path, or its text with `collectives ALGO` (bench/systems.py's `@ALGO`)."""
-    if algo is None:
-        return path
-    with open(path) as f:
-        return f.read() + f"\ncollectives {algo}\n"
-
-
-def start_shardc(how: str, layers: int, workdir: str, x: torch.Tensor, phases: dict, algo: str | None = None,
-                 path: str = STRATEGY):
-    import shardc
-    t = time.perf_counter()
-    with torch.device("meta"):
-        model = llama(layers)
-    phases["build_s"] = time.perf_counter() - t
-    init = Timed(model._init_weights)
-    torch.manual_seed(SEED)
-    t = time.perf_counter()
-    sm = shardc.compile(model, strategy(path, algo), example_inputs=(x,), mesh=MESH,
-                        init=init if how == "init" else shardc.buffers_only(init))
-    phases["compile_s"] = time.perf_counter() - t       # with the init (in shardc:init)
-    # the breakdown: capture and lowering (0 on a rank that received rank 0's plan), the wait
-    # for the plan, construction (groups, allocation, the init's values); shardc/api.py
-    phases.update({k: v for k, v in sm.startup_seconds.items()})
-    phases["init_wall_s"], phases["init_cpu_s"] = init.wall, init.cpu
-    trace("compiled")
-    t = time.perf_counter()
-    if how == "dcp":
-        load_dcp(sm, os.path.join(workdir, "dcp"))
-    elif how == "safetensors":
-        shardc.load_safetensors(sm, os.path.join(workdir, "hf"))
-    phases["load_s"] = time.perf_counter() - t
-    return sm
-
-
-def start_fsdp2(how: str, layers: int, workdir: str, phases: dict, wrap: str = "layers"):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    t = time.perf_counter()
-    with torch.device("meta"):
-        model = llama(layers)
-    phases["build_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("shard",))
-    phases["groups_s"] = time.perf_counter() - t
-    mods = list(model.model.layers)
-    if wrap == "units":                    # bench/llama_zero3_units.shard's units
-        mods = [model.model.embed_tokens] + mods + [model.lm_head]
-    for mod in mods:
-        fully_shard(mod, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    t1 = time.perf_counter()
-    model.to_empty(device="cpu")
-    phases["shard_s"] = time.perf_counter() - t
-    phases["allocation_s"] = time.perf_counter() - t1
-    trace("to_empty")
-    init = Timed(model._init_weights)
-    torch.manual_seed(SEED)
-    t = time.perf_counter()
-    if how == "init":
-        model.apply(init)
-    else:
-        model.apply(rotary_only(init))
-        load_dcp(model, os.path.join(workdir, "dcp"))
-    phases["load_s" if how == "dcp" else "init_s"] = time.perf_counter() - t
-    phases["init_wall_s"], phases["init_cpu_s"] = init.wall, init.cpu
-    return model
-
-
-def load_dcp(model, path: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    msd = get_model_state_dict(model)
-    dcp.load({"model": msd}, checkpoint_id=path)
-    set_model_state_dict(model, msd)
 
 
 def model_states(system: str, model, opt=None) -> dict[str, int]:
@@ -306,11 +221,13 @@ def worker(args) -> None:
     """One rank of `args.worker` under torchrun: start up, one step, figures to args.out."""
     from datetime import timedelta
 
+    from bigmodel_startup import start_fsdp2, start_shardc
+
     import torch.distributed as dist
     import torch.nn.functional as F
     from transformers import LlamaForCausalLM  # noqa: F401  (imported before the baseline: every system needs it)
 
-    import shardc  # noqa: F401
+    import shardc  # noqa: F401  (shardc.compile's own imports, runtime and export, are start-up: in capture_s)
     with open("/proc/self/oom_score_adj", "w") as f:
         f.write("1000")                    # if the machine runs out, the kernel kills a rank, not a neighbour
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
@@ -324,13 +241,15 @@ def worker(args) -> None:
     dist.barrier()
     r = dict(rank=rank, rss_imported=proc_status()["VmRSS"])
     trace("imported")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     r["phases"] = {}
     if kind == "shardc":
         model = start_shardc(how, args.layers, args.workdir, x, r["phases"], algo, args.strategy)
+        r["plan_origin"] = model.plan_origin           # compiled, received (from rank 0) or cache
     else:
         model = start_fsdp2(how, args.layers, args.workdir, r["phases"], args.fsdp2_wrap)
     r["startup_rank_s"] = time.perf_counter() - t0
+    r["startup_cpu_s"] = time.process_time() - c0     # this process's CPU seconds (its threads too)
     dist.barrier()
     r["startup_s"] = time.perf_counter() - t0
     st = proc_status()
@@ -347,6 +266,12 @@ def worker(args) -> None:
         r["save_s"] = time.perf_counter() - t
         r["hwm_save"] = proc_status()["VmHWM"]
     write_ranks(r, args.out)               # the start-up figures survive a step that does not fit
+    if not args.step:                      # the first forward alone (the step's times it too)
+        dist.barrier()
+        t = time.perf_counter()
+        logits = model(x).logits
+        r["phases"]["first_forward_s"] = time.perf_counter() - t
+        del logits
     if args.step:
         gc.collect()
         reset_peak()
@@ -390,319 +315,6 @@ def write_ranks(r: dict, out: str) -> None:
         os.replace(out + ".tmp", out)
 
 
-# ---------------------------------------------------------------------------- preparation
-
-def prepare_hf(layers: int, workdir: str) -> dict:
-    """WORKDIR/hf from WORKDIR/dcp in this one process: the checkpoint's `model.` entries
-    in files of at most HF_FILE_BYTES (save_pretrained's names, its index, config.json),
-    each file's tensors read by DCP (no process group) and written, then dropped."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-    src, dst = os.path.join(workdir, "dcp"), os.path.join(workdir, "hf")
-    t0 = time.perf_counter()
-    meta = dcp.FileSystemReader(src).read_metadata().state_dict_metadata
-    keys = [k for k in meta if k.startswith("model.")]
-    files, cur, size = [], [], 0
-    for k in keys:
-        nbytes = meta[k].size.numel() * meta[k].properties.dtype.itemsize
-        if cur and size + nbytes > HF_FILE_BYTES:
-            files.append(cur)
-            cur, size = [], 0
-        cur.append(k)
-        size += nbytes
-    files.append(cur)
-    os.makedirs(dst, exist_ok=True)
-    weight_map, total = {}, 0
-    for i, group in enumerate(files):
-        name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        sd = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in group}
-        dcp.load(sd, checkpoint_id=src, no_dist=True)
-        save_file({k[len("model."):]: v for k, v in sd.items()}, os.path.join(dst, name), metadata={"format": "pt"})
-        for k, v in sd.items():
-            weight_map[k[len("model."):]] = name
-            total += v.numel() * v.element_size()
-        del sd
-    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    config(layers).save_pretrained(dst)
-    return dict(files=len(files), bytes=total, seconds=time.perf_counter() - t0,
-                peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-
-
-# ---------------------------------------------------------------------------- the driver
-
-def init_rate(layers: int = 1) -> dict:
-    """`model.apply(model._init_weights)` on `llama(layers)` materialized whole, in this one
-    process on one thread (a rank's OMP_NUM_THREADS=1): the init's cost per parameter on an
-    idle core, what every rank pays per parameter of the whole model under a meta init."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.device("meta"):
-            model = llama(layers)
-        model.to_empty(device="cpu")
-        torch.manual_seed(SEED)
-        w, c = time.perf_counter(), time.process_time()
-        model.apply(model._init_weights)
-        wall, cpu = time.perf_counter() - w, time.process_time() - c
-    finally:
-        torch.set_num_threads(threads)
-    p = n_params(layers)
-    return dict(layers=layers, params=p, wall_s=wall, cpu_s=cpu, loadavg=os.getloadavg(),
-                s_per_param=wall / p, derived_7b_s=wall / p * 6.7e9)
-
-
-def mem_total() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def need_bytes(layers: int, step: bool) -> int:
-    """What 8 ranks need, estimated (only to wait for a quiet machine: the watchdog decides).
-    Per rank: torch and transformers (0.3 GiB); at start-up the parameter and gradient
-    shards (8 bytes a parameter over 8 ranks) and the largest unit whole (the root:
-    embedding and head); in the step the AdamW moments too (16 bytes a parameter over 8)
-    and the root's transient (gathered, its gradient, the reduce-scatter's buffers: 4x).
-    Plus 1 GiB for the OS; at most the machine's memory less 1 GiB."""
-    root = 2 * WIDTH["vocab_size"] * WIDTH["hidden_size"] * 4
-    rank = int(0.3 * GIB) + n_params(layers) * (16 if step else 8) // WORLD + (4 if step else 1) * root
-    return min(WORLD * rank + GIB, mem_total() - GIB)
-
-
-def wait_for_memory(need: int, wait: float) -> int:
-    deadline = time.time() + wait
-    while True:
-        have = mem_available()
-        if have >= need:
-            return have
-        if time.time() >= deadline:
-            raise BadInput(f"the machine has {have / GIB:.1f} GiB available, {need / GIB:.1f} GiB needed "
-                           f"(waited {wait:.0f}s): wait for other jobs, or pass fewer --layers or --need-gib")
-        print(f"  {have / GIB:.1f} GiB available, {need / GIB:.1f} GiB needed: waiting", flush=True)
-        time.sleep(min(10, max(1, deadline - time.time())))
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                kids = [int(k) for k in f.read().split()]
-        except OSError:
-            kids = []
-        out += kids
-        todo += kids
-    return out
-
-
-def rss_of(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def watch(proc, floor: int, seen: dict) -> None:
-    """Kill `proc`'s process group when MemAvailable falls below `floor` (before the
-    kernel's OOM killer, which might pick another job); record the ranks' RSS then."""
-    import signal
-    while proc.poll() is None:
-        ranks = [rss_of(p) for p in descendants(proc.pid)]
-        seen["max_sum_rss"] = max(seen.get("max_sum_rss", 0), sum(ranks))
-        have = mem_available()
-        seen["min_available"] = min(seen.get("min_available", have), have)
-        if have < floor:
-            seen["killed"] = dict(available=have, ranks_rss=ranks)
-            os.killpg(proc.pid, signal.SIGKILL)
-            return
-        time.sleep(0.05)
-
-
-def run_system(system: str, args, need: int, save: bool) -> dict:
-    import threading
-    have = wait_for_memory(need, args.wait)
-    name = system.replace(":", "-") + ("" if args.step else "-startup")
-    out, log = (os.path.join(args.workdir, f"{name}.{ext}") for ext in ("json", "log"))
-    if os.path.exists(out):
-        os.remove(out)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-           os.path.abspath(__file__), "--worker", system, "--layers", str(args.layers), "--workdir", args.workdir,
-           "--out", out, "--timeout", str(args.timeout), "--strategy", os.path.abspath(args.strategy),
-           "--fsdp2-wrap", args.fsdp2_wrap] + \
-        (["--save"] if save else []) + ([] if args.step else ["--no-step"])
-    env = dict(os.environ, OMP_NUM_THREADS="1", SHARDC_TIMEOUT=str(args.timeout))
-    print(f"{system}: torchrun ({have / GIB:.1f} GiB available), log {log}", flush=True)
-    load0 = os.getloadavg()
-    t0 = time.perf_counter()
-    seen: dict = {}
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-        threading.Thread(target=watch, args=(proc, int(args.floor_gib * GIB), seen), daemon=True).start()
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            raise BadInput(f"{system} ran past --timeout {args.timeout}s: see {log}") from None
-    wall = time.perf_counter() - t0
-    common = dict(system=system, torchrun_s=wall, mem_available_before=have, loadavg_before=load0,
-                  loadavg_after=os.getloadavg(), max_sum_rss=seen.get("max_sum_rss"),
-                  min_available=seen.get("min_available"))
-    if "killed" in seen:
-        k = seen["killed"]
-        print(f"  {system}: stopped, {k['available'] / GIB:.2f} GiB left on the machine with the ranks at "
-              f"{sum(k['ranks_rss']) / GIB:.1f} GiB (does not fit)", flush=True)
-        part = {}
-        if os.path.exists(out):                # the start-up figures, written before the step
-            with open(out) as f:
-                part = summarize(json.load(f))
-        return dict(common, fits=False, killed=k, **part)
-    if rc != 0:
-        raise BadInput(f"{system} failed (exit {rc}): see {log}")
-    with open(out) as f:
-        ranks = json.load(f)
-    return dict(common, fits=True, **summarize(ranks))
-
-
-def summarize(ranks: list[dict]) -> dict:
-    def top(k):
-        vals = [r[k] for r in ranks if k in r]
-        return max(vals) if vals else None
-    out = dict(startup_s=top("startup_s"), hwm_startup_max=top("hwm_startup"), rss_ready_max=top("rss_ready"),
-               rss_imported_max=top("rss_imported"), states_ready_max=max(r["states_ready"]["total"] for r in ranks),
-               param_norm=ranks[0]["param_norm"], ru_maxrss_max=top("ru_maxrss"), save_s=top("save_s"),
-               hwm_save_max=top("hwm_save"))
-    if "loss" in ranks[0]:
-        losses = [r["loss"] for r in ranks]
-        out.update(step_s=top("step_s"), hwm_step_max=top("hwm_step"),
-                   states_max=max(r["states"]["total"] for r in ranks), loss_mean=sum(losses) / len(losses))
-    names = dict.fromkeys(k for r in ranks for k in r.get("phases", {}))
-    out["phases_max"] = {k: max(r["phases"][k] for r in ranks if k in r["phases"]) for k in names}
-    return dict(out, ranks=ranks)
-
-
-# the start-up breakdown, per phase (the slowest rank's wall seconds): shardc's capture and
-# lowering run on rank 0 only (plan_s on the others: the wait for it), construct_s holds the
-# groups, the allocation and an init's values; FSDP2's groups, fully_shard and to_empty
-PHASES = ("build_s", "capture_s", "lowering_s", "plan_s", "groups_s", "shard_s", "allocation_s", "construct_s",
-          "init_s", "load_s", "first_forward_s")
-
-
-def phase_line(r: dict) -> str:
-    ph = r.get("phases_max") or {}
-    return ", ".join(f"{k[:-2]} {ph[k]:.2f}s" for k in PHASES if k in ph)
-
-
-def parse_algo(system: str) -> str | None:
-    return system.split("@")[1] if "@" in system else None
-
-
-def explain(layers: int, algo: str | None = None, path: str = STRATEGY) -> dict:
-    """`shardc explain --json` of zero3 on this model: its memory (`startup`, `total`, ...),
-    its peak, and the note it prints (on stderr) when it cannot trace the model."""
-    cmd = [sys.executable, "-m", "shardc.cli", "explain", os.path.relpath(path, ROOT),
-           "--model", f"{os.path.relpath(__file__, ROOT)}:llama_{layers}", "--mesh", MESH, "--json",
-           "--micro-batches", "1", "--tokens", str(TOKENS)] + (["--collectives", algo] if algo else [])
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if p.returncode != 0:
-        raise BadInput(f"shardc explain failed: {p.stderr.strip().splitlines()[-1:]}")
-    rep = json.loads(p.stdout)
-    return dict(command="shardc " + " ".join(cmd[3:]), memory=rep["memory"], peak=rep.get("peak"),
-                collectives=rep.get("collectives"), note=p.stderr.strip())
-
-
-def gib(b) -> str:
-    return "-" if b is None else f"{b / GIB:.2f} GiB"
-
-
-def driver(args) -> None:
-    systems = [s for s in args.systems.split(",") if s]
-    bad = [s for s in systems if s.split("@")[0] not in SYSTEMS or
-           ("@" in s and (not s.startswith("shardc") or parse_algo(s) not in ALGOS))]
-    if bad:
-        raise BadInput(f"unknown system {bad[0]!r}: use some of {','.join(SYSTEMS)}, a shardc one "
-                       f"optionally @{'|@'.join(ALGOS)}")
-    if args.layers < 1:
-        raise BadInput(f"--layers must be at least 1, not {args.layers}")
-    if not os.path.isfile(args.strategy):
-        raise BadInput(f"--strategy {args.strategy}: no such file")
-    ckpt = os.path.join(args.workdir, "dcp", ".metadata")
-    loads = [s for s in systems if s.split("@")[0].endswith((":dcp", ":safetensors"))]
-    saver = next((s for s in systems if s.startswith("shardc:init")), None)
-    if loads and saver is None and not os.path.exists(ckpt):
-        raise BadInput(f"{loads[0]} loads {args.workdir}/dcp, which no run saved: add shardc:init to --systems")
-    need = int(args.need_gib * GIB) if args.need_gib else need_bytes(args.layers, args.step)
-    p = n_params(args.layers)
-    os.makedirs(args.workdir, exist_ok=True)
-    res = dict(layers=args.layers, params=p, world=WORLD, mesh=MESH, strategy=os.path.relpath(args.strategy, ROOT),
-               fsdp2_wrap=args.fsdp2_wrap,
-               step=args.step, tokens_per_rank=TOKENS, dtype="float32", torch=torch.__version__,
-               machine=dict(mem_total=mem_total(), cpus=os.cpu_count()),
-               whole_build=dict(bytes_per_rank=p * 4, bytes_all_ranks=WORLD * p * 4),
-               need_estimate=need, floor=int(args.floor_gib * GIB), systems={})
-    print(f"llama_{args.layers}: {p:,} parameters; built whole on {WORLD} ranks: "
-          f"{WORLD} x {p * 4 / GIB:.2f} GiB = {WORLD * p * 4 / GIB:.1f} GiB of fp32 parameters "
-          f"(the machine: {mem_total() / GIB:.1f} GiB)", flush=True)
-    for s in systems:
-        if s.split("@")[0].endswith(":safetensors") and not os.path.isdir(os.path.join(args.workdir, "hf")):
-            if not os.path.exists(ckpt):
-                raise BadInput(f"{s} needs {args.workdir}/hf, made from the checkpoint shardc:init saves, "
-                               "but it saved none")
-            res["prepare_hf"] = prepare_hf(args.layers, args.workdir)
-            print(f"  prepared {args.workdir}/hf: {res['prepare_hf']}", flush=True)
-        if s == saver:                         # it saves WORKDIR/dcp anew: the safetensors copy goes with the old one
-            shutil.rmtree(os.path.join(args.workdir, "hf"), ignore_errors=True)
-        r = res["systems"][s] = run_system(s, args, need, save=s == saver)
-        print(f"  {s}: start-up {r.get('startup_s') or 0:.1f}s, peak RSS start-up {gib(r.get('hwm_startup_max'))}"
-              f", step {gib(r.get('hwm_step_max'))}, states {gib(r.get('states_max', r.get('states_ready_max')))}"
-              f", norm {r.get('param_norm') or 0:.4f}, loss {r.get('loss_mean') or 0:.4f}", flush=True)
-        print(f"    phases: {phase_line(r)}", flush=True)
-        if args.json:                          # after every system: a later one that fails keeps these
-            dump(res, args.json)
-    res["init_rate"] = init_rate()
-    print(f"  init in one process, one thread: {res['init_rate']['s_per_param'] * 1e9:.2f} s per 1e9 parameters "
-          f"(a 7B model's 6.7e9: {res['init_rate']['derived_7b_s']:.0f} s)", flush=True)
-    if not args.no_explain:
-        algos = sorted({parse_algo(s) or "" for s in systems if s.startswith("shardc")})
-        name = os.path.splitext(os.path.basename(args.strategy))[0]
-        res["explain"] = {name + ("@" + a if a else ""): explain(args.layers, a or None, args.strategy) for a in algos}
-        for a, e in res["explain"].items():
-            print(f"  explain {a}: {e['memory']}", flush=True)
-    if args.json:
-        dump(res, args.json)
-
-
-def table(paths: list[str]) -> None:
-    """docs/BENCHMARKS.md's rows ("Start-up of big models") from result files."""
-    print("| layers (params) | system | start-up (s) | peak RSS start-up (GiB) | peak RSS step (GiB) "
-          "| model states (GiB) | explain start-up + import (GiB) | step-1 loss |")
-    print("|---|---|---|---|---|---|---|---|")
-    for path in paths:
-        with open(path) as f:
-            res = json.load(f)
-        for s, r in res["systems"].items():
-            e = res.get("explain", {})
-            name = os.path.splitext(os.path.basename(res["strategy"]))[0] + ("@" + parse_algo(s) if parse_algo(s) else "")
-            e = e.get(name, {}) if s.startswith("shardc") else {}
-            start = e.get("memory", {}).get("startup")
-            step = (f"{r['hwm_step_max'] / GIB:.2f}" if r.get("hwm_step_max") else
-                    f"stopped at {sum(r['killed']['ranks_rss']) / GIB:.1f} (8 ranks)" if r.get("killed") else "-")
-            states = r.get("states_max") if res["step"] and r.get("states_max") else r.get("states_ready_max")
-            states = f"{states / GIB:.2f}" + (" (start-up)" if res["step"] and not r.get("states_max") else "")
-            told = "-" if start is None else f"{start / GIB:.2f} + {r['rss_imported_max'] / GIB:.2f}"
-            loss = "-" if r.get("loss_mean") is None else f"{r['loss_mean']:.6f}"
-            print(f"| {res['layers']} ({res['params'] / 1e6:.0f} M) | {s} | {r['startup_s']:.1f} "
-                  f"| {r['hwm_startup_max'] / GIB:.2f} | {step} | {states} | {told} | {loss} |")
-
-
-def dump(res: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-        f.write("\n")
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -721,18 +333,25 @@ def main(argv=None) -> int:
                     help="stop a run when the machine's available memory falls below this")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds for each torchrun and each collective")
     ap.add_argument("--no-explain", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every system this many times, in turn (interleaved); summaries are the medians")
+    ap.add_argument("--plan-cache", metavar="DIR",
+                    help="$SHARDC_PLAN_CACHE for the shardc systems: the first compiles and writes the plan, "
+                         "the others read it (a restart's start-up)")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the docs' table rows of these result files")
+    ap.add_argument("--phases", action="store_true", help="with --table: the start-up per phase table")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--save", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    sys.modules.setdefault("bigmodel", sys.modules[__name__])     # the driver's `import bigmodel` is this module
     try:
-        if args.table:
-            table(args.table)
-        elif args.worker:
+        if args.worker:
             worker(args)
         else:
-            driver(args)
+            import bigmodel_driver as d
+            d.phase_table(args.table) if args.table and args.phases else d.table(args.table) if args.table \
+                else d.driver(args)
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -12,9 +12,11 @@ secondary and the fp32 master, all allocated before any value is given (a gather
 full buffer is never touched: runtime/storage.py [Note: nothing whole at build]); the grad
 shards come at the first backward and the optimizer's moments at its first step. Beside
 them, the values being given, one source per start-up:
-  * init on the meta device: one module's whole parameters at a time; scatter: one unit's
-    chunk. Both are bounded by the largest unit's whole parameters (params dtype, padded):
-    `unit_values_bytes`;
+  * init on the meta device: the first rank runs it into one unit's padded buffer at a
+    time and scatters it (runtime/state/init_first.py; the others hold nothing beside
+    their shards), or, where it cannot send (runtime/build.py), every rank holds one
+    module's whole parameters at a time; scatter: one unit's buffer. All are bounded by
+    the largest unit's whole parameters (params dtype, padded): `unit_values_bytes`;
   * a load (`shardc.load_safetensors`, runtime/state/checkpoint.py [Note: loads in place]):
     reads go straight into the shards (runtime/state/hf_reader.py [Note: reads straight
     into the shard]); a cast read stages at most `LOAD_BLOCK` bytes (no more than the

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from typing import NamedTuple
 
 import torch
@@ -53,6 +54,7 @@ from .state import init as state_init
 from .state.dtensor_params import check_root_dims, tp_params
 from .state.params import ParamSet
 from .state.init import materialize_buffers, unset_buffers
+from .state.init_first import initialize_first
 from .state.scatter import scatter_values
 from .storage import FlatStorage
 from .unit import UnitState
@@ -90,6 +92,7 @@ class Built(NamedTuple):
     hooks: bool
     params: ParamSet
     dtensors: dict                     # every DTensor parameter: `tp`'s and the experts'
+    build_seconds: dict                # wall seconds: groups, allocation (the shards), values
 
 
 def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None, hooks: bool = True,
@@ -133,13 +136,19 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     # the one plan: what each unit does and the schedule the engine follows
     lowering = dataclasses.replace(lowered, schedule=_checked(schedule, lowered.schedule, len(specs),
                                                               hooks or backend == "inductor"), owned=oplan)
+    t = time.perf_counter()
     _warm_groups(comms, experts, specs)
     for c in {id(c): c for c in comms.values()}.values():
         faults.apply_timeout(c.smesh)
     faults.register()
+    seconds = {"groups_s": time.perf_counter() - t}
+    t = time.perf_counter()
     states = _units(specs, per_unit, lowering, frozen, local, targets, dtensors, strategy, experts, comms,
                     faults, dev)
-    unset = _values(source, model, states, params, targets, init, dev, {o: c.smesh for o, c in comms.items()}, rng)
+    seconds["allocation_s"], t = time.perf_counter() - t, time.perf_counter()
+    unset = _values(source, model, states, params, targets, init, dev, {o: c.smesh for o, c in comms.items()}, rng,
+                    bool(dtensors))
+    seconds["values_s"] = time.perf_counter() - t
     for places in targets.values():
         for mod, attr in places:
             del mod._parameters[attr]
@@ -161,7 +170,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     if not simulation.active():                          # a simulated rank needs no values
         pset.expect_values(unset, unset_buffers(model))
     return Built(model, strategy, specs, backend, faults, ledger, dev, comm, aliases, order, targets,
-                 names_of, frozen, tp, lowering, runtime, hooks, pset, dtensors)
+                 names_of, frozen, tp, lowering, runtime, hooks, pset, dtensors, seconds)
 
 
 def _refuse_graph_experts(strategy: Strategy, backend: str) -> None:
@@ -243,10 +252,12 @@ def _source(meta: bool, init, smesh: ShardMesh, dev: torch.device) -> Source:
     return Source.NONE if init is False else Source.INIT
 
 
-def _values(source: Source, model, states, params, targets, init, dev, smeshes, rng) -> set[str]:
+def _values(source: Source, model, states, params, targets, init, dev, smeshes, rng, dtensors: bool) -> set[str]:
     """Every storage's values from `source`; returns the parameters left without one. The
     experts' values come from the first rank of their own mesh (`smeshes`: the ShardMesh of
-    each placement's mesh), which holds this rank's experts."""
+    each placement's mesh), which holds this rank's experts. An init is run by the first
+    rank alone and sent (runtime/state/init_first.py) where the data-parallel group is
+    the whole world and no parameter is a DTensor (`dtensors`); else by every rank."""
     storages = [g.storage for u in states for g in u.groups]
     smesh, esmesh = smeshes[Over.DENSE], smeshes[Over.EXPERTS]
     if source is Source.SCATTER:
@@ -262,13 +273,17 @@ def _values(source: Source, model, states, params, targets, init, dev, smeshes, 
     if esmesh is not smesh:
         raise ShardcError("a model on the meta device with ep > 1 is not initialized by shardc yet: build it with "
                           "values (each rank's experts placed by its ExpertParallel), or pass init=False and load it")
+    fn = init or state_init.reset_parameters
+    if not isinstance(fn, state_init.BuffersOnly) and not dtensors and smesh.dp_group() is not None \
+            and smesh.mesh.world == dist.get_world_size():
+        return initialize_first(model, fn, storages, params, dev, smesh, rng)
     where = {}
     for st in storages:
         for s in st.layout.slots:
             where[s.fqn] = (st, s)
     places = {id(p): [lambda v, w=where[n]: w[0].write_param(w[1], v)] for n, p in params.items()}
     names = {id(p): n for n, p in params.items()}
-    return state_init.initialize(model, init or state_init.reset_parameters, places, names, dev, rng)
+    return state_init.initialize(model, fn, places, names, dev, rng)
 
 
 # -- units ------------------------------------------------------------------------------------

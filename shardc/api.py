@@ -78,5 +78,6 @@ def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str 
     sm.source = source
     sm.plan_origin = origin               # "compiled", "received" (from rank 0) or "cache"
     clock["construct_s"] = time.perf_counter() - t      # groups, allocation, values (runtime/build.py)
+    clock.update(sm.build_seconds)        # construct_s's parts: groups_s, allocation_s, values_s
     sm.startup_seconds = clock            # wall seconds per phase of this call (bench/bigmodel.py)
     return sm

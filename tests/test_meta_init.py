@@ -14,6 +14,9 @@
 - Values from the first rank: the others on meta receive only their own chunks (a scatter).
 - The check for a parameter no init touched holds no mask of the whole parameter (start-up's
   peak is the shards and the largest unit's whole parameters, explain's `startup`).
+- The init itself runs on the first rank only (runtime/state/init_first.py): the others
+  call `init` on no module and draw nothing, yet end with the values and with the RNG
+  where one process's `model.apply(init)` leaves it.
 """
 from __future__ import annotations
 
@@ -230,11 +233,11 @@ def test_unset_check_holds_no_whole_parameter_mask():
     # check holds at most NAN_BLOCK bools, and it still tells all-NaN from a single value anywhere.
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from runtime.state.init import NAN_BLOCK, _all_nan
+    from runtime.state.init import NAN_BLOCK, all_nan
     t = torch.full((4 * NAN_BLOCK,), float("nan"))          # 16 MiB of fp32: a whole mask is 4 MiB
     tracker = MemTracker()
     with tracker:
-        assert _all_nan(t)
+        assert all_nan(t)
     peak = tracker.get_tracker_snapshot("peak")[t.device]["Total"]
     # t itself (the tracker counts an operator's inputs), one block's mask, one-element results;
     # a whole mask would be t.numel() bytes (4 MiB) instead of NAN_BLOCK (1 MiB)
@@ -242,4 +245,27 @@ def test_unset_check_holds_no_whole_parameter_mask():
     for i in (0, NAN_BLOCK - 1, 4 * NAN_BLOCK - 1):
         u = t.clone()
         u[i] = 0.0
-        assert not _all_nan(u)
+        assert not all_nan(u)
+
+
+def _first_draws(rank, world):
+    calls = []
+
+    def counted(m):
+        calls.append(type(m).__name__)
+        init_fn(m)
+    sm = _sharded("zero3", MESH[world][0], init=counted)
+    after = torch.rand(4)                                  # the RNG after the init
+    ref = meta_tiny()
+    torch.manual_seed(SEED)
+    ref.to_empty(device="cpu")
+    ref.head.weight = ref.emb.weight
+    ref.apply(init_fn)
+    return len(calls), len(list(ref.modules())), _same(sm.full_state_dict(), ref.state_dict()), \
+        torch.equal(after, torch.rand(4))
+
+
+def test_only_the_first_rank_runs_the_init():
+    for rank, (calls, modules, bad, rng_same) in enumerate(dist_run(4, _first_draws)):
+        assert calls == (modules if rank == 0 else 0), (rank, calls, modules)
+        assert bad == [] and rng_same, (rank, bad, rng_same)

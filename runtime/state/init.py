@@ -21,8 +21,11 @@ dropped. So no rank holds more than the parameters of the modules being initiali
 module's, plus a tied parameter until its last holder. A parameter is materialized as
 NaN: one that is still all NaN after every call has no value (no `fn` touched it) and is
 reported in `unset`. The price of world-independence is that every rank computes every
-value: initializing costs each rank what initializing the whole model costs one process
-(docs/checkpoints.md gives the figure for a 7B model).
+value: initializing costs each rank what initializing the whole model costs one process.
+So this loop runs on every rank only where the first rank cannot send the values (a
+data-parallel group smaller than the world, DTensor parameters, `buffers_only`);
+otherwise the first rank alone runs it and sends each rank its chunks
+(init_first.py, [Note: one rank draws, every rank receives]; docs/checkpoints.md).
 """
 from __future__ import annotations
 
@@ -141,15 +144,15 @@ NAN_BLOCK = 1 << 20
 def _keep(value: torch.Tensor, writes, name: str, unset: set[str]) -> None:
     """A parameter's final value into this rank's shards; still all NaN: it has none."""
     local = value.to_local() if isinstance(value, DTensor) else value
-    if local.is_floating_point() and local.numel() and _all_nan(local):
+    if local.is_floating_point() and all_nan(local):
         unset.add(name)
     for write in writes:
         write(local)
 
 
-def _all_nan(t: torch.Tensor) -> bool:
-    """Every element NaN, read in blocks of NAN_BLOCK elements, stopping at the first block
-    with a value.
+def all_nan(t: torch.Tensor) -> bool:
+    """Every element NaN (a parameter no call gave a value): one element decides most; the
+    rest is read in blocks of NAN_BLOCK elements, stopping at the first block with a value.
 
     [Note: no whole-parameter mask]
     `torch.isnan(t).all()` makes a bool mask of the whole tensor first: a quarter of an fp32
@@ -158,6 +161,8 @@ def _all_nan(t: torch.Tensor) -> bool:
     with torch's MemTracker on 8 gloo ranks, bench/peak_fsdp2.py --layers). In blocks the
     mask is at most NAN_BLOCK bytes, and a parameter that got values stops at its first."""
     flat = t.reshape(-1)
+    if not flat.numel() or not bool(torch.isnan(flat[0])):
+        return False
     return all(bool(torch.isnan(b).all()) for b in flat.split(NAN_BLOCK))
 
 

@@ -1,0 +1,233 @@
+"""Initialization on the first rank, sent — stage: runtime (state). A model built on the
+meta device gets its values from one rank's run of the init, each rank receiving its chunks.
+
+Input: the model (parameters and buffers on the meta device), the function called per
+module (`init=`), the flat groups' storages (where each parameter lives), the
+canonical parameters by name, the device, the data-parallel `ShardMesh` and the RNG state
+to start from. Output: every rank's shards written with the values of one process's
+`model.to_empty(device=d); model.apply(fn)`, the buffers materialized and equal to the
+first rank's, every rank's RNG advanced as that one process's was, and the names of
+parameters no call gave a value (`unset`, the same on every rank).
+
+[Note: one rank draws, every rank receives]
+init.py's [Note: the same values on every world size] has every rank run the whole
+model's init and keep its part: the CPU generator is one sequence (each draw's state is
+the previous draw's), so no rank can compute its shard's values without drawing every
+value before them, and every rank did the same draws. Here the mesh's first rank alone
+runs `fn` on every module, in `nn.Module.apply`'s order and from the same RNG state, so
+the values are the same, and sends each rank its chunk: no rank repeats a draw another
+rank made (issue 50). Each parameter is materialized as a view of its flat group's padded
+buffer (the group's layout; NaN before `fn` runs, the padding zero), so what `fn` writes
+is already laid out; a parameter `fn` replaced (`.data = ...`) or of another dtype than
+the group's params is copied in (cast) once its last holder ran. When a group's last
+parameter is final, the buffer is scattered over the data-parallel group (a replicated
+group, s_P = 1, is broadcast), each rank receiving straight into its params shard. The
+scatter is asynchronous, and up to `SENDS_IN_FLIGHT` sent buffers may stay in flight while
+the first rank fills the next; it is 0, so the first rank holds one unit's buffer, the
+bound lowering/startup.py states (1 would overlap a send with the next unit's draws, at
+one more unit's buffer). The other ranks draw nothing: they join the same scatters in the same
+order, which each computes from the model's structure alone (a group is sent after the
+module that last holds one of its parameters). Then one broadcast gives every rank the
+first rank's `unset`, its RNG state after the init (so a rank's generator is where one
+process's would be, as when every rank ran the init) and an error `fn` raised (every rank
+raises it; the first rank sends zeros for the groups it had not filled, so no rank waits
+for a send that never comes); and buffers are broadcast as after a scatter (a buffer's
+init may draw too).
+Memory: a rank other than the first holds its shards only; the first, beyond them, the
+buffer being filled (its parameters are views of it: a parameter of another dtype is
+one more tensor while its module runs) and `SENDS_IN_FLIGHT` sent ones
+(lowering/startup.py's `unit_values_bytes` is one buffer).
+Used where the data-parallel group is the whole world and no parameter is a DTensor
+(runtime/build.py); else every rank runs the init (init.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardc.dsl.errors import ShardcError
+from shardc.lowering import RankPlan
+
+from ..buffers import broadcast
+from .init import _materialize as _materialize_alone
+from .init import all_nan, apply_order, materialize_buffers, rng
+
+SENDS_IN_FLIGHT = 0            # scattered buffers a first rank keeps while it fills the next (0: the bound of
+#                                lowering/startup.py, one unit; 1 overlaps the send with the next unit)
+
+
+class _Schedule:
+    """When each flat group is complete: the index in apply order of the last module
+    holding one of its parameters (the same on every rank: the model's structure)."""
+
+    def __init__(self, order, storages, params: dict[str, nn.Parameter]):
+        last = {}
+        for i, (_, m) in enumerate(order):
+            for p in m._parameters.values():
+                if p is not None:
+                    last[id(p)] = i
+        self.last = last
+        self.done_at: dict[int, list] = {}
+        for k, st in enumerate(storages):
+            idx = max((last[id(params[s.fqn])] for s in st.layout.slots), default=-1)
+            self.done_at.setdefault(idx, []).append(k)
+
+
+def initialize_first(model: nn.Module, fn, storages, params: dict[str, nn.Parameter], device: torch.device,
+                     smesh, state=None) -> set[str]:
+    """See the module note. Every rank of `smesh` calls it (collective); returns `unset`."""
+    group, me = smesh.dp_group(), smesh.rank
+    order = apply_order(model)
+    sched = _Schedule(order, storages, params)
+    sender = _Sender(storages, smesh, group, device)
+    for k in sched.done_at.get(-1, ()):        # groups of no parameter: padding only
+        sender.send(k, None if me else sender.buffer(k))
+    error = None
+    if me == 0:
+        error = _run_first(model, fn, order, sched, storages, params, device, sender, state)
+    else:
+        for i in range(len(order)):
+            for k in sched.done_at.get(i, ()):
+                sender.send(k, None)
+    sender.drain()
+    box = [None]
+    if me == 0:
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        box = [(error, sender.unset, torch.random.get_rng_state(), cuda)]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    error, unset, cpu_state, cuda_state = box[0]
+    if me != 0:
+        torch.random.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, device)
+    materialize_buffers(model, device)
+    broadcast(model, group)
+    if error is not None:
+        raise ShardcError(error)           # every rank the same sentence (it ran on the first)
+    return unset
+
+
+def _run_first(model, fn, order, sched, storages, params, device, sender, state) -> str | None:
+    """The first rank's loop: init.initialize's, the values laid out and sent (see Note)."""
+    slot_of = {}
+    for k, st in enumerate(storages):
+        for s in st.layout.slots:
+            slot_of[id(params[s.fqn])] = (k, s)
+    names = {id(p): n for n, p in params.items()}
+    real: dict[int, nn.Parameter] = {}
+    holders: dict[int, list] = {}
+    error = None
+    with rng(state):
+        for i, (path, m) in enumerate(order):
+            if error is None:
+                try:
+                    with torch.no_grad():
+                        _materialize(m, device, real, holders, slot_of, sender)
+                    fn(m)
+                except Exception as e:  # noqa: BLE001 — every rank raises it (see Note)
+                    error = (f"init function {getattr(fn, '__name__', fn)!r} failed on module {path or '<root>'} "
+                             f"({type(m).__name__}): {type(e).__name__}: {e}")
+            with torch.no_grad():
+                for pid in [pid for pid in real if sched.last[pid] == i]:
+                    value = real.pop(pid)
+                    if error is None and pid in slot_of:
+                        sender.keep(value, *slot_of[pid], names[pid])
+                    for mod, attr, meta in holders.pop(pid):
+                        mod._parameters[attr] = meta
+            for k in sched.done_at.get(i, ()):
+                sender.send(k, sender.buffer(k) if error is None else sender.zeros(k))
+    return error
+
+
+def _materialize(m: nn.Module, device, real: dict, holders: dict, slot_of: dict, sender) -> None:
+    """m's own parameters as views of their group's buffer (NaN), where the dtype is the
+    group's and the parameter is a plain tensor; else as init.py makes them; buffers too."""
+    for attr, p in list(m._parameters.items()):
+        if p is None or not p.is_meta:
+            continue
+        key = id(p)
+        if key not in real:
+            where = slot_of.get(key)
+            st = sender.storages[where[0]] if where else None
+            if st is None or isinstance(p, DTensor) or p.dtype != st.pdtype or not p.is_contiguous():
+                continue                   # made below, as init.py does
+            s = where[1]
+            view = sender.buffer(where[0])[s.offset:s.offset + s.numel].view(p.shape)
+            if view.is_floating_point():
+                view.fill_(float("nan"))
+            real[key] = nn.Parameter(view, requires_grad=p.requires_grad)
+            holders[key] = []
+        holders[key].append((m, attr, p))
+        m._parameters[attr] = real[key]
+    _materialize_alone(m, device, real, holders, True)     # the rest: separate tensors; buffers
+
+
+class _Sender:
+    """The flat groups' padded buffers on the first rank, and their scatters (every rank)."""
+
+    def __init__(self, storages, smesh, group, device):
+        self.storages, self.smesh, self.group, self.device = storages, smesh, group, device
+        self.full: dict[int, torch.Tensor] = {}
+        self.pending: list = []            # (work, storage) in send order
+        self.unset: set[str] = set()
+
+    def buffer(self, k: int) -> torch.Tensor:
+        """Group k's padded buffer (allocated at its first use, the padding zero)."""
+        if k not in self.full:
+            st = self.storages[k]
+            buf = torch.empty(st.n, dtype=st.pdtype, device=self.device)
+            end = 0
+            for s in sorted(st.layout.slots, key=lambda s: s.offset):
+                buf[end:s.offset].zero_()
+                end = max(end, s.offset + s.numel)
+            buf[end:].zero_()
+            self.full[k] = buf
+        return self.full[k]
+
+    def zeros(self, k: int) -> torch.Tensor:
+        self.full.pop(k, None)
+        st = self.storages[k]
+        return torch.zeros(st.n, dtype=st.pdtype, device=self.device)
+
+    def keep(self, value: torch.Tensor, k: int, slot, name: str) -> None:
+        """A parameter's final value in its group's buffer (a no-op for a view of it)."""
+        buf = self.buffer(k)
+        dst = buf[slot.offset:slot.offset + slot.numel]
+        if value.data_ptr() != dst.data_ptr() or value.dtype != dst.dtype:
+            dst.copy_(value.detach().reshape(-1))
+        if dst.is_floating_point() and all_nan(dst):
+            self.unset.add(name)
+
+    def send(self, k: int, full: torch.Tensor | None) -> None:
+        st = self.storages[k]
+        self.full.pop(k, None)
+        if self.group is None:
+            st.write_chunk(full[st.p_start:st.p_start + st.p_len])
+            return
+        if st.s_p == 1:
+            buf = full if full is not None else st.shard
+            work = dist.broadcast(buf, group=self.group, group_src=0, async_op=True)
+        else:
+            chunks = None
+            if full is not None:
+                starts = [RankPlan(self.smesh.mesh, st.plan.scopes, r).chunk("params", st.n)[0]
+                          for r in range(self.smesh.mesh.world)]
+                chunks = [full[a:a + st.p_len] for a in starts]
+            work = dist.scatter(st.shard, chunks, group=self.group, group_src=0, async_op=True)
+        self.pending.append((work, st, full))
+        while len(self.pending) > SENDS_IN_FLIGHT:
+            self._wait()
+
+    def _wait(self) -> None:
+        work, st, full = self.pending.pop(0)
+        work.wait()
+        if st.s_p == 1 and full is not None:
+            st.write_chunk(full)
+        else:
+            st.write_chunk(st.shard)       # the master follows the received shard
+
+    def drain(self) -> None:
+        while self.pending:
+            self._wait()
