@@ -39,11 +39,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..errors import RuntimeUsageError
 from . import StateView, hooks
 from .params import ShardParam
-from .pieces import gather, local_piece, wrap
+from .pieces import _Flat, gather, local_piece, wrap
 
 OPTIM_CLASS = "shardc_optimizer"    # full_optim_state_dict()'s param-group entry: the optimizer class
 
@@ -59,7 +60,7 @@ def _shapes(v: StateView) -> dict[str, tuple]:
 def parameter_values(v: StateView, whole: set[str] | None) -> dict[str, torch.Tensor]:
     """Each parameter's value for the model's state-dict machinery: the whole tensor for the
     names in `whole` (None: all; gathered in parameter order, a collective), else this
-    rank's piece (`ShardcPiece`)."""
+    rank's piece (`ShardcPiece`), a view of the live shard ([Note: the recipe loads in place])."""
     mesh = v.comm.smesh.device_mesh
     out = {}
     for name, p in v.params.params.items():
@@ -67,7 +68,7 @@ def parameter_values(v: StateView, whole: set[str] | None) -> dict[str, torch.Te
         if whole is None or name in whole:
             out[name] = gather(v.comm, spec, local)
         else:
-            out[name] = wrap(local.clone(), spec, mesh, v.comm)
+            out[name] = wrap(local, spec, mesh, v.comm)
     return out
 
 
@@ -97,12 +98,18 @@ def load_model_state_dict(v: StateView, sd: dict, strict: bool = True):
     except Exception as e:                  # noqa: BLE001 — re-raised below, on every rank
         error = e
     _agree(v, error)
-    # one group's staging at a time ([Note: bounded load staging]): every check has run on
-    # every rank above, so committing group by group cannot leave a half-loaded model
+    # a group whose every value is a view of its own chunk (the recipe's dcp.load wrote it
+    # there) is committed as it is; any other is staged, one group at a time: every check has
+    # run on every rank above, so committing group by group cannot leave a half-loaded model
     with torch.no_grad():
         for u in v.units:
             for g in u.groups:
                 src, start = g.storage.checkpoint_chunk()
+                if _written_in_place(g.storage, src, start, params):
+                    v.release(u.index)
+                    if g.trainable:
+                        g.update_issue(record=False).wait()
+                    continue
                 new = src.detach().clone()
                 for s, lo, hi in g.storage.layout.ranges(start, src.numel()):
                     value = params.get(s.fqn)
@@ -117,6 +124,23 @@ def load_model_state_dict(v: StateView, sd: dict, strict: bool = True):
             buf.copy_(value)
     v.params.loaded(params)
     return result
+
+
+def _written_in_place(st, src: torch.Tensor, start: int, params: dict) -> bool:
+    """Whether every value given for this group's parameters is this rank's piece viewing
+    the group's own chunk at the parameter's place: `sm.state_dict()`'s pieces after
+    `dcp.load` filled them ([Note: the recipe loads in place]), so there is nothing to copy."""
+    size = src.element_size()
+    for s, lo, hi in st.layout.ranges(start, src.numel()):
+        value = params.get(s.fqn)
+        if value is None or hi <= lo:
+            continue
+        local = value._local_tensor if isinstance(value, DTensor) else None
+        if not isinstance(local, _Flat) or local.dtype != src.dtype or local.numel() != hi - lo \
+                or local.data_ptr() != src.data_ptr() + lo * size \
+                or local.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
+            return False
+    return True
 
 
 def load_in_place(v: StateView, have, fill, where: str) -> bool:
