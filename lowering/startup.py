@@ -24,9 +24,11 @@ them, the values being given, one source per start-up:
     params shard), one group at a time;
   * torch's recipe (`dcp.load(sm.state_dict())`, then `sm.load_state_dict` / `set_state_dict`:
     runtime/state/checkpoint.py [Note: the recipe loads in place]): the pieces DCP fills are
-    views of the shards, and its reader stages one saved chunk at a time (torch.load of the
-    item, then a copy into the piece), at most one parameter of an fp32 checkpoint, so at
-    most a group's N·4 bytes; the re-make of a params shard as above.
+    views of the shards; torch's reader loads each saved chunk whole (torch.load of the
+    item, then a copy of the overlap into the piece) and holds the previous item's tensor
+    while it loads the next, so two saved chunks: at most two parameters of an fp32
+    checkpoint, bounded by the two largest groups' φ·4 bytes (the plan knows groups, not
+    parameters); then the re-make of a params shard as above, one group at a time.
 `load_staging_bytes` is the largest of these.
 `startup_bytes` = the shards + the larger of the two, so a model whose figure fits starts
 whichever way it gets its values. The mesh's first rank on the scatter path also holds the
@@ -54,7 +56,8 @@ def load_staging_bytes(plan: Lowering) -> int:
     """A load's largest staging (see [Note: start-up peak])."""
     chunk = max((g.n // u.factors_of(g).p * 4 for u in plan.units for g in u.groups), default=0)   # fp32 file
     staging = min(LOAD_BLOCK, chunk)
-    staging = max([staging] + [g.phi * 4 for u in plan.units for g in u.groups])    # a DCP read: one saved chunk
+    phis = sorted((g.phi for u in plan.units for g in u.groups), reverse=True)
+    staging = max(staging, sum(phis[:2]) * 4)           # torch's DCP reader: two saved chunks (see Note)
     for u in plan.units:
         for g in u.groups:
             f = u.factors_of(g)

@@ -32,8 +32,24 @@ shard, and where the shard holds more than the master (s_P < s_OS: PaRO-IIG, ZeR
 load reads the shard's whole range instead, which fills the master too; otherwise (a separate
 master: params in bf16) each group's params shard is re-made from its master by the update
 all-gather, one group at a time, as after a step (staging: that group's OS chunk and the
-gather's output). The staged path (`load_model_state_dict`: model hooks, TP) stages one
-group's chunk at a time beside the dict the caller passed.
+gather's output).
+
+[Note: the recipe loads in place]
+torch's own recipe, `sd = sm.state_dict()` (or `get_state_dict`), `dcp.load(sd, ...)`,
+`sm.load_state_dict(sd)` (or `set_state_dict`), loads in place as FSDP2's does: each piece
+`state_dict()` hands out views the live master (frozen: params shard), so `dcp.load` writes
+the shards and nothing holds a copy of the rank's share. `load_model_state_dict` then finds
+every value of a group viewing its own chunk at its parameter's place (`_written_in_place`)
+and commits the group as it is: the unit's gathered buffer is dropped and the params shard
+re-made from the master (the update all-gather; a no-op where the master is the shard). A
+group given anything else (whole tensors, another model's pieces, a hook's computed entry)
+is staged as before: its chunk cloned, filled, committed, dropped, one group at a time.
+So `dcp.load` alone fills the masters; the second half completes the load where the params
+shard is not the master (bf16 params, s_P < s_OS), as it always had to. DCP checks names
+and shapes while it plans, before any read; a failure while it reads leaves part of the
+pieces written, as in FSDP2 (runtime/state/load_errors.py [Note: nothing half-loaded]).
+A state dict is views, as torch's `nn.Module.state_dict()` is: taken before a step, it
+shows the values after it (save it before training on, as with FSDP2).
 """
 from __future__ import annotations
 
@@ -149,7 +165,7 @@ def load_in_place(v: StateView, have, fill, where: str) -> bool:
     masters / frozen shards, then each trainable group's params shard is re-made from its
     master as after a step ([Note: loads in place]). False (nothing done) where a model's
     own save hooks or tensor parallelism need the staged path (`load_model_state_dict`)."""
-    from .load_errors import CheckpointError, missing
+    from .load_errors import CheckpointError, missing, stem
     shapes = _shapes(v)
     if v.tp or hooks.whole_needed(v.module, v.targets, shapes) or hooks.renamed(v.module, v.targets, shapes):
         return False
@@ -182,7 +198,7 @@ def load_in_place(v: StateView, have, fill, where: str) -> bool:
         fill(sd)
     except CheckpointError as e:                  # shards partly written: unusable until a load
         v.params.expect_values(v.params.params)
-        raise CheckpointError(f"{str(e).split('; nothing was loaded')[0]}; the load failed part-way, so the "
+        raise CheckpointError(f"{stem(str(e))}; the load failed part-way, so the "
                               f"model's parameters are unusable until a load succeeds") from None
     with torch.no_grad():
         for u in v.units:
@@ -317,11 +333,16 @@ def _name(p) -> str | None:
     return p._shardc_spec.name if isinstance(p, ShardParam) else None
 
 
-def _loaded(v, p, what: str) -> torch.Tensor:
+def _loaded(v, p, what: str, live=None) -> torch.Tensor:
     """This rank's elements of a loaded state tensor, with the padding its parameter's
-    tensor carries (zeros: [Note: the padding rides on the last piece])."""
+    tensor carries (zeros: [Note: the padding rides on the last piece]); `live` itself
+    where the loaded piece is a view of it (the recipe's dcp.load wrote it in place)."""
     spec = p._shardc_spec
-    piece = local_piece(v, spec.shape, spec.lo, spec.hi, what, spec.tp).clone()
+    piece = local_piece(v, spec.shape, spec.lo, spec.hi, what, spec.tp)
+    if isinstance(live, torch.Tensor) and live.dtype == piece.dtype and live.numel() == piece.numel() + spec.pad \
+            and live.data_ptr() == piece.data_ptr() and live.device == piece.device:
+        return live
+    piece = piece.clone()
     if spec.pad:
         piece = torch.cat([piece, piece.new_zeros(spec.pad)])
     return piece
@@ -354,7 +375,8 @@ def _to_torch_layout(opt, sd, cls) -> dict:
         if name is None:
             state[pid] = st
             continue
-        state[pid] = {k: _loaded(v, p, f"optimizer state {k!r} of {name!r}")
+        have = opt.state.get(p, {})
+        state[pid] = {k: _loaded(v, p, f"optimizer state {k!r} of {name!r}", have.get(k))
                       if isinstance(v, torch.Tensor) and v.dim() > 0 else _copy(v) for k, v in st.items()}
     out_groups, pid = [], 0
     for g, live_g in zip(pgs, opt.param_groups):
