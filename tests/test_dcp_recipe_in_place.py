@@ -18,6 +18,8 @@ And a dcp.load that fails while DCP plans (a shape mismatch) writes nothing, as 
 that fails while it reads (a truncated data file) says the load failed part-way and, with
 `checkpoint_errors(path, model=sm)`, leaves the parameters without values (a forward is one
 sentence) until a load succeeds (runtime/state/load_errors.py [Note: nothing half-loaded]).
+AdamW's state goes the same way: `opt.state_dict()`'s pieces view the live moments, and
+`set_state_dict` keeps those tensors (DCP wrote them), holding the saved values.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def _strategy(name, mesh, pdtype):
     return s
 
 
-def _recipe(rank, world, path, bad, cut):
+def _recipe(rank, world, path, bad, cut, ock):
     import torch.distributed.checkpoint as dcp
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
@@ -99,7 +101,44 @@ def _recipe(rank, world, path, bad, cut):
                         views=views, cast=cast, full=full, refused=refused, kept=kept, partway=partway,
                         unusable=unusable,
                         stepped=sm.full_state_dict()))
-    return out
+    return out, _optimizer(rank, world, ock)
+
+
+def _optimizer(rank, world, ock):
+    """AdamW's state through the recipe: saved after one step, the run moved on one more,
+    then loaded: the state tensors stay the same tensors (DCP wrote them) and hold the saved
+    values again."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from shardc.runtime import shard_module
+    model = Tiny(seed=5, **SIZE)
+    s = _strategy("zero3", "node(1) > gpu(4)", "fp32")
+    sm = shard_module(model, s, units_for(model, s.scopes))
+    opt = torch.optim.AdamW(sm.parameters(), lr=0.01)
+    data = batches(2, world, 1, b=2)
+    for x, y in data[:1]:
+        loss_fn(sm(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(sm, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ock)
+    want = sm.full_optim_state_dict(opt)["state"]
+    for x, y in data[1:]:
+        loss_fn(sm(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    ptrs = sorted(t.data_ptr() for st in opt.state.values() for t in st.values() if t.dim() > 0)
+    msd, osd = get_state_dict(sm, opt)
+    views = all(v._local_tensor.data_ptr() in ptrs for st in osd["state"].values()
+                for v in st.values() if v.dim() > 0)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=ock)
+    set_state_dict(sm, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    same = ptrs == sorted(t.data_ptr() for st in opt.state.values() for t in st.values() if t.dim() > 0)
+    got = sm.full_optim_state_dict(opt)["state"]
+    equal = all(torch.equal(got[n][k], v) for n, st in want.items() for k, v in st.items())
+    return dict(views=views, same=same, equal=equal)
 
 
 def test_torch_recipe_fills_the_shards_in_place(tmp_path):
@@ -119,7 +158,8 @@ def test_torch_recipe_fills_the_shards_in_place(tmp_path):
     loss_fn(plain(x), y).backward()
     opt.step()
     stepped = plain.state_dict()
-    for rank_out in dist_run(4, _recipe, path, bad, str(cut)):
+    for rank_out, optim in dist_run(4, _recipe, path, bad, str(cut), str(tmp_path / "optim")):
+        assert optim == dict(views=True, same=True, equal=True), optim
         for r in rank_out:
             case = r["case"]
             assert r["views"], case

@@ -49,7 +49,9 @@ shard is not the master (bf16 params, s_P < s_OS), as it always had to. DCP chec
 and shapes while it plans, before any read; a failure while it reads leaves part of the
 pieces written, as in FSDP2 (runtime/state/load_errors.py [Note: nothing half-loaded]).
 A state dict is views, as torch's `nn.Module.state_dict()` is: taken before a step, it
-shows the values after it (save it before training on, as with FSDP2).
+shows the values after it (save it before training on, as with FSDP2). The optimizer's
+pieces (`_saved`) view its live state tensors, and a loaded piece that is a view of the
+state tensor it replaces keeps that tensor (`_loaded`): no copy of the moments either.
 """
 from __future__ import annotations
 
@@ -318,10 +320,11 @@ def attach_optimizer_hooks(opt) -> None:
 
 
 def _saved(value, p):
-    """A state value as saved: element-wise state tensors as pieces, the rest copies."""
+    """A state value as saved: element-wise state tensors as pieces viewing the live state (as
+    torch's `opt.state_dict()` hands out the state itself), the rest copies."""
     if isinstance(value, torch.Tensor) and value.dim() > 0:
         s = p._shardc_set
-        return wrap(value.detach().clone(), p._shardc_spec, s.comm.smesh.device_mesh, s.comm)
+        return wrap(value.detach(), p._shardc_spec, s.comm.smesh.device_mesh, s.comm)
     return _copy(value)
 
 

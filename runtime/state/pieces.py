@@ -18,7 +18,7 @@ to its local tensor (the hook Megatron-FSDP's uneven DTensors use), and `_Flat` 
 with one chunk per box. Replicas write the same boxes and DCP's planner dedups them.
 A parameter's piece is a view of the live shard, as FSDP2's DTensors are: `dcp.load` fills
 the shard itself (runtime/state/checkpoint.py [Note: the recipe loads in place]); an
-optimizer state's piece is a copy.
+optimizer state's piece views the live state tensor the same way.
 
 [Note: the padding rides on the last piece]
 A flat group's buffer is padded to a multiple of its factors (shardc.lowering); the
