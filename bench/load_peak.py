@@ -3,7 +3,9 @@
 Input: a 124.7M-parameter HF Llama (vocab 32000, hidden 768, 12 layers, 4 KV heads; 476 MiB
 in fp32) saved by `save_pretrained` in 6 files with their index. Output, per strategy
 (ZeRO-3, hpZ, PaRO-IIG on 4 gloo ranks, mesh node(2) > gpu(2), and FSDP2's DCP load of the
-same files, `LOAD_PEAK_ONLY=fsdp2`): each rank's RSS growth
+same files, `LOAD_PEAK_ONLY=fsdp2`; torch's own recipe on shardc's ZeRO-3,
+`dcp.load(sm.state_dict(), storage_reader=HuggingFaceStorageReader(path))` then
+`sm.load_state_dict`, `LOAD_PEAK_ONLY=recipe:zero3`): each rank's RSS growth
 from just before `shardc.load_safetensors` to its peak during it (Linux `VmHWM`, reset
 before the load), in MiB and as a share of the whole model, beside the rank's shards
 (params + hpZ secondary + fp32 master where separate), which compile allocated (zeros)
@@ -11,7 +13,8 @@ before the load: the growth is what the load itself costs; and the growth from j
 before `shardc.compile` to the peak of compile and load together (the issue's figure:
 shards, grads if allocated, the load's copies), the largest rank and the largest of the ranks
 that received the plan (rank 0 alone captures: torch.export's first use in a process costs
-about 32 MiB of code and caches whatever the model). `LOAD_PEAK_ONLY=zero3` runs one strategy.
+about 32 MiB of code and caches whatever the model). `LOAD_PEAK_ONLY=zero3` runs one strategy,
+`LOAD_PEAK_ONLY=recipe:zero3,fsdp2` those two, in that order.
 `LOAD_PEAK_BIG=1` takes bench/bigmodel.py's 836M Llama (TinyLlama's width, 16 layers) on 8
 ranks instead (ZeRO-3 over gpu(8), hpZ and PaRO-IIG over node(2) > gpu(4)). Usage:
     python bench/load_peak.py [workdir]
@@ -69,6 +72,36 @@ def _rank(rank, world, path, name, mesh):
     return dict(peak=hwm_load - before, startup=max(hwm_compile, hwm_load) - rss0, share=share)
 
 
+def _recipe(rank, world, path, name, mesh):
+    """torch's own recipe on a shardc model (what an FSDP2 user writes): `sd = sm.state_dict();
+    dcp.load(sd, storage_reader=HuggingFaceStorageReader(path)); sm.load_state_dict(sd)`; the
+    pieces are views of the shards (runtime/state/checkpoint.py [Note: the recipe loads in
+    place]). Counted from just before `sm.state_dict()`."""
+    import shardc
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from tests.test_runtime_util import strategy
+    from transformers import LlamaConfig, LlamaForCausalLM
+    x = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**CFG))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    rss0 = _status()["VmRSS"]
+    sm = shardc.compile(model, strategy(name, mesh), example_inputs=(x,), init=shardc.buffers_only(model._init_weights))
+    rep = sm.memory_report()
+    hwm_compile = _status()["VmHWM"]
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status()["VmRSS"]
+    sd = sm.state_dict()
+    dcp.load(sd, storage_reader=HuggingFaceStorageReader(path))
+    sm.load_state_dict(sd)
+    hwm_load = _status()["VmHWM"]
+    share = rep["params"] + rep["params_secondary"] + rep["optim"]
+    return dict(peak=hwm_load - before, startup=max(hwm_compile, hwm_load) - rss0, share=share)
+
+
 def _fsdp2(rank, world, path):
     """FSDP2's DCP load of the same files: `fully_shard` per decoder layer and the root on a
     mesh of WORLD, `to_empty`, then `dcp.load` of `get_model_state_dict` (DTensor views of the
@@ -111,16 +144,22 @@ def main(workdir: str) -> None:
         whole = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**CFG)).parameters()) * 4
     print(f"model {whole / 4 / 1e6:.1f}M params, {whole / MIB:.0f} MiB fp32, "
           f"{len([f for f in os.listdir(path) if f.endswith('.safetensors')])} files")
-    for name, mesh in CASES + (("fsdp2", None),):
-        if os.environ.get("LOAD_PEAK_ONLY", name) != name:
+    only = os.environ.get("LOAD_PEAK_ONLY")
+    recipe = (("recipe:" + CASES[0][0], CASES[0][1]),)
+    for name, mesh in CASES + recipe + (("fsdp2", None),):
+        if only is not None and name not in only.split(","):
             continue
-        rs = dist_run(WORLD, _fsdp2, path, timeout=1800) if name == "fsdp2" else \
-            dist_run(WORLD, _rank, path, name, mesh, timeout=1800)
+        if name == "fsdp2":
+            rs = dist_run(WORLD, _fsdp2, path, timeout=1800)
+        elif name.startswith("recipe:"):
+            rs = dist_run(WORLD, _recipe, path, name.split(":")[1], mesh, timeout=1800)
+        else:
+            rs = dist_run(WORLD, _rank, path, name, mesh, timeout=1800)
         peak = max(r["peak"] for r in rs)
         start = max(r["startup"] for r in rs)
         others = max(r["startup"] for r in rs[1:])     # ranks that received the plan: no capture
         share = max(r["share"] for r in rs)
-        print(f"{name:9s} load peak +{peak / MIB:.0f} MiB/rank = {100 * peak / whole:.0f} % of the model "
+        print(f"{name:13s} load peak +{peak / MIB:.0f} MiB/rank = {100 * peak / whole:.0f} % of the model "
               f"(the rank's shards, allocated at compile: {share / MIB:.0f} MiB = {100 * share / whole:.0f} %); "
               f"compile + load from before compile: +{start / MIB:.0f} MiB = {100 * start / whole:.0f} % "
               f"(+{others / MIB:.0f} MiB = {100 * others / whole:.0f} % on the ranks that received the plan)")

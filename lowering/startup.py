@@ -23,7 +23,15 @@ them, the values being given, one source per start-up:
     largest params chunk, read from an fp32 file); a group whose master is separate (params not fp32) and whose
     params shard holds more than its master (s_P < s_OS, an update all-gather) re-makes the
     shard from the master: its OS chunk sent (params dtype) and the gather's output (the
-    params shard), one group at a time. `load_staging_bytes` is the largest of these.
+    params shard), one group at a time;
+  * torch's recipe (`dcp.load(sm.state_dict())`, then `sm.load_state_dict` / `set_state_dict`:
+    runtime/state/checkpoint.py [Note: the recipe loads in place]): the pieces DCP fills are
+    views of the shards; torch's reader loads each saved chunk whole (torch.load of the
+    item, then a copy of the overlap into the piece) and holds the previous item's tensor
+    while it loads the next, so two saved chunks: at most two parameters of an fp32
+    checkpoint, bounded by the two largest groups' φ·4 bytes (the plan knows groups, not
+    parameters); then the re-make of a params shard as above, one group at a time.
+`load_staging_bytes` is the largest of these.
 `startup_bytes` = the shards + the larger of the two, so a model whose figure fits starts
 whichever way it gets its values. The mesh's first rank on the scatter path also holds the
 model it was built with. Measured on the 124.7M Llama, 4 gloo ranks (docs/checkpoints.md):
@@ -50,6 +58,8 @@ def load_staging_bytes(plan: Lowering) -> int:
     """A load's largest staging (see [Note: start-up peak])."""
     chunk = max((g.n // g.factors.p * 4 for u in plan.units for g in u.groups), default=0)   # fp32 file
     staging = min(LOAD_BLOCK, chunk)
+    phis = sorted((g.phi for u in plan.units for g in u.groups), reverse=True)
+    staging = max(staging, sum(phis[:2]) * 4)           # torch's DCP reader: two saved chunks (see Note)
     for u in plan.units:
         for g in u.groups:
             f = g.factors

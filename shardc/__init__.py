@@ -58,12 +58,14 @@ def load_safetensors(sm, path, strict=False, dtype="strategy"):
     return _load(sm, path, strict=strict, dtype=dtype)
 
 
-def checkpoint_errors(where):
-    """`with shardc.checkpoint_errors(path): dcp.load(state, checkpoint_id=path)` — a
+def checkpoint_errors(where, model=None):
+    """`with shardc.checkpoint_errors(path, model=sm): dcp.load(state, checkpoint_id=path)` — a
     failed DCP load (torch's CheckpointException, every rank's traceback) becomes one
-    sentence naming the tensor, the saved and the expected shape. See docs/checkpoints.md."""
+    sentence naming the tensor, the saved and the expected shape; a failure while reading
+    (after some pieces were written) says so and, with `model`, marks its parameters as
+    without values until a load succeeds. See docs/checkpoints.md."""
     from shardc.runtime.state.load_errors import checkpoint_errors as _errors
-    return _errors(where)
+    return _errors(where, model)
 
 
 def from_deepspeed_config(config, mesh="node(*) > gpu(local)"):

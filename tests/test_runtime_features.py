@@ -179,7 +179,9 @@ def _state_dicts(rank, world):
         opt.zero_grad()
 
     step(*data[0])
-    full, shard, osd = sm.full_state_dict(), sm.state_dict(), copy.deepcopy(opt.state_dict())
+    # deep copies: a state dict is views of the live state, as torch's (runtime/state/checkpoint.py
+    # [Note: the recipe loads in place])
+    full, shard, osd = sm.full_state_dict(), copy.deepcopy(sm.state_dict()), copy.deepcopy(opt.state_dict())
     step(*data[1]), step(*data[2])
     after_a = sm.full_state_dict()
     sm.load_state_dict(shard)

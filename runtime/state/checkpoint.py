@@ -32,18 +32,37 @@ shard, and where the shard holds more than the master (s_P < s_OS: PaRO-IIG, ZeR
 load reads the shard's whole range instead, which fills the master too; otherwise (a separate
 master: params in bf16) each group's params shard is re-made from its master by the update
 all-gather, one group at a time, as after a step (staging: that group's OS chunk and the
-gather's output). The staged path (`load_model_state_dict`: model hooks, TP) stages one
-group's chunk at a time beside the dict the caller passed.
+gather's output).
+
+[Note: the recipe loads in place]
+torch's own recipe, `sd = sm.state_dict()` (or `get_state_dict`), `dcp.load(sd, ...)`,
+`sm.load_state_dict(sd)` (or `set_state_dict`), loads in place as FSDP2's does: each piece
+`state_dict()` hands out views the live master (frozen: params shard), so `dcp.load` writes
+the shards and nothing holds a copy of the rank's share. `load_model_state_dict` then finds
+every value of a group viewing its own chunk at its parameter's place (`_written_in_place`)
+and commits the group as it is: the unit's gathered buffer is dropped and the params shard
+re-made from the master (the update all-gather; a no-op where the master is the shard). A
+group given anything else (whole tensors, another model's pieces, a hook's computed entry)
+is staged as before: its chunk cloned, filled, committed, dropped, one group at a time.
+So `dcp.load` alone fills the masters; the second half completes the load where the params
+shard is not the master (bf16 params, s_P < s_OS), as it always had to. DCP checks names
+and shapes while it plans, before any read; a failure while it reads leaves part of the
+pieces written, as in FSDP2 (runtime/state/load_errors.py [Note: nothing half-loaded]).
+A state dict is views, as torch's `nn.Module.state_dict()` is: taken before a step, it
+shows the values after it (save it before training on, as with FSDP2). The optimizer's
+pieces (`_saved`) view its live state tensors, and a loaded piece that is a view of the
+state tensor it replaces keeps that tensor (`_loaded`): no copy of the moments either.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..errors import RuntimeUsageError
 from . import StateView, hooks
 from .params import ShardParam
-from .pieces import gather, local_piece, wrap
+from .pieces import _Flat, gather, local_piece, wrap
 
 OPTIM_CLASS = "shardc_optimizer"    # full_optim_state_dict()'s param-group entry: the optimizer class
 
@@ -59,7 +78,7 @@ def _shapes(v: StateView) -> dict[str, tuple]:
 def parameter_values(v: StateView, whole: set[str] | None) -> dict[str, torch.Tensor]:
     """Each parameter's value for the model's state-dict machinery: the whole tensor for the
     names in `whole` (None: all; gathered in parameter order, a collective), else this
-    rank's piece (`ShardcPiece`)."""
+    rank's piece (`ShardcPiece`), a view of the live shard ([Note: the recipe loads in place])."""
     mesh = v.comm.smesh.device_mesh
     out = {}
     for name, p in v.params.params.items():
@@ -67,7 +86,7 @@ def parameter_values(v: StateView, whole: set[str] | None) -> dict[str, torch.Te
         if whole is None or name in whole:
             out[name] = gather(v.comm, spec, local)
         else:
-            out[name] = wrap(local.clone(), spec, mesh, v.comm)
+            out[name] = wrap(local, spec, mesh, v.comm)
     return out
 
 
@@ -97,12 +116,18 @@ def load_model_state_dict(v: StateView, sd: dict, strict: bool = True):
     except Exception as e:                  # noqa: BLE001 — re-raised below, on every rank
         error = e
     _agree(v, error)
-    # one group's staging at a time ([Note: bounded load staging]): every check has run on
-    # every rank above, so committing group by group cannot leave a half-loaded model
+    # a group whose every value is a view of its own chunk (the recipe's dcp.load wrote it
+    # there) is committed as it is; any other is staged, one group at a time: every check has
+    # run on every rank above, so committing group by group cannot leave a half-loaded model
     with torch.no_grad():
         for u in v.units:
             for g in u.groups:
                 src, start = g.storage.checkpoint_chunk()
+                if _written_in_place(g.storage, src, start, params):
+                    v.release(u.index)
+                    if g.trainable:
+                        g.update_issue(record=False).wait()
+                    continue
                 new = src.detach().clone()
                 for s, lo, hi in g.storage.layout.ranges(start, src.numel()):
                     value = params.get(s.fqn)
@@ -119,13 +144,30 @@ def load_model_state_dict(v: StateView, sd: dict, strict: bool = True):
     return result
 
 
+def _written_in_place(st, src: torch.Tensor, start: int, params: dict) -> bool:
+    """Whether every value given for this group's parameters is this rank's piece viewing
+    the group's own chunk at the parameter's place: `sm.state_dict()`'s pieces after
+    `dcp.load` filled them ([Note: the recipe loads in place]), so there is nothing to copy."""
+    size = src.element_size()
+    for s, lo, hi in st.layout.ranges(start, src.numel()):
+        value = params.get(s.fqn)
+        if value is None or hi <= lo:
+            continue
+        local = value._local_tensor if isinstance(value, DTensor) else None
+        if not isinstance(local, _Flat) or local.dtype != src.dtype or local.numel() != hi - lo \
+                or local.data_ptr() != src.data_ptr() + lo * size \
+                or local.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
+            return False
+    return True
+
+
 def load_in_place(v: StateView, have, fill, where: str) -> bool:
     """Fill this rank's shards in place from a checkpoint holding the keys `have`:
     `fill(sd)` (a `dcp.load`) writes straight into pieces that are views of the live
     masters / frozen shards, then each trainable group's params shard is re-made from its
     master as after a step ([Note: loads in place]). False (nothing done) where a model's
     own save hooks or tensor parallelism need the staged path (`load_model_state_dict`)."""
-    from .load_errors import CheckpointError, missing
+    from .load_errors import CheckpointError, missing, stem
     shapes = _shapes(v)
     if v.tp or hooks.whole_needed(v.module, v.targets, shapes) or hooks.renamed(v.module, v.targets, shapes):
         return False
@@ -158,7 +200,7 @@ def load_in_place(v: StateView, have, fill, where: str) -> bool:
         fill(sd)
     except CheckpointError as e:                  # shards partly written: unusable until a load
         v.params.expect_values(v.params.params)
-        raise CheckpointError(f"{str(e).split('; nothing was loaded')[0]}; the load failed part-way, so the "
+        raise CheckpointError(f"{stem(str(e))}; the load failed part-way, so the "
                               f"model's parameters are unusable until a load succeeds") from None
     with torch.no_grad():
         for u in v.units:
@@ -278,10 +320,11 @@ def attach_optimizer_hooks(opt) -> None:
 
 
 def _saved(value, p):
-    """A state value as saved: element-wise state tensors as pieces, the rest copies."""
+    """A state value as saved: element-wise state tensors as pieces viewing the live state (as
+    torch's `opt.state_dict()` hands out the state itself), the rest copies."""
     if isinstance(value, torch.Tensor) and value.dim() > 0:
         s = p._shardc_set
-        return wrap(value.detach().clone(), p._shardc_spec, s.comm.smesh.device_mesh, s.comm)
+        return wrap(value.detach(), p._shardc_spec, s.comm.smesh.device_mesh, s.comm)
     return _copy(value)
 
 
@@ -293,11 +336,16 @@ def _name(p) -> str | None:
     return p._shardc_spec.name if isinstance(p, ShardParam) else None
 
 
-def _loaded(v, p, what: str) -> torch.Tensor:
+def _loaded(v, p, what: str, live=None) -> torch.Tensor:
     """This rank's elements of a loaded state tensor, with the padding its parameter's
-    tensor carries (zeros: [Note: the padding rides on the last piece])."""
+    tensor carries (zeros: [Note: the padding rides on the last piece]); `live` itself
+    where the loaded piece is a view of it (the recipe's dcp.load wrote it in place)."""
     spec = p._shardc_spec
-    piece = local_piece(v, spec.shape, spec.lo, spec.hi, what, spec.tp).clone()
+    piece = local_piece(v, spec.shape, spec.lo, spec.hi, what, spec.tp)
+    if isinstance(live, torch.Tensor) and live.dtype == piece.dtype and live.numel() == piece.numel() + spec.pad \
+            and live.data_ptr() == piece.data_ptr() and live.device == piece.device:
+        return live
+    piece = piece.clone()
     if spec.pad:
         piece = torch.cat([piece, piece.new_zeros(spec.pad)])
     return piece
@@ -330,7 +378,8 @@ def _to_torch_layout(opt, sd, cls) -> dict:
         if name is None:
             state[pid] = st
             continue
-        state[pid] = {k: _loaded(v, p, f"optimizer state {k!r} of {name!r}")
+        have = opt.state.get(p, {})
+        state[pid] = {k: _loaded(v, p, f"optimizer state {k!r} of {name!r}", have.get(k))
                       if isinstance(v, torch.Tensor) and v.dim() > 0 else _copy(v) for k, v in st.items()}
     out_groups, pid = [], 0
     for g, live_g in zip(pgs, opt.param_groups):

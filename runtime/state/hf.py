@@ -68,7 +68,7 @@ def load_safetensors(sm, path, strict: bool = False, dtype: str = "strategy") ->
         _same_dtype(v, md, where, owner)
 
     def fill(sd):
-        with checkpoint_errors(where):
+        with checkpoint_errors(where, model=sm):          # the staged path's pieces are views too
             dcp.load(sd, storage_reader=reader)
 
     sm.runtime.boundary.complete_updates()

@@ -7,21 +7,24 @@ file, where known), the saved and the expected shape, and what to do; raised ali
 every rank, since every rank reads the same metadata.
 
 [Note: nothing half-loaded]
-torch's recipe runs in two halves. `dcp.load` fills *copies*: the pieces of
-`sm.state_dict()` (runtime/state/pieces.py) are clones of the shards. Only
-`sm.load_state_dict` / `set_state_dict` writes the shards (masters, params, buffers), and
-it does so after torch's key and shape checks passed on every rank
-(runtime/state/checkpoint.py `_agree`). So a load refused here, or one that fails inside
-DCP, leaves the module with the values it had before, and it stays usable.
-`shardc.load_safetensors` reads into the shards themselves (checkpoint.py [Note: loads in
-place]), so every check it can make runs first, from the files' headers (names, shapes,
-dtypes); a failure after the first byte was written (a truncated file, an I/O error) marks
-every parameter as without values until a load succeeds, in one sentence.
+Every check a load can make runs before the first byte is written. torch's recipe
+(`dcp.load(sm.state_dict())`, then `sm.load_state_dict` / `set_state_dict`) fills views of
+the shards themselves (runtime/state/checkpoint.py [Note: the recipe loads in place]), as
+FSDP2's `dcp.load` fills its sharded parameters; DCP checks every key and shape on every
+rank while it plans (its "plan" step: a missing key, a shape mismatch), before any read, so
+such a failure leaves the module with the values it had, and usable. A failure while DCP
+reads (its "read" step: a truncated or corrupt file, an I/O error) comes after some pieces
+were written, in shardc as in FSDP2 (which neither detects nor undoes it): the sentence says
+so, and `checkpoint_errors(where, model=sm)` also marks every parameter of `sm` as without
+values, so a forward or a step is one sentence until a load succeeds.
+`shardc.load_safetensors` reads into the shards too (checkpoint.py [Note: loads in place]),
+with every check it can make first, from the files' headers (names, shapes, dtypes); a
+failure after the first byte was written marks every parameter the same way.
 
 `checkpoint_errors(where)` is the same conversion for torch's own recipe, where the caller
 runs `dcp.load` itself:
 
-    with shardc.checkpoint_errors(path):
+    with shardc.checkpoint_errors(path, model=sm):
         dcp.load(state, checkpoint_id=path)
 """
 from __future__ import annotations
@@ -86,18 +89,38 @@ def from_failure(exc: BaseException, where: str) -> CheckpointError:
             f"loaded and the model keeps its values (a checkpoint of another model, or saved under other "
             f"keys: load with the same get_state_dict layout it was saved with)")
     on = "" if rank is None else f" on rank {rank}"
-    return CheckpointError(f"loading {where} failed{on}: {type(err).__name__}: {msg}; nothing was loaded "
-                           f"and the model keeps its values")
+    tail = PARTWAY if read_step(exc) else NOTHING
+    return CheckpointError(f"loading {where} failed{on}: {type(err).__name__}: {msg}{tail}")
+
+
+NOTHING = "; nothing was loaded and the model keeps its values"
+PARTWAY = ("; the load failed part-way (while DCP read the files, after some pieces were written into the "
+           "shards, as FSDP2's dcp.load writes its parameters), so the model's values are a mix until a load succeeds")
+
+
+def read_step(exc: BaseException) -> bool:
+    """Whether DCP failed in its read step (after writes), not while planning (before any)."""
+    args = getattr(exc, "args", ())
+    return bool(args) and args[0] == "read"
+
+
+def stem(msg: str) -> str:
+    """A sentence without its tail about what was loaded."""
+    return msg.split(NOTHING)[0].split(PARTWAY)[0]
 
 
 @contextlib.contextmanager
-def checkpoint_errors(where):
+def checkpoint_errors(where, model=None):
     """Around a `dcp.load` the caller runs: its `CheckpointException` becomes one sentence
-    (see the module note); any other exception passes unchanged."""
+    (see the module note); any other exception passes unchanged. `model` (a ShardedModule):
+    a failure while reading marks its parameters as without values."""
     from torch.distributed.checkpoint.api import CheckpointException
     try:
         yield
     except CheckpointException as e:
+        if model is not None and read_step(e):
+            params = model.state_view.params
+            params.expect_values(params.params)
         raise from_failure(e, str(where)) from None
 
 

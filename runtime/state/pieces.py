@@ -16,8 +16,9 @@ parameter, not whole rows. `boxes` splits that range of a row-major tensor into 
 forwards DCP's `__create_write_items__` / `__create_chunk_list__` / `__get_tensor_shard__`
 to its local tensor (the hook Megatron-FSDP's uneven DTensors use), and `_Flat` answers
 with one chunk per box. Replicas write the same boxes and DCP's planner dedups them.
-The pieces are clones: `dcp.load` fills them, and nothing live changes until
-`set_state_dict` (or `load_state_dict`) has checked every name and shape.
+A parameter's piece is a view of the live shard, as FSDP2's DTensors are: `dcp.load` fills
+the shard itself (runtime/state/checkpoint.py [Note: the recipe loads in place]); an
+optimizer state's piece views the live state tensor the same way.
 
 [Note: the padding rides on the last piece]
 A flat group's buffer is padded to a multiple of its factors (shardc.lowering); the
