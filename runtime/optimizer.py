@@ -16,7 +16,8 @@ ShardedModules own its parameters, refuses an optimizer that is not element-wise
 sharded optimizer states, and registers the checkpoint hooks on it. Then each step:
 before it, the owners' gradient sync completes and the parameters' gradients become plain
 views (no per-op dispatch in the update); after it, if it consumed shardc's gradients,
-the update all-gathers go out (`StepBoundary.after_step`). A step whose gradients are not
+the update all-gathers go out (`StepBoundary.optimizer_stepped`: once per step, after the
+last optimizer to step a parameter holding shardc's gradients, [Note: one step, several optimizers]). A step whose gradients are not
 shardc's (torch's `_init_optim_state` steps once on zero gradients with lr 0 to create the
 state before a checkpoint is read or written) moves no parameter and records nothing.
 Zeroing is torch's own `zero_grad()` (runtime/state/params.py [Note: gradients]).
@@ -99,7 +100,13 @@ def _post_step(opt, args, kwargs) -> None:
         consumed = any(s.ours(p) for p in params)
         s.shard_grads(params)
         if consumed:
-            s.boundary.after_step()
+            s.boundary.optimizer_stepped([p._shardc_spec.name for p in params], _others_due(s))
+
+
+def _others_due(pset):
+    """Is a parameter of `pset` holding this step's gradient not stepped yet
+    (runtime/boundary.py [Note: one step, several optimizers])?"""
+    return lambda stepped: any(n not in stepped and pset.ours(p) for n, p in pset.params.items())
 
 
 def _check_cls(cls, pset, params) -> bool:

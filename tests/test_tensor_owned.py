@@ -242,19 +242,23 @@ def _predict(text):
     return ledger, optim
 
 
+LLAMA_HPZ = LLAMA_OWNED.replace("params shard over world", "params shard over world secondary gpu")
+
+
 def test_ledger_and_optim_memory_equal_explains():
-    """zero3: the ledger and every rank's optimizer states; PaRO-IIG: the optimizer states
-    (its ledger has each update all-gather twice: two optimizers each end the step, see
-    runtime/optimizer.py `_post_step`, which explain does not predict)."""
-    texts = [LLAMA_OWNED, LLAMA_IIG]
+    """zero3, PaRO-IIG and hpZ with Muon and AdamW, two optimizers stepped one after the
+    other: the ledger (one update all-gather per step, after the second optimizer:
+    runtime/boundary.py [Note: one step, several optimizers]) and every rank's optimizer states."""
+    texts = [LLAMA_OWNED, LLAMA_IIG, LLAMA_HPZ]
     measured = dist_run(4, _measure, texts)
     for k, text in enumerate(texts):
         ledger, optim = _predict(text)
         assert any(op == "all_to_all" for _, op, *_ in ledger)
+        if text is LLAMA_IIG:                   # PaRO-IIG gathers the update over node after the step
+            assert any(ph == "update" and op == "all_gather" for ph, op, *_ in ledger), ledger
         for rank, res in enumerate(measured):
             got_ledger, got_optim = res[k]
-            if k == 0:
-                assert got_ledger == ledger, rank
+            assert got_ledger == ledger, (k, rank)
             assert got_optim == optim[rank], (k, rank, optim)
         assert len(set(optim)) > 1          # the owners' whole states differ per rank
 
