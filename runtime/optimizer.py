@@ -40,7 +40,7 @@ from torch.optim.optimizer import (_foreach_supported_types, register_optimizer_
 
 from shardc.lowering.optimizers import OPTIMIZER_KINDS
 
-from . import owned
+from . import owned, owned_state
 from .errors import RuntimeUsageError
 from .state.checkpoint import attach_optimizer_hooks
 from .state.params import ShardParam
@@ -75,8 +75,8 @@ def _mine(opt) -> tuple:
     owners = tuple((s, tuple(ps)) for s, ps in sets.values())
     fresh = [s for s, _ in owners if not any(o() is opt for o in s.optimizers)]
     for s, ps in owners:
-        if s in fresh and _check_cls(type(opt), s, ps):
-            owned.adopt(opt, s, ps)
+        if s in fresh and _check_cls(type(opt), s, ps) and owned.adopt(opt, s, ps):
+            owned_state.attach(opt)
     if fresh and len(fresh) == len(owners):        # the optimizer's first adoption: its hooks once
         attach_optimizer_hooks(opt)
         for s in fresh:
@@ -85,13 +85,15 @@ def _mine(opt) -> tuple:
 
 
 def _pre_step(opt, args, kwargs) -> None:
+    consumed = False
     for s, params in _mine(opt):
         if any(s.ours(p) for p in params):        # not torch's state-creating step on zeros
             s.require("opt.step()")
+            consumed = True
         s.boundary.wait_sync("opt.step()")
         s.settle("opt.step()")
         s.plain_grads(params)
-    owned.before(opt)
+    owned.before(opt, consumed)
 
 
 def _post_step(opt, args, kwargs) -> None:
