@@ -275,6 +275,27 @@ def test_explain_prints_the_owners_and_their_rows(tmp_path, capsys):
     assert "all_to_all" in out
 
 
+def test_plan_places_the_matrices_states_by_tensor(tmp_path, capsys):
+    """`shardc plan --matrices GLOB`: every candidate whose optim scope is sharded steps
+    those units' matrices whole on owners over its optim levels (the rest element-wise);
+    the best one is written with that override and loads."""
+    import json
+    from shardc.cli import main
+    out = tmp_path / "best.shard"
+    assert main(["plan", "--model", "examples/llama.py:llama_tiny", "--mesh", "node(2) > gpu(2)",
+                 "--memory", "1GiB", "--micro-batches", "2", "--tokens", "16", "--top", "16",
+                 "--matrices", "layers.*", "--overhead", "0", "--json", "-o", str(out)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fit"] == 16
+    for r in doc["ranking"]:
+        assert r["optim_by_tensor"] == ("layers.*" if r["optim"] else None), r
+    s = shardc.load_strategy(str(out))
+    best = doc["ranking"][0]
+    if best["optim"]:
+        (ov,) = s.overrides
+        assert ov.pattern == "layers.*" and ov.optim.owned and list(ov.optim.levels) == best["optim"]
+
+
 # -- refusals -------------------------------------------------------------------------------------
 def _refusals(rank, world):
     from shardc.runtime import shard_module
