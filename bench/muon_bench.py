@@ -120,7 +120,7 @@ def state_bytes(model, opts) -> int:
 def build(kind: str, muon: bool, world: int):
     """(module, optimizers, memory(), ledger records of one step or None, shardc module or None)."""
     import shardc
-    model = build_model("bench")
+    model = build_model(_CFG.get("name", "bench"))
     g = world // 2
     if kind in ("shardc:owned", "shardc:zero3", "shardc:replicate"):
         text = {"shardc:owned": OWNED if muon else ZERO3,           # AdamW: the same layout, flat chunks
@@ -206,7 +206,8 @@ def worker(rank, world, args, port):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from shardc.analysis.costmodel import link_bytes
     import shardc
-    _CFG["model"] = build_model("bench")
+    _CFG["name"] = args.model
+    _CFG["model"] = build_model(args.model)
     mesh = shardc.load_strategy(ZERO3.format(g=world // 2)).mesh
     systems = [(k, m) for m in (True, False) for k in args.systems]
     built = {}
@@ -254,7 +255,7 @@ def worker(rank, world, args, port):
         out["owners"] = dict(measured_s=[float(e) for e in every], explain_flops=per_owner,
                              matrices=[sum(1 for t in grp.tensors if t.owner == r) for r in range(world)])
     if rank == 0:
-        out["meta"] = dict(world=world, steps=args.steps, micro_batch=args.micro_batch, model="bench",
+        out["meta"] = dict(world=world, steps=args.steps, micro_batch=args.micro_batch, model=args.model,
                            params=n_params(_CFG["model"]), torch=torch.__version__, loaded_machine=True,
                            muon_params=sum(p.numel() for n, p in _CFG["model"].named_parameters() if is_muon(n, p)))
         with open(args.out, "w") as f:
@@ -267,6 +268,61 @@ def _owned_plan_of(sm):
         return p._shardc_set.owned_plan
 
 
+def owners_alone(model_name: str, worlds, rounds: int) -> dict:
+    """Each owner's Newton–Schulz time measured alone, one process, one thread: per world,
+    the plan's owners (lowering/owned.py, as explain prints them) under the tensor-owned
+    zero3 layout, the owners timed in turn each round (interleaved), medians."""
+    import shardc
+    from shardc.analysis.costmodel.owned import owned_of, ns_step_flops
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _zeropower_via_newtonschulz
+    torch.set_num_threads(1)
+    model = build_model(model_name)
+    out = {}
+    for world in worlds:
+        (grp,) = owned_of(shardc.load_strategy(OWNED.format(g=world // 2)), model).plan.groups
+        mats = {r: [torch.randn(t.shape) for t in grp.tensors if t.owner == r] for r in range(world)}
+        times = {r: [] for r in range(world)}
+        for _ in range(rounds):
+            for r in range(world):
+                t = time.perf_counter()
+                for m in mats[r]:
+                    _zeropower_via_newtonschulz(m, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS)
+                times[r].append(time.perf_counter() - t)
+        out[str(world)] = dict(measured_s=[statistics.median(times[r]) for r in range(world)],
+                               explain_flops=[sum(ns_step_flops(t.shape) for t in grp.tensors if t.owner == r)
+                                              for r in range(world)],
+                               matrices=[len(mats[r]) for r in range(world)],
+                               plan_cost_imbalance=grp.imbalance())
+    return out
+
+
+def table(doc: dict) -> str:
+    """The JSON as the markdown table docs/BENCHMARKS.md shows."""
+    mib = 2 ** 20
+    rows = ["| system | optimizer | step (s) | opt.step() (s) | model states / rank, max (MiB) | mean (MiB) "
+            "| node link / rank (MiB) | gpu link / rank (MiB) |", "|---|---|---|---|---|---|---|---|"]
+    for k, v in doc.items():
+        if k in ("owners", "meta"):
+            continue
+        system, opt = k.rsplit(" ", 1)
+        if system == "shardc:owned" and opt == "adamw":
+            system = "shardc:zero3 (flat)"
+        rows.append(f"| {system} | {opt} | {v['step_s']:.3f} | {v['opt_step_s']:.3f} | "
+                    f"{v['state_bytes_max'] / mib:.1f} | {v['state_bytes_mean'] / mib:.1f} | "
+                    f"{v['link_bytes'].get('node', 0) / mib:.1f} | {v['link_bytes'].get('gpu', 0) / mib:.1f} |")
+    o = doc.get("owners")
+    if o:
+        mean_t = sum(o["measured_s"]) / len(o["measured_s"])
+        mean_f = sum(o["explain_flops"]) / len(o["explain_flops"])
+        rows.append("")
+        rows.append("| owner | matrices | explain: Newton–Schulz FLOPs (vs mean) | measured alone (s, vs mean) |")
+        rows.append("|---|---|---|---|")
+        for r, (n, f, t) in enumerate(zip(o["matrices"], o["explain_flops"], o["measured_s"])):
+            rows.append(f"| {r} | {n} | {f:.3g} ({100 * (f / mean_f - 1):+.1f} %) | "
+                        f"{t:.3f} ({100 * (t / mean_t - 1):+.1f} %) |")
+    return "\n".join(rows)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=4)
@@ -275,7 +331,23 @@ def main(argv=None):
     ap.add_argument("--systems", nargs="+", default=["shardc:owned", "fsdp2", "ddp", "shardc:replicate"])
     ap.add_argument("--out", default="muon_bench.json")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--model", default="bench", help="a bench/models.py preset (default bench)")
+    ap.add_argument("--owners-alone", type=int, nargs="*", metavar="WORLD",
+                    help="only time each owner's Newton-Schulz alone at these world sizes (one process)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--table", metavar="JSON", help="print a result file as docs/BENCHMARKS.md's table and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(table(json.load(f)))
+        return
+    if args.owners_alone:
+        doc = {"owners_alone": owners_alone(args.model, args.owners_alone, args.rounds),
+               "meta": dict(model=args.model, rounds=args.rounds, threads=1, torch=torch.__version__,
+                            loaded_machine=True)}
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        return
     port = 29500 + os.getpid() % 1000
     mp.spawn(worker, args=(args.world, args, port), nprocs=args.world, join=True)
 
