@@ -268,7 +268,7 @@ def _owned_plan_of(sm):
         return p._shardc_set.owned_plan
 
 
-def owners_alone(model_name: str, worlds, rounds: int) -> dict:
+def owners_alone(model_name: str, worlds, rounds: int, ns_steps: int = 5) -> dict:
     """Each owner's Newton–Schulz time measured alone, one process, one thread: per world,
     the plan's owners (lowering/owned.py, as explain prints them) under the tensor-owned
     zero3 layout, the owners timed in turn each round (interleaved), medians."""
@@ -286,7 +286,7 @@ def owners_alone(model_name: str, worlds, rounds: int) -> dict:
             for r in range(world):
                 t = time.perf_counter()
                 for m in mats[r]:
-                    _zeropower_via_newtonschulz(m, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS)
+                    _zeropower_via_newtonschulz(m, (DEFAULT_A, DEFAULT_B, DEFAULT_C), ns_steps, EPS)
                 times[r].append(time.perf_counter() - t)
         out[str(world)] = dict(measured_s=[statistics.median(times[r]) for r in range(world)],
                                explain_flops=[sum(ns_step_flops(t.shape) for t in grp.tensors if t.owner == r)
@@ -335,6 +335,8 @@ def main(argv=None):
     ap.add_argument("--owners-alone", type=int, nargs="*", metavar="WORLD",
                     help="only time each owner's Newton-Schulz alone at these world sizes (one process)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ns-steps", type=int, default=5,
+                    help="Newton-Schulz iterations timed per matrix (each is the same work; default Muon's 5)")
     ap.add_argument("--table", metavar="JSON", help="print a result file as docs/BENCHMARKS.md's table and exit")
     args = ap.parse_args(argv)
     if args.table:
@@ -342,8 +344,9 @@ def main(argv=None):
             print(table(json.load(f)))
         return
     if args.owners_alone:
-        doc = {"owners_alone": owners_alone(args.model, args.owners_alone, args.rounds),
+        doc = {"owners_alone": owners_alone(args.model, args.owners_alone, args.rounds, args.ns_steps),
                "meta": dict(model=args.model, rounds=args.rounds, threads=1, torch=torch.__version__,
+                            ns_steps=args.ns_steps,
                             loaded_machine=True)}
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
