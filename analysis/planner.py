@@ -25,6 +25,17 @@ communication time before overlap — Lins' objective (§IV-C: minimise the
 communication cost subject to memory) — then step time. Remaining ties go to the
 candidate that shards least (p·g·os: sharding a state that fits buys nothing and
 adds collectives to launch), then to the smaller peak memory.
+
+[Note: whole-matrix optimizers in the plan]
+With `matrices` (a glob over units, e.g. "transformer.h.*") the matrices of those units
+are stepped by a whole-matrix optimizer (torch.optim.Muon) and the rest by the
+element-wise `optimizer` (the way Muon users pair it with AdamW). A candidate whose optim
+scope is sharded gets `override GLOB { optim shard over LEVELS by tensor }` over its optim
+levels (a whole-matrix optimizer cannot run on flat chunks): its ledger, memory and step
+time are explain's for tensor ownership (analysis/costmodel/owned.py `explain_owned`: the
+owners' all-to-alls, every rank's states, the most-loaded owner's Newton–Schulz). A
+candidate with `optim replicate` runs every matrix's Newton–Schulz on every rank: that
+compute is added to its step time. The search space is unchanged (4^L).
 """
 from __future__ import annotations
 
@@ -101,10 +112,13 @@ OBJECTIVES = {   # [Note: objective]
 def plan(base: Strategy, units: list[UnitSize], budget: float, *, bandwidth=None, micro_batches=None,
          optimizer: str = DEFAULT_OPTIMIZER, optimizer_kwargs=None, dtype: DType = DType.FP32,
          tokens: int = 4096, flops: float = 150e12, graph=None, checkpoint: bool = False,
-         peak_flops: float = 312e12, objective: str = "time", overhead: int | None = None) -> list[Candidate]:
+         peak_flops: float = 312e12, objective: str = "time", overhead: int | None = None,
+         matrices: str | None = None, model=None) -> list[Candidate]:
     """All candidates: the fitting ones first, ranked by `objective` ([Note: objective]);
     then the rest by memory. `graph` (the model's traced `GraphCost`) is required: the
-    budget bounds the peak, and there is no peak without activations."""
+    budget bounds the peak, and there is no peak without activations. `matrices` (a unit
+    glob) with `model` (a meta model will do): those units' matrices are stepped whole
+    ([Note: whole-matrix optimizers in the plan])."""
     if graph is None:
         raise ShardcError("the planner bounds the peak memory per rank, which counts the activations: it needs "
                           "the model's traced graph (graph=flops.trace(...))")
@@ -118,10 +132,44 @@ def plan(base: Strategy, units: list[UnitSize], budget: float, *, bandwidth=None
                       graph=graph, checkpoint=checkpoint, peak_flops=peak_flops, overhead=overhead)
         chosen = replace(s, collectives=rep.algo)
         rep = replace(rep, strategy=chosen)
+        if matrices is not None:
+            rep = _whole_matrices(rep, matrices, model, optimizer, flops, bandwidth)
         out.append(Candidate(sc, rep, rep.peak["peak"] <= budget))
     fit = sorted((c for c in out if c.fits), key=OBJECTIVES[objective])
     rest = sorted((c for c in out if not c.fits), key=lambda c: c.memory)
     return fit + rest
+
+
+def _whole_matrices(rep: Explained, glob: str, model, optimizer: str, flops: float, bandwidth) -> Explained:
+    """`rep` with the units `glob` names stepped by Muon on whole matrices ([Note:
+    whole-matrix optimizers in the plan])."""
+    from dataclasses import replace as _r
+
+    from shardc.analysis.costmodel.memory import optimizer_state_bytes
+    from shardc.analysis.costmodel.owned import explain_owned, ns_step_flops
+    from shardc.dsl.ir import Granularity, Override
+    from shardc.lowering.optimizers import OWNED_OPTIMIZER
+    if model is None:
+        raise ShardcError("planning whole-matrix optimizer states needs the model's parameter shapes (model=...)")
+    s = rep.strategy
+    levels = s.scopes.optim.levels
+    if levels:
+        owned = _r(s, overrides=(Override(glob, optim=OptimSpec(levels, granularity=Granularity.TENSOR)),))
+        e, _ = explain_owned(_r(rep, strategy=owned), model, k_flat=optimizer_state_bytes(optimizer),
+                             k_owned=optimizer_state_bytes(OWNED_OPTIMIZER), flops=flops, bandwidth=bandwidth)
+        more = e.memory["total"] - rep.memory["total"]        # the largest rank's states, not the flat ones
+        return _r(e, peak={**rep.peak, "peak": rep.peak["peak"] + more})
+    from fnmatch import fnmatchcase
+    every = sum(ns_step_flops(p.shape) for n, p in model.named_parameters()
+                if p.dim() == 2 and p.requires_grad and fnmatchcase(n.rsplit(".", 1)[0], glob))
+    if not flops or rep.time is None:
+        return rep
+    t = _r(rep.time, compute=rep.time.compute + every / flops, total=rep.time.total + every / flops)
+    elems = sum(p.numel() for n, p in model.named_parameters()
+                if p.dim() == 2 and p.requires_grad and fnmatchcase(n.rsplit(".", 1)[0], glob))
+    less = (optimizer_state_bytes(optimizer) - optimizer_state_bytes(OWNED_OPTIMIZER)) * elems
+    memory = {**rep.memory, "optim": rep.memory["optim"] - less, "total": rep.memory["total"] - less}
+    return _r(rep, time=t, memory=memory, peak={**rep.peak, "peak": rep.peak["peak"] - less})
 
 
 def why(best: Candidate, runner: Candidate, objective: str = "time") -> str:

@@ -26,6 +26,16 @@ are divided by the world size, so the sum is the step's mean). Either deviation 
 the planned overlap (k > N also a second sync) and warns once per run. A forward with
 gradients after opt.step() without zero_grad() is an error (shardc does not accumulate
 across optimizer steps).
+
+[Note: one step, several optimizers]
+A step may run several optimizers over one model (Muon for the matrices, AdamW for the
+rest). The update all-gathers go out once per step, after the last of them: each
+optimizer's step records the parameters it stepped (`optimizer_stepped`, keyed by their
+names), and the step ends when every parameter holding a gradient shardc gave it this
+step has been stepped (the caller, runtime/optimizer.py, knows the parameters; an
+optimizer built by the user is known only from its first step, so the rule counts
+parameters, not optimizers). A parameter no optimizer steps does not stall the model:
+the owed update goes out at the next forward or zero_grad().
 """
 from __future__ import annotations
 
@@ -82,6 +92,8 @@ class StepBoundary:
         self._synced: set[int] = set()     # units whose sync this step is already issued
         self._sync_prev: FlatGroup | None = None   # the last unit synced early, not yet advanced
         self._updates: dict = {}           # unit -> its groups' deferred update all-gathers (in flight)
+        self._stepped: set[str] = set()    # the parameters an optimizer stepped this step
+        self._update_owed = False          # an optimizer stepped, the step's update not issued yet
         self.generation = 0                # bumped when the gradients change under a reader (sync, zero)
         self.backward_listeners: list = []
         self.zero_listeners: list = []     # called by zero_grad() (the fp32 gradient copies are freed)
@@ -106,6 +118,8 @@ class StepBoundary:
 
     # -- the backward's view -----------------------------------------------------------
     def check_forward(self, grad_enabled: bool) -> None:
+        if self._update_owed:              # [Note: one step, several optimizers]
+            self.after_step()
         for check in self.forward_checks:
             check("a forward")
         check_forward(self.phase, grad_enabled)
@@ -217,8 +231,23 @@ class StepBoundary:
                     if (u.index, k) in self._carry:
                         g.storage.os_grad.add_(self._carry.pop((u.index, k)))
 
+    def stepped(self) -> set[str]:
+        """The parameters an optimizer stepped this step (read-only to callers)."""
+        return self._stepped
+
+    def optimizer_stepped(self, names, others_due) -> None:
+        """An optimizer stepped these parameters on this step's gradients; the step ends
+        now unless `others_due(stepped)` ([Note: one step, several optimizers])."""
+        self._stepped.update(names)
+        if others_due(self._stepped):
+            self._update_owed = True
+        else:
+            self.after_step()
+
     def after_step(self) -> None:
         """Issue every unit's update all-gather; wait those the schedule does not defer."""
+        self._update_owed = False
+        self._stepped.clear()
         self.complete_updates()
         works = self.ops.update()
         deferred = set(self.schedule.update_deferred)
@@ -249,6 +278,9 @@ class StepBoundary:
             self.events.append(("wait_update", i))
 
     def zero_grad(self) -> None:
+        if self._update_owed:              # [Note: one step, several optimizers]
+            self.after_step()
+        self._stepped.clear()
         self.ops.zero()
         self.clear_workspace()
         self.micro = 0

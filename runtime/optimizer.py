@@ -16,7 +16,8 @@ ShardedModules own its parameters, refuses an optimizer that is not element-wise
 sharded optimizer states, and registers the checkpoint hooks on it. Then each step:
 before it, the owners' gradient sync completes and the parameters' gradients become plain
 views (no per-op dispatch in the update); after it, if it consumed shardc's gradients,
-the update all-gathers go out (`StepBoundary.after_step`). A step whose gradients are not
+the update all-gathers go out (`StepBoundary.optimizer_stepped`: once per step, after the
+last optimizer to step a parameter holding shardc's gradients, [Note: one step, several optimizers]). A step whose gradients are not
 shardc's (torch's `_init_optim_state` steps once on zero gradients with lr 0 to create the
 state before a checkpoint is read or written) moves no parameter and records nothing.
 Zeroing is torch's own `zero_grad()` (runtime/state/params.py [Note: gradients]).
@@ -39,7 +40,7 @@ from torch.optim.optimizer import (_foreach_supported_types, register_optimizer_
 
 from shardc.lowering.optimizers import OPTIMIZER_KINDS
 
-from . import owned
+from . import owned, owned_state
 from .errors import RuntimeUsageError
 from .state.checkpoint import attach_optimizer_hooks
 from .state.params import ShardParam
@@ -74,8 +75,8 @@ def _mine(opt) -> tuple:
     owners = tuple((s, tuple(ps)) for s, ps in sets.values())
     fresh = [s for s, _ in owners if not any(o() is opt for o in s.optimizers)]
     for s, ps in owners:
-        if s in fresh and _check_cls(type(opt), s, ps):
-            owned.adopt(opt, s, ps)
+        if s in fresh and _check_cls(type(opt), s, ps) and owned.adopt(opt, s, ps):
+            owned_state.attach(opt)
     if fresh and len(fresh) == len(owners):        # the optimizer's first adoption: its hooks once
         attach_optimizer_hooks(opt)
         for s in fresh:
@@ -84,13 +85,15 @@ def _mine(opt) -> tuple:
 
 
 def _pre_step(opt, args, kwargs) -> None:
+    consumed = False
     for s, params in _mine(opt):
         if any(s.ours(p) for p in params):        # not torch's state-creating step on zeros
             s.require("opt.step()")
+            consumed = True
         s.boundary.wait_sync("opt.step()")
         s.settle("opt.step()")
         s.plain_grads(params)
-    owned.before(opt)
+    owned.before(opt, consumed)
 
 
 def _post_step(opt, args, kwargs) -> None:
@@ -99,7 +102,13 @@ def _post_step(opt, args, kwargs) -> None:
         consumed = any(s.ours(p) for p in params)
         s.shard_grads(params)
         if consumed:
-            s.boundary.after_step()
+            s.boundary.optimizer_stepped([p._shardc_spec.name for p in params], _others_due(s))
+
+
+def _others_due(pset):
+    """Is a parameter of `pset` holding this step's gradient not stepped yet
+    (runtime/boundary.py [Note: one step, several optimizers])?"""
+    return lambda stepped: any(n not in stepped and pset.ours(p) for n, p in pset.params.items())
 
 
 def _check_cls(cls, pset, params) -> bool:

@@ -62,30 +62,23 @@ def owned_names(pset) -> dict:
     return plan.owner_of() if plan is not None else {}
 
 
-def adopt(opt, pset, params) -> None:
-    """`opt` (not element-wise) steps whole tensors over `params`, all owned matrices."""
-    if opt not in _steps:
-        _steps[opt] = OwnedStep(opt, pset, params)
-        opt.register_state_dict_pre_hook(_no_checkpoint, prepend=True)
-        opt.register_load_state_dict_pre_hook(_no_checkpoint, prepend=True)
+def adopt(opt, pset, params) -> bool:
+    """`opt` (not element-wise) steps whole tensors over `params`, all owned matrices;
+    True when it is adopted now (its checkpoint hooks are due: runtime/owned_state.py)."""
+    if opt in _steps:
+        return False
+    _steps[opt] = OwnedStep(opt, pset, params)
+    return True
 
 
-def _no_checkpoint(opt, *_):
-    step = _steps.get(opt)
-    # the same answer on every rank: owned matrices (the plan's), or state on the views of
-    # whole pieces (every rank steps them all); LBFGS keeps its own list, so none
-    if step is None or not (step.groups or any(step.stand_ins[n] in opt.state for n in step.views)):
-        return
-    raise RuntimeUsageError(
-        f"{type(opt).__name__}'s states are kept whole per tensor (`optim ... by tensor`, or whole pieces "
-        f"under `optim replicate`), whose checkpoints (state_dict, DCP) are not supported yet; keep the "
-        f"model's own state dict (sm.state_dict()) only, or checkpoint an element-wise optimizer")
+def step_of(opt) -> "OwnedStep | None":
+    return _steps.get(opt)
 
 
-def before(opt) -> None:
+def before(opt, consumed: bool = True) -> None:
     step = _steps.get(opt)
     if step is not None:
-        step.to_owners()
+        step.to_owners(consumed)
 
 
 def after(opt) -> None:
@@ -113,6 +106,10 @@ class _Group:
             elems, r = sum(t.numel for t, _ in self.items), group.ranks   # a subset: fewer bytes than the plan's
             self.rows = (replace(group.rows[0], bytes=8 * elems // r), replace(group.rows[1], bytes=4 * elems // r))
 
+    def mine(self) -> list:
+        """(OwnedTensor, ShardParam) of the matrices this rank owns, plan order."""
+        return [(t, p) for t, p in self.items if t.owner == self.position]
+
 
 class OwnedStep:
     """One optimizer's whole-tensor step (see the module notes)."""
@@ -132,52 +129,40 @@ class OwnedStep:
         self.stand_ins = {n: nn.Parameter(torch.empty(0), requires_grad=True) for n in held
                           if n in names or n in self.views}
         self._saved = None
+        self._consumed = True
+        self.checkpoint_stash = None             # runtime/owned_state.py, between a save's hooks
 
     # -- before the step ---------------------------------------------------------------------
-    def to_owners(self) -> None:
+    def to_owners(self, consumed: bool = True) -> None:
         """Every matrix's parameter and gradient (synced, clipped) to its owner; the
-        optimizer's lists hold the stand-ins."""
+        optimizer's lists hold the stand-ins. A step on gradients that are not shardc's
+        (torch's `_init_optim_state`: zero gradients, lr 0) moves nothing: each owner's
+        stand-ins get zero values and gradients, which creates their state where it lives."""
         grads = self.pset.grads
         for g in self.groups:
-            pos, ranks = g.position, g.plan.ranks
-            send, in_split = [], [0] * ranks
-            for t, p in g.items:
-                spec = p._shardc_spec
-                n = spec.hi - spec.lo
-                piece = p.to_local()[:n]
-                grad = grads[t.name][1][:n]
-                send.append((t.owner, piece, grad))
-                in_split[t.owner] += 2 * n
-            # per destination, in plan order: [param piece, grad piece] per matrix
-            flat = [x for d in range(ranks) for o, a, b in send if o == d for x in (a, b)]
-            inp = torch.cat([x.reshape(-1) for x in flat]) if flat else torch.empty(0, device=g.device)
-            mine = [(t, p) for t, p in g.items if t.owner == pos]
-            out_split = [sum(2 * _len(p._shardc_spec.range_of(c)) for _, p in mine) for c in range(ranks)]
-            out = _exchange(g, inp, out_split, in_split, g.rows[0], inp.dtype)
-            wholes = {t.name: (out.new_empty(t.numel), out.new_empty(t.numel))
-                      for t, _ in mine}
-            at = 0
-            for c in range(ranks):
-                for t, p in mine:
-                    a, b = p._shardc_spec.range_of(c)
-                    w, gr = wholes[t.name]
-                    w[a:b] = out[at:at + b - a]
-                    gr[a:b] = out[at + b - a:at + 2 * (b - a)]
-                    at += 2 * (b - a)
+            mine = g.mine()
+            wholes = {}
+            if consumed:
+                sent = {t.name: (p.to_local(), grads[t.name][1]) for t, p in g.items}
+                wholes = to_owners(g, sent, g.rows[0])
+            else:
+                wholes = {t.name: (torch.zeros(t.numel, device=g.device),) * 2 for t, _ in mine}
             for t, p in g.items:
                 s = self.stand_ins[t.name]
                 if t.name in wholes:
                     w, gr = wholes[t.name]
                     s.data = w.view(t.shape)
-                    s.grad = gr.view(t.shape)
+                    s.grad = gr.view(t.shape) if consumed else torch.zeros(t.shape, device=g.device)
                 else:
                     s.data, s.grad = torch.empty(0), None
         for name, p in self.views.items():
             s, shape = self.stand_ins[name], tuple(p._shardc_spec.global_shape)
             n = p._shardc_spec.numel
             s.data = p.to_local()[:n].view(shape)
-            s.grad = grads[name][1][:n].view(shape) if self.pset.ours(p) else None
+            s.grad = (grads[name][1][:n].view(shape) if self.pset.ours(p) else None) if consumed \
+                else torch.zeros(shape, device=s.data.device)
         opt = self.opt()
+        self._consumed = consumed
         self._saved = [grp["params"] for grp in opt.param_groups]
         for grp in opt.param_groups:
             grp["params"] = [self.stand_ins.get(p._shardc_spec.name, p) for p in grp["params"]]
@@ -193,33 +178,74 @@ class OwnedStep:
             grp["params"] = saved
         self._saved = None
         for g in self.groups:
-            pos, ranks = g.position, g.plan.ranks
-            mine = [(t, p) for t, p in g.items if t.owner == pos]
-            parts, in_split = [], [0] * ranks
-            for c in range(ranks):
-                for t, p in mine:
-                    a, b = p._shardc_spec.range_of(c)
-                    parts.append(self.stand_ins[t.name].detach().reshape(-1)[a:b])
-                    in_split[c] += b - a
-            inp = torch.cat(parts) if parts else torch.empty(0, device=g.device)
-            out_split = [0] * ranks
-            for t, p in g.items:
-                spec = p._shardc_spec
-                out_split[t.owner] += spec.hi - spec.lo
-            out = _exchange(g, inp, out_split, in_split, g.rows[1], torch.float32)
-            at = 0
-            for d in range(ranks):
+            if self._consumed:
+                back = from_owners(g, {t.name: (self.stand_ins[t.name].detach(),) for t, _ in g.mine()},
+                                   {t.name: 1 for t, _ in g.items}, g.rows[1])
                 for t, p in g.items:
-                    if t.owner == d:
-                        n = p._shardc_spec.hi - p._shardc_spec.lo
-                        p.to_local()[:n].copy_(out[at:at + n])
-                        at += n
+                    (chunk,) = back[t.name]
+                    p.to_local()[:chunk.numel()].copy_(chunk)
             for t, _ in g.items:
                 s = self.stand_ins[t.name]
                 s.data, s.grad = torch.empty(0), None
         for name in self.views:                  # updated in place: the views share the pieces' storage
             s = self.stand_ins[name]
             s.data, s.grad = torch.empty(0), None
+
+
+def to_owners(g: _Group, pieces: dict, row) -> dict:
+    """Each matrix's pieces (name -> tensors, each this rank's chunk of a tensor of the
+    matrix's size, padding after it ignored) to its owner: name -> the whole tensors (flat,
+    fp32) of the matrices this rank owns. One all-to-all over the group, recorded as `row`
+    (None: not recorded, a checkpoint's)."""
+    ranks = g.plan.ranks
+    flat, in_split = [], [0] * ranks
+    for d in range(ranks):                       # per destination, plan order, the tensors in order
+        for t, p in g.items:
+            if t.owner == d:
+                n = p._shardc_spec.hi - p._shardc_spec.lo
+                flat += [x.reshape(-1)[:n] for x in pieces[t.name]]
+                in_split[d] += n * len(pieces[t.name])
+    k = {t.name: len(pieces[t.name]) for t, _ in g.items}
+    inp = torch.cat(flat).float() if flat else torch.empty(0, device=g.device)
+    mine = g.mine()
+    out_split = [sum(k[t.name] * _len(p._shardc_spec.range_of(c)) for t, p in mine) for c in range(ranks)]
+    out = _exchange(g, inp, out_split, in_split, row, torch.float32)
+    wholes = {t.name: tuple(out.new_empty(t.numel) for _ in range(k[t.name])) for t, _ in mine}
+    at = 0
+    for c in range(ranks):
+        for t, p in mine:
+            a, b = p._shardc_spec.range_of(c)
+            for w in wholes[t.name]:
+                w[a:b] = out[at:at + b - a]
+                at += b - a
+    return wholes
+
+
+def from_owners(g: _Group, wholes: dict, counts: dict, row) -> dict:
+    """The reverse: the owner's whole tensors (name -> tensors, of the matrices this rank
+    owns) back in chunks, `counts[name]` tensors per matrix: name -> this rank's chunks
+    (fp32) of every matrix of the group. One all-to-all, recorded as `row` (None: not)."""
+    ranks = g.plan.ranks
+    mine = g.mine()
+    parts, in_split = [], [0] * ranks
+    for c in range(ranks):
+        for t, p in mine:
+            a, b = p._shardc_spec.range_of(c)
+            parts += [w.reshape(-1)[a:b] for w in wholes[t.name]]
+            in_split[c] += (b - a) * len(wholes[t.name])
+    inp = torch.cat(parts).float() if parts else torch.empty(0, device=g.device)
+    out_split = [0] * ranks
+    for t, p in g.items:
+        out_split[t.owner] += (p._shardc_spec.hi - p._shardc_spec.lo) * counts[t.name]
+    out = _exchange(g, inp, out_split, in_split, row, torch.float32)
+    back, at = {}, 0
+    for d in range(ranks):
+        for t, p in g.items:
+            if t.owner == d:
+                n = p._shardc_spec.hi - p._shardc_spec.lo
+                back[t.name] = tuple(out[at + j * n:at + (j + 1) * n] for j in range(counts[t.name]))
+                at += n * counts[t.name]
+    return back
 
 
 def _len(r) -> int:
@@ -234,5 +260,6 @@ def _exchange(g, inp, out_split, in_split, row, dtype):
         out.copy_(inp)
     else:
         dist.all_to_all_single(out, inp, out_split, in_split, group=g.pg)
-        g.ledger.record_row(row)
+        if row is not None:
+            g.ledger.record_row(row)
     return out

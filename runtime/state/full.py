@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..owned_state import as_chunks
 from . import StateView, hooks
 from .checkpoint import OPTIM_CLASS, parameter_values
 from .params import ShardParam
@@ -36,17 +37,18 @@ def full_optim_state_dict(v: StateView, opt, rank0_only: bool = False) -> dict:
     v.faults.enter("full_optim_state_dict()")
     keep = not rank0_only or dist.get_rank() == 0
     state: dict[str, dict] = {}
-    for p in (p for g in opt.param_groups for p in g["params"]):
-        if not isinstance(p, ShardParam) or p._shardc_set is not v.params:
-            continue
-        spec, st = p._shardc_spec, opt.state.get(p, {})
-        for k in sorted(st):
-            value = st[k]
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                value = gather(v.comm, spec, value)    # collective, in the same order on every rank
-            elif isinstance(value, torch.Tensor):
-                value = value.clone()
-            state.setdefault(spec.name, {})[k] = value
+    with as_chunks(opt):          # tensor-owned states as chunks (runtime/owned_state.py)
+        for p in (p for g in opt.param_groups for p in g["params"]):
+            if not isinstance(p, ShardParam) or p._shardc_set is not v.params:
+                continue
+            spec, st = p._shardc_spec, opt.state.get(p, {})
+            for k in sorted(st):
+                value = st[k]
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    value = gather(v.comm, spec, value)    # collective, in the same order on every rank
+                elif isinstance(value, torch.Tensor):
+                    value = value.clone()
+                state.setdefault(spec.name, {})[k] = value
     if not keep:
         return {}
     groups = []

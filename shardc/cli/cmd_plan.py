@@ -33,6 +33,9 @@ def add_arguments(p) -> None:
     p.add_argument("--memory", required=True, help="memory per rank the peak must fit, e.g. 80GiB")
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default 4)")
     p.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=OPTIMIZERS)
+    p.add_argument("--matrices", metavar="GLOB",
+                   help="units whose 2-D parameters torch.optim.Muon steps whole, e.g. 'transformer.h.*' "
+                        "(their states placed by tensor where optim is sharded; the rest: --optimizer)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="params/grads dtype and comm (bf16 = mixed precision, fp32 master in the optimizer)")
     p.add_argument("--objective", default="time", choices=("time", "comm"),
@@ -61,7 +64,7 @@ def base_strategy(mesh: str, world, ep=None, experts: str = "*.experts"):
 
 
 def run(args) -> int:
-    from shardc.cli.loader import load_model_units
+    from shardc.cli.loader import load_model_units, meta_model
     from shardc.analysis.planner import plan, shard_text, why
 
     budget = parse_memory(args.memory)
@@ -76,7 +79,8 @@ def run(args) -> int:
                  graph=predict_args.graph(args, base, args.model, args.precision, need=NEED),
                  checkpoint=args.checkpoint,
                  peak_flops=predict_args.peak(args), objective=args.objective,
-                 overhead=predict_args.overhead(args))
+                 overhead=predict_args.overhead(args), matrices=args.matrices,
+                 model=meta_model(args.model, base, args.tp) if args.matrices else None)
     fit = [c for c in cands if c.fits]
     if args.output and fit:
         write_best(fit[0], args.output)
@@ -128,7 +132,8 @@ def describe(c) -> str:
 def row(c) -> dict:
     from shardc.analysis.planner import shard_text
     sc, r = c.scopes, c.report
-    return {**{k: list(getattr(sc, k).levels) for k in STATES},
+    owned = [o.pattern for o in r.strategy.overrides if o.optim is not None and o.optim.owned]
+    return {**{k: list(getattr(sc, k).levels) for k in STATES}, "optim_by_tensor": owned[0] if owned else None,
             "collectives": r.algo.value, "memory": c.memory, "model_states": r.memory["total"],
             "inter": round(r.inter), "intra": round(r.intra), "step_seconds": c.step_time,
             "comm_seconds": c.comm_time, "comm_by_phase": dict(r.time.comm), "peak": c.report.peak, "mfu": r.rates["mfu"],
@@ -154,7 +159,8 @@ def render(cands, fit, args, budget) -> None:
                      no_wrap=True)
     for i, c in enumerate(fit[:args.top], 1):
         sc, r = c.scopes, c.report
-        t.add_row(str(i), short(sc.params.levels), short(sc.grads.levels), short(sc.optim.levels), r.algo.value,
+        by = " (+ by tensor)" if any(o.optim is not None and o.optim.owned for o in r.strategy.overrides) else ""
+        t.add_row(str(i), short(sc.params.levels), short(sc.grads.levels), short(sc.optim.levels) + by, r.algo.value,
                   human_bytes(c.memory), human_bytes(r.inter), human_bytes(r.intra), duration(c.step_time))
     con.print(t)
     if len(fit) > 1:
