@@ -12,6 +12,5 @@ CODEC_ROWS = 1 << 20            # [Note: codec batches]: elements a quantized co
 # encodes or decodes its s chunks as rows of one tensor, in batches of at most CODEC_ROWS
 # elements (and at least one row), so the codec's float temporaries are bounded by a batch,
 # never by the whole collective. runtime/quant.py `ROWS_AT_ONCE` reads this bound. 2^20
-# elements (4 MiB fp32 copies), not 2^24: copies of 64 MiB came back from the OS as fresh
-# pages at every call, a third of hpZ's bench step (runtime/quant.py [Note: the codec
-# batch's size]).
+# elements (4 MiB fp32 copies), not 2^24: larger copies came back from the OS as fresh
+# pages at every call (runtime/quant.py [Note: the codec batch's size]).

@@ -26,9 +26,10 @@ unit). A row is coded exactly as the 1-D functions code it (they are the one-row
 ROWS_AT_ONCE is the lowering's CODEC_ROWS (shardc.lowering.peak_facts), 2^20 elements: a
 batch's fp32 working copies are 4 MiB each. At 2^24 (64 MiB copies) every call allocated
 and freed working copies past glibc's mmap threshold, so each came back as fresh
-zero-filled pages: hpZ's bench step (bench model, 2 nodes x 4) took 1.45-1.55x as long as
-with one call per rank, the extra time in the micro-batches' CPU (page faults), the bytes
-on the wire unchanged (docs/BENCHMARKS.md, "hpZ (zeropp) against e24a095").
+zero-filled pages: hpZ's micro-batches (bench model, 2 nodes x 2, loopback gloo) took a
+median 0.511 CPU s a rank and 45k page faults, against 0.384 s and 3.9k with one call per
+rank (e24a095) and 0.429 s and 6.1k at 2^20; the collectives and bytes are the same
+(docs/BENCHMARKS.md, "hpZ (zeropp) against e24a095").
 
 [Note: codec batches on meta]
 On the meta device (a simulated rank, runtime/simulation.py) there are no values to code,
