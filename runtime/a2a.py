@@ -38,7 +38,7 @@ def qgz_send(inp: torch.Tensor, s: int, dtype: DType, out: torch.Tensor | None =
     m = inp.numel() // s
     if out is None:
         out = inp.new_empty(s, quant.shard_payload_bytes(m, dtype), dtype=torch.uint8)
-    for lo, hi in quant.row_batches(s, m):         # rows at once: runtime/quant.py
+    for lo, hi in quant.row_batches(s, m, inp.device):     # rows at once: runtime/quant.py
         quant.quantize_rows(inp.view(s, m)[lo:hi], dtype, out=out[lo:hi])
     return out
 
@@ -48,6 +48,6 @@ def qgz_sum(recv: torch.Tensor, m: int, dtype: DType) -> torch.Tensor:
     rank's m-element chunk of the reduce-scatter."""
     s = recv.shape[0]
     acc = torch.zeros(m, dtype=torch.float32, device=recv.device)
-    for lo, hi in quant.row_batches(s, m):
+    for lo, hi in quant.row_batches(s, m, recv.device):
         acc += quant.dequantize_rows(recv[lo:hi], m, dtype).sum(0)
     return acc

@@ -239,7 +239,7 @@ def _ag_plan(out, inp, mesh, key, algo, comm, s):
 
         def decode():                            # rows at once (runtime/quant.py [Note: rows at once])
             rows, got = out.view(s, m), gathered.view(s, p)
-            for lo, hi in quant.row_batches(s, m):
+            for lo, hi in quant.row_batches(s, m, got.device):
                 rows[lo:hi].copy_(quant.dequantize_rows(got[lo:hi], m, comm))
         return _ag_bytes(gathered, payload, mesh, key, algo), decode
     cdt = torch_dtype(comm)

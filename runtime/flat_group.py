@@ -125,7 +125,7 @@ class FlatGroup:
 
         def decode():                                # rows at once (runtime/quant.py)
             rows, payloads = st.full_data.view(s_q, m), got.view(s_q, p4)
-            for lo, hi in quant.row_batches(s_q, m):
+            for lo, hi in quant.row_batches(s_q, m, payloads.device):
                 rows[lo:hi].copy_(quant.dequantize_rows(payloads[lo:hi], m, qd))
         return ThenWork(work, decode)
 

@@ -21,6 +21,23 @@ call per rank: at 1024 ranks such a loop was most of a simulated step (docs/simu
 The number of calls follows the unit's size, not the group's, and the codec's fp32 working
 copies stay bounded (coding every row at once would hold several fp32 copies of a whole
 unit). A row is coded exactly as the 1-D functions code it (they are the one-row case).
+
+[Note: the codec batch's size]
+ROWS_AT_ONCE is the lowering's CODEC_ROWS (shardc.lowering.peak_facts), 2^20 elements: a
+batch's fp32 working copies are 4 MiB each. At 2^24 (64 MiB copies) every call allocated
+and freed working copies past glibc's mmap threshold, so each came back as fresh
+zero-filled pages: hpZ's micro-batches (bench model, 2 nodes x 2, loopback gloo) took a
+median 0.511 CPU s a rank and 45k page faults, against 0.384 s and 3.9k with one call per
+rank (e24a095) and 0.429 s and 6.1k at 2^20; the collectives and bytes are the same
+(docs/BENCHMARKS.md, "hpZ (zeropp) against e24a095").
+
+[Note: codec batches on meta]
+On the meta device (a simulated rank, runtime/simulation.py) there are no values to code,
+so a quantized collective codes only its first batch: the largest one, whose temporaries
+are the collective's codec peak (each batch's are freed before the next's), so the
+simulated peak is the real run's while the calls stay one per collective, not one per
+batch (a 1024-rank simulated hpZ rank of LLaMA-65B's width: 1024 one-row batches per
+collective at 2^20 elements, 24 CPU s a step against 1.5 s).
 """
 from __future__ import annotations
 
@@ -30,19 +47,23 @@ import torch
 
 from shardc.dsl.ir import DType
 from shardc.lowering import BLOCK, code_bytes, payload_bytes, shard_payload_bytes  # noqa: F401 (re-exported)
+from shardc.lowering.peak_facts import CODEC_ROWS
 
 # The payload layout's sizes (BLOCK, `shard_payload_bytes`) and the ledger's byte formula
 # (`payload_bytes`) are owned by the lowering; the codecs below follow them.
 
 
-ROWS_AT_ONCE = 1 << 24          # elements coded per call ([Note: rows at once])
+ROWS_AT_ONCE = CODEC_ROWS       # elements coded per call ([Note: rows at once]); the lowering's bound
 
 
-def row_batches(rows: int, m: int) -> list[tuple[int, int]]:
+def row_batches(rows: int, m: int, device: torch.device | str | None = None) -> list[tuple[int, int]]:
     """[lo, hi) ranges of `rows` rows of m elements, each at most ROWS_AT_ONCE elements (and
-    at least one row)."""
+    at least one row); on the meta device only the first ([Note: codec batches on meta])."""
     k = max(1, ROWS_AT_ONCE // max(m, 1))
-    return [(lo, min(lo + k, rows)) for lo in range(0, rows, k)]
+    batches = [(lo, min(lo + k, rows)) for lo in range(0, rows, k)]
+    if device is not None and torch.device(device).type == "meta":
+        return batches[:1]
+    return batches
 
 
 def _qmax(dtype: DType) -> int:

@@ -256,6 +256,10 @@ def test_codec_rows_are_the_one_row_codec():
         assert [lo for lo, _ in batches] + [rows] == [0] + [hi for _, hi in batches]
         assert all((hi - lo) * m <= quant.ROWS_AT_ONCE or hi - lo == 1 for lo, hi in batches)
         assert len(batches) == math.ceil(rows / max(1, quant.ROWS_AT_ONCE // m))
+        # on meta (a simulated rank) only the first, the largest: its temporaries are the
+        # collective's codec peak, with one call whatever the group ([Note: codec batches on meta])
+        assert quant.row_batches(rows, m, "meta") == batches[:1]
+        assert quant.row_batches(rows, m, "cpu") == batches
 
 
 def _error(capsys, argv):
