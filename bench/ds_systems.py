@@ -81,7 +81,7 @@ def _bytes(t) -> int:
 
 def deepspeed_system(name: str, model: nn.Module, nodes: int, per_node: int, accumulate: int,
                      micro_batch: int, adamw):
-    from systems import System
+    from system import System
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")

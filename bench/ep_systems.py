@@ -39,6 +39,7 @@ import importlib
 from torch import nn
 
 from models import block_modules
+from system import System, adamw, fsdp2_pending_grad_bytes, state_bytes
 
 
 def ep_degree(value: str, per_node: int) -> int:
@@ -100,8 +101,6 @@ def fsdp2_ep(model: nn.Module, nodes: int, per_node: int, ep: int):
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
     from torch.distributed.tensor import Shard
 
-    from systems import System, _adamw, fsdp2_pending_grad_bytes, state_bytes
-
     _, efsdp, ep_mesh, world = ep_meshes(nodes, per_node, ep)
     place_experts(model, ep_mesh)
     dense, expert = local_numels(model)          # before FSDP2 shards them further
@@ -122,7 +121,7 @@ def fsdp2_ep(model: nn.Module, nodes: int, per_node: int, ep: int):
         model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
-    opt = _adamw(model.parameters())
+    opt = adamw(model.parameters())
     return System(f"fsdp2:full+ep{ep}", model, opt, micro, memory=lambda: state_bytes(model, opt),
                   pending=lambda: fsdp2_pending_grad_bytes(model),
                   extra={"mesh": [["node", nodes], ["gpu", per_node]], "ep": ep,

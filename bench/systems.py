@@ -26,34 +26,20 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from models import ROOT, block_list, block_modules
+from system import LR, System, adamw, fsdp2_pending_grad_bytes, state_bytes
 import shardc.algorithms as algorithms
 from shardc.dsl.ir import Collectives, MeshDims, Strategy
 
-LR = 3e-4
 ALGOS = ("auto", *algorithms.names())     # `shardc:NAME@ALGO` overrides `collectives`
 
 
-@dataclass
-class System:
-    name: str
-    model: nn.Module
-    opt: torch.optim.Optimizer
-    micro: object                 # micro(i, last) -> context manager for micro-batch i
-    ledger: object = None         # () -> list of LedgerRecord-like (shardc), else None
-    reset_ledger: object = None
-    memory: object = None         # () -> bytes per rank (params + grads + optim)
-    pending: object = None        # () -> extra gradient bytes held between micro-batches
-    strategy: object = None       # shardc Strategy (for link bytes), else None
-    tp: int = 1                   # tensor-parallel degree: ranks rank//tp*tp.. read one batch
-    extra: dict = field(default_factory=dict)
-    backward: object = None       # (loss) -> None instead of loss.backward() (bench/ds_systems.py)
 
 
 PEERS = ("fsdp2:full", "fsdp2:hsdp", "ddp",
@@ -139,55 +125,6 @@ def parse_system(name: str) -> SystemName:
     return SystemName(base, tp, compile="compile" in flags, inductor="inductor" in flags, ep=ep)
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    if hasattr(t, "to_local"):            # DTensor: what this rank actually holds
-        t = t.to_local()
-    return t.numel() * t.element_size()
-
-
-def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Params + grads + optimizer-state tensors held by this rank (tied params once)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        total += tensor_bytes(p)
-        if p.grad is not None:
-            total += tensor_bytes(p.grad)
-    for st in opt.state.values():
-        for v in st.values():
-            if torch.is_tensor(v) and v.dim() > 0:
-                total += tensor_bytes(v)
-    return total
-
-
-def fsdp2_pending_grad_bytes(model: nn.Module) -> int:
-    """Unsharded gradients FSDP2 holds between micro-batches when gradient sync is off.
-
-    With `set_requires_gradient_sync(False)` FSDP2 keeps each parameter's full-size
-    gradient (on its unsharded parameter, or in `unsharded_accumulated_grad` with a
-    reduce dtype) until the synchronising micro-batch; these are not visible through
-    `model.parameters()`, whose sharded DTensors have no grad yet.
-    """
-    total = 0
-    for m in model.modules():
-        get_state = getattr(m, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
-        for group in get_state()._fsdp_param_groups:
-            for fp in group.fsdp_params:
-                up = getattr(fp, "_unsharded_param", None)
-                for t in (up.grad if up is not None else None, fp.unsharded_accumulated_grad):
-                    if t is not None:
-                        total += tensor_bytes(t)
-    return total
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
-
-
 def compile_blocks(model: nn.Module) -> nn.Module:
     """torchtitan's `apply_compile`: each block replaced in its block list by
     `torch.compile(block, fullgraph=True)` ([Note: system suffixes])."""
@@ -229,7 +166,7 @@ def fsdp2(model: nn.Module, nodes: int, per_node: int, hybrid: bool, tp: int = 1
         model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
-    opt = _adamw(model.parameters())
+    opt = adamw(model.parameters())
     name = ("fsdp2:hsdp" if hybrid else "fsdp2:full") + (f"+tp{tp}" if tp > 1 else "") + ("+compile" if compiled else "")
     return System(name, model, opt, micro, memory=lambda: state_bytes(model, opt),
                   pending=lambda: fsdp2_pending_grad_bytes(model), tp=tp, extra=extra)
@@ -244,7 +181,7 @@ def ddp(model: nn.Module, compiled: bool = False) -> System:
     def micro(i: int, last: bool):
         return contextlib.nullcontext() if last else wrapped.no_sync()
 
-    opt = _adamw(wrapped.parameters())
+    opt = adamw(wrapped.parameters())
     run = torch.compile(wrapped) if compiled else wrapped
     return System("ddp+compile" if compiled else "ddp", run, opt, micro, memory=lambda: state_bytes(wrapped, opt))
 
@@ -330,7 +267,7 @@ def build_system(name: str, model: nn.Module, nodes: int, per_node: int, example
         return ddp(model, compiled=n.compile)
     if n.base.startswith("deepspeed:"):
         from ds_systems import deepspeed_system
-        return deepspeed_system(n.base, model, nodes, per_node, accumulate, MICRO_BATCH.get("value", 1), _adamw)
+        return deepspeed_system(n.base, model, nodes, per_node, accumulate, MICRO_BATCH.get("value", 1), adamw)
     return shardc_system(model, n.base.split(":", 1)[1], example, accumulate, nodes, per_node, n.tp, n.inductor, ep)
 
 

@@ -67,19 +67,19 @@ Without torchtitan every check prints one sentence saying so and exits with stat
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
+from titan_common import OPTIMS, error, get_rank, get_world, make_opt, plain, rel_err, say, tol, two_level, verdict  # noqa: E402
+from titan_llama import (ROOT, batches, bit_equal, references, sharded, strategy, titan_init,  # noqa: E402
+                         train)
+from torchtitan_checkpoints import check_dcp_resume, check_dcp_save, check_fsdp2, check_torch_save  # noqa: E402
 sys.path[:0] = [ROOT]
-STRATEGIES = os.path.join(ROOT, "examples", "strategies")
+
 CHECKS = ("parity", "full", "meta-init", "dcp-save", "dcp-resume", "fsdp2", "torch-save")
-OPTIMS = {"adamw": ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
-          "sgd": ("SGD", dict(lr=0.1, momentum=0.9, weight_decay=0.01))}
-TOL = 1e-5          # fp32 rounding of a different reduction order
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -95,199 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# -- model, data, reference -----------------------------------------------------------------
-def build(args, seed: int):
-    """torchtitan's Llama 3 debugmodel (fused QKV, SDPA, fp32) on CPU, torchtitan's init."""
-    import torch
-    from torchtitan.experiments.graph_trainer.llama3 import model_registry
-    spec = model_registry("debugmodel", attn_backend="sdpa")
-    spec.model.layers = spec.model.layers[:args.layers]
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = spec.model.build()
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    return model
-
-
-def vocab() -> int:
-    from torchtitan.experiments.graph_trainer.llama3 import model_registry
-    return model_registry("debugmodel", attn_backend="sdpa").model.vocab_size
-
-
-def batches(args, steps: int, offset: int = 0):
-    import torch
-    g, v = torch.Generator().manual_seed(11), vocab()
-    xs = [torch.randint(0, v, (args.global_batch, args.seq + 1), generator=g) for _ in range(offset + steps)]
-    return xs[offset:]
-
-
-def make_opt(kind: str, params):
-    import torch
-    cls, kw = OPTIMS[kind]
-    return getattr(torch.optim, cls)(params, **kw)
-
-
-def train_micro(model, tok, div: int = 1) -> None:
-    import torch.nn.functional as F
-    x, y = tok[:, :-1], tok[:, 1:]
-    (F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / div).backward()
-
-
-def train(model, opt, xs, rank: int = 0, world: int = 1) -> None:
-    for tok in xs:
-        train_micro(model, tok.chunk(world)[rank])
-        opt.step()
-        opt.zero_grad()
-
-
-def plain(d: dict) -> dict:
-    import torch
-    from torch.distributed.tensor import DTensor
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, DTensor):
-            v = v.full_tensor()                     # a collective (FSDP2's, or shardc's pieces)
-        if isinstance(v, torch.Tensor):
-            v = v.detach().clone()
-        out[k] = v
-    return out
-
-
-def reference(args, kind: str, steps: int, marks=(), chunks: int = 1):
-    """Single process on the concatenated batches: {step: (state_dict, optimizer state by
-    parameter name)} at each step in `marks` and at `steps`. With `chunks` > 1 each step's
-    gradient is accumulated over that many chunks of the batch (what data parallelism
-    computes, summed in another order): its distance to `chunks=1` is the float32 floor."""
-    model = build(args, 0)
-    opt = make_opt(kind, model.parameters())
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = {}
-    xs = batches(args, steps)
-    for i in range(steps + 1):
-        if i in marks or i == steps:
-            out[i] = (plain(model.state_dict()),
-                      {names[id(p)]: plain(st) for p, st in opt.state.items()})
-        if i < steps:
-            for c in range(chunks):
-                train_micro(model, xs[i].chunk(chunks)[c], chunks)
-            opt.step()
-            opt.zero_grad()
-    return out
-
-
-def references(args, kind: str, steps: int, marks=(), world: int = 1):
-    """The reference, and the floors: params and optimizer-state errors of the same run
-    accumulated over `world` chunks, at each mark."""
-    ref = reference(args, kind, steps, marks)
-    alt = reference(args, kind, steps, marks, chunks=world)
-    floor = {i: (rel_err(alt[i][0], ref[i][0])[0], optim_err(alt[i][1], ref[i][1])[0]) for i in ref}
-    return ref, floor
-
-
-def tol(floor: float) -> float:
-    """Pass mark: float32 rounding (1e-5), or 3x the floor where the optimizer amplifies it
-    (Adam's first steps move each element by about lr * sign(g): an element whose gradient
-    is near zero flips with the summation order)."""
-    return max(TOL, 3 * floor)
-
-
-def rel_err(got: dict, want: dict) -> tuple[float, str]:
-    """Max over tensor entries of ||a - b|| / ||b||, and the worst key."""
-    import torch
-    worst, where = 0.0, ""
-    for k, w in want.items():
-        if not isinstance(w, torch.Tensor) or w.dim() == 0:
-            continue
-        g = got[k]
-        e = float((g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-12))
-        if e > worst:
-            worst, where = e, k
-    return worst, where
-
-
-def bit_equal(got: dict, want: dict) -> bool:
-    import torch
-    return list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
-
-
-def optim_err(got_state: dict, want_state: dict) -> tuple[float, bool]:
-    """Relative error of every tensor state (moments), and whether every `step` agrees."""
-    worst, steps_ok = 0.0, set(got_state) == set(want_state)
-    for name, st in want_state.items():
-        g = got_state.get(name, {})
-        e, _ = rel_err({k: g[k] for k in st if k in g and k != "step"},
-                       {k: v for k, v in st.items() if k != "step" and k in g})
-        worst = max(worst, e)
-        steps_ok &= set(g) == set(st) and float(g.get("step", -1)) == float(st.get("step", -2))
-    return worst, steps_ok
-
-
-# -- shardc --------------------------------------------------------------------------------
-def strategy(name: str, mesh: str):
-    """An example strategy with quantization off (tests/test_runtime_util.py's `strategy`)."""
-    import shardc
-    from shardc.dsl.ir import DType
-    file = {"hpz": "zeropp"}.get(name, name)
-    s = shardc.load_strategy(os.path.join(STRATEGIES, f"{file}.shard"), mesh=mesh)
-    p, g = s.params, s.grads
-    sec = p.secondary and dataclasses.replace(p.secondary, quant=None)
-    p = dataclasses.replace(p, comm=DType.FP32, secondary=sec)
-    g = dataclasses.replace(g, comm=DType.FP32)
-    return dataclasses.replace(s, scopes=dataclasses.replace(s.scopes, params=p, grads=g), accumulate=1)
-
-
-def two_level(world: int) -> str:
-    return f"node(2) > gpu({world // 2})"
-
-
-def sharded(args, name: str, mesh: str, seed: int):
-    import torch
-    import shardc
-    x = torch.zeros(args.global_batch // _world(), args.seq, dtype=torch.long)
-    return shardc.compile(build(args, seed), strategy(name, mesh), example_inputs=(x,), timeout=1800)
-
-
-def _world() -> int:
-    import torch.distributed as dist
-    return dist.get_world_size()
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-    return dist.get_rank()
-
-
-def say(line: str) -> None:
-    if _rank() == 0:
-        print(line, flush=True)
-
-
-# -- checks --------------------------------------------------------------------------------
-def _fmt(c: dict) -> str:
-    if "error" in c:
-        return c["error"]
-    def one(k, v):
-        if isinstance(v, float):
-            return f"{k} {v:.1f}" if k == "seconds" or k.endswith("_s") else f"{k} {v:.2e}"
-        return f"{k} {v}"
-    return ", ".join(one(k, v) for k, v in c.items() if k != "ok")
-
-
-def _verdict(ok: bool) -> str:
-    return "ok" if ok else "FAIL"
-
-
-def _error(e: Exception) -> dict:
-    if _rank() == 0:
-        import traceback
-        traceback.print_exc()
-    return dict(error=f"{type(e).__name__}: {' '.join(str(e).split())[:800]}", ok=False)
-
-
 def check_parity(args) -> dict:
-    world, rank = _world(), _rank()
+    world, rank = get_world(), get_rank()
     meshes = {"zero3": two_level(world), "paro_iig": two_level(world), "hpz": two_level(world),
               "zero_topo": f"node(2) > gpu({world // 4}) > gcd(2)"}
     out = {}
@@ -316,14 +125,14 @@ def check_parity(args) -> dict:
             say(f"parity {name:<9} {kind:<5} on {meshes[name]} ({world} ranks): keys equal {keys} "
                 f"({len(got)}, wq/wk/wv: {sum('.wq.' in k or '.wk.' in k or '.wv.' in k for k in got)}), "
                 f"max rel err {err:.2e} ({where}); compile {r['compile_s']:.1f} s, {args.steps} steps "
-                f"{r['train_s']:.1f} s  {_verdict(r['ok'])}")
+                f"{r['train_s']:.1f} s  {verdict(r['ok'])}")
             del sm, opt
     return out
 
 
 def check_full(args) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    world, rank = _world(), _rank()
+    world, rank = get_world(), get_rank()
     mesh = two_level(world)
     ref, floor = references(args, "adamw", args.steps, marks=(0,), world=world)
     t0 = time.perf_counter()
@@ -342,7 +151,7 @@ def check_full(args) -> dict:
             tsd = plain(get_model_state_dict(sm, options=opts))
             torch_ok = bit_equal(tsd, full) if rank == 0 else not tsd
         except Exception as e:                          # noqa: BLE001
-            tsd, torch_ok = None, _error(e)["error"]
+            tsd, torch_ok = None, error(e)["error"]
         t_torch = time.perf_counter() - t0
         want = ref[i][0]
         r = dict(keys_equal=list(full) == list(want), bit_equal=bit_equal(full, want),
@@ -355,21 +164,8 @@ def check_full(args) -> dict:
         say(f"full {when}: full_state_dict() keys equal {r['keys_equal']}, bit-equal to the plain model's "
             f"state_dict() {r['bit_equal']}, max rel err {r['max_rel_err']:.2e} (floor {r['floor']:.2e}; "
             f"{t_full:.2f} s); get_model_state_dict(full_state_dict, cpu_offload) bit-equal to "
-            f"full_state_dict() on rank 0 (empty elsewhere): {torch_ok} ({t_torch:.2f} s)  {_verdict(r['ok'])}")
+            f"full_state_dict() on rank 0 (empty elsewhere): {torch_ok} ({t_torch:.2f} s)  {verdict(r['ok'])}")
     return out
-
-
-def titan_init(m) -> None:
-    """torchtitan's own init of one module: what its `Module.init_states` runs for each module
-    after its children (`_init_self_parameters`, `_init_self_buffers`); a plain nn.Module's
-    `reset_parameters()`."""
-    import torch
-    from torchtitan.protocols.module import Module
-    if isinstance(m, Module):
-        m._init_self_parameters()
-        m._init_self_buffers(buffer_device=torch.device("cpu"))
-    elif callable(getattr(m, "reset_parameters", None)):
-        m.reset_parameters()
 
 
 def check_meta_init(args) -> dict:
@@ -385,7 +181,7 @@ def check_meta_init(args) -> dict:
         spec.model.layers = spec.model.layers[:args.layers]
         with torch.device("meta"):
             return spec.model.build()
-    world = _world()
+    world = get_world()
     x = batches(args, 1)[0][:2, :-1]
     model = meta()
     torch.manual_seed(11)
@@ -403,260 +199,8 @@ def check_meta_init(args) -> dict:
         logits = float((sm(x) - ref(x)).abs().max())
     ok = bit_equal(full, plain(ref.state_dict())) and logits == 0.0
     say(f"meta-init: values bit-equal to one process's to_empty + apply(titan_init) {ok}, logits differ by "
-        f"{logits:.1e} (compile and init {secs:.1f} s)  {_verdict(ok)}")
+        f"{logits:.1e} (compile and init {secs:.1f} s)  {verdict(ok)}")
     return dict(bit_equal=ok, logits_diff=logits, seconds=secs, ok=ok)
-
-
-def _torch_recipe_save(model, opt, path, flatten=False):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-
-
-def _torch_recipe_load(model, opt, path, flatten=False):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
-    msd, osd = get_state_dict(model, opt, options=options)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
-
-
-def _sm_state(sm, opt) -> tuple[dict, dict]:
-    return plain(sm.full_state_dict()), {n: plain(st) for n, st in sm.full_optim_state_dict(opt)["state"].items()}
-
-
-def _same(got: tuple[dict, dict], saved: tuple[dict, dict]) -> bool:
-    """Parameters (state-dict keys) and optimizer states bit for bit."""
-    (gp, gs), (sp, ss) = got, saved
-    return bit_equal(gp, sp) and set(gs) == set(ss) and all(_same_state(gs[n], ss[n]) for n in ss)
-
-
-def _same_state(got: dict, saved: dict) -> bool:
-    """One parameter's optimizer state: tensors bit for bit, `step` by value."""
-    import torch
-    if set(got) != set(saved):
-        return False
-    for k, v in saved.items():
-        g = got[k]
-        if k == "step" or not isinstance(v, torch.Tensor) or v.dim() == 0:
-            if float(g) != float(v):
-                return False
-        elif not torch.equal(g, v):
-            return False
-    return True
-
-
-def _against(got: tuple[dict, dict], want: tuple[dict, dict], floor: tuple[float, float]) -> dict:
-    (gp, gs), (wp, ws) = got, want
-    p = rel_err(gp, wp)[0] if list(gp) == list(wp) else float("inf")
-    m, steps_ok = optim_err(gs, ws)
-    return dict(params=p, moments=m, steps_equal=steps_ok, floor_params=floor[0], floor_moments=floor[1],
-                ok=p <= tol(floor[0]) and m <= tol(floor[1]) and steps_ok)
-
-
-def check_dcp_save(args) -> dict:
-    import torch
-    world, rank = _world(), _rank()
-    mesh = two_level(world)
-    sm = sharded(args, "zero3", mesh, seed=0)
-    opt = make_opt("adamw", sm.parameters())
-    train(sm, opt, batches(args, args.steps), rank, world)
-    path = os.path.join(args.dir, "shardc_zero3")
-    t0 = time.perf_counter()
-    _torch_recipe_save(sm, opt, path)
-    r = dict(mesh=mesh, world=world, save_s=time.perf_counter() - t0)
-    saved = _sm_state(sm, opt)
-    if rank == 0:                                   # what the resume must hold after its load, bit for bit
-        torch.save(dict(state=saved, world=world), path + ".full.pt")
-    ref, floor = references(args, "adamw", args.steps, world=world)
-    r["at_save"] = _against(saved, ref[args.steps], floor[args.steps])
-    r["ok"] = r["at_save"]["ok"]
-    say(f"dcp-save zero3 on {mesh} ({world} ranks): {args.steps} AdamW steps, get_state_dict + dcp.save "
-        f"into {path} in {r['save_s']:.2f} s; against the reference: {_fmt(r['at_save'])}  {_verdict(r['ok'])}")
-    return r
-
-
-def check_dcp_resume(args) -> dict:
-    import torch
-    world, rank = _world(), _rank()
-    mesh = two_level(world)
-    path = os.path.join(args.dir, "shardc_zero3")
-    saved = torch.load(path + ".full.pt")
-    ref, floor = references(args, "adamw", 2 * args.steps, marks=(args.steps,), world=world)
-    sm = sharded(args, "paro_iig", mesh, seed=100 + rank)
-    opt = make_opt("adamw", sm.parameters())
-    t0 = time.perf_counter()
-    _torch_recipe_load(sm, opt, path)
-    r = dict(mesh=mesh, world=world, saved_world=saved["world"], load_s=time.perf_counter() - t0)
-    r["after_load_bit_equal_to_save"] = _same(_sm_state(sm, opt), saved["state"])
-    t0 = time.perf_counter()
-    train(sm, opt, batches(args, args.steps, args.steps), rank, world)
-    r["train_s"] = time.perf_counter() - t0
-    r["after_resume"] = _against(_sm_state(sm, opt), ref[2 * args.steps], floor[2 * args.steps])
-    r["ok"] = r["after_load_bit_equal_to_save"] and r["after_resume"]["ok"]
-    say(f"dcp-resume paro_iig on {mesh} ({world} ranks) from zero3 at {saved['world']} ranks ({path}): "
-        f"get_state_dict + dcp.load + set_state_dict {r['load_s']:.2f} s; params and AdamW state bit-equal to "
-        f"the saved run's: {r['after_load_bit_equal_to_save']}; after {args.steps} more steps "
-        f"({r['train_s']:.1f} s) against the uninterrupted {2 * args.steps}-step run: {_fmt(r['after_resume'])}  "
-        f"{_verdict(r['ok'])}")
-    return r
-
-
-# -- FSDP2, torchtitan's way --------------------------------------------------------------------
-def _fsdp2(args, seed):
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    model = build(args, seed)
-    mesh = init_device_mesh("cpu", (_world(),), mesh_dim_names=("dp_shard",))
-    for layer in model.layers.values():
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    cls, kw = OPTIMS["adamw"]
-    opt = getattr(torch.optim, cls)(model.named_parameters(), **kw)   # torchtitan builds it with names
-    return model, opt
-
-
-def _fsdp2_save(model, opt, path):
-    """torchtitan's checkpointer: `ModelWrapper.state_dict()` (= model.state_dict(), hooks
-    and all) and `OptimizersContainer.state_dict()` (its flat FQN-keyed optimizer dict)."""
-    import torch.distributed.checkpoint as dcp
-    from torchtitan.components.checkpointer.base import ModelWrapper
-    from torchtitan.components.optimizer.utils import get_flat_optim_state_dict, init_optim_state
-    init_optim_state(opt)
-    dcp.save({"model": ModelWrapper(model).state_dict(), "optim": get_flat_optim_state_dict(opt)},
-             checkpoint_id=path)
-
-
-def _fsdp2_load(model, opt, path):
-    import torch.distributed.checkpoint as dcp
-    from torchtitan.components.checkpointer.base import ModelWrapper
-    from torchtitan.components.optimizer.utils import (get_flat_optim_state_dict, init_optim_state,
-                                                        load_flat_optim_state_dict)
-    wrapper = ModelWrapper(model)
-    init_optim_state(opt)
-    state = {"model": wrapper.state_dict(), "optim": get_flat_optim_state_dict(opt)}
-    dcp.load(state, checkpoint_id=path)
-    wrapper.load_state_dict(state["model"])                          # model.load_state_dict(strict=False)
-    load_flat_optim_state_dict(opt, state["optim"])
-
-
-def _fsdp2_state(model, opt) -> tuple[dict, dict]:
-    params = plain(model.state_dict())
-    names = {id(p): n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
-    return params, {names[id(p)]: plain(st) for p, st in opt.state.items()}
-
-
-def check_fsdp2(args) -> dict:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    world, rank = _world(), _rank()
-    mesh = two_level(world)
-    ref, floor = references(args, "adamw", 2 * args.steps, marks=(args.steps,), world=world)
-    first, second = batches(args, args.steps), batches(args, args.steps, args.steps)
-    end = (ref[2 * args.steps], floor[2 * args.steps])
-    out = {}
-    # FSDP2 -> shardc
-    model, opt = _fsdp2(args, seed=0)
-    train(model, opt, first, rank, world)
-    saved = _fsdp2_state(model, opt)
-    out["fsdp2_at_save"] = _against(saved, ref[args.steps], floor[args.steps])
-    path = os.path.join(args.dir, "fsdp2_torchtitan")
-    _fsdp2_save(model, opt, path)
-    say(f"fsdp2 (1-D mesh of {world}) {args.steps} AdamW steps against the reference: {_fmt(out['fsdp2_at_save'])}; "
-        f"saved torchtitan's way into {path}")
-    del model, opt
-    r = out["fsdp2_to_shardc"] = {}
-    for tag in ("model+optim", "model only"):
-        sm = sharded(args, "paro_iig", mesh, seed=100 + rank)
-        sopt = make_opt("adamw", sm.parameters())
-        try:
-            if tag == "model+optim":
-                _torch_recipe_load(sm, sopt, path, flatten=True)
-                c = dict(after_load_bit_equal_to_save=_same(_sm_state(sm, sopt), saved))
-            else:
-                state = {"model": get_model_state_dict(sm)}
-                dcp.load(state, checkpoint_id=path)
-                set_model_state_dict(sm, state["model"])
-                c = dict(after_load_bit_equal_to_save=bit_equal(plain(sm.full_state_dict()), saved[0]))
-            train(sm, sopt, second, rank, world)
-            c.update(_against(_sm_state(sm, sopt), *end))
-            if tag == "model only":                    # fresh moments: only the load itself counts
-                c = dict(after_load_bit_equal_to_save=c["after_load_bit_equal_to_save"],
-                         ok=c["after_load_bit_equal_to_save"])
-            else:
-                c["ok"] = c["ok"] and c["after_load_bit_equal_to_save"]
-        except Exception as e:                          # noqa: BLE001 — reported, the other checks go on
-            c = _error(e)
-        r[tag] = c
-        say(f"fsdp2 -> shardc ({tag}: shardc paro_iig on {mesh} loads with get_state_dict(flatten_optimizer_"
-            f"state_dict=True) + dcp.load + set_state_dict): {_fmt(c)}  {_verdict(c['ok'])}")
-        del sm, sopt
-        if c["ok"]:
-            break
-    # shardc -> FSDP2
-    sm = sharded(args, "paro_iig", mesh, seed=0)
-    sopt = make_opt("adamw", sm.parameters())
-    train(sm, sopt, first, rank, world)
-    path = os.path.join(args.dir, "shardc_for_fsdp2")
-    try:
-        _torch_recipe_save(sm, sopt, path, flatten=True)
-        saved = _sm_state(sm, sopt)
-        if rank == 0:                               # for --check torch-save
-            import torch
-            torch.save(dict(state=saved, world=world), path + ".full.pt")
-        model, opt = _fsdp2(args, seed=5)
-        _fsdp2_load(model, opt, path)
-        c = dict(after_load_bit_equal_to_save=_same(_fsdp2_state(model, opt), saved))
-        train(model, opt, second, rank, world)
-        c.update(_against(_fsdp2_state(model, opt), *end))
-        c["ok"] = c["ok"] and c["after_load_bit_equal_to_save"]
-    except Exception as e:                              # noqa: BLE001
-        c = _error(e)
-    out["shardc_to_fsdp2"] = c
-    say(f"shardc -> fsdp2 (shardc paro_iig on {mesh} saves with get_state_dict(flatten_optimizer_state_dict="
-        f"True) + dcp.save; FSDP2 loads torchtitan's way): {_fmt(c)}  {_verdict(c['ok'])}")
-    out["ok"] = out["fsdp2_at_save"]["ok"] and out["shardc_to_fsdp2"]["ok"] and \
-        any(v["ok"] for v in out["fsdp2_to_shardc"].values())
-    return out
-
-
-def check_torch_save(args) -> dict:
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    out = {}
-    for name in ("shardc_zero3", "shardc_for_fsdp2"):
-        src = os.path.join(args.dir, name)
-        if not os.path.isdir(src):
-            continue
-        dst = os.path.join(args.dir, f"{name}.pt")
-        t0 = time.perf_counter()
-        try:
-            dcp_to_torch_save(src, dst)
-            model = build(args, 9)
-            res = model.load_state_dict(torch.load(dst)["model"], strict=True)
-            got = plain(model.state_dict())
-            r = dict(load=str(res), seconds=time.perf_counter() - t0)
-            full = torch.load(src + ".full.pt")             # the saving run's own full_state_dict()
-            r["bit_equal_to_saved_run"] = bit_equal(got, full["state"][0])
-            world = full["world"]
-            ref, floor = references(args, "adamw", args.steps, world=world)
-            want = ref[args.steps][0]
-            r.update(keys_equal=list(got) == list(want), max_rel_err=rel_err(got, want)[0],
-                     floor=floor[args.steps][0])
-            r["ok"] = r["keys_equal"] and r["max_rel_err"] <= tol(r["floor"]) and r["bit_equal_to_saved_run"]
-        except Exception as e:                          # noqa: BLE001
-            r = dict(error=f"{type(e).__name__}: {' '.join(str(e).split())[:800]}", ok=False)
-        out[name] = r
-        print(f"torch-save {src} -> {dst}, load_state_dict(strict=True) into the plain model: {_fmt(r)}  "
-              f"{_verdict(r['ok'])}", flush=True)
-    if not out:
-        print(f"torch-save: no shardc checkpoint under {args.dir} (run --check dcp-save first)", flush=True)
-    out["ok"] = bool(out) and all(v["ok"] for v in out.values())
-    return out
 
 
 def main(argv=None) -> int:
