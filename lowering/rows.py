@@ -22,6 +22,18 @@ update all-gather in the params' dtype. (Until 2026-11-27 they defaulted to fp32
 strategy sent twice the bytes its ledger recorded for them and cast each unit's shard to an
 fp32 copy, every update all-gather's in flight at once after opt.step(): a simulated
 LLaMA-65B rank under ZeRO-2 in bf16 held 261 GB of those copies, docs/simulate.md.)
+
+[Note: the master is the params shard]
+Where a trainable group's params are not fp32, are gathered (s_P > 1) and sharded exactly
+as its optimizer states (s_P = s_OS: ZeRO-3, MiCS, HSDP), this rank's params chunk and its
+OS chunk are the same elements. The group then keeps one copy of them, the fp32 master, as
+its params shard, and casts it to the params dtype on the way into each forward (and
+backward) all-gather, as FSDP2 does under `MixedPrecisionPolicy(param_dtype=bf16)`: no
+persistent params-dtype shard beside the master (LLaMA-65B under MiCS on 1024 ranks: 16.3
+GB per rank). The values gathered are the same (the master cast, as the shard was after
+each step); `params` reports the fp32 shard and `optim` no separate master
+(`master_is_params`, read by runtime/storage.py and by this module's `group_plan`). The
+cast's output lives while its all-gather is in flight (analysis/costmodel/timeline.py).
 """
 from __future__ import annotations
 
@@ -107,19 +119,25 @@ def _secondary_bytes(sc: Scopes, f: Factors, n: int, root: bool) -> int:
     return shard_payload_bytes(per, sec.quant) if sec.quant else per * elem_bytes(sc.params.dtype)
 
 
+def master_is_params(params_dtype: DType, trainable: bool, s_p: int, s_os: int) -> bool:
+    """Whether the fp32 master is the group's params shard ([Note: the master is the params shard])."""
+    return trainable and params_dtype is not DType.FP32 and s_p > 1 and s_p == s_os
+
+
 def group_plan(pl: Placement, phi: int, n: int, trainable: bool, root: bool) -> GroupPlan:
     sc, f, mesh = pl.scopes, pl.factors, pl.mesh
     rows = tuple(_gathers(sc, f, mesh, n, root)) + (tuple(_gradients(sc, f, mesh, n)) if trainable else ())
     if pl.over != Over.DENSE:
         rows = tuple(replace(r, over=pl.over) for r in rows)
     pb = elem_bytes(sc.params.dtype)
+    one = master_is_params(sc.params.dtype, trainable, f.p, f.os)
     return GroupPlan(
         trainable=trainable, placement=pl, phi=phi, n=n, rows=rows,
-        params_bytes=n // f.p * pb,
+        params_bytes=n // f.p * (4 if one else pb),
         secondary_bytes=_secondary_bytes(sc, f, n, root),
         grads_bytes=n // f.g * elem_bytes(sc.grads.dtype) if trainable else 0,
         optim_elems=n // f.os if trainable else 0,
-        master_bytes=n // f.os * 4 if trainable and sc.params.dtype is not DType.FP32 else 0,
+        master_bytes=n // f.os * 4 if trainable and sc.params.dtype is not DType.FP32 and not one else 0,
         gathered_bytes=n * pb if f.p > 1 else 0)
 
 

@@ -51,7 +51,8 @@ def shards_bytes(plan: Lowering) -> int:
 
 def unit_values_bytes(plan: Lowering) -> int:
     """The largest unit's whole parameters (params dtype, padded): init's and scatter's bound."""
-    return max((sum(g.params_bytes * g.factors.p for g in u.groups) for u in plan.units), default=0)
+    return max((sum(g.gathered_bytes or g.params_bytes * g.factors.p for g in u.groups) for u in plan.units),
+               default=0)
 
 
 def load_staging_bytes(plan: Lowering) -> int:

@@ -91,7 +91,7 @@ class FlatGroup:
             work = self._gather_secondary()
         else:
             row = self._row(phase, Op.ALL_GATHER) or self._row(Phase.FORWARD, Op.ALL_GATHER)
-            work = self.comm.all_gather(row, st.full_data, st.shard, phase=phase)
+            work = self.comm.all_gather(row, st.full_data, st.gather_input(), phase=phase)
         self.gathering = GatherInFlight(work, phase)
         return True
 

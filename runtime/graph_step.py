@@ -206,6 +206,8 @@ class GraphStep:
             st, gp = g.storage, g.gplan
             gather = gp.row(Phase.FORWARD, Op.ALL_GATHER)
             shard = self._fresh.get(id(g), st.shard)        # updated in this graph, or as stored
+            if shard.dtype != st.pdtype:                     # the fp32 master is the shard: cast for the gather
+                shard = shard.to(st.pdtype)
             with fx_traceback.annotate({GATHER_TAG: u.index}):       # graph_backend.py's schedule pass
                 if g.trainable and id(g) not in self.gathers:      # slots: views of the shard
                     views = Slots.apply(st.plain_views(shard), *self.anchors[id(g)])

@@ -64,7 +64,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardc.lowering import Over, RankPlan
+from shardc.lowering import Over, RankPlan, master_is_params
 
 from . import quant
 from .dtypes import torch_dtype
@@ -94,11 +94,15 @@ class FlatStorage:
         full = make(self.n, dtype=self.pdtype, device=device)
         self.full = nn.Parameter(full) if self.trainable else full
         self.full_data = self.full.data            # own version counter (see Note)
+        # the fp32 master is the params shard (shardc.lowering [Note: the master is the params shard])
+        self.master_is_params = (master_is_params(sc.params.dtype, self.trainable, self.s_p, self.s_os)
+                                 and plan.chunk("optim", self.n) == (self.p_start, self.p_len))
         if self.s_p == 1:
             self.shard = self.full_data
         else:
             self.free_full()
-            self.shard = torch.zeros(self.p_len, dtype=self.pdtype, device=device)
+            self.shard = torch.zeros(self.p_len, dtype=torch.float32 if self.master_is_params else self.pdtype,
+                                     device=device)
         self._init_secondary(device)
         if self.trainable:
             self._init_grads(device)
@@ -127,7 +131,7 @@ class FlatStorage:
         self.stale = False                 # zero_grad() ran and no backward wrote the shard yet
         self.os_in_g = self.os_start - g_start
         self.os_in_p = self.os_start - self.p_start
-        if self.pdtype == torch.float32:
+        if self.pdtype == torch.float32 or self.master_is_params:
             self.master = self.shard[self.os_in_p:self.os_in_p + self.os_len]
             self.master_separate = False
         else:
@@ -155,7 +159,7 @@ class FlatStorage:
     def write_param(self, slot, value: torch.Tensor) -> None:
         """Parameter `slot`'s whole value (any shape of slot.numel elements): the part inside
         this rank's params chunk into the shard (cast), and into the fp32 master."""
-        value = value.detach().reshape(-1)
+        value = self._as_params(value.detach().reshape(-1))
         a, b = max(slot.offset, self.p_start), min(slot.offset + slot.numel, self.p_start + self.p_len)
         if a < b:
             self.shard[a - self.p_start:b - self.p_start].copy_(value[a - slot.offset:b - slot.offset])
@@ -163,8 +167,18 @@ class FlatStorage:
 
     def write_chunk(self, chunk: torch.Tensor) -> None:
         """This rank's whole params chunk (p_len elements, padding included)."""
-        self.shard.copy_(chunk)
+        self.shard.copy_(self._as_params(chunk))
         self._master_from_shard(self.p_start, self.p_start + self.p_len)
+
+    def _as_params(self, value: torch.Tensor) -> torch.Tensor:
+        """A value for the shard: where the master is the shard, rounded to the params dtype
+        first, so the master holds what a separate one would (the cast values)."""
+        return value.to(self.pdtype) if self.master_is_params else value
+
+    def gather_input(self) -> torch.Tensor:
+        """What a forward all-gather sends: the params shard, or the master cast to the params
+        dtype where it is the shard (a transient that lives while the gather is in flight)."""
+        return self.shard.to(self.pdtype) if self.master_is_params else self.shard
 
     def _master_from_shard(self, a: int, b: int) -> None:
         """Elements [a, b) of the flat buffer were written to the shard: the master's part of

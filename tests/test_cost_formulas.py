@@ -113,8 +113,9 @@ def test_unquantized_secondary_and_bf16_master():
     assert not [r for r in led if r[0] == "update"]                        # OS = P
     mem = predict_memory(M2, us)
     assert mem["params_secondary"] == 24 // 4 * 2                          # N/s_Q · b(bf16)
-    assert mem["params"] == (8 + 24) // 8 * 2
-    assert mem["optim"] == (8 + 24) // 8 * (8 + 4)                         # K = 12: m, v, fp32 master
+    # s_P = s_OS: the fp32 master is the params shard (lowering [Note: the master is the params shard])
+    assert mem["params"] == (8 + 24) // 8 * 4
+    assert mem["optim"] == (8 + 24) // 8 * 8                               # m, v; no separate master
 
 
 def test_ddp_frozen_and_optimizers():

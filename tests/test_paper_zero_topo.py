@@ -19,7 +19,8 @@ from tests.papers import DEEPSPEED, strategy as _strategy
 
 def test_zero_topo_max_model_sizes():
     # ZeRO-topo §I: 16 GCDs (2 Frontier nodes), 64 GiB each, mixed precision + Adam, model
-    # states only: ZeRO-3 ≈ 68B, ZeRO++ ≈ 55B; §VII: ZeRO-topo ≈ 36B. Tolerance 5 % / 15 %.
+    # states only: ZeRO-3 ≈ 68B, ZeRO++ ≈ 55B (DeepSpeed's bytes, scaled below); §VII:
+    # ZeRO-topo ≈ 36B. Tolerance 5 % / 15 %.
     from shardc.analysis.costmodel.memory import predict_memory
     from shardc.cli.loader import load_model_units
     mesh = "node(2) > gpu(4) > gcd(2)"
@@ -34,8 +35,15 @@ def test_zero_topo_max_model_sizes():
         per = predict_memory(strategy.mesh, [replace(u, scopes=strategy.scopes) for u in units])["total"] / phi
         return 64 * 2**30 / per
 
-    assert max_params(s) == pytest.approx(68e9, rel=0.05)
-    assert max_params(_strategy(mesh, *cases["zeropp"], extra=" secondary gpu, gcd")) == pytest.approx(55e9, rel=0.05)
+    # DeepSpeed keeps a bf16 params shard beside the fp32 master (2 + 2 + 12 bytes a parameter,
+    # over 16 GCDs); where params and optimizer states shard over the same levels shardc keeps
+    # the master as the params shard (4 + 2 + 8, FSDP2's layout: shardc.lowering [Note: the
+    # master is the params shard]), so the paper's figures scale by its bytes over shardc's
+    assert max_params(s) == pytest.approx(68e9 * 16 / 14, rel=0.05)
+    # ZeRO++: hpZ's bf16 secondary over 8 GCDs beside the states, 2/8 bytes a parameter
+    zeropp = (16 / 16 + 2 / 8) / (14 / 16 + 2 / 8)
+    assert max_params(_strategy(mesh, *cases["zeropp"], extra=" secondary gpu, gcd")) == pytest.approx(
+        55e9 * zeropp, rel=0.05)
     topo = _strategy(mesh, ("gcd",), ("gpu", "gcd"), ("node", "gpu", "gcd"), extra=" secondary gpu, gcd int8")
     assert max_params(topo) == pytest.approx(36e9, rel=0.15)
 

@@ -23,8 +23,18 @@ it runs) or when its reduce-scatter is waited (s_G > 1: as the next unit's gradi
 or at the backward's end); a group with no gradient's at the sync. From
 the sync to zero_grad() every shard is alive (the sync and step points count the whole
 total). With more than one micro-batch the later forwards and backwards hold every shard.
-Not counted: the fp32 copies a bf16 grad shard is read through (from the sync's completion
-to zero_grad(); the sweep's models are fp32).
+The fp32 copies a bf16 grad shard is read through (runtime/state/params.py [Note:
+gradients]: N/s_OS x 4 bytes per group, made when the step's sync completes, freed by
+zero_grad()) count at the step's points after that completion: the optimizer's
+temporaries and the update gathers ([Note: timeline: fp32 gradients]).
+
+[Note: timeline: fp32 gradients]
+Where a group's grads are not fp32, opt.step() (its first read of a gradient, `settle`)
+waits the step's sync and copies each parameter's OS slice of the grad shard into an fp32
+gradient: every trainable group's at once, alive until zero_grad() (shardc.lowering [Note:
+gradient lifetimes]). They are beside the states and the optimizer's temporaries and the
+update gathers, not beside the syncs in flight (waited first). Measured: MiCS in bf16 on
+LLaMA-65B at 1024 ranks, 32.65 GB of them (4 x 65.3 B / 8) in a 147.4 GB step.
 
 [Note: timeline: gathered window]
 runtime/flat_group.py `issue_gather` allocates a unit's full buffer (storage.py
@@ -85,6 +95,13 @@ runtime/flat_group.py `sync_issue`: where the step-end sync has a reduce-scatter
 (OS∖G), every unit's sync is issued at the end of the backward and each holds its output
 chunk (N/s_OS, grad dtype) until `sync_advance` copies it into the OS slice.
 
+[Note: timeline: gather cast]
+Where the fp32 master is the params shard (shardc.lowering [Note: the master is the params
+shard]), runtime/storage.py `gather_input` casts it to the params dtype for each all-gather
+(N/s_P elements, the params dtype): counted with the gathers issued ahead, the cast's
+output being the gather's input while it is in flight (a bound: a simulated rank's fake
+collectives drop it at once). A backward re-gather from an hpZ secondary casts nothing.
+
 [Note: timeline: start-up]
 memory.py [Note: start-up peak]: the shards plus the largest unit's whole parameters.
 
@@ -141,7 +158,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Op, Phase
+from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Op, Phase, master_is_params
 
 from .staging import all_gather_bytes, all_reduce_bytes, codec_bytes, reduce_scatter_bytes
 
@@ -224,11 +241,14 @@ class _Sizes:
             ag = {ph: [0, 0] for ph in self.ag_wait}
             for g in u.groups:
                 f = g.factors
+                cast = (g.gathered_bytes // f.p
+                        if master_is_params(u.scopes.params.dtype, g.trainable, f.p, f.os) else 0)
                 if g.gathered_bytes and mesh is not None:
                     for ph in ag:
                         row = g.row(ph, Op.ALL_GATHER) or g.row(Phase.FORWARD, Op.ALL_GATHER)
                         a, b = all_gather_bytes(mesh, algo, row, g.n, g.gathered_bytes // max(g.n, 1))
-                        ag[ph][0] += a
+                        # the master cast for the gather ([Note: timeline: gather cast])
+                        ag[ph][0] += a + (cast if ph is Phase.FORWARD or not g.secondary_bytes else 0)
                         ag[ph][1] += b
                 if not g.trainable:
                     continue
@@ -398,13 +418,16 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
     sync_buffers = (("early syncs", early_bytes), ("syncs in flight", sum(rest[:SYNC_IN_FLIGHT])))
     chunk = max((g.optim_elems * 4 for u in units for g in u.groups if g.trainable), default=0)
+    fp32_grads = ("fp32 gradients", sum(g.optim_elems * 4 for u in units for g in u.groups
+                                        if g.trainable and _grad_full(u, g) != 4 * g.n))
     pts = [
         Point("startup", (("shards and the largest unit's whole parameters", int(memory["startup"])),)),
         fwd, bwd,
         Point("sync", (("states", states), kept, ("reduce workspace", ws), *sync_buffers)),
         max(Point("step", (("states", states), *sync_buffers)),
-            Point("step", (("states", states), ("optimizer step temporaries", STEP_TEMPORARIES * chunk))),
-            Point("step", (("states", states), ("update gathers in flight", sum(a for _, a, _ in z.update)),
+            Point("step", (("states", states), fp32_grads,
+                           ("optimizer step temporaries", STEP_TEMPORARIES * chunk))),
+            Point("step", (("states", states), fp32_grads, ("update gathers in flight", sum(a for _, a, _ in z.update)),
                            ("update gather staging at its wait",
                             max((b for k, _, b in z.update if k not in deferred), default=0)))),
             key=lambda p: p.bytes),
