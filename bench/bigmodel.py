@@ -29,7 +29,7 @@ and `--systems`, each run by this script (the driver) in its own `torchrun --npr
 - `fsdp2:dcp`: the same without the init (only the rotary cache recomputed), then the
   recipe above from `WORKDIR/dcp`.
 
-A shardc system may end in `@ring|@hierarchical|@ho-ring|@auto` (bench/systems.py's
+A shardc system may end in `@ring|@hierarchical|@ho-ring|@auto` (bench/peers/systems.py's
 suffix): the strategy with that `collectives` line (zero3 on this 2-level mesh is `auto`,
 which resolves to HO-Ring); `--strategy FILE` replaces zero3.shard.
 

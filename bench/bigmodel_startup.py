@@ -41,7 +41,7 @@ class Timed:
 
 
 def strategy(path: str, algo: str | None) -> str:
-    """The strategy file's path, or its text with `collectives ALGO` (bench/systems.py's `@ALGO`)."""
+    """The strategy file's path, or its text with `collectives ALGO` (bench/peers/systems.py's `@ALGO`)."""
     if algo is None:
         return path
     with open(path) as f:

@@ -52,10 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "with --bandwidth-profile, the profile's --sweeps")
     p.add_argument("--systems", default="fsdp2:full,fsdp2:hsdp,ddp,shardc:zero3",
                    help="comma-separated; NAME+tp (or +tpN) adds tensor parallelism over N=2 ranks of a node "
-                        "([Note: +tp systems] in bench/systems.py), e.g. fsdp2+tp,shardc:zero3+tp; a peer's "
+                        "([Note: +tp systems] in bench/peers/systems.py), e.g. fsdp2+tp,shardc:zero3+tp; a peer's "
                         "+compile runs it under torch.compile, a shardc system's +inductor in shardc's whole-step "
                         "compiled mode ([Note: system suffixes]), e.g. fsdp2:full+compile,shardc:zero3+inductor; "
-                        "+epN / +epgpu expert parallelism on --model moe ([Note: +ep systems] in bench/ep_systems.py), "
+                        "+epN / +epgpu expert parallelism on --model moe ([Note: +ep systems] in bench/peers/ep_systems.py), "
                         "e.g. fsdp2+ep2,shardc:moe/ep2_zero3+ep2")
     p.add_argument("--timeout", type=float, default=600, help="seconds per system")
     p.add_argument("--collectives", action="store_true",
@@ -78,7 +78,7 @@ def check_args(a) -> str | None:
         return "--nodes and --per-node must be at least 1"
     if a.accumulate < 1 or a.steps < 1 or a.warmup < 0 or a.micro_batch < 1 or a.rounds < 1:
         return "--accumulate, --steps, --rounds and --micro-batch must be at least 1, --warmup at least 0"
-    from systems import parse_system
+    from peers.systems import parse_system
     for s in a.systems.split(","):
         try:
             n = parse_system(s)

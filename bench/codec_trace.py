@@ -15,7 +15,7 @@ faults per micro-batch on main, from the codec's working copies.
 
     torchrun --standalone --nproc-per-node 4 bench/codec_trace.py --nodes 2 --per-node 2 --out OUT.json
 
-`--rows N` sets runtime/quant.py's ROWS_AT_ONCE for the run (the codec's batch, to compare
+`--rows N` sets runtime/transport/quant.py's ROWS_AT_ONCE for the run (the codec's batch, to compare
 bounds on one tree). The script runs on older trees too (it reads only the bench helpers and
 shardc's public API), which is how e24a095 was measured beside main.
 """
@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from models import batch, build_model
-from systems import build_system
+from peers.systems import build_system
 
 CALLS: list = []
 COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "all_to_all_single", "all_to_all",
@@ -81,7 +81,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if args.rows:
-        from shardc.runtime import quant
+        from shardc.runtime.transport import quant
         quant.ROWS_AT_ONCE = args.rows
     model = build_model(args.model)
     sys_ = build_system(args.system, model, args.nodes, args.per_node,

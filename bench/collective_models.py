@@ -12,7 +12,7 @@ against its own two-level entries (fp32):
 - **links**: every two-level algorithm from per-level links fitted to the file's
   one-level ring all-gathers (latency + bytes / rate, least squares per level) through
   analysis/costmodel/network.py; a flat reduce-scatter is the all-to-all shardc's
-  runtime issues on gloo ([Note: reduce-scatter on gloo] in runtime/collectives.py).
+  runtime issues on gloo ([Note: reduce-scatter on gloo] in runtime/eager/collectives.py).
 Output: per model, op, algorithm and size, model / measured as the median over the
 files with its range. No timing is asserted anywhere.
 """

@@ -74,7 +74,7 @@ def links(per_node: int, nbytes: int, local_rank: int) -> dict:
 
 
 def time_op(op: str, algo, nbytes: int, sm, repeat: int) -> float:
-    from shardc.runtime import collectives as C
+    from shardc.runtime.eager import collectives as C
 
     levels = sm.mesh.names
     n = nbytes // 4 // sm.world * sm.world
@@ -110,7 +110,7 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     from shardc.dsl.ir import Collectives, Level, Mesh
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.transport.mesh import ShardMesh
 
     sm = ShardMesh(Mesh((Level("node", a.nodes), Level("gpu", a.per_node))))
     doc = {"links": links(a.per_node, parse_size(a.probe), local_rank), "rows": []}

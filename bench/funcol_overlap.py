@@ -9,7 +9,7 @@ alone and the compute alone (both compiled); the two in one function, issued fir
 waited last, run eagerly (`dist.all_reduce(async_op=True)`; the functional ops
 uncompiled), compiled with AOTAutograd's eager backend, compiled by Inductor, compiled
 by Inductor with its peak-memory and locality reorderings off (what shardc's whole-step
-mode compiles with: runtime/graph_backend.py), and by Inductor with its `raise_comms`
+mode compiles with: runtime/graph/backend.py), and by Inductor with its `raise_comms`
 reordering pass. Overlap shows as a time below the sum of the first two.
 
 [Note: why Inductor issued the collective late]

@@ -7,7 +7,7 @@ Spawns `--ranks` local gloo processes (torch.multiprocessing, loopback TCP,
 buffer, fp32) two ways: `dist.reduce_scatter_single` (gloo implements it as an
 all-reduce followed by a slice) and what shardc's runtime issues on gloo groups,
 `all_to_all_single` followed by a local sum over the received chunks
-(runtime/collectives.py "[Note: reduce-scatter on gloo]"). Both results are checked
+(runtime/eager/collectives.py "[Note: reduce-scatter on gloo]"). Both results are checked
 against each other. Prints, per world size and size, the median time of `--repeat`
 calls after one warm-up (the two ways interleaved, each call starts after a barrier; rank 0's wall time, the
 sum included) and the ratio native / all-to-all. No timing is asserted anywhere.

@@ -17,7 +17,7 @@ against AdamW on everything, on the same layouts:
   - `fsdp2`: `fully_shard` per block and the root; Muon as its users write it
     (hao-ai-lab/FastVideo#1519): the momentum sharded like the parameter, the update
     matrix gathered whole on every rank (`full_tensor()`), Newton–Schulz on every rank,
-    each rank keeping its own rows. Bytes: bench/peers.py's FSDP2 records plus one
+    each rank keeping its own rows. Bytes: bench/peers/ledgers.py's FSDP2 records plus one
     all-gather of the matrices (fp32) per step.
   - `ddp`: DistributedDataParallel with torch.optim.Muon (every rank every matrix).
   - `shardc:replicate`: params, grads and optim replicate (DDP's layout; Muon steps views
@@ -153,7 +153,7 @@ def build(kind: str, muon: bool, world: int):
 
 
 def peer_records(kind: str, muon: bool, model, world: int):
-    from peers import ddp_ledger, fsdp2_ledger, unit_numels
+    from peers.ledgers import ddp_ledger, fsdp2_ledger, unit_numels
     from shardc.lowering import LedgerRecord as Rec
     sizes = unit_numels(model)
     if kind == "ddp":

@@ -16,7 +16,7 @@ included; `warmup_times`: rank 0's untimed steps, where a compiled system compil
 averaged over ranks (shardc.analysis.costmodel.links' definition; `node` = the
 shaped inter-node NICs, `gpu` = loopback inside a node). For shardc it comes from the
 runtime's measured ledger (counts divided by the timed steps) and the strategy's
-collective algorithm; for the peers from bench/peers.py's formulas, as gloo rings.
+collective algorithm; for the peers from bench/peers/ledgers.py's formulas, as gloo rings.
 `measured_bytes` is the same quantity read from the namespaces' NIC counters
 (tx bytes of every node's v* summed, resp. of lo, / steps / world): on-the-wire, so
 it includes TCP/IP headers, the rendezvous store and barriers, and it shows what gloo
@@ -32,7 +32,7 @@ from shardc.dsl.ir import Collectives, Level, Mesh
 from shardc.lowering import Over
 
 from models import build_model
-from peers import Rec, fsdp2_ep_ledger, peer_ledger
+from peers.ledgers import Rec, fsdp2_ep_ledger, peer_ledger
 
 
 def cluster_mesh(nodes: int, per_node: int) -> Mesh:

@@ -162,7 +162,7 @@ def groups() -> list[dict]:
     import torch.distributed as dist
     from shardc.analysis.costmodel.report import model_units
     from shardc.lowering import RankPlan
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.transport.mesh import ShardMesh
     from shardc.simulate import init_fake, meta_model
     f = _factory("examples/llama.py:llama_65b_2l")
     rows = []

@@ -14,7 +14,7 @@ batch r (a `+tp` system: r // tp, so a tp group reads one batch).
 Local rank 0 of every node reads /proc/net/dev of its namespace before and after the
 timed steps: tx bytes on v* (what left the node over its shaped NIC(s)) and on lo
 (rank-to-rank traffic inside the node). These are measured on the wire, TCP/IP
-headers included, to check bench/peers.py's formulas and shardc's ledger.
+headers included, to check bench/peers/ledgers.py's formulas and shardc's ledger.
 
 [Note: memory figures]
 Two kinds, per rank: `state_bytes` / `peak_state_bytes` count the model states the system
@@ -28,7 +28,7 @@ compile workers are child processes and not counted). On this CPU both are host 
 
 [Note: token all-to-all bytes]
 `a2a_bytes`: the token bytes this rank sends into the experts' all-to-alls per timed step
-(bench/ep_systems.py `a2a_bytes`: the dispatch's and the combine's inputs, forward only,
+(bench/peers/ep_systems.py `a2a_bytes`: the dispatch's and the combine's inputs, forward only,
 this rank's own rows included), counted by examples/moe.py's ExpertParallel; 0 without EP.
 They are not in shardc's ledger (the model's collectives, not the strategy's), and on the
 wire they show up in the NIC counters.
@@ -51,9 +51,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ep_systems import a2a_bytes, reset_a2a
+from peers.ep_systems import a2a_bytes, reset_a2a
 from models import batch, build_model, n_params
-from systems import build_system
+from peers.systems import build_system
 
 
 def nic_counters() -> dict[str, int]:
@@ -157,7 +157,7 @@ def run_system(args, rank: int, local_rank: int) -> dict:
     """Build `args.system` on the initialised process group and measure it (this rank's part)."""
     model = build_model(args.model)
     example = batch(model, 0, 0, 0, args.micro_batch)[0]
-    import systems as _systems
+    import peers.systems as _systems
     _systems.MICRO_BATCH["value"] = args.micro_batch
     sys_ = build_system(args.system, model, args.nodes, args.per_node, example, args.accumulate)
     out = measure(sys_, model, args, rank, local_rank)

@@ -108,7 +108,7 @@ def compile_source(model: nn.Module, strategy, example_inputs=None, capture: str
 
 def _for_backend(strategy: Strategy, passes, backend: str):
     """What the whole-step mode (`backend="inductor"`) plans: every plan pass, as the eager
-    runtime (runtime/graph_sync.py, graph_step.py), and one module per unit (`bucket 0`)."""
+    runtime (runtime/graph/sync.py, runtime/graph/step.py), and one module per unit (`bucket 0`)."""
     if backend not in ("eager", "inductor"):
         raise ShardcError(f"backend must be 'eager' or 'inductor', got {backend!r}")
     if backend == "eager":

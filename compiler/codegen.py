@@ -151,7 +151,7 @@ def _header(plan: Plan, model_class: str) -> list[str]:
         lines += ["", "Backend inductor (the whole-step compiled mode): each micro-batch's forward and backward",
                   "are one Inductor graph, the plan's collectives in it as functional collectives, and the",
                   "step's sync and update one more graph at opt.step(). The compiled graphs issue the gathers",
-                  "where SCHEDULE below says (runtime/graph_backend.py); Inductor's own collective passes are",
+                  "where SCHEDULE below says (runtime/graph/backend.py); Inductor's own collective passes are",
                   "off; sm.runtime.collectives() lists what each compiled graph issues, in order."]
     elif plan.capture == "export":
         lines += ["", "Export capture: the model keeps its own forward, driven by the runtime's module hooks",

@@ -398,7 +398,7 @@ def _ep_twice(inner: dict[str, ast.Statement], whole: str, ep_word: ast.Word, ct
 # 0's before every forward: a MoE's load-balancing counters (DeepSeek-V3's tokens per
 # expert) add up every micro-batch's tokens on each rank and are summed over the ranks at
 # the step (torchtitan's optimizer pre-hook); broadcasting rank 0's before each forward
-# would drop the other ranks' earlier micro-batches, silently (bench/torchtitan_moe_check.py).
+# would drop the other ranks' earlier micro-batches, silently (bench/clients/torchtitan_moe_check.py).
 def _options(top: dict[str, ast.Statement], ctx: _Ctx) -> dict:
     out: dict = {}
     d = ctx.diags

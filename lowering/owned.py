@@ -6,7 +6,7 @@ model will do). Output: the `OwnedPlan` of the units whose `optim` scope is plac
 tensor (dsl/ir.py [Note: tensor-owned scopes]): per group of ranks, its matrices in a
 fixed order with the rank that owns each, the optimizer's compute per owner, and the two
 ledger rows of the step (every matrix's parameter and reduced gradient to its owner, the
-updated matrix back to the ranks holding its chunks). The runtime (runtime/owned.py)
+updated matrix back to the ranks holding its chunks). The runtime (runtime/step/owned.py)
 moves exactly these rows; `shardc explain` prints the owners and adds the rows.
 
 [Note: owners balanced by compute]

@@ -11,6 +11,6 @@ CODEC_ROWS = 1 << 20            # [Note: codec batches]: elements a quantized co
 # A quantized collective (qwZ's gather, hpZ's secondary gather in int8, qgZ's reduce-scatter)
 # encodes or decodes its s chunks as rows of one tensor, in batches of at most CODEC_ROWS
 # elements (and at least one row), so the codec's float temporaries are bounded by a batch,
-# never by the whole collective. runtime/quant.py `ROWS_AT_ONCE` reads this bound. 2^20
+# never by the whole collective. runtime/transport/quant.py `ROWS_AT_ONCE` reads this bound. 2^20
 # elements (4 MiB fp32 copies), not 2^24: larger copies came back from the OS as fresh
-# pages at every call (runtime/quant.py [Note: the codec batch's size]).
+# pages at every call (runtime/transport/quant.py [Note: the codec batch's size]).

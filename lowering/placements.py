@@ -10,7 +10,7 @@ that kind's scopes, from which `lower` makes the group's `Placement`.
 A group is keyed by its placement (lowering/ir.py [Note: a group is keyed by its
 placement]). Two kinds come with the language: `Over.DENSE` (the unit's scopes on the
 strategy's mesh) and `Over.EXPERTS` (the `experts` statement's parameters on the experts'
-mesh, with their own runtime: runtime/experts.py). Any other kind is a `PlacementKind`: its
+mesh, with their own runtime: runtime/transport/experts.py). Any other kind is a `PlacementKind`: its
 `Over` value, which parameters it takes, and its scopes on the strategy's mesh (a kind on
 a mesh of its own, as the experts', needs that mesh's Comm in runtime/build.py). Every
 stage reads a group's placement and nothing else, so such a kind is that one value and the

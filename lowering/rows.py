@@ -32,7 +32,7 @@ backward) all-gather, as FSDP2 does under `MixedPrecisionPolicy(param_dtype=bf16
 persistent params-dtype shard beside the master (LLaMA-65B under MiCS on 1024 ranks: 16.3
 GB per rank). The values gathered are the same (the master cast, as the shard was after
 each step); `params` reports the fp32 shard and `optim` no separate master
-(`master_is_params`, read by runtime/storage.py and by this module's `group_plan`). The
+(`master_is_params`, read by runtime/groups/storage.py and by this module's `group_plan`). The
 cast's output lives while its all-gather is in flight (analysis/costmodel/timeline.py).
 """
 from __future__ import annotations

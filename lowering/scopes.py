@@ -70,7 +70,7 @@ def unused_override(strategy: Strategy, used: set[int], units: list[str]) -> Non
 # rest. On the strategy's mesh those ranks are the OS levels plus the level ep borrows
 # from, which also counts its ranks outside ep when the OS levels leave it out: then each
 # rank weights its experts' squares by 1 / (that level's size on the experts' mesh), the
-# number of times the sum meets each slice (runtime/clip.py), and one all-reduce over
+# number of times the sum meets each slice (runtime/step/clip.py), and one all-reduce over
 # `expert_clip_levels` adds them, as for any OS level set.
 
 def expert_group(strategy: Strategy) -> ExpertGroup | None:

@@ -9,7 +9,7 @@ and `LOAD_BLOCK`, the bound on a load's cast staging.
 [Note: start-up peak]
 While a model is sharded (runtime/build.py) a rank holds its shards: params, the hpZ
 secondary and the fp32 master, all allocated before any value is given (a gathered group's
-full buffer is never touched: runtime/storage.py [Note: nothing whole at build]); the grad
+full buffer is never touched: runtime/groups/storage.py [Note: nothing whole at build]); the grad
 shards come at the first backward and the optimizer's moments at its first step. Beside
 them, the values being given, one source per start-up:
   * init on the meta device: the first rank runs it into one unit's padded buffer at a

@@ -5,9 +5,9 @@ the cost model's memory timeline reads. Input: none (constants of the plan). Out
 
 [Note: reductions in flight]
 In a backward, a unit's gradients arrive (autograd's, one tensor per parameter) when its
-views' backward runs (runtime/storage.py). Before they are laid out flat, the reduce-
+views' backward runs (runtime/groups/storage.py). Before they are laid out flat, the reduce-
 scatters of the units before it are waited until fewer than `REDUCE_IN_FLIGHT` remain
-(runtime/engine.py), and the unit's gathered full buffer is released (N of the params
+(runtime/eager/engine.py), and the unit's gathered full buffer is released (N of the params
 dtype, from its backward re-gather to here; FSDP2 reshards before its copy-in too): with 1, the previous unit's reduce-scatter completes, its flat input
 (N_prev elements of the grad dtype) and output chunk (N_prev/s_G) go back to the reduce
 workspace, and this unit's flat input reuses them. So a unit's backward holds, beside
@@ -22,7 +22,7 @@ reduce-scatter's state before the next copy-in.
 
 [Note: gradient lifetimes]
 With `RELEASE_GRADS`, the eager runtime's zero_grad() frees every trainable group's grad
-shard (N/s_G elements of the grads dtype; its storage resized to 0, runtime/storage.py
+shard (N/s_G elements of the grads dtype; its storage resized to 0, runtime/groups/storage.py
 [Note: grad shard lifetime]) and the fp32 copies a bf16 grad shard is read through
 (N/s_OS x 4 bytes, runtime/state/params.py [Note: gradients]), as torch's
 zero_grad(set_to_none=True) frees a model's gradients. So a grad shard exists from its
@@ -34,10 +34,10 @@ The forward after zero_grad() holds neither. The whole-step mode keeps its grad 
 (its graphs read them). `memory_report()`'s `grads` is the shard's size either way.
 
 [Note: syncs in flight]
-The step-end sync (flat_group.py [Note: reduce and sync]) is issued unit by unit at the
+The step-end sync (runtime/groups/flat_group.py [Note: reduce and sync]) is issued unit by unit at the
 end of the backward that ends the step. At most `SYNC_IN_FLIGHT` flat groups' syncs are
 in flight at once: issuing group j's sync first completes (waits, divides) the sync of
-group j - SYNC_IN_FLIGHT (runtime/boundary.py). So the sync's transients — a group's
+group j - SYNC_IN_FLIGHT (runtime/step/boundary.py). So the sync's transients — a group's
 reduce-scatter output chunk (its OS slice, `os_len` elements of the grad dtype) and its
 all-reduce's staging (below) — exist for at most SYNC_IN_FLIGHT groups at a time, each
 alive from its `sync_issue` to its `sync_wait`. FSDP2 bounds its reduce-scatter states
@@ -50,7 +50,7 @@ A hierarchical all-gather, reduce-scatter or all-reduce over two or more levels
 (hierarchical, HO-Ring: one stage per level) re-lays the tensor out level by level; each
 of its pieces copies its columns into a contiguous buffer in the stages' order (an
 all-gather: gathers them stage by stage into buffers of its own, then places them). These copies go in
-blocks of at most `STAGING_BYTES` per piece (runtime/collectives.py `_ar_plan`,
+blocks of at most `STAGING_BYTES` per piece (runtime/eager/collectives.py `_ar_plan`,
 `_rs_pieces`): a piece's block is copied out, reduced through the stages (an all-reduce's
 is copied back; a reduce-scatter's last stage writes its columns of the output; an
 all-gather's last stage's buffer is placed into its columns of the output), and freed
@@ -66,7 +66,7 @@ output, likewise (before: n for the pieces' copies, plus their stages' buffers).
 of the inner levels' size (then of n elements, alive for the whole all-reduce).
 
 [Note: receive blocks]
-The gloo reduce-scatter stage is an all-to-all and a local sum (runtime/collectives.py
+The gloo reduce-scatter stage is an all-to-all and a local sum (runtime/eager/collectives.py
 [Note: reduce-scatter on gloo]); its receive buffer is a second copy of the stage's input.
 A stage whose output chunk is m elements of e bytes (input s*m) exchanges blocks of columns
 whose receive buffer is at most `recv_block_bytes(m * e)` = min(RS_RECV_BYTES,
@@ -74,7 +74,7 @@ max(RS_RECV_FLOOR, m * e)) bytes: no more than the output chunk itself (what FSD
 reduce-scatter holds beside its input), but at least RS_RECV_FLOOR (so a stage takes at
 most s blocks, and never blocks smaller than the floor), and never more than
 RS_RECV_BYTES. The buffer is taken from the reduce workspace when the block is issued and
-handed back when its local sum is done (runtime/workspace.py [Note: reduce workspace]).
+handed back when its local sum is done (runtime/groups/workspace.py [Note: reduce workspace]).
 """
 from __future__ import annotations
 

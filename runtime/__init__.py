@@ -27,10 +27,10 @@ shards, their values, the engine), module (the API).
 from .errors import RuntimeUsageError
 from .ledger import LedgerRecord
 from .module import ShardedModule, shard_module
-from .optimizer import ELEMENTWISE
+from .step.optimizer import ELEMENTWISE
 from shardc.units import UnitSpec     # re-exported: emitted modules before shardc.units imported it here
 
-from .mesh import ShardMesh
+from .transport.mesh import ShardMesh
 
 __all__ = ["ShardedModule", "shard_module", "UnitSpec", "LedgerRecord", "ShardMesh",
            "RuntimeUsageError", "ELEMENTWISE"]

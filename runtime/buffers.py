@@ -54,7 +54,7 @@ class Buffers:
     def settle(self, caller: str | None = None) -> None:
         """Under `buffers broadcast`: rank 0's buffers everywhere if a training forward ran
         since the last broadcast. Collective then (every rank must call it); `caller` names
-        the API for the bounded entry rendezvous (runtime/faults.py)."""
+        the API for the bounded entry rendezvous (runtime/eager/faults.py)."""
         if self.dirty:
             if caller is not None:
                 self.faults.enter(caller)

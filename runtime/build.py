@@ -39,26 +39,28 @@ from shardc.lowering import placements
 from shardc.lowering.owned import owned_plan
 from shardc.units import UnitSpec, canonical_names, local_params, unit_members
 
-from . import buffers, graph_mode, owned, simulation
+from . import buffers, simulation
+from .graph import mode as graph_mode
+from .step import owned
 from .casts import install_casts
-from .comm import Comm
-from .device import model_device
-from .engine import Engine
-from .experts import expert_runtime
-from .faults import Faults
-from .flat_group import FlatGroup
-from .layout import build_layout
+from .eager.comm import Comm
+from .transport.device import model_device
+from .eager.engine import Engine
+from .transport.experts import expert_runtime
+from .eager.faults import Faults
+from .groups.flat_group import FlatGroup
+from .groups.layout import build_layout
 from .ledger import Ledger
-from .mesh import ShardMesh
+from .transport.mesh import ShardMesh
 from .state import init as state_init
 from .state.dtensor_params import check_root_dims, tp_params
 from .state.params import ParamSet
 from .state.init import materialize_buffers, unset_buffers
 from .state.init_first import initialize_first
 from .state.scatter import scatter_values
-from .storage import FlatStorage
-from .unit import UnitState
-from .workspace import Workspace
+from .groups.storage import FlatStorage
+from .groups.unit import UnitState
+from .groups.workspace import Workspace
 
 NEED_DIST = ("shard_model/shard_module need one process per rank: launch with torchrun "
              "(e.g. `torchrun --nproc-per-node 4 train.py`) and call "
@@ -290,7 +292,7 @@ def _values(source: Source, model, states, params, targets, init, dev, smeshes, 
 def _units(specs, per_unit, lowering, frozen, local, targets, tp, strategy, experts, comms, faults, dev) -> list:
     """The sharded units; a group's rows run on the Comm of its placement's mesh (`comms`,
     keyed by `Over`), divided by the whole data-parallel world like every group's
-    (runtime/experts.py, [Note: expert gradients are averaged over the whole data-parallel degree])."""
+    (runtime/transport/experts.py, [Note: expert gradients are averaged over the whole data-parallel degree])."""
     states, workspace = [], Workspace()        # one reduce workspace for every unit
     for i, (spec, names, uplan) in enumerate(zip(specs, per_unit, lowering.units)):
         groups, tg = [], []

@@ -1,6 +1,6 @@
 """torch.compile boundaries — stage: runtime. Which runtime code torch.compile must not trace.
 
-Input: the runtime's forward entry points (engine.py, module.py). Output: `eager` and
+Input: the runtime's forward entry points (eager/engine.py, module.py). Output: `eager` and
 `eager_frame`, decorators that make dynamo graph-break around them.
 
 [Note: graph breaks at unit boundaries]

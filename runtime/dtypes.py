@@ -1,7 +1,7 @@
 """Torch dtypes — stage: runtime. The one table from the strategy's `DType` to torch's.
 
 Input: a `shardc.dsl.ir.DType` (fp32, bf16, fp16; int8/int4 are quantized payloads, held as
-uint8 bytes by runtime/quant.py). Output: the `torch.dtype` the runtime stores or
+uint8 bytes by runtime/transport/quant.py). Output: the `torch.dtype` the runtime stores or
 communicates it in.
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ def memory_report(engine, optimizers) -> dict[str, int]:
             rep["params"] += _nbytes(st.shard)
             rep["params_secondary"] += _nbytes(st.secondary)
             if st.trainable:
-                rep["grads"] += st.grad_nbytes          # allocated at the first backward (runtime/storage.py)
+                rep["grads"] += st.grad_nbytes          # allocated at the first backward (runtime/groups/storage.py)
                 if st.master_separate:
                     rep["optim"] += _nbytes(st.master)
     seen = set()

@@ -25,12 +25,13 @@ from shardc.dsl.ir import Strategy
 from shardc.lowering import Lowering, Schedule
 from shardc.units import UnitSpec
 
-from . import buffers, clip, memory
+from . import buffers, memory
+from .step import clip
 from .build import Built, build
 from .compile import compile_like
 from .errors import RuntimeUsageError
 from .ledger import LedgerRecord
-from .optimizer import build_optimizer, install
+from .step.optimizer import build_optimizer, install
 from .state import StateView, checkpoint, full
 from .state.hooks import AnyKey, KeyModifiers
 
@@ -80,7 +81,7 @@ class ShardedModule(nn.Module):
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """FSDP2's spelling, after which the loop decides: backwards with it False accumulate
         without the step's gradient sync; each backward with it True ends by issuing it (see
-        boundary.py's [Note: accumulation]). `recurse` is accepted for FSDP2 compatibility."""
+        step/boundary.py's [Note: accumulation]). `recurse` is accepted for FSDP2 compatibility."""
         self.runtime.boundary.set_requires_sync(requires_gradient_sync)
 
     @contextlib.contextmanager
@@ -95,7 +96,7 @@ class ShardedModule(nn.Module):
     # -- optimizer and gradients ----------------------------------------------------
     def optimizer(self, cls, param_groups=None, **kw) -> torch.optim.Optimizer:
         """`cls` over this module's trainable parameters (`param_groups` name them); the same
-        as `cls(sm.parameters(), ...)` (runtime/optimizer.py [Note: adoption ...])."""
+        as `cls(sm.parameters(), ...)` (runtime/step/optimizer.py [Note: adoption ...])."""
         return build_optimizer(self.params, self._trainable_aliases(), self.frozen, cls, param_groups, **kw)
 
     @property
@@ -209,7 +210,7 @@ def shard_module(model: nn.Module, strategy: Strategy, units: list[UnitSpec], me
     the caller's forward issues the forward gathers itself (emitted code), so the schedule
     must have no forward stages (the engine follows only the backward stages). `timeout`
     (seconds; default $SHARDC_TIMEOUT or 600) bounds every wait on a peer. `backend="inductor"`
-    is the whole-step compiled mode (runtime/graph_mode.py): each micro-batch one compiled
+    is the whole-step compiled mode (runtime/graph/mode.py): each micro-batch one compiled
     graph, forward and backward joined, and the step boundary one more. `init` (a model on
     the meta device): a function called per module, in `model.apply`'s order (default: each
     module's `reset_parameters()`), or False (no values: load them); `device`: where the

@@ -18,7 +18,7 @@ in construction:
     the optimizer's states are the real ones, and `memory_report()` measures the meta
     tensors' bytes as it measures real ones. One step follows from the meta tensors, not
     from the switch: a quantized collective codes only its first batch of rows, the
-    largest, whose temporaries are its codec peak (runtime/quant.py [Note: codec batches on
+    largest, whose temporaries are its codec peak (runtime/transport/quant.py [Note: codec batches on
     meta]), since there are no values to code.
 Outside the switch nothing of this applies: a user's meta model without init or load is
 refused at its first forward as before.

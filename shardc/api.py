@@ -18,7 +18,7 @@ from torch import nn
 
 from shardc.dsl.errors import ShardcError
 from shardc.runtime.compile import split_compiled
-from shardc.runtime.unit import holds_sharded
+from shardc.runtime.groups.unit import holds_sharded
 from shardc.handoff import job_plan
 
 __all__ = ["compile_model", "load_emitted", "NO_PROCESS_GROUP", "ALREADY_SHARDED"]
@@ -49,14 +49,14 @@ def _is_device_mesh(mesh) -> bool:
 def compile_model(model: nn.Module, strategy, example_inputs=None, capture: str = "auto", mesh=None,
                   timeout: float | None = None, passes=None, backend: str = "eager", init=None, device=None):
     """`shardc.compile`: the same pipeline as `shardc compile`, run in memory. `timeout`
-    (seconds) overrides $SHARDC_TIMEOUT for every wait on a peer (runtime/faults.py);
+    (seconds) overrides $SHARDC_TIMEOUT for every wait on a peer (runtime/eager/faults.py);
     `passes` names the plan passes to run (None: all, `()`: none); `backend="inductor"` is
     the whole-step compiled mode (docs/compiler.md). A model built on the meta device is
     initialized by `init` from the RNG state as it was when this call began (so
     `torch.manual_seed(s)` right before it gives the values of one process's
     `model.apply(init)`), on `device` (runtime/build.py)."""
     import torch.distributed as dist
-    if isinstance(model, nn.Module) and holds_sharded(model):     # runtime/unit.py [Note: sharded modules]
+    if isinstance(model, nn.Module) and holds_sharded(model):     # runtime/groups/unit.py [Note: sharded modules]
         raise ShardcError(ALREADY_SHARDED)
     if not (dist.is_available() and dist.is_initialized()):
         raise ShardcError(NO_PROCESS_GROUP)

@@ -31,7 +31,7 @@ step); the second, a step as every later one runs, is measured. Per rank:
     (the memory timeline's maximum, analysis/costmodel/timeline.py), and per phase
     explain's point for that phase (`explain_phases`, `phases_within`);
   * a factory with an `ep_mesh` parameter is called with
-    this rank's 1-D ep DeviceMesh (runtime/experts.py), on which it places its experts as
+    this rank's 1-D ep DeviceMesh (runtime/transport/experts.py), on which it places its experts as
     DTensor Shard(0); explain's sizes are taken from a call with None (no process group
     exists yet: plain experts, counted on one ep rank);
   * seconds: building the mesh's process groups (`ShardMesh`, every group the plan uses,
@@ -129,7 +129,7 @@ def simulate_rank(strategy, factory, rank: int, *, spec: str = "the model factor
 
     from shardc.analysis.costmodel.report import explain, model_units
     from shardc.lowering import RankPlan, lower
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.transport.mesh import ShardMesh
 
     world = strategy.mesh.world
     check_rank(rank, world)
@@ -166,7 +166,7 @@ def _ep_mesh(strategy, smesh):
     """This rank's 1-D ep DeviceMesh under the strategy's `experts` statement (None without
     one, or with ep 1): the mesh the runtime checks the experts against."""
     from shardc.lowering.scopes import expert_group
-    from shardc.runtime.experts import ep_device_mesh
+    from shardc.runtime.transport.experts import ep_device_mesh
     experts = expert_group(strategy)
     return ep_device_mesh(smesh, experts) if experts is not None and experts.ep > 1 else None
 

@@ -93,9 +93,9 @@ def _executors(rank, world):
 def _executors_in_scope(rank, world):
     from shardc.dsl.ir import Collectives, DType, Level, Mesh
     from shardc.lowering import Op, Per, Phase, Row
-    from shardc.runtime import collectives as C
-    from shardc.runtime.funcol import FunctionalComm
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.eager import collectives as C
+    from shardc.runtime.graph.funcol import FunctionalComm
+    from shardc.runtime.transport.mesh import ShardMesh
     from tests.test_collectives import cases, data, members, references
     mesh = Mesh((Level("node", 2), Level("gpu", 2)))
     algo, sm, m, bad = Collectives("outer-first"), ShardMesh(mesh), 6, []
@@ -147,12 +147,12 @@ def test_the_eager_runtime_trains_with_it_at_parity():
 def _shared_paths(rank, world):
     """The whole-step mode's all-reduce runs the algorithm's pieces (one all-reduce over the
     reduce group per piece), and its qgZ and gloo reduce-scatters equal the eager runtime's
-    to the bit (one implementation of their local halves, runtime/a2a.py)."""
+    to the bit (one implementation of their local halves, runtime/transport/a2a.py)."""
     from shardc.dsl.ir import Collectives, DType, Level, Mesh
     from shardc.lowering import Op, Per, Phase, Row
-    from shardc.runtime import collectives as C
-    from shardc.runtime import funcol
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.eager import collectives as C
+    from shardc.runtime.graph import funcol
+    from shardc.runtime.transport.mesh import ShardMesh
     mesh = Mesh((Level("node", 2), Level("gpu", 2)))
     sm, n, out = ShardMesh(mesh), 4 * 37, {}
     g = torch.Generator().manual_seed(rank)

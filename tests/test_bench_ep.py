@@ -1,5 +1,5 @@
 """The expert-parallel systems' names and FSDP2's predicted bytes in torchtitan's layout
-(bench/ep_systems.py [Note: +ep systems], bench/peers.py `fsdp2_ep_ledger`), and the `moe`
+(bench/peers/ep_systems.py [Note: +ep systems], bench/peers/ledgers.py `fsdp2_ep_ledger`), and the `moe`
 preset (bench/models.py [Note: the moe preset]). No process group: one process, well under
 a second."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ from tests.bench_modules import load_bench
 
 
 def test_ep_suffixes_parse():
-    load_bench("ep_systems")                                    # puts bench/ on sys.path
-    from systems import SystemName as Name, parse_system as parse
+    load_bench("peers/ep_systems")                                    # puts bench/ on sys.path
+    from peers.systems import SystemName as Name, parse_system as parse
     assert parse("fsdp2+ep2") == parse("fsdp2:full+ep2") == Name("fsdp2:full", ep="2")
     assert parse("fsdp2+ep") == parse("fsdp2+epgpu") == Name("fsdp2:full", ep="gpu")
     assert parse("shardc:moe/ep2_zero3+ep2") == Name("shardc:moe/ep2_zero3", ep="2")
-    assert load_bench("ep_systems").ep_degree("gpu", 4) == 4
+    assert load_bench("peers/ep_systems").ep_degree("gpu", 4) == 4
     for bad, why in [("fsdp2:hsdp+ep2", "fsdp2:full or shardc"), ("ddp+ep2", "fsdp2:full or shardc"),
                      ("shardc:zero3+ep2+tp", "without \\+tp"), ("fsdp2+ep2+compile", "without \\+tp"),
                      ("shardc:zero3+ep2+ep4", "twice"), ("fsdp2+ep0", "N >= 1")]:
@@ -45,4 +45,4 @@ def test_the_moe_preset():
     assert models.model_dims(m) == (256, models.MOE_CONTEXT)
     assert models.n_params(m) == 3_478_656
     assert [len(b.moe.experts.w1) for b in models.block_modules(m)] == [8] * 4
-    assert load_bench("ep_systems").local_numels(m)[1] == [3 * 8 * 256 * 128] * 4
+    assert load_bench("peers/ep_systems").local_numels(m)[1] == [3 * 8 * 256 * 128] * 4

@@ -8,7 +8,7 @@ inside the context manager, and after Ctrl-C). Opt-in (`pytest -m netns` or
 SHARDC_NETNS=1, see tests/conftest.py); needs root and iproute2, skipped with that
 reason anywhere else.
 
-Without namespaces: the `+tp` systems (bench/systems.py [Note: +tp systems]) run one
+Without namespaces: the `+tp` systems (bench/peers/systems.py [Note: +tp systems]) run one
 warm-up and one timed step of the tiny model through the worker's own `run_system` on 8
 gloo ranks as (node 2, gpu 2, tp 2): the same losses for FSDP2 and shardc, one batch per
 tp pair, memory per rank and FSDP2's link bytes against formulas written out here. The
@@ -231,7 +231,7 @@ def test_tp_systems_train_alike_without_namespaces():
 
 
 def test_system_names_parse():
-    from systems import SystemName as Name, parse_system as parse      # bench/ is on sys.path
+    from peers.systems import SystemName as Name, parse_system as parse      # bench/ is on sys.path
     assert parse("fsdp2:full") == Name("fsdp2:full")
     assert parse("fsdp2+tp") == Name("fsdp2:full", tp=2)
     assert parse("shardc:zero3@ring+tp4") == Name("shardc:zero3@ring", tp=4)

@@ -64,8 +64,8 @@ def cases(mesh: Mesh):
 
 # -- rank functions ------------------------------------------------------------------------
 def _float_paths(rank, world, mesh, m):
-    from shardc.runtime import collectives as C
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.eager import collectives as C
+    from shardc.runtime.transport.mesh import ShardMesh
 
     sm = ShardMesh(mesh)
     bad, done = [], 0
@@ -98,8 +98,8 @@ def _float_paths(rank, world, mesh, m):
 
 def _lowp_paths(rank, world, mesh, m):
     """bf16 comm: all_gather is exactly the bf16 rounding; reduce_scatter sums close to fp32."""
-    from shardc.runtime import collectives as C
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.eager import collectives as C
+    from shardc.runtime.transport.mesh import ShardMesh
 
     sm = ShardMesh(mesh)
     bad = []
@@ -120,9 +120,9 @@ def _lowp_paths(rank, world, mesh, m):
 
 
 def _quant_paths(rank, world, mesh, m):
-    from shardc.runtime import collectives as C
-    from shardc.runtime import quant
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.eager import collectives as C
+    from shardc.runtime.transport import quant
+    from shardc.runtime.transport.mesh import ShardMesh
 
     sm = ShardMesh(mesh)
     bad = []
@@ -157,9 +157,9 @@ def _quant_paths(rank, world, mesh, m):
 def _bounded_blocks(rank, world, mesh, m, cap):
     """The gloo reduce-scatter past its receive bound ([Note: bounded all-to-all]): the
     same result for every algorithm and order, no receive buffer over the bound."""
-    from shardc.runtime import collectives as C
-    from shardc.runtime.mesh import ShardMesh
-    from shardc.runtime.workspace import Workspace
+    from shardc.runtime.eager import collectives as C
+    from shardc.runtime.transport.mesh import ShardMesh
+    from shardc.runtime.groups.workspace import Workspace
 
     sm, ws, taken = ShardMesh(mesh), Workspace(), []
     take = ws.take
@@ -182,8 +182,8 @@ def _bounded_blocks(rank, world, mesh, m, cap):
 
 
 def _ho_ring_is_pipelined(rank, world, mesh):
-    from shardc.runtime import collectives as C
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.eager import collectives as C
+    from shardc.runtime.transport.mesh import ShardMesh
 
     sm = ShardMesh(mesh)
     out = torch.empty(world * 64)
@@ -234,7 +234,7 @@ def test_ho_ring_pieces_in_flight():
 
 
 def test_payload_bytes_hand_computed():
-    from shardc.runtime.quant import payload_bytes, quantize, shard_payload_bytes
+    from shardc.runtime.transport.quant import payload_bytes, quantize, shard_payload_bytes
 
     # s * (ceil((n//s)*bits/8) + ceil((n//s)/256)*4)
     assert payload_bytes(1024, 4, DType.INT8) == 4 * (256 + 1 * 4)          # 1040
@@ -252,8 +252,8 @@ def _stage_log(rank, world, mesh, m):
     """Record every torch.distributed call the collectives make: (op, varying levels, in, out)."""
     import torch.distributed as dist
 
-    from shardc.runtime import collectives as C
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.eager import collectives as C
+    from shardc.runtime.transport.mesh import ShardMesh
 
     sm = ShardMesh(mesh)
     log = []

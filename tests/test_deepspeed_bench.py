@@ -1,4 +1,4 @@
-"""The benchmark's DeepSpeed systems (bench/ds_systems.py) train like the others: through the
+"""The benchmark's DeepSpeed systems (bench/peers/ds_systems.py) train like the others: through the
 worker's own step (one warm-up, one timed step of the tiny model, 2 nodes x 2 ranks, 2
 micro-batches, AdamW), `deepspeed:zero1/zero2/zero3/zeropp` give the same losses as
 `fsdp2:full` (the step's update included: the second step's loss depends on it), and the
@@ -35,5 +35,5 @@ def test_mics_shards_over_the_node():
     """`deepspeed:mics` (DeepSpeed <= 0.19.6 only: 0.19.7 and 0.19.8 refuse the key, and 0.19.6's
     MiCS needs a backend with coalescing, which gloo lacks, so it is not trained here) asks for MiCS partitions of the node's ranks, on ZeRO-3."""
     from tests.bench_modules import load_bench
-    zero = load_bench("ds_systems").ds_config("deepspeed:mics", 4, 2, 2, 64)["zero_optimization"]
+    zero = load_bench("peers/ds_systems").ds_config("deepspeed:mics", 4, 2, 2, 64)["zero_optimization"]
     assert zero["stage"] == 3 and zero["mics_shard_size"] == 4

@@ -1,4 +1,4 @@
-"""Device-generic runtime (runtime/device.py): the model's device, the backend per device
+"""Device-generic runtime (runtime/transport/device.py): the model's device, the backend per device
 type, native vs all-to-all reduce-scatter (same values, same ledger), and the
 communication-stream wrapper driven by a fake stream module on CPU gloo ranks, and
 bench/gpu_check.py where there is no GPU. The same checks on a GPU are in
@@ -15,7 +15,7 @@ from torch import nn
 
 from shardc.dsl.errors import ShardcError
 from shardc.lowering import Op
-from shardc.runtime import device
+from shardc.runtime.transport import device
 from tests.harness import dist_run
 from tests.test_runtime_util import (ROOT, Tiny, batches, max_rel_err, reference, strategy,
                                      train_sharded, units_for)
@@ -119,7 +119,7 @@ def _backends(rank, world):
     import torch.distributed as dist
 
     from shardc.dsl import parse_mesh_text
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.transport.mesh import ShardMesh
 
     sm = ShardMesh(parse_mesh_text(M22))
     names = [device.backend_name(sm.group(lv, order), "cpu")
@@ -182,8 +182,8 @@ def _native_vs_alltoall(rank, world):
 
     from shardc.dsl import parse_mesh_text
     from shardc.dsl.ir import Collectives, DType
-    from shardc.runtime import collectives as C
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.eager import collectives as C
+    from shardc.runtime.transport.mesh import ShardMesh
     from tests.test_collectives import cases, data, members
 
     sm = ShardMesh(parse_mesh_text(M22))

@@ -11,7 +11,7 @@ import gc
 import pytest
 import torch
 
-from shardc.runtime import device
+from shardc.runtime.transport import device
 from tests.harness import dist_run
 from tests.test_device import M22, _train
 from tests.test_runtime_parity import TWO_LEVEL

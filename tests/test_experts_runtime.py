@@ -162,7 +162,7 @@ def _update_job(rank, world):
     import shardc
     from shardc.analysis.costmodel.bucketing import resolve_bucket
     from shardc.runtime import shard_module
-    from shardc.runtime.flat_group import FlatGroup
+    from shardc.runtime.groups.flat_group import FlatGroup
     from shardc.units import find_units
     issued, original = [], FlatGroup.update_issue
 

@@ -42,7 +42,7 @@ def prod_after(sizes, i):
 
 
 def _check_mesh(rank, world, mesh):
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.transport.mesh import ShardMesh
 
     sm = ShardMesh.get(mesh)
     assert ShardMesh.get(mesh) is sm and ShardMesh(mesh) is sm
@@ -78,7 +78,7 @@ def test_groups_match_definition(mesh):
 
 
 def _rank6_coords(rank, world):
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.transport.mesh import ShardMesh
 
     sm = ShardMesh.get(M24)
     return sm.coord("node"), sm.coord("gpu"), sm.index(("node", "gpu"), ("gpu", "node"))
@@ -90,7 +90,7 @@ def test_innermost_fastest():
 
 
 def _no_group_leak(rank, world):
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.transport.mesh import ShardMesh
 
     for _ in range(50):
         sm = ShardMesh(M22)
@@ -107,7 +107,7 @@ def test_groups_are_cached_across_calls():
 
 def _wrong_world(rank, world):
     from shardc.dsl.errors import ShardcError
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.transport.mesh import ShardMesh
 
     try:
         ShardMesh(M24)

@@ -42,7 +42,7 @@ def _plain_data():
 
 def _train(rank, world):
     from shardc.runtime import shard_module
-    from shardc.runtime.optimizer import _mine
+    from shardc.runtime.step.optimizer import _mine
     a, b, lin = _models()
     sa, sb = strategy("zero3", MESH), strategy("zero1", MESH)
     sma = shard_module(copy.deepcopy(a), sa, units_for(a, sa.scopes))
@@ -87,13 +87,13 @@ class _Group:
         self.storage = type("S", (), {"shard": torch.zeros(4)})()
 
     def update_issue(self, record, out):
-        from shardc.runtime.comm import DoneWork
+        from shardc.runtime.eager.comm import DoneWork
         out.fill_(1.0)
         return DoneWork()
 
 
 def test_an_owed_update_is_released_with_its_owner():
-    from shardc.runtime.graph_update import _OWED, OwedUpdate, await_update, update_keys
+    from shardc.runtime.graph.update import _OWED, OwedUpdate, await_update, update_keys
     k1, k2 = update_keys([0, 1]).values()
     kept, dropped = OwedUpdate(_Group(), k1), OwedUpdate(_Group(), k2)
     assert {k1, k2} <= set(_OWED)

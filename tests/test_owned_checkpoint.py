@@ -1,4 +1,4 @@
-"""Checkpoints of tensor-owned optimizer states (issue 51; runtime/owned_state.py [Note:
+"""Checkpoints of tensor-owned optimizer states (issue 51; runtime/step/owned_state.py [Note:
 owned states in checkpoints]): torch.optim.Muon's momentum saved with torch's recipe
 (`get_state_dict`, `dcp.save`, `dcp.load`, `set_state_dict`) under `optim ... by tensor`
 resumes under another layout and world size — owners over the world at 4 ranks ->

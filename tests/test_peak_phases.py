@@ -65,8 +65,8 @@ def test_a_transient_left_out_is_a_miss(monkeypatch):
 
 
 def test_codec_batch_has_one_value():
-    # lowering/peak_facts.py CODEC_ROWS is what the timeline reads; runtime/quant.py codes by
+    # lowering/peak_facts.py CODEC_ROWS is what the timeline reads; runtime/transport/quant.py codes by
     # ROWS_AT_ONCE, read from it
     from shardc.lowering.peak_facts import CODEC_ROWS
-    from shardc.runtime.quant import ROWS_AT_ONCE
+    from shardc.runtime.transport.quant import ROWS_AT_ONCE
     assert CODEC_ROWS == ROWS_AT_ONCE

@@ -47,8 +47,8 @@ for argv in json.loads(sys.argv[1]):
 # operators one quantized all-gather / reduce-scatter runs, over 8 ranks and over 1024
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from shardc.dsl.ir import DType, Mesh, Level
-from shardc.runtime import collectives as C
-from shardc.runtime.mesh import ShardMesh
+from shardc.runtime.eager import collectives as C
+from shardc.runtime.transport.mesh import ShardMesh
 
 class Count(TorchDispatchMode):
     n = 0
@@ -240,7 +240,7 @@ def test_codec_rows_are_the_one_row_codec():
     import torch
 
     from shardc.dsl.ir import DType
-    from shardc.runtime import quant
+    from shardc.runtime.transport import quant
     g = torch.Generator().manual_seed(0)
     for m in (1, 255, 256, 301):
         x = torch.randn(5, m, generator=g) * torch.tensor([0.0, 1.0, 1e-3, 7.0, 1e4])[:, None]

@@ -248,7 +248,7 @@ LLAMA_HPZ = LLAMA_OWNED.replace("params shard over world", "params shard over wo
 def test_ledger_and_optim_memory_equal_explains():
     """zero3, PaRO-IIG and hpZ with Muon and AdamW, two optimizers stepped one after the
     other: the ledger (one update all-gather per step, after the second optimizer:
-    runtime/boundary.py [Note: one step, several optimizers]) and every rank's optimizer states."""
+    runtime/step/boundary.py [Note: one step, several optimizers]) and every rank's optimizer states."""
     texts = [LLAMA_OWNED, LLAMA_IIG, LLAMA_HPZ]
     measured = dist_run(4, _measure, texts)
     for k, text in enumerate(texts):

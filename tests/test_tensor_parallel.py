@@ -249,7 +249,7 @@ def test_a_mesh_of_another_device_type_is_refused():
     from types import SimpleNamespace
 
     from shardc.dsl import parse_mesh_text
-    from shardc.runtime.mesh import check_device_mesh
+    from shardc.runtime.transport.mesh import check_device_mesh
     mesh = parse_mesh_text("node(2) > gpu(2)")
     dm = SimpleNamespace(mesh_dim_names=("node", "gpu"), mesh=torch.arange(4).reshape(2, 2), device_type="cuda")
     with pytest.raises(Exception, match="the DeviceMesh is a cuda mesh but the model's parameters are on cpu"):

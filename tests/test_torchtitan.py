@@ -1,5 +1,5 @@
 """torchtitan's models under shardc at parity: the parity checks of the real-client harnesses
-(bench/torchtitan_check.py: Llama 3; bench/torchtitan_moe_check.py: DeepSeek-V3 with
+(bench/clients/torchtitan_check.py: Llama 3; bench/clients/torchtitan_moe_check.py: DeepSeek-V3 with
 torchtitan's own expert parallelism) run as tests, on 4 gloo ranks, 2 layers.
 
 Each harness trains shardc's sharded model and one process on the concatenated batch and
@@ -34,13 +34,13 @@ def _check(script: str, *args: str) -> None:
 
 
 def test_llama3_zero3_and_paro_iig_at_parity():
-    _check("bench/torchtitan_check.py", "--check", "parity", "--strategies", "zero3,paro_iig", "--steps", "2")
+    _check("bench/clients/torchtitan_check.py", "--check", "parity", "--strategies", "zero3,paro_iig", "--steps", "2")
 
 
 def test_llama3_full_state_dict_bit_equal():
-    _check("bench/torchtitan_check.py", "--check", "full", "--steps", "1")
+    _check("bench/clients/torchtitan_check.py", "--check", "full", "--steps", "1")
 
 
 def test_deepseek_v3_expert_parallel_at_parity():
-    _check("bench/torchtitan_moe_check.py", "--check", "parity", "--strategies", "ep2_zero3",
+    _check("bench/clients/torchtitan_moe_check.py", "--check", "parity", "--strategies", "ep2_zero3",
            "--experts-dtype", "fp32", "--steps", "2")

@@ -1,5 +1,5 @@
 """The runtime's transient bounds (shardc.lowering [Note: reductions in flight], [Note: syncs
-in flight], [Note: staging chunks], [Note: receive blocks]; runtime/storage.py [Note: grad
+in flight], [Note: staging chunks], [Note: receive blocks]; runtime/groups/storage.py [Note: grad
 shard lifetime]): the rule's numbers; staged hierarchical all-reduces, reduce-scatters and
 all-gathers exact and within their staging bound (torch's MemTracker); a step-end sync with
 at most SYNC_IN_FLIGHT groups in flight; a backward with at most REDUCE_IN_FLIGHT
@@ -32,8 +32,8 @@ def _staged_all_reduce(rank, world, staging, n):
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     from shardc.dsl.ir import Level, Mesh
-    from shardc.runtime import collectives as C
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.eager import collectives as C
+    from shardc.runtime.transport.mesh import ShardMesh
     sm, out, bound = ShardMesh(Mesh((Level("node", 2), Level("gpu", 2)))), [], C.STAGING_BYTES
     C.STAGING_BYTES = staging             # this pooled worker runs later tests: put it back
     try:
@@ -68,7 +68,7 @@ def test_staged_all_reduce_exact_and_bounded():
 
 def _bounded_sync(rank, world):
     from shardc.runtime import shard_module
-    from shardc.runtime.flat_group import FlatGroup
+    from shardc.runtime.groups.flat_group import FlatGroup
     data = batches(2, world, 1)
     model = Tiny()
     want, _ = reference(model, data, "adamw")
@@ -100,8 +100,8 @@ def _staged_scatter_gather(rank, world, staging, m):
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     from shardc.dsl.ir import Level, Mesh
-    from shardc.runtime import collectives as C
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.eager import collectives as C
+    from shardc.runtime.transport.mesh import ShardMesh
     sm, out, bound = ShardMesh(Mesh((Level("node", 2), Level("gpu", 2)))), [], C.STAGING_BYTES
     levels = ("node", "gpu")
     t = torch.arange(world * m, dtype=torch.float32) * (rank + 1)
@@ -146,9 +146,9 @@ def test_staged_reduce_scatter_all_gather_exact_and_bounded():
 
 
 def _backward_bounded(rank, world, staging):
-    from shardc.runtime import collectives as C
+    from shardc.runtime.eager import collectives as C
     from shardc.runtime import shard_module
-    from shardc.runtime.flat_group import FlatGroup
+    from shardc.runtime.groups.flat_group import FlatGroup
     data = batches(2, world, 1)
     model = Tiny()
     want, _ = reference(model, data, "adamw")
@@ -180,7 +180,7 @@ def _backward_bounded(rank, world, staging):
 def test_backward_bounded_in_parity():
     """ZeRO-3 with HO-Ring on node(2) > gpu(2), staging in blocks of one column (16 bytes):
     at most REDUCE_IN_FLIGHT backward reduce-scatters in flight ([Note: reductions in
-    flight]); zero_grad() frees every grad shard (storage.py [Note: grad shard lifetime]),
+    flight]); zero_grad() frees every grad shard (runtime/groups/storage.py [Note: grad shard lifetime]),
     and a forward does not bring them back; the model equals one process on the whole batch."""
     import shardc.algorithms as A
     pieces = A.get(Collectives.HO_RING.value).pieces

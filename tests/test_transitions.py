@@ -1,5 +1,5 @@
 """Unit and group states move only through their own methods, and a wrong move raises at once
-(runtime/transitions.py [Note: asserted transitions]).
+(runtime/groups/transitions.py [Note: asserted transitions]).
 
 A unit of two modules (a bucket) runs its forward IDLE -> FORWARD -> IDLE, counting one
 module run each; ending a forward it never began, counting a module on an idle unit or
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from shardc.dsl.ir import Scopes
-from shardc.runtime.transitions import GradState, StateTransitionError, TrainingState
-from shardc.runtime.unit import UnitState
+from shardc.runtime.groups.transitions import GradState, StateTransitionError, TrainingState
+from shardc.runtime.groups.unit import UnitState
 from shardc.units import UnitSpec
 
 

@@ -279,7 +279,7 @@ def test_the_compiled_graphs_run_the_plan(tmp_path):
         {k: predicted["memory"][k] for k in ("params", "grads", "optim", "total")}
     # each compiled graph holds exactly the plan's rows: the micro-batch's forward every
     # gather, its backward every re-gather and reduce-scatter, and the backward that ends
-    # the step (its own graph, early_sync: graph_sync.py) the sync rows too; the boundary
+    # the step (its own graph, early_sync: runtime/graph/sync.py) the sync rows too; the boundary
     # the update (every unit synced in that backward: no sync graph runs)
     coll = [(kind, sorted((op, tuple(lv), b) for op, lv, b, _ in c if op not in ("matmul", "wait")))
             for kind, c in graphs]
@@ -289,7 +289,7 @@ def test_the_compiled_graphs_run_the_plan(tmp_path):
     assert coll[3][1] == sorted(rows["backward"] + rows["sync"]) and rows["sync"]
     # step 2's first micro-batch (defer_update: every unit with an update row, so no graph
     # at opt.step()) waits the updates opt.step() issued eagerly (they are in no graph),
-    # each right before its unit's gather is issued, where SCHEDULE issues it (graph_update.py
+    # each right before its unit's gather is issued, where SCHEDULE issues it (runtime/graph/update.py
     # [Note: deferred updates, issued at the step]): unit 2's is still in flight after unit
     # 0's and 1's gathers
     assert coll[4][1] == sorted(rows["forward"]) and rows["update"]
@@ -314,7 +314,7 @@ def test_the_compiled_graphs_run_the_plan(tmp_path):
                 compute = next(i for i in range(own + 1, len(seq)) if seq[i][0] == "matmul")
                 assert own < issued < compute, (kind, st, seq)
     # ... and keeping one reduce-scatter in flight over the next unit's backward compute
-    # (graph_backend.py [Note: one reduce-scatter in flight]): the first unit's is waited
+    # (runtime/graph/backend.py [Note: one reduce-scatter in flight]): the first unit's is waited
     # after the next unit's matmuls, right before the next reduce-scatter is issued
     seq = next(c for k, c in graphs if k == "backward" and any(e[0] == "all_gather" for e in c))
     first = next(i for i, e in enumerate(seq) if e[0] == "reduce_scatter")
@@ -323,7 +323,7 @@ def test_the_compiled_graphs_run_the_plan(tmp_path):
     assert first < waited < second and any(e[0] == "matmul" for e in seq[first:waited]), seq
     # ... in the code that runs: Inductor's generated code issues each collective no later
     # than the FX graph does, never after matmuls the graph puts after it (its peak-memory
-    # re-sort sank each issue to just before its wait: graph_backend.py [Note: the schedule
+    # re-sort sank each issue to just before its wait: runtime/graph/backend.py [Note: the schedule
     # stays the language's])
     for (kind, c), generated in zip(graphs[:2], code):
         fx = [_KIND[e[0]] for e in c if e[0] != "wait"]
@@ -337,7 +337,7 @@ def _early_job(rank, world):
     """paro_nig (G = gpu, OS = world: the sync reduce-scatters over node), 3 layers (so a
     unit's sync has a unit's backward compute after it to overlap): the graphs step 1 ran;
     then step 2 with the loop turning gradient sync off between the forward the sync graph
-    was chosen for and its backward (graph_sync.py [Note: early sync as graphs]); then step
+    was chosen for and its backward (runtime/graph/sync.py [Note: early sync as graphs]); then step
     3 with the loop asking for the sync on every backward (FSDP2's habit): each micro-batch
     takes the sync graph, the first on a stale shard, the second after a fold."""
     sm = compiled(text("paro_nig"), MESH, layers=3, rank=rank, passes=("early_sync",))

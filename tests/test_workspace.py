@@ -1,4 +1,4 @@
-"""The reduce workspace (runtime/workspace.py): backward scratch buffers are reused across
+"""The reduce workspace (runtime/groups/workspace.py): backward scratch buffers are reused across
 units and micro-batches, bounded, and empty outside a step's accumulation window.
 
 Bounds from [Note: reduce workspace]: at most two reduce-scatters in flight, each with an
@@ -21,7 +21,7 @@ from tests.test_runtime_util import (V, Block, D, H, Tiny, batches, loss_fn, max
 
 
 def test_take_reuses_what_was_given_back():
-    from shardc.runtime.workspace import Workspace
+    from shardc.runtime.groups.workspace import Workspace
     ws = Workspace()
     a = ws.take(10, torch.float32, torch.device("cpu"))
     ws.give(a)
@@ -76,7 +76,7 @@ def _one_param_units(rank, world, opt_kind):
     """Embedding and head as units of one parameter each (V·D = 66 elements: no padding on
     2 ranks); which groups laid their gradients out flat, and the trained parameters."""
     from shardc.runtime import UnitSpec, shard_module
-    from shardc.runtime.storage import FlatStorage
+    from shardc.runtime.groups.storage import FlatStorage
     model = _one_param_model()
     s = strategy("zero3", "gpu(2)")
     block = tuple(n for n, _ in model.named_parameters() if n.startswith("1."))

@@ -10,7 +10,7 @@ waits placed where the engine waits them (`step`), and the update phase's expose
 cores ([Note: step time] there).
 
 [Note: pass pipeline]
-The engine (runtime/engine.py, [Note: schedule]) issues what the `Schedule` names, so
+The engine (runtime/eager/engine.py, [Note: schedule]) issues what the `Schedule` names, so
 each micro-batch is replayed event by event: the cores run the units' compute in order;
 each link runs the collectives issued on it one at a time, in issue order (a
 collective's link wait only), and different links run at once. A collective's link is
@@ -34,9 +34,9 @@ first gathers, the backward's first re-gather and the last two reductions.
 On the backward that ends the step, with the `early_sync` plan pass, unit i's step sync
 (the SYNC rows) goes out when the next unit's gradients are in, right after the engine
 has waited unit i's reduction; the root's, when the backward ends. A sync's first stage
-is its reduce-scatter, or its all-reduce when it has none (runtime/flat_group.py
+is its reduce-scatter, or its all-reduce when it has none (runtime/groups/flat_group.py
 `sync_issue`); an all-reduce after a reduce-scatter goes out when the next unit's sync
-is issued, the last two units' at opt.step() (engine.py `_bound_reductions`), which
+is issued, the last two units' at opt.step() (runtime/eager/engine.py `_bound_reductions`), which
 waits them all; the cores wait the reduce-scatter before issuing it (`sync_advance`).
 Without the pass every sync is issued when the backward ends, their all-reduces at
 opt.step().
@@ -85,7 +85,7 @@ def waits_of(plan, mesh: Mesh, bw, algo: Collectives, costs, meshes=None) -> Wai
         return out
 
     def sync(i) -> tuple[Parts, Parts | None]:
-        """The reduce-scatter, then the all-reduce; or the all-reduce alone (runtime/flat_group.py
+        """The reduce-scatter, then the all-reduce; or the all-reduce alone (runtime/groups/flat_group.py
         `sync_issue`)."""
         ops = {r.op for g in plan.units[i].groups for r in g.rows if r.phase is Phase.SYNC}
         ar = w(i, Phase.SYNC, lambda r: r.op is Op.ALL_REDUCE)

@@ -4,7 +4,7 @@ beside its input and output while it is in flight, for the memory timeline (time
 Input: the strategy's mesh, the resolved collective algorithm (`Collectives`, as explain
 resolves `auto`), one plan `Row` (levels, digit order, comm dtype) and the collective's
 size. Output: bytes per rank. Each rule follows the executor that allocates the buffers,
-runtime/collectives.py, stage by stage (the algorithm's stages: shardc.algorithms); one
+runtime/eager/collectives.py, stage by stage (the algorithm's stages: shardc.algorithms); one
 flat stage in the collective's own dtype holds nothing of its own.
 
 [Note: staging: reduce-scatter]
@@ -38,7 +38,7 @@ whose length is not a multiple of the scatter stages' ranks is first padded (a c
 alive for the whole all-reduce).
 
 [Note: staging: codec temporaries]
-runtime/quant.py codes a quantized collective's rows a batch at a time (shardc.lowering
+runtime/transport/quant.py codes a quantized collective's rows a batch at a time (shardc.lowering
 [Note: codec batches]); `encode_rows` holds the zero-padded fp32 copy of the batch, the
 quotient then its rounding and its clamp (`CODEC_FP32` fp32 copies at once) and the int8
 codes; `decode_rows` the float codes, the padded copy and the scaled result. These live

@@ -37,7 +37,7 @@ update gathers, not beside the syncs in flight (waited first). Measured: MiCS in
 LLaMA-65B at 1024 ranks, 32.65 GB of them (4 x 65.3 B / 8) in a 147.4 GB step.
 
 [Note: timeline: gathered window]
-runtime/flat_group.py `issue_gather` allocates a unit's full buffer (storage.py
+runtime/groups/flat_group.py `issue_gather` allocates a unit's full buffer (runtime/groups/storage.py
 `FlatStorage`), `release` frees it after the unit ran (the root stays gathered). Forward
 and backward walk the same window (memory.py [Note: transient window]).
 
@@ -73,14 +73,14 @@ measured peak with them.
 
 [Note: timeline: autograd gradient]
 In the backward autograd makes the unit's gradients, full size N in the grad dtype, before
-the unit's hook lays them out flat (runtime/flat_group.py `reduce_slot_grads`); they are
+the unit's hook lays them out flat (runtime/groups/flat_group.py `reduce_slot_grads`); they are
 freed when the unit's views' backward returns (shardc.lowering [Note: reductions in
 flight]), after `reduce_grad` has copied them (s_G > 1) or added them in (s_G = 1) and
 issued the reduce: so they count beside the reduce's staging and codec at its issue
 (measured: zeropp's qgZ issue on HF GPT-2 at 4 ranks, 1.005 with them, 0.945 without).
 
 [Note: timeline: reduce workspace]
-runtime/workspace.py [Note: reduce workspace], shardc.lowering [Note: reductions in
+runtime/groups/workspace.py [Note: reduce workspace], shardc.lowering [Note: reductions in
 flight] (REDUCE_IN_FLIGHT = 1): with s_G > 1 a unit's reduce-scatter holds its flat input
 (N) and its output chunk (N/s_G) until the next unit's gradients arrive; that wait comes
 before the next copy, and the unit's gathered buffer is freed before it too, so the next
@@ -91,13 +91,13 @@ natively). With more than one micro-batch the pool keeps it between micro-batche
 every later forward and backward holds the largest unit's worth from its start.
 
 [Note: timeline: sync chunk]
-runtime/flat_group.py `sync_issue`: where the step-end sync has a reduce-scatter stage
+runtime/groups/flat_group.py `sync_issue`: where the step-end sync has a reduce-scatter stage
 (OS∖G), every unit's sync is issued at the end of the backward and each holds its output
 chunk (N/s_OS, grad dtype) until `sync_advance` copies it into the OS slice.
 
 [Note: timeline: gather cast]
 Where the fp32 master is the params shard (shardc.lowering [Note: the master is the params
-shard]), runtime/storage.py `gather_input` casts it to the params dtype for each all-gather
+shard]), runtime/groups/storage.py `gather_input` casts it to the params dtype for each all-gather
 (N/s_P elements, the params dtype): counted with the gathers issued ahead, the cast's
 output being the gather's input while it is in flight (a bound: a simulated rank's fake
 collectives drop it at once). A backward re-gather from an hpZ secondary casts nothing.
@@ -107,14 +107,14 @@ memory.py [Note: start-up peak]: the shards plus the largest unit's whole parame
 
 [Note: timeline: update gathers]
 After the optimizer's step every group with an update all-gather (OS∖P) issues it at once
-(runtime/step_ops.py `update`, flat_group.py `update_issue`): each holds a clone of its OS
+(runtime/eager/step_ops.py `update`, runtime/groups/flat_group.py `update_issue`): each holds a clone of its OS
 chunk in the params dtype and its gather's first-stage buffer (staging.py) until waited
 (then, or, for the units the `defer_update` pass lists, before each is next needed in the
 next forward); the one waited holds its last stages.
 
 [Note: timeline: optimizer step]
-In opt.step() (runtime/optimizer.py) the optimizer runs over one group's OS chunk at a time
-and the update all-gather sends a copy of it (flat_group.py `update_issue`, `mine.clone()`):
+In opt.step() (runtime/step/optimizer.py) the optimizer runs over one group's OS chunk at a time
+and the update all-gather sends a copy of it (runtime/groups/flat_group.py `update_issue`, `mine.clone()`):
 `STEP_TEMPORARIES` fp32 copies of the largest chunk. Measured with the step phase of
 `shardc simulate` (AdamW, foreach): 2.0x the largest chunk for zero3, 0.67x for ddp, on
 GPT tiny and small at 4 ranks, so the rule is a bound. foreach against fused, measured
@@ -127,7 +127,7 @@ optimizer's kind (issue 47).
 [Note: timeline: collective staging]
 A multi-stage collective (hierarchical, ho-ring over two or more levels), a cast to another
 comm dtype and a quantized one hold buffers of their own while in flight (staging.py has
-the rules, each naming its site in runtime/collectives.py). The backward counts, beside
+the rules, each naming its site in runtime/eager/collectives.py). The backward counts, beside
 the reduce in flight, its reduce-scatter's staging; the gather waited for the unit
 (`at its wait`: its last two stage buffers) and, at that wait too, the gathers issued
 ahead of it (their first stage's buffer; measured: zero3 on HF GPT-2 at 4 ranks, 0.997
@@ -138,12 +138,12 @@ An early sync with an all-reduce stage is advanced (its chunk copied into the OS
 freed) right after the next unit's is issued, so at that issue two syncs are in their
 reduce-scatter stage (a point of its own: measured on lins_7b, HF Llama at 4 ranks, two
 chunks from `sync_issue` beside the root's gradient; explain 1.065 x measured before).
-The backward that ends the step issues every unit's sync (flat_group.py `sync_issue`):
-a unit the `early_sync` pass lists right after its own reduce is waited (engine.py
+The backward that ends the step issues every unit's sync (runtime/groups/flat_group.py `sync_issue`):
+a unit the `early_sync` pass lists right after its own reduce is waited (runtime/eager/engine.py
 `_bound_reductions`: as the next unit's gradients arrive), the others at the backward's end, at most SYNC_IN_FLIGHT groups at
-a time (shardc.lowering [Note: syncs in flight], runtime/step_ops.py). A sync in its
+a time (shardc.lowering [Note: syncs in flight], runtime/eager/step_ops.py). A sync in its
 reduce-scatter stage holds its output chunk (N/s_OS) and the reduce-scatter's staging;
-an early sync is advanced when the next unit's is issued (boundary.py `sync_early`): its
+an early sync is advanced when the next unit's is issued (runtime/step/boundary.py `sync_early`): its
 chunk is copied into the OS slice and its all-reduce over the replicas goes out, holding
 that all-reduce's staging until opt.step() waits it; a sync with no all-reduce stays in
 its reduce-scatter stage until then. A sync with no reduce-scatter stage issues its
@@ -390,7 +390,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
                 synced.append(prev)         # its reduce waited: its sync goes out
         if prev is not None and prev in early:
             # the previous unit's sync issued while the one before it is still in its
-            # reduce-scatter stage (boundary.py `sync_early` advances it right after)
+            # reduce-scatter stage (runtime/step/boundary.py `sync_early` advances it right after)
             issuing = sum(z.synced_early(k, n + 2 < len(synced)) for n, k in enumerate(synced))
             pts.append(Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
                                           ("activations left", alive - (left[i] if left is not None else 0)), kept,

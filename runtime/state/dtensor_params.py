@@ -67,7 +67,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def tp_params(params: dict[str, torch.Tensor], dp_names: tuple[str, ...], experts=()) -> dict[str, TPParam]:
     """canonical name -> TPParam for every DTensor parameter but the `experts` (expert
-    parallelism: runtime/experts.py); every one on one mesh whose dims are not the
+    parallelism: runtime/transport/experts.py); every one on one mesh whose dims are not the
     data-parallel levels, placed by Shard or Replicate only."""
     out, mesh = {}, None
     for name, p in params.items():

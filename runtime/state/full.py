@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..owned_state import as_chunks
+from ..step.owned_state import as_chunks
 from . import StateView, hooks
 from .checkpoint import OPTIM_CLASS, parameter_values
 from .params import ShardParam
@@ -37,7 +37,7 @@ def full_optim_state_dict(v: StateView, opt, rank0_only: bool = False) -> dict:
     v.faults.enter("full_optim_state_dict()")
     keep = not rank0_only or dist.get_rank() == 0
     state: dict[str, dict] = {}
-    with as_chunks(opt):          # tensor-owned states as chunks (runtime/owned_state.py)
+    with as_chunks(opt):          # tensor-owned states as chunks (runtime/step/owned_state.py)
         for p in (p for g in opt.param_groups for p in g["params"]):
             if not isinstance(p, ShardParam) or p._shardc_set is not v.params:
                 continue

@@ -30,7 +30,7 @@ takes the whole model's norm and scales the slices in place. Any torch call on a
 caller reads a gradient before it is reduced and averaged. A grad shard kept in bf16 is
 read through an fp32 copy of the slice, refreshed when the sync completes; `zero_grad()`
 frees those copies (storage resized to 0) until the next read refills them, and the grad
-shards themselves (runtime/storage.py [Note: grad shard lifetime]): between zero_grad()
+shards themselves (runtime/groups/storage.py [Note: grad shard lifetime]): between zero_grad()
 and the next step's sync neither holds bytes. Zeroing a gradient in place writes nothing. Zeroing is
 torch's: `p.grad = None` (`zero_grad()`, set_to_none) or zeroing the gradient in place
 (`zero_grad(set_to_none=False)`) resets the step (`StepBoundary.zero_grad`); the next
@@ -52,7 +52,7 @@ from torch import nn
 from shardc.lowering import RELEASE_GRADS, Over
 from shardc.lowering.rows import norm_row
 
-from ..boundary import StepPhase
+from ..step.boundary import StepPhase
 from ..errors import RuntimeUsageError
 from .pieces import PieceSpec, gather
 
@@ -197,7 +197,7 @@ class ShardTensor(_Whole, torch.Tensor):
 
 def _zeroed(func, args):
     """Zeroing shardc gradients in place: the step is reset (`grads_zeroed`), which leaves
-    the grad shards logically zero and their storage freed (runtime/storage.py [Note: grad
+    the grad shards logically zero and their storage freed (runtime/groups/storage.py [Note: grad
     shard lifetime]), so nothing is written to them; other tensors in the list are zeroed."""
     if func is torch._foreach_zero_:
         rest = [t for t in args[0] if not isinstance(t, _Whole)]
@@ -301,7 +301,7 @@ class ParamSet:
     def __init__(self, units, order: list[str], tp: dict, comm, ledger, boundary, comms: dict | None = None,
                  owned_plan=None):
         self.comm, self.ledger, self.boundary, self.tp = comm, ledger, boundary, tp
-        self.owned_plan = owned_plan                # the plan's owners (Lowering.owned; runtime/owned.py)
+        self.owned_plan = owned_plan                # the plan's owners (Lowering.owned; runtime/step/owned.py)
         self._comms = comms or {Over.DENSE: comm}   # the Comm of each placement's mesh (`Over`)
         self.params: dict[str, ShardParam] = {}
         self.grads = _LazyGrads(self._grad_views)  # name -> (ShardGrad, plain view, storage), made at first use
@@ -318,7 +318,7 @@ class ParamSet:
                 self.params[name] = p
                 if st.trainable:
                     self.grads.plan(name, spec, st)
-        self.optimizers: list = []                   # weakrefs to adopted optimizers (runtime/optimizer.py)
+        self.optimizers: list = []                   # weakrefs to adopted optimizers (runtime/step/optimizer.py)
         self.owned: list = []                        # those sm.optimizer() built: kept alive, as before
         self._settled = None                         # the boundary generation the grads were read at
         self.unset: set[str] = set()                 # parameters without values yet (runtime/build.py)
@@ -528,7 +528,7 @@ def _finish(total: torch.Tensor, p: float) -> torch.Tensor:
 
 class _LazyGrads(Mapping):
     """name -> a parameter's gradient views, each made at its first read, so building the
-    ParamSet does not allocate the grad shards (runtime/storage.py [Note: grad shard lifetime])."""
+    ParamSet does not allocate the grad shards (runtime/groups/storage.py [Note: grad shard lifetime])."""
 
     def __init__(self, make):
         self._make, self._planned, self._made = make, {}, {}

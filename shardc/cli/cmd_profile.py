@@ -10,7 +10,7 @@ group) and a mesh. Output (rank 0): a JSON bandwidth profile read by the cost mo
 
 For every set of mesh levels whose factor is > 1 (levels in mesh order), every op
 (all_gather, reduce_scatter, all_reduce), every algorithm (ring only for one level) and
-every size, the runtime's own collectives (`shardc.runtime.collectives`) are timed.
+every size, the runtime's own collectives (`shardc.runtime.eager.collectives`) are timed.
 `bytes` is the logical full size of the collective, as in the ledger (fp32 payload);
 `seconds` is the median over `--iters` runs (after `--warmup` runs; × `--sweeps`, the
 times the whole list is timed over) of each run's slowest rank ([Note: a robust
@@ -120,7 +120,7 @@ def _time_one(op, sm, levels, algo, n, args, device, comm) -> tuple[list[float],
     import torch
     import torch.distributed as dist
 
-    from shardc.runtime import collectives as C
+    from shardc.runtime.eager import collectives as C
 
     s = sm.mesh.factor(levels)
     bufs = (torch.ones(n, device=device), torch.ones(n // s, device=device))
@@ -228,7 +228,7 @@ def _profile(mesh, args, device: str) -> None:
     import torch.distributed as dist
 
     from shardc.dsl.ir import Collectives, DType
-    from shardc.runtime.mesh import ShardMesh
+    from shardc.runtime.transport.mesh import ShardMesh
 
     sm = ShardMesh(mesh, device)
     rank0 = dist.get_rank() == 0
