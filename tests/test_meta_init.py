@@ -233,7 +233,7 @@ def test_unset_check_holds_no_whole_parameter_mask():
     # check holds at most NAN_BLOCK bools, and it still tells all-NaN from a single value anywhere.
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from runtime.state.init import NAN_BLOCK, all_nan
+    from shardc.runtime.state.init import NAN_BLOCK, all_nan
     t = torch.full((4 * NAN_BLOCK,), float("nan"))          # 16 MiB of fp32: a whole mask is 4 MiB
     tracker = MemTracker()
     with tracker:
