@@ -33,7 +33,7 @@ from tests.harness import dist_run, failure
 from tests.test_runtime_util import Tiny, batches, loss_fn, strategy, units_for
 
 pytestmark = pytest.mark.distributed
-SIZE = dict(n_blocks=16, d=64, h=128)
+SIZE = dict(n_blocks=8, d=64, h=128)
 CASES = (("zero3", "node(1) > gpu(4)", "fp32"), ("paro_iig", "node(2) > gpu(2)", "fp32"),
          ("zero3", "node(1) > gpu(4)", "bf16"))
 
@@ -76,6 +76,10 @@ def _recipe(rank, world, path, bad, cut, ock):
         cast = all(torch.equal(st.shard[st.os_start - st.p_start:][:st.os_len], st.master.to(st.shard.dtype))
                    for st in stores if st.master_separate)
         full = sm.full_state_dict()
+        if (name, pdtype) != CASES[0][::2]:            # the failed loads: once, on the first case
+            out.append(dict(case=(name, pdtype), peak=peak, bound=load_staging_bytes(sm.lowering), pieces=pieces,
+                            views=views, cast=cast, full=full))
+            continue
         before = {k: v.clone() for k, v in full.items()}
         refused = None
         try:                                   # a mismatched checkpoint: refused while DCP plans
@@ -146,7 +150,7 @@ def test_torch_recipe_fills_the_shards_in_place(tmp_path):
     plain = Tiny(seed=0, **SIZE)
     path, bad = str(tmp_path / "ckpt"), str(tmp_path / "bad")
     dcp.save(plain.state_dict(), checkpoint_id=path, no_dist=True)
-    other = Tiny(seed=0, n_blocks=16, d=64, h=129)         # blocks' hidden width 129, not 128
+    other = Tiny(seed=0, n_blocks=SIZE["n_blocks"], d=64, h=129)         # blocks' hidden width 129, not 128
     dcp.save(other.state_dict(), checkpoint_id=bad, no_dist=True)
     cut = tmp_path / "cut"
     shutil.copytree(path, cut)
@@ -168,6 +172,8 @@ def test_torch_recipe_fills_the_shards_in_place(tmp_path):
             assert r["cast"], case
             for k, v in want.items():
                 assert torch.equal(r["full"][k], v), (case, k)
+            if case != ("zero3", "fp32"):
+                continue
             assert r["refused"] is not None and "129" in r["refused"] and "nothing was loaded" in r["refused"], case
             assert r["kept"], case
             assert r["partway"] is not None and "failed part-way" in r["partway"], (case, r["partway"])
