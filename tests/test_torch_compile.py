@@ -140,7 +140,16 @@ def test_gpt_compiled_in_every_order_trains_at_parity():
     plain = {order: _plain_counts(par.make_model, order, _gpt_step) for order in ORDERS}
     for order in ORDERS:                                            # the counter counts what runs
         assert plain[order][0] == expected_compiled(par.make_model(), order)
-    results = dist_run(4, _gpt_job, GPT_CASES)
+    try:
+        results = dist_run(4, _gpt_job, GPT_CASES)
+    except AssertionError as e:
+        # a rank of this pool segfaults inside libtorch_cpu now and then in full-suite runs
+        # (dmesg: "segfault ... in libtorch_cpu.so", no Python error; never alone): one retry
+        # in a fresh pool, and a second death fails the test
+        if " died (exit code" not in str(e):
+            raise
+        shutdown()
+        results = dist_run(4, _gpt_job, GPT_CASES)
     for i, (name, order, opt_kind) in enumerate(GPT_CASES):
         per_rank = [r[i] for r in results]
         par._assert_close([(losses, state) for losses, state, *_ in per_rank],
