@@ -50,7 +50,9 @@ def _status() -> dict[str, int]:
     return out
 
 
-def _rank(rank, world, path, name, mesh):
+def _compiled(name, mesh):
+    """The meta-built Llama compiled under `name` on `mesh` with buffers only: (sm, its memory
+    report, VmRSS before compile, VmHWM after it)."""
     import shardc
     from tests.test_runtime_util import strategy
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -61,8 +63,12 @@ def _rank(rank, world, path, name, mesh):
         f.write("5")
     rss0 = _status()["VmRSS"]
     sm = shardc.compile(model, strategy(name, mesh), example_inputs=(x,), init=shardc.buffers_only(model._init_weights))
-    rep = sm.memory_report()
-    hwm_compile = _status()["VmHWM"]
+    return sm, sm.memory_report(), rss0, _status()["VmHWM"]
+
+
+def _rank(rank, world, path, name, mesh):
+    import shardc
+    sm, rep, rss0, hwm_compile = _compiled(name, mesh)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")                                        # VmHWM := VmRSS
     before = _status()["VmRSS"]
@@ -77,20 +83,9 @@ def _recipe(rank, world, path, name, mesh):
     dcp.load(sd, storage_reader=HuggingFaceStorageReader(path)); sm.load_state_dict(sd)`; the
     pieces are views of the shards (runtime/state/checkpoint.py [Note: the recipe loads in
     place]). Counted from just before `sm.state_dict()`."""
-    import shardc
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from tests.test_runtime_util import strategy
-    from transformers import LlamaConfig, LlamaForCausalLM
-    x = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(0))
-    with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**CFG))
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    rss0 = _status()["VmRSS"]
-    sm = shardc.compile(model, strategy(name, mesh), example_inputs=(x,), init=shardc.buffers_only(model._init_weights))
-    rep = sm.memory_report()
-    hwm_compile = _status()["VmHWM"]
+    sm, rep, rss0, hwm_compile = _compiled(name, mesh)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _status()["VmRSS"]

@@ -10,10 +10,10 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 import shardc
 from tests.harness import dist_run
+from tests.test_checkpoint import _same
 from tests.test_runtime_util import D, H, Tiny, batches, loss_fn, max_rel_err
 from tests.test_tensor_owned import CLIP, _opts, _reference, _units
 
@@ -77,21 +77,6 @@ def _leg(rank, world, text, step, load, save):
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=save)
     held = sum(v["momentum_buffer"].numel() for v in opts[0].state.values())
     return loaded, _full(sm, opts), sm.full_state_dict(), held
-
-
-def _same(a, b, where=""):
-    if isinstance(a, dict):
-        assert set(a) == set(b), (where, sorted(set(a) ^ set(b)))
-        for k in a:
-            _same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.shape == b.shape and torch.equal(a, b), (where, (a - b).abs().max())
-    else:
-        assert a == b, (where, a, b)
 
 
 def test_muon_momentum_resumes_owned_to_replicated_to_owned(tmp_path):
