@@ -56,6 +56,26 @@ ZERO3 = "mesh node(2) > gpu({g})\nparams shard over world\ngrads  shard over wor
 REPLICATE = "mesh node(2) > gpu({g})\nparams replicate\ngrads  replicate\noptim  replicate\n"
 
 
+def ns_in(dtype: torch.dtype) -> None:
+    """torch.optim.Muon's Newton–Schulz, run in `dtype` for every system ([Note: Newton–Schulz in fp32])."""
+    import torch.optim._muon as m
+    bf16 = m._zeropower_via_newtonschulz
+
+    def ns(grad, coefficients, steps, eps):
+        real, t = torch.Tensor.bfloat16, time.perf_counter()
+        if dtype != torch.bfloat16:
+            torch.Tensor.bfloat16 = lambda t: t.to(dtype)      # its one cast, made to `dtype`
+        try:
+            return bf16(grad, coefficients, steps, eps)
+        finally:
+            torch.Tensor.bfloat16 = real
+            NS_SECONDS[0] += time.perf_counter() - t           # this rank's Newton–Schulz, summed
+    m._zeropower_via_newtonschulz = ns
+
+
+NS_SECONDS = [0.0]
+
+
 def is_muon(name: str, p) -> bool:
     return name.startswith(BLOCKS) and p.dim() == 2
 
@@ -166,43 +186,34 @@ def peer_records(kind: str, muon: bool, model, world: int):
 
 
 def step(module, opts, rank, k, micro_batch):
+    """(step seconds, each optimizer's step() seconds)."""
     x, y = batch(_CFG["model"], k, 0, rank, micro_batch)
     t0 = time.perf_counter()
     logits = module(x)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     loss.backward()
-    t1 = time.perf_counter()
+    each, NS_SECONDS[0] = [], 0.0
     for o in opts:
+        t = time.perf_counter()
         o.step()
-    t2 = time.perf_counter()
+        each.append(time.perf_counter() - t)
     for o in opts:
         o.zero_grad()
-    t3 = time.perf_counter()
-    return t3 - t0, t2 - t1
+    return time.perf_counter() - t0, each + [NS_SECONDS[0]]
 
 
 _CFG = {}
 
 
-def ns_alone(shapes) -> float:
-    """Seconds of torch.optim.Muon's Newton–Schulz on these shapes, here, alone (median of 3)."""
-    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _zeropower_via_newtonschulz
-    mats = [torch.randn(s) for s in shapes]
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        for m in mats:
-            _zeropower_via_newtonschulz(m, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def worker(rank, world, args, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank, world, args, port=None):
+    """One rank; `port` None: launched by torchrun (the emulated cluster), env:// rendezvous."""
+    if port is not None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if os.environ.get("MUON_BENCH_STACKS"):       # a hang's stacks after that many seconds
         import faulthandler
         faulthandler.dump_traceback_later(float(os.environ["MUON_BENCH_STACKS"]), exit=True)
     torch.set_num_threads(1)
+    ns_in(getattr(torch, args.ns_dtype))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from shardc.analysis.costmodel import link_bytes
     import shardc
@@ -210,9 +221,7 @@ def worker(rank, world, args, port):
     _CFG["model"] = build_model(args.model)
     mesh = shardc.load_strategy(ZERO3.format(g=world // 2)).mesh
     systems = [(k, m) for m in (True, False) for k in args.systems]
-    built = {}
-    for k, m in systems:
-        built[(k, m)] = build(k, m, world)
+    built = {s: build(s[0], s[1], world) for s in systems}
     times = {s: [] for s in systems}
     opt_times = {s: [] for s in systems}
     for r in range(args.steps + 1):
@@ -223,40 +232,41 @@ def worker(rank, world, args, port):
             if sm is not None and r == args.steps:
                 sm.reset_comm_ledger()
             dist.barrier()
-            t, o = step(module, opts, rank, r, args.micro_batch)
+            t, each = step(module, opts, rank, r, args.micro_batch)
             if r:                                 # round 0 is the warm-up
                 times[s].append(t)
-                opt_times[s].append(o)
+                opt_times[s].append(each)
     out = {}
     for s in systems:
         module, opts, memory, sm = built[s]
         mem = memory()
         recs = sm.comm_ledger() if sm is not None else peer_records(s[0], s[1], _CFG["model"], world)
         links = link_bytes(recs, mesh)
-        t = torch.tensor([statistics.median(times[s]), statistics.median(opt_times[s]), float(mem)])
-        allt = [torch.zeros(3) for _ in range(world)]
+        first = statistics.median(e[0] for e in opt_times[s])      # Muon's (or AdamW-only) step
+        ns = statistics.median(e[-1] for e in opt_times[s])         # its Newton–Schulz alone
+        t = torch.tensor([statistics.median(times[s]), statistics.median(sum(e[:-1]) for e in opt_times[s]),
+                          float(mem), first, ns])
+        allt = [torch.zeros(5) for _ in range(world)]
         dist.all_gather(allt, t)
         out[f"{s[0]} {'muon' if s[1] else 'adamw'}"] = dict(
             step_s=max(float(a[0]) for a in allt), opt_step_s=max(float(a[1]) for a in allt),
             state_bytes_max=max(int(a[2]) for a in allt),
-            state_bytes_mean=sum(int(a[2]) for a in allt) / world, link_bytes=links)
-    # each owner's Newton–Schulz, measured alone, against the plan's cost per owner
+            state_bytes_mean=sum(int(a[2]) for a in allt) / world, link_bytes=links,
+            first_opt_step_s_per_rank=[float(a[3]) for a in allt],
+            step_s_per_rank=[float(a[0]) for a in allt], ns_s_per_rank=[float(a[4]) for a in allt])
+    # each owner's Muon step in the run above, against the plan's cost per owner
     sm = built[("shardc:owned", True)][3] if ("shardc:owned", True) in built else None
     if sm is not None:
-        plan = _owned_plan_of(sm)
-        (grp,) = plan.groups
-        mine = [t.shape for t in grp.tensors if t.owner == rank]
-        alone = torch.tensor([ns_alone(mine)])
-        every = [torch.zeros(1) for _ in range(world)]
-        dist.barrier()
-        dist.all_gather(every, alone)
+        (grp,) = _owned_plan_of(sm).groups
         from shardc.analysis.costmodel.owned import ns_step_flops
         per_owner = [sum(ns_step_flops(t.shape) for t in grp.tensors if t.owner == r) for r in range(world)]
-        out["owners"] = dict(measured_s=[float(e) for e in every], explain_flops=per_owner,
+        out["owners"] = dict(measured_s=out["shardc:owned muon"]["ns_s_per_rank"],
+                             explain_flops=per_owner,
                              matrices=[sum(1 for t in grp.tensors if t.owner == r) for r in range(world)])
     if rank == 0:
         out["meta"] = dict(world=world, steps=args.steps, micro_batch=args.micro_batch, model=args.model,
                            params=n_params(_CFG["model"]), torch=torch.__version__, loaded_machine=True,
+                           ns_dtype=args.ns_dtype, link=args.link or "loopback",
                            muon_params=sum(p.numel() for n, p in _CFG["model"].named_parameters() if is_muon(n, p)))
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
@@ -299,8 +309,8 @@ def owners_alone(model_name: str, worlds, rounds: int, ns_steps: int = 5) -> dic
 def table(doc: dict) -> str:
     """The JSON as the markdown table docs/BENCHMARKS.md shows."""
     mib = 2 ** 20
-    rows = ["| system | optimizer | step (s) | opt.step() (s) | model states / rank, max (MiB) | mean (MiB) "
-            "| node link / rank (MiB) | gpu link / rank (MiB) |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| system | optimizer | step (s) | opt.step() (s) | Newton–Schulz, busiest rank (s) | model states / rank, max (MiB) | mean (MiB) "
+            "| node link / rank (MiB) | gpu link / rank (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
     for k, v in doc.items():
         if k in ("owners", "meta"):
             continue
@@ -308,6 +318,7 @@ def table(doc: dict) -> str:
         if system == "shardc:owned" and opt == "adamw":
             system = "shardc:zero3 (flat)"
         rows.append(f"| {system} | {opt} | {v['step_s']:.3f} | {v['opt_step_s']:.3f} | "
+                    f"{max(v.get('ns_s_per_rank', [0.0])):.3f} | "
                     f"{v['state_bytes_max'] / mib:.1f} | {v['state_bytes_mean'] / mib:.1f} | "
                     f"{v['link_bytes'].get('node', 0) / mib:.1f} | {v['link_bytes'].get('gpu', 0) / mib:.1f} |")
     o = doc.get("owners")
@@ -315,7 +326,7 @@ def table(doc: dict) -> str:
         mean_t = sum(o["measured_s"]) / len(o["measured_s"])
         mean_f = sum(o["explain_flops"]) / len(o["explain_flops"])
         rows.append("")
-        rows.append("| owner | matrices | explain: Newton–Schulz FLOPs (vs mean) | measured alone (s, vs mean) |")
+        rows.append("| owner | matrices | explain: Newton–Schulz FLOPs (vs mean) | Newton–Schulz in the run, median (s, vs mean) |")
         rows.append("|---|---|---|---|")
         for r, (n, f, t) in enumerate(zip(o["matrices"], o["explain_flops"], o["measured_s"])):
             rows.append(f"| {r} | {n} | {f:.3g} ({100 * (f / mean_f - 1):+.1f} %) | "
@@ -338,21 +349,47 @@ def main(argv=None):
     ap.add_argument("--ns-steps", type=int, default=5,
                     help="Newton-Schulz iterations timed per matrix (each is the same work; default Muon's 5)")
     ap.add_argument("--table", metavar="JSON", help="print a result file as docs/BENCHMARKS.md's table and exit")
+    ap.add_argument("--ns-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="Newton-Schulz's dtype for every system ([Note: Newton–Schulz in fp32]; torch's is bfloat16)")
+    ap.add_argument("--cluster", metavar="RATE", help="run on the emulated cluster (bench/netns.py, root), "
+                    "node(2) > gpu(world/2), inter-node links at RATE (e.g. 250mbit); default loopback")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds for the --cluster job")
+    ap.add_argument("--from-env", action="store_true", help=argparse.SUPPRESS)   # a torchrun rank
+    ap.add_argument("--link", help=argparse.SUPPRESS)                              # its cluster's rate
     args = ap.parse_args(argv)
+    args.out = os.path.abspath(args.out)
     if args.table:
         with open(args.table) as f:
             print(table(json.load(f)))
         return
+    if args.from_env:
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+        return
     if args.owners_alone:
+        ns_in(getattr(torch, args.ns_dtype))
         doc = {"owners_alone": owners_alone(args.model, args.owners_alone, args.rounds, args.ns_steps),
                "meta": dict(model=args.model, rounds=args.rounds, threads=1, torch=torch.__version__,
-                            ns_steps=args.ns_steps,
-                            loaded_machine=True)}
+                            ns_steps=args.ns_steps, ns_dtype=args.ns_dtype, loaded_machine=True)}
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
         return
     port = 29500 + os.getpid() % 1000
-    mp.spawn(worker, args=(args.world, args, port), nprocs=args.world, join=True)
+    if not args.cluster:
+        mp.spawn(worker, args=(args.world, args, port), nprocs=args.world, join=True)
+        return
+    from launch import run_job
+    from netns import ClusterSpec, EmulatedCluster, require_root_and_tools
+    require_root_and_tools()
+    flags = [a for a in (argv if argv is not None else sys.argv[1:])]
+    i = flags.index("--cluster")
+    flags = flags[:i] + flags[i + 2:] + ["--from-env", "--link", args.cluster, "--out", args.out]
+    with EmulatedCluster(ClusterSpec(2, args.world // 2, args.cluster)) as cluster:
+        job = run_job(cluster, os.path.abspath(__file__), flags, os.path.dirname(args.out),
+                      "muon_bench", port, args.timeout)
+    print(f"{'ok' if job.ok else 'FAILED'} in {job.seconds:.0f} s; logs {', '.join(job.logs)}")
+    if not job.ok:
+        print(job.tail())
+        sys.exit(1)
 
 
 if __name__ == "__main__":
