@@ -185,8 +185,9 @@ def peer_records(kind: str, muon: bool, model, world: int):
     return recs
 
 
-def step(module, opts, rank, k, micro_batch):
-    """(step seconds, each optimizer's step() seconds)."""
+def step(module, opts, rank, k, micro_batch, measure=None):
+    """(step seconds, each optimizer's step() seconds + this rank's Newton–Schulz seconds,
+    `measure()` taken after the optimizers' steps, before zero_grad: the grads still held)."""
     x, y = batch(_CFG["model"], k, 0, rank, micro_batch)
     t0 = time.perf_counter()
     logits = module(x)
@@ -197,9 +198,12 @@ def step(module, opts, rank, k, micro_batch):
         t = time.perf_counter()
         o.step()
         each.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    held = measure() if measure is not None else None
+    t0 += time.perf_counter() - t                             # not timed
     for o in opts:
         o.zero_grad()
-    return time.perf_counter() - t0, each + [NS_SECONDS[0]]
+    return time.perf_counter() - t0, each + [NS_SECONDS[0]], held
 
 
 _CFG = {}
@@ -224,22 +228,23 @@ def worker(rank, world, args, port=None):
     built = {s: build(s[0], s[1], world) for s in systems}
     times = {s: [] for s in systems}
     opt_times = {s: [] for s in systems}
+    mems = {}
     for r in range(args.steps + 1):
         for s in systems:
             if args.verbose and rank == 0:
                 print(f"round {r} {s}", flush=True)
-            module, opts, _, sm = built[s]
+            module, opts, memory, sm = built[s]
             if sm is not None and r == args.steps:
                 sm.reset_comm_ledger()
             dist.barrier()
-            t, each = step(module, opts, rank, r, args.micro_batch)
+            t, each, mems[s] = step(module, opts, rank, r, args.micro_batch, memory if r == args.steps else None)
             if r:                                 # round 0 is the warm-up
                 times[s].append(t)
                 opt_times[s].append(each)
     out = {}
     for s in systems:
         module, opts, memory, sm = built[s]
-        mem = memory()
+        mem = mems[s]                             # the last step's, grads held
         recs = sm.comm_ledger() if sm is not None else peer_records(s[0], s[1], _CFG["model"], world)
         links = link_bytes(recs, mesh)
         first = statistics.median(e[0] for e in opt_times[s])      # Muon's (or AdamW-only) step
