@@ -12,7 +12,8 @@ moves exactly these rows; `shardc explain` prints the owners and adds the rows.
 [Note: owners balanced by compute]
 An optimizer that needs whole matrices spends most of its step in Newton–Schulz
 iterations (Muon; Shampoo's and SOAP's preconditioner roots alike), each a few m×n by
-n×m products: its cost grows with m·n·min(m, n) (`ns_flops`), not with the bytes. Owners
+n×m products: its cost grows with m·n·min(m, n) (`ns_flops`: 4m²n + 2m³ FLOPs for m ≤ n,
+the one count explain's step time multiplies by the iterations), not with the bytes. Owners
 are assigned once, here, by the longest-processing-time rule over that cost: matrices
 in decreasing cost (ties: plan order), each to the owner with the least cost so far
 (ties: the lowest position). The result is deterministic, the same on every rank and in
@@ -45,9 +46,10 @@ def is_matrix(shape, trainable: bool) -> bool:
 
 
 def ns_flops(shape) -> int:
-    """One Newton–Schulz iteration's cost of an m×n matrix, up to a constant: m·n·min(m, n)."""
-    m, n = tuple(shape)
-    return m * n * min(m, n)
+    """FLOPs of one Newton–Schulz iteration of torch.optim.Muon on an m×n matrix (m ≤ n after
+    its transpose): A = X·Xᵀ (2m²n), B = b·A + c·A·A (2m³), X = a·X + B·X (2m²n)."""
+    m, n = sorted(tuple(shape))
+    return 4 * m * m * n + 2 * m ** 3
 
 
 def assign_owners(costs: list[int], ranks: int) -> list[int]:

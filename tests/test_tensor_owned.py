@@ -50,7 +50,8 @@ def test_owners_balance_newton_schulz_cost():
     # LPT over costs 8, 7, 6, 5, 4 on 2 owners: 8 -> 0, 7 -> 1, 6 -> 1 (7 < 8), 5 -> 0 (8 < 13),
     # 4 -> 0 (13 = 13: the lowest position)
     assert assign_owners([8, 7, 6, 5, 4], 2) == [0, 1, 1, 0, 0]
-    assert ns_flops((512, 128)) == 512 * 128 * 128
+    # one iteration of torch.optim.Muon's Newton–Schulz, m = 128 <= n = 512: 4m²n + 2m³
+    assert ns_flops((512, 128)) == ns_flops((128, 512)) == 4 * 128 * 128 * 512 + 2 * 128 ** 3
 
 
 def _units(model, strategy):
@@ -69,8 +70,9 @@ def test_plan_owns_the_blocks_matrices_only():
     (g,) = plan.groups
     assert g.levels == ("node", "gpu") and g.ranks == 4
     assert [t.name for t in g.tensors] == [f"blocks.{i}.{m}.weight" for i in range(3) for m in ("up", "down")]
-    # six matrices of equal cost D*H*min(D,H) over 4 owners: two owners get two
-    assert sorted(g.load()) == [D * H * min(D, H)] * 2 + [2 * D * H * min(D, H)] * 2
+    # six matrices of equal cost over 4 owners: two owners get two
+    one = 4 * min(D, H) ** 2 * max(D, H) + 2 * min(D, H) ** 3
+    assert sorted(g.load()) == [one] * 2 + [2 * one] * 2
     elems = 6 * D * H
     # a rank's mean share (the links model's all-to-all buffer): fp32 param + grad, then param
     assert [r.bytes for r in g.rows] == [2 * 4 * elems // 4, 4 * elems // 4]
@@ -273,6 +275,20 @@ def test_explain_prints_the_owners_and_their_rows(tmp_path, capsys):
     assert "tensor owners over node, gpu (14 matrices, 4 owners" in out
     assert sum(f"  owner {r}: " in out for r in range(4)) == 4
     assert "all_to_all" in out
+    # --json: the owner of each matrix and each owner's share, as the plan assigned them
+    import json
+    assert main(["explain", str(path), "--model", "examples/llama.py:llama_tiny", "--clip", "--no-graph",
+                 "--json"]) == 0
+    (g,) = json.loads(capsys.readouterr().out)["owners"]
+    named = dict(_llama().named_parameters())
+    assert g["levels"] == ["node", "gpu"] and g["owners"] == 4 and len(g["tensors"]) == 14
+    for t in g["tensors"]:
+        assert t["flops"] == ns_flops(named[t["name"]].shape) and 0 <= t["owner"] < 4
+    load = [sum(t["flops"] for t in g["tensors"] if t["owner"] == r) for r in range(4)]
+    assert [o["flops"] for o in g["per_owner"]] == load
+    assert sum(o["share"] for o in g["per_owner"]) == pytest.approx(1.0)
+    assert g["imbalance"] == pytest.approx(max(load) / (sum(load) / 4) - 1)
+    assert sum(o["elements"] for o in g["per_owner"]) == sum(named[t["name"]].numel() for t in g["tensors"])
 
 
 def test_plan_places_the_matrices_states_by_tensor(tmp_path, capsys):

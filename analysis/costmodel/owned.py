@@ -5,7 +5,8 @@ scopes]), the model (its parameters' shapes; a meta model will do) and the plan.
 Output: `Owned`: the owners (`OwnedPlan`, lowering/owned.py: the one assignment, the
 runtime's too), the ledger with the owners' two all-to-alls added (once per step), the
 optimizer-state bytes of every rank (they differ: each rank holds the whole states of the
-matrices it owns), and the lines `shardc explain` prints about them.
+matrices it owns), and the lines `shardc explain` prints about them (`owners_doc`: the
+same owners as `explain --json`'s "owners", read from the plan the Explained carries).
 
 [Note: optim bytes under tensor ownership]
 Rank r holds, per trainable flat group, its optim chunk (N / s_OS elements of the fp32
@@ -23,10 +24,10 @@ from dataclasses import dataclass
 from shardc.dsl.ir import Strategy
 from shardc.lowering import Lowering, Over, RankPlan, ledger_key, merged, placement_meshes
 from shardc.lowering.layout import mixed_index
-from shardc.lowering.owned import OwnedPlan, owned_plan
+from shardc.lowering.owned import OwnedPlan, ns_flops, owned_plan
 
 __all__ = ["Owned", "owned_of", "with_owned_rows", "optim_bytes_per_rank", "owners_lines", "explain_owned",
-           "NS_STEPS", "ns_step_flops", "owner_flops"]
+           "NS_STEPS", "ns_step_flops", "owner_flops", "owners_doc"]
 
 NS_STEPS = 5                      # torch.optim.Muon's default ns_steps
 
@@ -63,10 +64,9 @@ def with_owned_rows(records, owned: Owned) -> list:
 
 
 def ns_step_flops(shape, steps: int = NS_STEPS) -> int:
-    """FLOPs of torch.optim.Muon's Newton–Schulz on an m×n matrix (m ≤ n after its transpose),
-    per iteration: A = X·Xᵀ (2m²n), B = b·A + c·A·A (2m³), X = a·X + B·X (2m²n)."""
-    m, n = sorted(tuple(shape))
-    return steps * (4 * m * m * n + 2 * m ** 3)
+    """FLOPs of torch.optim.Muon's Newton–Schulz on an m×n matrix: `steps` iterations of
+    lowering/owned.py's `ns_flops` (the count the owners are balanced by)."""
+    return steps * ns_flops(shape)
 
 
 def owner_flops(owned: Owned) -> list[tuple[int, ...]]:
@@ -121,7 +121,7 @@ def owners_lines(owned: Owned) -> list[str]:
         load = g.load()
         mean = sum(load) / len(load)
         lines.append(f"tensor owners over {', '.join(g.levels) or 'one rank'} ({len(g.tensors)} matrices, "
-                     f"{g.ranks} owners; Newton–Schulz cost m·n·min(m,n), most-loaded owner "
+                     f"{g.ranks} owners; Newton–Schulz FLOPs per iteration, most-loaded owner "
                      f"{100 * g.imbalance():+.1f} % of the mean):")
         for pos in range(g.ranks):
             mats = [t.name for t in g.tensors if t.owner == pos]
@@ -130,6 +130,26 @@ def owners_lines(owned: Owned) -> list[str]:
             lines.append(f"  owner {pos}: {len(mats)} matrices, {g.owned_elems(pos)} elements, "
                          f"cost {load[pos]:.3g} ({share}): {shown or 'none'}")
     return lines
+
+
+def owners_doc(plan: OwnedPlan) -> list[dict]:
+    """`explain --json`'s "owners": per owner group, the owner of each matrix and each owner's
+    Newton–Schulz FLOPs per iteration, its share of the group's and its distance from the mean."""
+    out = []
+    for g in plan.groups:
+        load = g.load()
+        total = sum(load)
+        mean = total / len(load)
+        out.append({
+            "levels": list(g.levels), "owners": g.ranks, "imbalance": g.imbalance(),
+            "tensors": [{"name": t.name, "shape": list(t.shape), "owner": t.owner, "flops": t.flops}
+                        for t in g.tensors],
+            "per_owner": [{"owner": pos, "matrices": sum(1 for t in g.tensors if t.owner == pos),
+                           "elements": g.owned_elems(pos), "flops": load[pos],
+                           "share": load[pos] / total if total else 0.0,
+                           "vs_mean": load[pos] / mean - 1.0 if mean else 0.0} for pos in range(g.ranks)],
+        })
+    return out
 
 
 def explain_owned(e, model, *, k_flat: int, k_owned: int, flops: float | None = None, bandwidth=None):
@@ -176,8 +196,9 @@ def explain_owned(e, model, *, k_flat: int, k_owned: int, flops: float | None = 
         if rates:
             rates = {k: (v * e.time.total / time.total if k in ("tokens_per_s", "mfu") else v)
                      for k, v in rates.items()}
+    plan = dataclasses.replace(e.plan, owned=owned.plan) if e.plan is not None else None
     return dataclasses.replace(e, ledger=records, links=links, inter=inter, intra=intra, memory=memory,
-                               time=time, rates=rates), lines
+                               time=time, rates=rates, plan=plan), lines
 
 
 def _numel(shape) -> int:

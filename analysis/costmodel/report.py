@@ -111,4 +111,13 @@ def to_json(e: Explained) -> dict:
             "comm": dict(e.time.comm), "exposed": e.time.exposed},
         "peak": e.peak,
         "rates": e.rates,
+        "owners": _owners(e),
     }
+
+
+def _owners(e: Explained) -> list[dict]:
+    """The tensor owners of an `optim ... by tensor` scope ([] when none), costmodel/owned.py."""
+    if e.plan is None or not e.plan.owned.groups:
+        return []
+    from shardc.analysis.costmodel.owned import owners_doc
+    return owners_doc(e.plan.owned)
