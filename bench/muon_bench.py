@@ -62,7 +62,7 @@ def ns_in(dtype: torch.dtype) -> None:
     bf16 = m._zeropower_via_newtonschulz
 
     def ns(grad, coefficients, steps, eps):
-        real, t = torch.Tensor.bfloat16, time.perf_counter()
+        real, t, c = torch.Tensor.bfloat16, time.perf_counter(), time.thread_time()
         if dtype != torch.bfloat16:
             torch.Tensor.bfloat16 = lambda t: t.to(dtype)      # its one cast, made to `dtype`
         try:
@@ -70,10 +70,11 @@ def ns_in(dtype: torch.dtype) -> None:
         finally:
             torch.Tensor.bfloat16 = real
             NS_SECONDS[0] += time.perf_counter() - t           # this rank's Newton–Schulz, summed
+            NS_SECONDS[1] += time.thread_time() - c            # and its CPU seconds
     m._zeropower_via_newtonschulz = ns
 
 
-NS_SECONDS = [0.0]
+NS_SECONDS = [0.0, 0.0]
 
 
 def is_muon(name: str, p) -> bool:
@@ -193,7 +194,7 @@ def step(module, opts, rank, k, micro_batch, measure=None):
     logits = module(x)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     loss.backward()
-    each, NS_SECONDS[0] = [], 0.0
+    each, NS_SECONDS[:] = [], [0.0, 0.0]
     for o in opts:
         t = time.perf_counter()
         o.step()
@@ -203,7 +204,7 @@ def step(module, opts, rank, k, micro_batch, measure=None):
     t0 += time.perf_counter() - t                             # not timed
     for o in opts:
         o.zero_grad()
-    return time.perf_counter() - t0, each + [NS_SECONDS[0]], held
+    return time.perf_counter() - t0, each + NS_SECONDS, held
 
 
 _CFG = {}
@@ -248,17 +249,19 @@ def worker(rank, world, args, port=None):
         recs = sm.comm_ledger() if sm is not None else peer_records(s[0], s[1], _CFG["model"], world)
         links = link_bytes(recs, mesh)
         first = statistics.median(e[0] for e in opt_times[s])      # Muon's (or AdamW-only) step
-        ns = statistics.median(e[-1] for e in opt_times[s])         # its Newton–Schulz alone
-        t = torch.tensor([statistics.median(times[s]), statistics.median(sum(e[:-1]) for e in opt_times[s]),
-                          float(mem), first, ns])
-        allt = [torch.zeros(5) for _ in range(world)]
+        ns = statistics.median(e[-2] for e in opt_times[s])         # its Newton–Schulz alone, wall
+        ns_cpu = statistics.median(e[-1] for e in opt_times[s])     # and CPU
+        t = torch.tensor([statistics.median(times[s]), statistics.median(sum(e[:-2]) for e in opt_times[s]),
+                          float(mem), first, ns, ns_cpu])
+        allt = [torch.zeros(6) for _ in range(world)]
         dist.all_gather(allt, t)
         out[f"{s[0]} {'muon' if s[1] else 'adamw'}"] = dict(
             step_s=max(float(a[0]) for a in allt), opt_step_s=max(float(a[1]) for a in allt),
             state_bytes_max=max(int(a[2]) for a in allt),
             state_bytes_mean=sum(int(a[2]) for a in allt) / world, link_bytes=links,
             first_opt_step_s_per_rank=[float(a[3]) for a in allt],
-            step_s_per_rank=[float(a[0]) for a in allt], ns_s_per_rank=[float(a[4]) for a in allt])
+            step_s_per_rank=[float(a[0]) for a in allt], ns_s_per_rank=[float(a[4]) for a in allt],
+            ns_cpu_s_per_rank=[float(a[5]) for a in allt])
     # each owner's Muon step in the run above, against the plan's cost per owner
     sm = built[("shardc:owned", True)][3] if ("shardc:owned", True) in built else None
     if sm is not None:
@@ -266,6 +269,7 @@ def worker(rank, world, args, port=None):
         from shardc.analysis.costmodel.owned import ns_step_flops
         per_owner = [sum(ns_step_flops(t.shape) for t in grp.tensors if t.owner == r) for r in range(world)]
         out["owners"] = dict(measured_s=out["shardc:owned muon"]["ns_s_per_rank"],
+                             cpu_s=out["shardc:owned muon"]["ns_cpu_s_per_rank"],
                              explain_flops=per_owner,
                              matrices=[sum(1 for t in grp.tensors if t.owner == r) for r in range(world)])
     if rank == 0:
@@ -284,7 +288,8 @@ def _owned_plan_of(sm):
 
 
 def owners_alone(model_name: str, worlds, rounds: int, ns_steps: int = 5) -> dict:
-    """Each owner's Newton–Schulz time measured alone, one process, one thread: per world,
+    """Each owner's Newton–Schulz time (wall and this thread's CPU) measured alone, one process,
+    one thread: per world,
     the plan's owners (lowering/owned.py, as explain prints them) under the tensor-owned
     zero3 layout, the owners timed in turn each round (interleaved), medians."""
     import shardc
@@ -297,13 +302,16 @@ def owners_alone(model_name: str, worlds, rounds: int, ns_steps: int = 5) -> dic
         (grp,) = owned_of(shardc.load_strategy(OWNED.format(g=world // 2)), model).plan.groups
         mats = {r: [torch.randn(t.shape) for t in grp.tensors if t.owner == r] for r in range(world)}
         times = {r: [] for r in range(world)}
+        cpu = {r: [] for r in range(world)}
         for _ in range(rounds):
             for r in range(world):
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.thread_time()
                 for m in mats[r]:
                     _zeropower_via_newtonschulz(m, (DEFAULT_A, DEFAULT_B, DEFAULT_C), ns_steps, EPS)
                 times[r].append(time.perf_counter() - t)
+                cpu[r].append(time.thread_time() - c)
         out[str(world)] = dict(measured_s=[statistics.median(times[r]) for r in range(world)],
+                               cpu_s=[statistics.median(cpu[r]) for r in range(world)],
                                explain_flops=[sum(ns_step_flops(t.shape) for t in grp.tensors if t.owner == r)
                                               for r in range(world)],
                                matrices=[len(mats[r]) for r in range(world)],
@@ -328,14 +336,16 @@ def table(doc: dict) -> str:
                     f"{v['link_bytes'].get('node', 0) / mib:.1f} | {v['link_bytes'].get('gpu', 0) / mib:.1f} |")
     o = doc.get("owners")
     if o:
-        mean_t = sum(o["measured_s"]) / len(o["measured_s"])
+        cpu = o.get("cpu_s") or [float("nan")] * len(o["measured_s"])
+        mean_t, mean_c = (sum(v) / len(v) for v in (o["measured_s"], cpu))
         mean_f = sum(o["explain_flops"]) / len(o["explain_flops"])
         rows.append("")
-        rows.append("| owner | matrices | explain: Newton–Schulz FLOPs (vs mean) | Newton–Schulz in the run, median (s, vs mean) |")
-        rows.append("|---|---|---|---|")
-        for r, (n, f, t) in enumerate(zip(o["matrices"], o["explain_flops"], o["measured_s"])):
+        rows.append("| owner | matrices | explain: Newton–Schulz FLOPs (vs mean) | Newton–Schulz in the run, median "
+                    "(s, vs mean) | its CPU s (vs mean) |")
+        rows.append("|---|---|---|---|---|")
+        for r, (n, f, t, c) in enumerate(zip(o["matrices"], o["explain_flops"], o["measured_s"], cpu)):
             rows.append(f"| {r} | {n} | {f:.3g} ({100 * (f / mean_f - 1):+.1f} %) | "
-                        f"{t:.3f} ({100 * (t / mean_t - 1):+.1f} %) |")
+                        f"{t:.3f} ({100 * (t / mean_t - 1):+.1f} %) | {c:.3f} ({100 * (c / mean_c - 1):+.1f} %) |")
     return "\n".join(rows)
 
 
