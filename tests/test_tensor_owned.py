@@ -12,7 +12,7 @@ import torch
 import shardc
 from shardc.dsl.unparse import unparse
 from shardc.lowering.owned import assign_owners, ns_flops, owned_plan
-from tests.harness import FULL_SWEEPS, dist_run
+from tests.harness import dist_run
 from tests.test_runtime_util import D, H, Tiny, batches, loss_fn, max_rel_err, units_for
 
 OWNED = """\
@@ -114,7 +114,9 @@ def _train(rank, world, texts, acc=2, steps=2):
         want = _reference(model, data)
         sm = shard_module(copy.deepcopy(model), s, _units(model, s))
         opts = _opts(list(sm.named_parameters()))
-        for x, y in data:
+        for k, (x, y) in enumerate(data):
+            if k == len(data) - 1:
+                sm.reset_comm_ledger()                # the last step's ledger, against explain's
             xs, ys = x.chunk(world)[rank].chunk(acc), y.chunk(world)[rank].chunk(acc)
             for m in range(acc):
                 (loss_fn(sm(xs[m]), ys[m]) / acc).backward()
@@ -126,8 +128,32 @@ def _train(rank, world, texts, acc=2, steps=2):
         owned = sum(v["momentum_buffer"].numel() for v in opts[0].state.values())
         saved = opts[0].state_dict()["state"]        # as chunks (tests/test_owned_checkpoint.py)
         assert len(saved) == 6 and all("momentum_buffer" in v for v in saved.values())
-        out.append((max_rel_err(sm.full_state_dict(), want), owned))
+        ledger = [(r.phase, r.op, tuple(r.levels), r.bytes, r.count) for r in sm.comm_ledger()]
+        out.append((max_rel_err(sm.full_state_dict(), want), owned, ledger, sm.memory_report()["optim"]))
     return out
+
+
+def _explained(text):
+    """explain's ledger of one step (2 micro-batches, clipping) and every rank's optimizer
+    states for Tiny under `text`, on the units the runs use."""
+    from shardc.analysis.costmodel import predict_ledger
+    from shardc.analysis.costmodel.memory import optimizer_state_bytes
+    from shardc.analysis.costmodel.owned import Owned, optim_bytes_per_rank, with_owned_rows
+    from shardc.analysis.costmodel.sizes import model_unit_sizes
+    from shardc.lowering import lower
+    s = shardc.load_strategy(text)
+    model = Tiny()
+    units = _units(model, s)
+    sizes = model_unit_sizes(model, units)
+    named = dict(model.named_parameters())
+    shapes = {n: tuple(p.shape) for n, p in named.items()}
+    trainable = {n: p.requires_grad for n, p in named.items()}
+    owned = Owned(owned_plan(s.mesh, units, shapes, trainable), tuple(units), shapes, trainable)
+    ledger = [(r.phase, r.op, tuple(r.levels), r.bytes, r.count)
+              for r in with_owned_rows(predict_ledger(s, sizes, micro_batches=2, clip_grad_norm=True), owned)]
+    optim = optim_bytes_per_rank(s, lower(s.mesh, sizes, s.prefetch), owned,
+                                 k_flat=optimizer_state_bytes("adamw"), k_owned=optimizer_state_bytes("muon"))
+    return ledger, optim
 
 
 def _layout(mesh, params, grads, optim):
@@ -149,10 +175,19 @@ LAYOUTS = {
 }
 
 
-def _check(results, copies):
+def _check(results, copies, texts=()):
     for rank_res in results:
-        for err, _ in rank_res:
+        for err, *_ in rank_res:
             assert err < 1e-5, results
+    # the ledger and every rank's optimizer states equal explain's
+    for k, text in enumerate(texts):
+        if text is None:                      # no tensor-owned scope
+            continue
+        ledger, optim = _explained(text)
+        assert any(op == "all_to_all" for _, op, *_ in ledger)
+        for rank, res in enumerate(results):
+            assert res[k][2] == ledger, (k, rank)
+            assert res[k][3] == optim[rank], (k, rank, optim)
     # each matrix's momentum lives whole on one rank of each owner group (`copies` groups)
     for k in range(len(results[0])):
         assert sum(r[k][1] for r in results) == copies[k] * 6 * D * H
@@ -160,17 +195,18 @@ def _check(results, copies):
 
 def test_muon_adamw_parity_by_tensor_4_ranks():
     names = list(LAYOUTS)
-    _check(dist_run(4, _train, [LAYOUTS[n][0] for n in names]),
-           [{"owners_gpu": 2, "replicate": 4}.get(n, 1) for n in names])
+    texts = [LAYOUTS[n][0] for n in names]
+    _check(dist_run(4, _train, texts), [{"owners_gpu": 2, "replicate": 4}.get(n, 1) for n in names],
+           [None if n == "replicate" else t for n, t in zip(names, texts)])
 
 
 def test_muon_adamw_parity_by_tensor_8_ranks():
+    """zero3, PaRO-IIG and hpZ at 8 ranks, with the ledger and optimizer states explain's."""
     eight = "node(2) > gpu(4)"
-    texts = [_layout(eight, "shard over world", "shard over world", "shard over world")]
-    if FULL_SWEEPS:          # PaRO-IIG and hpZ at 8 ranks too (tests/harness.py FULL_SWEEPS: the suite's budget)
-        texts += [_layout(eight, "shard over gpu", "shard over gpu", "shard over world"),
-                  _layout(eight, "shard over world secondary gpu", "shard over world", "shard over world")]
-    _check(dist_run(8, _train, texts), [1] * len(texts))
+    texts = [_layout(eight, "shard over world", "shard over world", "shard over world"),
+             _layout(eight, "shard over gpu", "shard over gpu", "shard over world"),
+             _layout(eight, "shard over world secondary gpu", "shard over world", "shard over world")]
+    _check(dist_run(8, _train, texts), [1] * len(texts), texts)
 
 
 # -- the ledger and the memory equal explain's -------------------------------------------------
