@@ -235,10 +235,15 @@ def _by(stmt: ast.Statement, ctx: _Ctx) -> Granularity | None:
                                did_you_mean(by.text, words) or "write `by tensor` (whole tensors, each on one owner)"))
         return None
     if stmt.keyword != "optim":
-        ctx.diags.append(error(by.span, f"`{stmt.keyword} ... by {by.text}` is not supported: only `optim` "
-                                        f"places its shards by tensor",
+        why = {"grads": "a tensor-owned optim scope already receives each matrix's whole reduced gradient "
+                        "(one all-to-all to the owners after the grads scope's reduce-scatter), and a reduce "
+                        "to each owner during the backward is not built",
+               "params": "the forward needs every parameter whole on every rank of its scope, which the "
+                         "flat all-gather already gives, so whole tensors on owners would change only who "
+                         "sends them"}.get(stmt.keyword, f"only `optim` places its shards by {by.text}")
+        ctx.diags.append(error(by.span, f"`{stmt.keyword} ... by {by.text}` is not supported: {why}",
                                f"write `optim shard over ... by {by.text}` and keep `{stmt.keyword}` "
-                               f"element-wise; each gradient reaches its owner from the grads scope"))
+                               f"element-wise"))
         return None
     return Granularity(by.text)
 
