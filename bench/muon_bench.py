@@ -1,12 +1,21 @@
 """Muon under four data-parallel layouts (bench stage: systems -> one table; issue 51).
 
 Input: the bench GPT (bench/models.py `bench`: 4 blocks of d = 512, 16 block matrices),
-`--world` gloo ranks on this machine (mesh node(2) > gpu(world/2)), `--steps` timed steps
-after one warm-up. Output: per system, the median step time and optimizer-step time (the
-slowest rank's), the model-state bytes per rank (params + grads + optimizer states; the
-largest rank's and the mean), the bytes per rank per level of one step, and for shardc's
-tensor-owned scope each owner's Newton–Schulz time measured alone against explain's
-cost per owner; JSON to `--out`.
+`--world` gloo ranks, on this machine's loopback or with `--cluster RATE` on the emulated
+cluster (bench/netns.py, root: one torchrun per node), mesh node(2) > gpu(world/2);
+`--steps` timed steps after one warm-up. Output: per system, the median step time and
+optimizer-step time (the slowest rank's), each rank's Newton–Schulz seconds (wall and
+CPU), the model-state bytes per rank after the optimizer step (params + grads + optimizer
+states; the largest rank's and the mean), the bytes per rank per level of one step, and
+for shardc's tensor-owned scope each owner's Newton–Schulz seconds against explain's
+FLOPs per owner; JSON to `--out`. `--owners-alone` times the owners' matrices in one
+process instead.
+
+[Note: Newton–Schulz in fp32]
+torch.optim.Muon casts each matrix to bfloat16 for Newton–Schulz. On a CPU without a bf16
+matrix unit (this one) that matmul is ~30x slower than fp32 (five iterations on 512x2048:
+20.3 s against 0.68 s, one thread), which no GPU shows. `ns_in` makes Muon's one cast a
+cast to `--ns-dtype` (default float32) for every system alike, and times each call.
 
 [Note: the systems]
 Muon (torch.optim.Muon's update, lr 0.02) on the blocks' matrices, AdamW on the rest,
@@ -27,7 +36,6 @@ Systems run interleaved, one step each per round, so the machine's load hits the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -294,7 +302,7 @@ def owners_alone(model_name: str, worlds, rounds: int, ns_steps: int = 5) -> dic
     zero3 layout, the owners timed in turn each round (interleaved), medians."""
     import shardc
     from shardc.analysis.costmodel.owned import owned_of, ns_step_flops
-    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _zeropower_via_newtonschulz
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
     torch.set_num_threads(1)
     model = build_model(model_name)
     out = {}
