@@ -166,15 +166,16 @@ def _train(rank, world, texts, acc=2, steps=2):
         saved = opts[0].state_dict()["state"]        # as chunks (tests/test_owned_checkpoint.py)
         assert len(saved) == 6 and all("momentum_buffer" in v for v in saved.values())
         ledger = [(r.phase, r.op, tuple(r.levels), r.bytes, r.count) for r in sm.comm_ledger()]
-        out.append((max_rel_err(sm.full_state_dict(), want), owned, ledger, sm.memory_report()["optim"]))
+        out.append((max_rel_err(sm.full_state_dict(), want), owned, ledger, sm.memory_report()))
     return out
 
 
 def _explained(text):
-    """explain's ledger of one step (2 micro-batches, clipping) and every rank's optimizer
-    states for Tiny under `text`, on the units the runs use."""
+    """explain's ledger of one step (2 micro-batches, clipping) and every rank's model-state
+    bytes (params, secondary params, grads, optimizer states) for Tiny under `text`, on the
+    units the runs use."""
     from shardc.analysis.costmodel import predict_ledger
-    from shardc.analysis.costmodel.memory import optimizer_state_bytes
+    from shardc.analysis.costmodel.memory import memory_of, optimizer_state_bytes
     from shardc.analysis.costmodel.owned import Owned, optim_bytes_per_rank, with_owned_rows
     from shardc.analysis.costmodel.sizes import model_unit_sizes
     from shardc.lowering import lower
@@ -188,9 +189,12 @@ def _explained(text):
     owned = Owned(owned_plan(s.mesh, units, shapes, trainable), tuple(units), shapes, trainable)
     ledger = [(r.phase, r.op, tuple(r.levels), r.bytes, r.count)
               for r in with_owned_rows(predict_ledger(s, sizes, micro_batches=2, clip_grad_norm=True), owned)]
-    optim = optim_bytes_per_rank(s, lower(s.mesh, sizes, s.prefetch), owned,
-                                 k_flat=optimizer_state_bytes("adamw"), k_owned=optimizer_state_bytes("muon"))
-    return ledger, optim
+    plan = lower(s.mesh, sizes, s.prefetch)
+    optim = optim_bytes_per_rank(s, plan, owned, k_flat=optimizer_state_bytes("adamw"),
+                                 k_owned=optimizer_state_bytes("muon"))
+    states = memory_of(plan, k_state=optimizer_state_bytes("adamw"), prefetch=s.prefetch)
+    return ledger, [dict(params=states["params"], params_secondary=states["params_secondary"],
+                         grads=states["grads"], optim=o) for o in optim]
 
 
 def _layout(mesh, params, grads, optim):
@@ -216,15 +220,16 @@ def _check(results, copies, texts=()):
     for rank_res in results:
         for err, *_ in rank_res:
             assert err < 1e-5, results
-    # the ledger and every rank's optimizer states equal explain's
+    # the ledger and every rank's model states equal explain's
     for k, text in enumerate(texts):
         if text is None:                      # no tensor-owned scope
             continue
-        ledger, optim = _explained(text)
+        ledger, memory = _explained(text)
         assert any(op == "all_to_all" for _, op, *_ in ledger)
         for rank, res in enumerate(results):
             assert res[k][2] == ledger, (k, rank)
-            assert res[k][3] == optim[rank], (k, rank, optim)
+            got = {key: res[k][3][key] for key in memory[rank]}
+            assert got == memory[rank], (k, rank, memory)
     # each matrix's momentum lives whole on one rank of each owner group (`copies` groups)
     for k in range(len(results[0])):
         assert sum(r[k][1] for r in results) == copies[k] * 6 * D * H
