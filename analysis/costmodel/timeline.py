@@ -119,16 +119,16 @@ chunk in the params dtype and its gather's first-stage buffer (staging.py) until
 next forward); the one waited holds its last stages.
 
 [Note: timeline: optimizer step]
-In opt.step() (runtime/step/optimizer.py) the optimizer runs over one group's OS chunk at a time
-and the update all-gather sends a copy of it (runtime/groups/flat_group.py `update_issue`, `mine.clone()`):
-`STEP_TEMPORARIES` fp32 copies of the largest chunk. Measured with the step phase of
-`shardc simulate` (AdamW, foreach): 2.0x the largest chunk for zero3, 0.67x for ddp, on
-GPT tiny and small at 4 ranks, so the rule is a bound. foreach against fused, measured
-apart once (torch 2.13 CPU, AdamW over 8 tensors of 4.2M elements, MemTracker around
-`opt.step()` with the states existing): foreach=True holds 1.00x the parameters' fp32
-bytes in temporaries, fused=True none, foreach=False 3x the largest tensor; so a fused
-step's rule would be the update's clone alone (1x the chunk). explain does not yet take the
-optimizer's kind (issue 47).
+In opt.step() (runtime/step/optimizer.py) the optimizer runs over one group's OS chunk at a
+time and the update all-gather sends a copy of it (runtime/groups/flat_group.py
+`update_issue`, `mine.clone()`): the clone (1x the largest chunk, fp32) and the optimizer's
+own temporaries for the optimizer the user gives, shardc.lowering.optimizers
+`step_temporary_bytes` ([Note: step temporaries]: AdamW foreach 1x the stepped bytes, fused
+none, the per-tensor loop 2x the largest tensor; SGD none without weight decay), taken with
+the largest chunk as the stepped bytes and as its largest tensor (a bound), for the
+implementation torch runs on a GPU. Measured with the step phase of `shardc simulate`
+(AdamW): 2.0x the largest chunk for zero3, 0.67x for ddp, on GPT tiny and small at 4 ranks,
+so AdamW's rule (1x + the clone) is a bound there.
 
 [Note: timeline: collective staging]
 A multi-stage collective (hierarchical, ho-ring over two or more levels), a cast to another
@@ -165,6 +165,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Op, Phase, master_is_params
+from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, step_temporary_bytes
 
 from .staging import all_gather_bytes, all_reduce_bytes, codec_bytes, reduce_scatter_bytes
 
@@ -175,8 +176,6 @@ LOSS_GRADIENTS = 4
 # ([Note: timeline: loss tensors]).
 LOSS_FORWARD = 2
 LOSS_KEPT = 2
-# fp32 temporaries of the largest group's optimizer chunk in the step ([Note: timeline: optimizer step]).
-STEP_TEMPORARIES = 2
 
 PHASES = ("startup", "forward", "backward", "sync", "step")
 # The timeline's points each phase of `shardc simulate`'s measured step spans: the sync is
@@ -297,12 +296,14 @@ class _Sizes:
 
 
 def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None = None,
-             output: int = 0, micro_batches: int = 1, mesh=None, algo=None) -> Timeline:
+             output: int = 0, micro_batches: int = 1, mesh=None, algo=None,
+             optimizer: str = DEFAULT_OPTIMIZER, optimizer_kwargs: dict | None = None) -> Timeline:
     """The phases' peaks of one step ([Note]s above), from the plan and the states.
     `saved`: each unit's saved activation bytes (the trace's, unit order; None or under
     checkpointing: `activations` stays alive through the whole backward). `mesh`, `algo`:
     the strategy's mesh and its resolved collective algorithm, for the collectives' own
-    buffers (None: not counted)."""
+    buffers (None: not counted). `optimizer`, `optimizer_kwargs`: the step's optimizer, for its
+    temporaries ([Note: timeline: optimizer step])."""
     units = plan.units
     z = _Sizes(plan, mesh, algo)
     size = z.gathered
@@ -432,7 +433,9 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         Point("sync", (("states", states), kept, ("reduce workspace", ws), *sync_buffers)),
         max(Point("step", (("states", states), *sync_buffers)),
             Point("step", (("states", states), fp32_grads,
-                           ("optimizer step temporaries", STEP_TEMPORARIES * chunk))),
+                           ("the update's clone of the chunk", chunk),
+                           ("optimizer step temporaries",
+                            step_temporary_bytes(optimizer, optimizer_kwargs, chunk, chunk)))),
             Point("step", (("states", states), fp32_grads, ("update gathers in flight", sum(a for _, a, _ in z.update)),
                            ("update gather staging at its wait",
                             max((b for k, _, b in z.update if k not in deferred), default=0)))),
