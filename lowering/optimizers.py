@@ -14,12 +14,27 @@ kwarg is set (non-zero or true): Adam/AdamW 8 (+4 amsgrad), SGD momentum≠0: 4 
 Adagrad 4, RMSprop 4 (+4 momentum≠0, +4 centered), Muon 4 (its momentum, whole, on each
 matrix's owner: dsl/ir.py [Note: tensor-owned scopes]). A kind with `state_bytes=None` runs
 (sharded, when element-wise) but the cost model does not predict its memory.
+
+[Note: step temporaries]
+What `opt.step()` allocates beyond its states, fp32, for the implementation torch runs
+(`step_impl`: `fused=True`, `foreach=True/False`, else torch's default: foreach on CUDA,
+the per-tensor loop on CPU and meta). One rule, `step_temporary_bytes`, read by explain's
+memory timeline (analysis/costmodel/timeline.py [Note: timeline: optimizer step]); the
+factors are `OptimizerKind.temps`, measured once with torch's MemTracker around
+`opt.step()` with the states existing (torch 2.13 CPU, 8 fp32 tensors of 1-2 M elements;
+tests/test_step_temporaries.py measures them again): `foreach` holds `temps[0]` x the
+stepped tensors' bytes at once (AdamW, Adam: 1.00, the `_foreach_sqrt` of every exp_avg_sq;
+SGD: 0, with momentum or not, 1.00 with weight_decay: the `_foreach_add` of the grads),
+the loop `temps[1]` x the largest stepped tensor (AdamW, Adam: 2.00; SGD 0, with
+weight_decay 1.00), `fused` none. A kind not measured (`temps` None) gets AdamW's, a bound
+for every element-wise kind torch ships.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_OPTIMIZER", "OWNED_OPTIMIZER", "OPTIMIZER_KINDS", "OptimizerKind", "optimizer_kind"]
+__all__ = ["DEFAULT_OPTIMIZER", "OWNED_OPTIMIZER", "OPTIMIZER_KINDS", "OptimizerKind", "optimizer_kind", "step_impl",
+           "step_temporary_bytes"]
 
 DEFAULT_OPTIMIZER = "adamw"
 OWNED_OPTIMIZER = "muon"      # the whole-tensor optimizer explain assumes for tensor-owned matrices
@@ -31,6 +46,10 @@ class OptimizerKind:
     elementwise: bool = True                   # each element's update reads only its own grad and state
     state_bytes: int | None = None             # K_state with default kwargs; None: not predicted
     flags: tuple[tuple[str, int], ...] = ()    # (kwarg, bytes per element it adds when set)
+    # [Note: step temporaries]: (foreach x the stepped bytes, loop x the largest tensor), and
+    # the same with weight_decay set; None: not measured
+    temps: tuple[float, float] | None = None
+    temps_decay: tuple[float, float] | None = None
 
     def k_state(self, **kw) -> int | None:
         """K_state for these kwargs ([Note: K_state]); None when not predicted."""
@@ -41,9 +60,9 @@ class OptimizerKind:
 
 # The cost model's kinds first, in the order its option lists them.
 OPTIMIZER_KINDS = {k.name: k for k in (
-    OptimizerKind("AdamW", state_bytes=8, flags=(("amsgrad", 4),)),
-    OptimizerKind("Adam", state_bytes=8, flags=(("amsgrad", 4),)),
-    OptimizerKind("SGD", state_bytes=0, flags=(("momentum", 4),)),
+    OptimizerKind("AdamW", state_bytes=8, flags=(("amsgrad", 4),), temps=(1.0, 2.0)),
+    OptimizerKind("Adam", state_bytes=8, flags=(("amsgrad", 4),), temps=(1.0, 2.0)),
+    OptimizerKind("SGD", state_bytes=0, flags=(("momentum", 4),), temps=(0.0, 0.0), temps_decay=(1.0, 1.0)),
     OptimizerKind("Adagrad", state_bytes=4),
     OptimizerKind("RMSprop", state_bytes=4, flags=(("momentum", 4), ("centered", 4))),
     OptimizerKind("Adamax"),
@@ -62,3 +81,27 @@ _BY_LOWER = {name.lower(): k for name, k in OPTIMIZER_KINDS.items()}
 def optimizer_kind(name: str) -> OptimizerKind | None:
     """The kind named `name` in any case (`adamw`, `AdamW`), or None when unknown."""
     return _BY_LOWER.get(name.lower())
+
+
+def step_impl(kw: dict | None = None, device: str = "cuda") -> str:
+    """The `opt.step()` implementation torch runs for these kwargs on `device`: "fused",
+    "foreach" or "loop" ([Note: step temporaries])."""
+    kw = kw or {}
+    if kw.get("fused"):
+        return "fused"
+    if kw.get("foreach") is not None:
+        return "foreach" if kw["foreach"] else "loop"
+    return "foreach" if device in ("cuda", "xpu") else "loop"
+
+
+def step_temporary_bytes(name: str, kw: dict | None, stepped: int, largest: int, device: str = "cuda") -> int:
+    """Bytes `opt.step()` of `name` (with `kw`) allocates stepping tensors of `stepped` fp32
+    bytes at once whose largest is `largest` bytes ([Note: step temporaries])."""
+    impl = step_impl(kw, device)
+    if impl == "fused":
+        return 0
+    kind = optimizer_kind(name)
+    temps = None if kind is None else (kind.temps_decay if (kw or {}).get("weight_decay") and kind.temps_decay
+                                       else kind.temps)
+    foreach, loop = temps or OPTIMIZER_KINDS["AdamW"].temps
+    return int(foreach * stepped) if impl == "foreach" else int(loop * largest)

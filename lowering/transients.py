@@ -50,8 +50,11 @@ A hierarchical all-gather, reduce-scatter or all-reduce over two or more levels
 (hierarchical, HO-Ring: one stage per level) re-lays the tensor out level by level; each
 of its pieces copies its columns into a contiguous buffer in the stages' order (an
 all-gather: gathers them stage by stage into buffers of its own, then places them). These copies go in
-blocks of at most `STAGING_BYTES` per piece (runtime/eager/collectives.py `_ar_plan`,
-`_rs_pieces`): a piece's block is copied out, reduced through the stages (an all-reduce's
+blocks of at most `STAGING_BYTES` for all of the collective's pieces together, STAGING_BYTES /
+pieces each (`staging_block`, read by runtime/eager/collectives.py `_ar_plan`, `_rs_pieces`,
+`_ag_bytes` and by explain's staging rules; HO-Ring runs 4 pieces at once from the issue, so
+a per-piece bound held 4 blocks of a collective in flight, 0.13 GB of LLaMA-65B's layer
+reduce-scatter at 1024 ranks, where FSDP2's flat one holds none): a piece's block is copied out, reduced through the stages (an all-reduce's
 is copied back; a reduce-scatter's last stage writes its columns of the output; an
 all-gather's last stage's buffer is placed into its columns of the output), and freed
 before the piece's next block is copied. A one-stage reduce-scatter (one level, or
@@ -59,7 +62,7 @@ the ring over several) reads its input in place: no staging. With the
 block's scatter chunks, the gloo reduce-scatter's receive buffer and the stages' own
 buffers, a piece holds at most `STAGING_OVER` blocks (measured on gloo by MemTracker:
 4 x the block, tests/test_transients.py), so an all-reduce of n elements holds at most
-pieces x STAGING_OVER x min(n bytes, STAGING_BYTES), alive from its issue to its wait,
+STAGING_OVER x min(n bytes, STAGING_BYTES) over its pieces, alive from its issue to its wait,
 never the 1.5-2.5 n bytes (a padded copy, the pieces' copies and their stages) it held
 before; a staged reduce-scatter of an n-element input, or all-gather of an n-element
 output, likewise (before: n for the pieces' copies, plus their stages' buffers). The padded copy is made only when n is not a multiple
@@ -81,7 +84,7 @@ from __future__ import annotations
 REDUCE_IN_FLIGHT = 1            # [Note: reductions in flight]: backward reduce-scatters in flight as a unit's grads arrive
 RELEASE_GRADS = True            # [Note: gradient lifetimes]: zero_grad() frees the grad shards and fp32 grad copies
 SYNC_IN_FLIGHT = 2              # [Note: syncs in flight]: flat groups whose step-end sync is in flight
-STAGING_BYTES = 32 << 20        # [Note: staging chunks]: one piece's all-reduce staging block, at most
+STAGING_BYTES = 32 << 20        # [Note: staging chunks]: a staged collective's blocks, all its pieces together, at most
 STAGING_OVER = 4                # [Note: staging chunks]: a piece's transients, in blocks, at most
 RS_RECV_BYTES = 32 << 20        # [Note: receive blocks]: the all-to-all's receive block, at most
 RS_RECV_FLOOR = 1 << 20         # [Note: receive blocks]: ... and at least (when the input is larger)
@@ -91,3 +94,10 @@ def recv_block_bytes(chunk_bytes: int, cap: int = RS_RECV_BYTES) -> int:
     """The gloo reduce-scatter's receive block for an output chunk of `chunk_bytes`
     ([Note: receive blocks]); `cap` replaces RS_RECV_BYTES (tests)."""
     return min(cap, max(RS_RECV_FLOOR, chunk_bytes))
+
+
+def staging_block(column_bytes: int, pieces: int, cap: int = STAGING_BYTES) -> int:
+    """Columns in one piece's staging block ([Note: staging chunks]): the blocks of a
+    collective's `pieces` together at most `cap` bytes (STAGING_BYTES; the runtime passes its
+    own module's, which a test may lower), a column being `column_bytes`; at least one."""
+    return max(1, cap // (max(pieces, 1) * column_bytes))

@@ -38,6 +38,14 @@ step); the second, a step as every later one runs, is measured. Per rank:
     made before the compile, which then finds them cached), lowering the plan (`lower`
     on the model's units, timed once apart), `shardc.compile` (capture, lowering, codegen,
     construction) and the measured step. Wall seconds and the process's CPU seconds.
+
+[Note: the loop drops the output before backward]
+Each micro-batch's loop drops its references to the model's output (`out`, `logits`)
+once the loss is computed, before `loss.backward()`, as torchtitan's trainer does
+(`del pred` before the backward, "to avoid peaking memory") and as the FSDP2 loops this
+runtime is compared with (bench/peak_fsdp2.py) do. Only autograd's saved tensors of the
+loss (cross entropy's log-softmax) then outlive the forward; explain's timeline counts
+what that leaves (analysis/costmodel/timeline.py `LOSS_KEPT`).
 """
 from __future__ import annotations
 
@@ -209,9 +217,10 @@ def _run(strategy, model, m, cls, clip, batch, seq, passes, clock, track: bool) 
                     out = sm(x)
                     logits = out if torch.is_tensor(out) else out[0]
                     loss = F.cross_entropy(logits.flatten(0, -2).float(), x.flatten()).div(m)
+                    del out, logits             # [Note: the loop drops the output before backward]
                 with phase("backward"):
                     loss.backward()
-                del out, logits, loss
+                del loss
             with phase("step"):                 # the sync's wait, clip, the update, the update gathers
                 if clip:
                     sm.clip_grad_norm_(1.0)

@@ -79,7 +79,7 @@ def explain(strategy: Strategy, units, *, micro_batches: int | None = None, opti
              "model_flops": model_flops}
     return Explained(strategy, units, m, memory, tuple(records), algo, links, inter, intra, t,
                      peak_memory(memory, graph, checkpoint, FRAMEWORK_OVERHEAD if overhead is None else overhead, plan, m,
-                                 strategy.mesh, algo), rates,
+                                 strategy.mesh, algo, optimizer, optimizer_kwargs), rates,
                      shared_links(bw, strategy.mesh), plan)
 
 

@@ -9,8 +9,8 @@ flat stage in the collective's own dtype holds nothing of its own.
 
 [Note: staging: reduce-scatter]
 `_rs_pieces` / `_rs_blocks`: a multi-stage reduce-scatter (hierarchical, ho-ring over two
-or more levels) goes a block of at most STAGING_BYTES (shardc.lowering [Note: staging
-chunks]) per piece at a time: the block's columns are copied out contiguous in the stages'
+or more levels) goes a block per piece at a time, the pieces' blocks together at most
+STAGING_BYTES (shardc.lowering [Note: staging chunks], `staging_block`): the block's columns are copied out contiguous in the stages'
 order (b bytes; none when one piece's one block is the whole input and the group's digit
 order is already the stages': the permuted view is contiguous), then each stage but the
 last writes a new buffer (`_rs_piece`: b / |S_1|, b / |S_1||S_2|, ...); the block is freed
@@ -20,8 +20,8 @@ and its output (`tmp`). qgZ (`_qgz`, a quantized comm) is one all-to-all: the se
 receive payloads (s x the quantized shard each) and an fp32 accumulator of the output.
 
 [Note: staging: all-gather]
-`_ag_piece`: a multi-stage all-gather goes a block of at most STAGING_BYTES (shardc.lowering
-[Note: staging chunks]) of each piece's columns at a time; each stage writes a new buffer,
+`_ag_piece`: a multi-stage all-gather goes a block of each piece's columns at a time, the
+pieces' blocks together at most STAGING_BYTES (shardc.lowering [Note: staging chunks]); each stage writes a new buffer,
 |S_1| b, then |S_1||S_2| b, ..., the last the block's whole s b, placed into its columns of
 the output before the next block is gathered. Issued (`Work` runs every piece to its first
 stage) it holds each piece's first stage's buffer; at its wait the last two at once
@@ -30,8 +30,8 @@ the quantized shard and the gathered payloads (s of them), and at its wait the l
 its stages' buffers and the decode's temporaries (the stages' are freed before `decode`).
 
 [Note: staging: all-reduce]
-`_ar_plan` / `_ar_blocks`: a staged all-reduce copies a block of at most STAGING_BYTES
-(shardc.lowering [Note: staging chunks]) per piece out contiguous (no copy when one block
+`_ar_plan` / `_ar_blocks`: a staged all-reduce copies a block per piece out (the pieces'
+together at most STAGING_BYTES, shardc.lowering [Note: staging chunks]) contiguous (no copy when one block
 is every column: the view is already contiguous), then each scatter stage writes a new
 buffer (b / |S_1|, ...), all alive until the block is copied back. An input
 whose length is not a multiple of the scatter stages' ranks is first padded (a copy of n,
@@ -51,7 +51,7 @@ from math import prod
 import shardc.algorithms as algorithms
 from shardc.algorithms.base import bounds, scatter_perm
 from shardc.dsl.ir import Collectives, Mesh
-from shardc.lowering import STAGING_BYTES, shard_payload_bytes
+from shardc.lowering import shard_payload_bytes, staging_block
 from shardc.lowering.peak_facts import CODEC_ROWS
 from shardc.lowering.rows import elem_bytes
 
@@ -86,11 +86,11 @@ def reduce_scatter_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> int:
     stages = a.scatter(key, mesh.ordered)
     if stages == (key,) and a.pieces == 1:
         return cast
-    # per piece, one block of at most STAGING_BYTES of its columns at a time: copied out (no
+    # per piece, one block of its columns at a time (`staging_block`): copied out (no
     # copy when the one block is the whole input in the stages' order: a view), then each
     # stage but the last writes a new buffer
     m = n // s
-    block = max(1, STAGING_BYTES // (s * c))
+    block = staging_block(s * c, a.pieces)
     inplace = a.pieces == 1 and scatter_perm(stages, key) == sorted(scatter_perm(stages, key))
     total = 0
     for lo, hi in bounds(m, a.pieces):
@@ -123,8 +123,8 @@ def all_gather_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> tuple[int, int
     cast = n * c if c != elem else 0
     if not staged:
         return cast, cast
-    # per piece, one block of at most STAGING_BYTES of its columns at a time
-    block = max(1, STAGING_BYTES // (s * c))
+    # per piece, one block of its columns at a time (`staging_block`)
+    block = staging_block(s * c, a.pieces)
     first = last = 0
     for lo, hi in bounds(n // s, a.pieces):
         b = min(hi - lo, block) * c
@@ -146,7 +146,7 @@ def all_reduce_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> int:
         return 0
     pad = 0 if n % inner == 0 else -(-n // inner) * inner * elem
     cols = -(-n // inner)
-    block = max(1, STAGING_BYTES // (inner * elem))
+    block = staging_block(inner * elem, a.pieces)
     total = 0
     for lo, hi in bounds(cols, a.pieces):
         b = min(hi - lo, block) * inner * elem

@@ -66,7 +66,13 @@ the loss are the loop's (shardc/simulate.py's step: `out`, `logits`, cross entro
 log-softmax). At the forward's end `LOSS_FORWARD` tensors of the logits' size are alive
 beside the activations; from a unit's reduce on `LOSS_KEPT` (the loss's gradient of the
 logits too), until the loop drops them after `backward()`. Measured on HF GPT-2 at 4 ranks
-(bench/peak_probe.py): 2 and 3 x the logits, to 220 bytes. The point while a unit's
+(bench/peak_probe.py): 2 and 3 x the logits, to 220 bytes, while the loop held `out`
+through the backward; it drops it before `backward()` since 2026-11-29 (shardc/simulate.py
+[Note: the loop drops the output before backward], as torchtitan's trainer and the FSDP2
+loops it is compared with do), one logits-sized tensor fewer: 2 (on the bf16 overrides
+case of tests/test_peak_bf16_overrides.py explain's peak went from 1.041 to 1.021 of the
+measured one with it; in bf16 the dropped `out` is half an fp32 logits, so the rule errs
+on the safe side there). The point while a unit's
 backward runs leaves them out: it already counts the unit's saved tensors whole (a bound),
 and on HF GPT-2 and Llama (ddp, lins_7b, PaRO at 4 ranks) it was 3 x the logits above the
 measured peak with them.
@@ -113,16 +119,16 @@ chunk in the params dtype and its gather's first-stage buffer (staging.py) until
 next forward); the one waited holds its last stages.
 
 [Note: timeline: optimizer step]
-In opt.step() (runtime/step/optimizer.py) the optimizer runs over one group's OS chunk at a time
-and the update all-gather sends a copy of it (runtime/groups/flat_group.py `update_issue`, `mine.clone()`):
-`STEP_TEMPORARIES` fp32 copies of the largest chunk. Measured with the step phase of
-`shardc simulate` (AdamW, foreach): 2.0x the largest chunk for zero3, 0.67x for ddp, on
-GPT tiny and small at 4 ranks, so the rule is a bound. foreach against fused, measured
-apart once (torch 2.13 CPU, AdamW over 8 tensors of 4.2M elements, MemTracker around
-`opt.step()` with the states existing): foreach=True holds 1.00x the parameters' fp32
-bytes in temporaries, fused=True none, foreach=False 3x the largest tensor; so a fused
-step's rule would be the update's clone alone (1x the chunk). explain does not yet take the
-optimizer's kind (issue 47).
+In opt.step() (runtime/step/optimizer.py) the optimizer runs over one group's OS chunk at a
+time and the update all-gather sends a copy of it (runtime/groups/flat_group.py
+`update_issue`, `mine.clone()`): the clone (1x the largest chunk, fp32) and the optimizer's
+own temporaries for the optimizer the user gives, shardc.lowering.optimizers
+`step_temporary_bytes` ([Note: step temporaries]: AdamW foreach 1x the stepped bytes, fused
+none, the per-tensor loop 2x the largest tensor; SGD none without weight decay), taken with
+the largest chunk as the stepped bytes and as its largest tensor (a bound), for the
+implementation torch runs on a GPU. Measured with the step phase of `shardc simulate`
+(AdamW): 2.0x the largest chunk for zero3, 0.67x for ddp, on GPT tiny and small at 4 ranks,
+so AdamW's rule (1x + the clone) is a bound there.
 
 [Note: timeline: collective staging]
 A multi-stage collective (hierarchical, ho-ring over two or more levels), a cast to another
@@ -149,8 +155,8 @@ that all-reduce's staging until opt.step() waits it; a sync with no all-reduce s
 its reduce-scatter stage until then. A sync with no reduce-scatter stage issues its
 all-reduce at once. So at the backward's end ("sync") and at the start of opt.step()
 ("step") the early syncs' buffers and the bounded ones are alive; the loss's tensors
-(`LOSS_KEPT` x the logits: the loop's `out`, `logits` and cross entropy's saved
-log-softmax, freed when the loop drops them after `backward()`) and the reduce workspace
+(`LOSS_KEPT` x the logits: cross entropy's saved log-softmax and the loss's gradient,
+freed when the loop drops the loss after `backward()`) and the reduce workspace
 are still held at the backward's end. The simulated step measures "sync" inside its backward phase (`MEASURED`).
 
 """
@@ -159,6 +165,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Op, Phase, master_is_params
+from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, step_temporary_bytes
 
 from .staging import all_gather_bytes, all_reduce_bytes, codec_bytes, reduce_scatter_bytes
 
@@ -168,9 +175,7 @@ LOSS_GRADIENTS = 4
 # log-softmax) and through the backward (those and the loss's gradient of the logits)
 # ([Note: timeline: loss tensors]).
 LOSS_FORWARD = 2
-LOSS_KEPT = 3
-# fp32 temporaries of the largest group's optimizer chunk in the step ([Note: timeline: optimizer step]).
-STEP_TEMPORARIES = 2
+LOSS_KEPT = 2
 
 PHASES = ("startup", "forward", "backward", "sync", "step")
 # The timeline's points each phase of `shardc simulate`'s measured step spans: the sync is
@@ -291,12 +296,14 @@ class _Sizes:
 
 
 def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None = None,
-             output: int = 0, micro_batches: int = 1, mesh=None, algo=None) -> Timeline:
+             output: int = 0, micro_batches: int = 1, mesh=None, algo=None,
+             optimizer: str = DEFAULT_OPTIMIZER, optimizer_kwargs: dict | None = None) -> Timeline:
     """The phases' peaks of one step ([Note]s above), from the plan and the states.
     `saved`: each unit's saved activation bytes (the trace's, unit order; None or under
     checkpointing: `activations` stays alive through the whole backward). `mesh`, `algo`:
     the strategy's mesh and its resolved collective algorithm, for the collectives' own
-    buffers (None: not counted)."""
+    buffers (None: not counted). `optimizer`, `optimizer_kwargs`: the step's optimizer, for its
+    temporaries ([Note: timeline: optimizer step])."""
     units = plan.units
     z = _Sizes(plan, mesh, algo)
     size = z.gathered
@@ -426,7 +433,9 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         Point("sync", (("states", states), kept, ("reduce workspace", ws), *sync_buffers)),
         max(Point("step", (("states", states), *sync_buffers)),
             Point("step", (("states", states), fp32_grads,
-                           ("optimizer step temporaries", STEP_TEMPORARIES * chunk))),
+                           ("the update's clone of the chunk", chunk),
+                           ("optimizer step temporaries",
+                            step_temporary_bytes(optimizer, optimizer_kwargs, chunk, chunk)))),
             Point("step", (("states", states), fp32_grads, ("update gathers in flight", sum(a for _, a, _ in z.update)),
                            ("update gather staging at its wait",
                             max((b for k, _, b in z.update if k not in deferred), default=0)))),

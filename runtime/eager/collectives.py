@@ -74,7 +74,7 @@ import torch.distributed as dist
 import shardc.algorithms as algorithms
 from shardc.algorithms.base import bounds, gather_perm, scatter_perm
 from shardc.dsl.ir import Collectives, DType
-from shardc.lowering import RS_RECV_BYTES, STAGING_BYTES, Op, recv_block_bytes
+from shardc.lowering import RS_RECV_BYTES, STAGING_BYTES, Op, recv_block_bytes, staging_block
 
 from ..transport import a2a, device, quant
 from ..dtypes import torch_dtype
@@ -204,7 +204,7 @@ def _ag_bytes(out, inp, sm, key, algo):
         return [_ag_one(out, inp, sm.group(key, key))]
     m = inp.numel()
     out_view = out.view(*[sm.mesh.size(n) for n in key], m)
-    block = max(1, STAGING_BYTES // (_n(sm, key) * inp.element_size()))
+    block = staging_block(_n(sm, key) * inp.element_size(), algo.pieces, STAGING_BYTES)
     return [_ag_piece(out_view, inp[lo:hi].contiguous(), sm, stages, key, lo, hi, block)
             for lo, hi in bounds(m, algo.pieces)]
 
@@ -261,14 +261,15 @@ def _rs_piece(dst, src, sm, stages, scratch=None):
 
 def _rs_pieces(out, inp, sm, key, algo, scratch=None):
     """The reduce-scatter's pieces: one flat stage reads `inp` in place; staged ones copy
-    their columns out in the stages' order a block of at most STAGING_BYTES at a time
+    their columns out in the stages' order a block at a time (`staging_block`: the pieces'
+    blocks together at most STAGING_BYTES)
     (shardc.lowering [Note: staging chunks])."""
     stages = algo.scatter(key, sm.mesh.ordered)
     if stages == (key,) and algo.pieces == 1:          # one flat stage
         return [_rs(out, inp, sm.group(key, key), scratch)]
     m = out.numel()
     full = inp.view(*[sm.mesh.size(n) for n in key], m).permute(scatter_perm(stages, key))
-    block = max(1, STAGING_BYTES // (_n(sm, key) * inp.element_size()))
+    block = staging_block(_n(sm, key) * inp.element_size(), algo.pieces, STAGING_BYTES)
     return [_rs_blocks(out, full, lo, hi, block, sm, stages, scratch) for lo, hi in bounds(m, algo.pieces)]
 
 
@@ -339,8 +340,8 @@ def all_reduce(t, mesh: ShardMesh, levels, *, algo=Collectives.RING) -> Work:
 
 
 def _ar_plan(t, mesh, key, algo):
-    """The all-reduce's pieces, each staging its columns in blocks of at most STAGING_BYTES
-    (shardc.lowering [Note: staging chunks]); the padded copy only when n needs padding."""
+    """The all-reduce's pieces, each staging its columns in blocks (`staging_block`: the
+    pieces' blocks together at most STAGING_BYTES, shardc.lowering [Note: staging chunks]); the padded copy only when n needs padding."""
     plan = algo.reduce(key, mesh.mesh.ordered)
     if plan.gather != tuple(reversed(plan.scatter)):
         raise ValueError(f"{algo!r}: an all-reduce gathers back up the stages it scattered down")
@@ -357,7 +358,7 @@ def _ar_plan(t, mesh, key, algo):
         def finish():
             t.copy_(flat[:n].view(t.shape))
     view = flat.view(inner, -1)
-    block = max(1, STAGING_BYTES // (inner * t.element_size()))
+    block = staging_block(inner * t.element_size(), algo.pieces, STAGING_BYTES)
     return [_ar_blocks(view, lo, hi, block, mesh, plan) for lo, hi in bounds(view.shape[1], algo.pieces)], finish
 
 
