@@ -158,11 +158,11 @@ class PartialNorm(torch.Tensor):
         kept = _stays_partial(func, args, kwargs)
         if kept is not None:
             return kept
-        for a in _flat(args, kwargs):
+        for a in flat_args(args, kwargs):
             if isinstance(a, PartialNorm):
                 a.settle()
         with NO_TF():
-            return func(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()})
+            return func(*unwrapped(args), **{k: unwrapped(v) for k, v in kwargs.items()})
 
 
 def _pending(t) -> bool:
@@ -194,17 +194,19 @@ def _stays_partial(func, args, kwargs):
     return None
 
 
-def _flat(args, kwargs):
-    for a in list(args) + list(kwargs.values()):
+def flat_args(args, kwargs):
+    """A call's arguments, lists and tuples opened one level (shardc tensors come in lists)."""
+    for a in list(args) + list((kwargs or {}).values()):
         if isinstance(a, (list, tuple)):
             yield from a
         else:
             yield a
 
 
-def _plain(a):
-    if isinstance(a, PartialNorm):
+def unwrapped(a, cls=None):
+    """`a` with each `cls` tensor in it (default: PartialNorm) a plain tensor of the same storage."""
+    if isinstance(a, cls or PartialNorm):
         return a.as_subclass(torch.Tensor)
     if isinstance(a, (list, tuple)):
-        return type(a)(_plain(x) for x in a)
+        return type(a)(unwrapped(x, cls) for x in a)
     return a

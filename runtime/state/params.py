@@ -52,6 +52,7 @@ from shardc.lowering import RELEASE_GRADS, Over
 from ..step.boundary import StepPhase
 from ..errors import RuntimeUsageError
 from . import norms
+from .norms import flat_args, unwrapped
 from .pieces import PieceSpec, gather
 
 _T = torch.Tensor
@@ -137,7 +138,7 @@ class _Whole:
         if func in NORMS:
             return
         what = getattr(func, "__name__", str(func))
-        mine = next(a for a in _flat_args(args, kwargs) if isinstance(a, _Whole))
+        mine = next(a for a in flat_args(args, kwargs) if isinstance(a, _Whole))
         spec = mine._shardc_spec
         kind = "reduces" if func in REDUCTIONS else "reshapes or indexes"
         raise RuntimeUsageError(
@@ -145,14 +146,6 @@ class _Whole:
             f"shardc model that tensor is this rank's piece ({spec.hi - spec.lo} of "
             f"{prod(spec.global_shape)} elements): use its full_tensor() (every rank calls it), "
             f"sm.full_state_dict(), or sm.clip_grad_norm_() for clipping")
-
-
-def _flat_args(args, kwargs):
-    for a in list(args) + list((kwargs or {}).values()):
-        if isinstance(a, (list, tuple)):
-            yield from a
-        else:
-            yield a
 
 
 class ShardParam(_Whole, nn.Parameter):
@@ -244,21 +237,13 @@ def _plain(func, args, kwargs):
     such as hook registration) get the pieces as plain tensors (aliases of the same storage)."""
     with torch._C.DisableTorchFunctionSubclass():
         if not isinstance(func, types.FunctionType) and getattr(func, "__name__", "") not in ("__get__", "__set__") \
-                and any(isinstance(a, _Whole) and a.is_meta for a in _flat_args(args, kwargs)):
-            args, kwargs = _unwrapped(tuple(args)), {k: _unwrapped(v) for k, v in (kwargs or {}).items()}
+                and any(isinstance(a, _Whole) and a.is_meta for a in flat_args(args, kwargs)):
+            args, kwargs = unwrapped(tuple(args), _Whole), {k: unwrapped(v, _Whole) for k, v in (kwargs or {}).items()}
         return func(*args, **(kwargs or {}))
 
 
-def _unwrapped(a):
-    if isinstance(a, _Whole):
-        return a.as_subclass(torch.Tensor)
-    if isinstance(a, (list, tuple)):
-        return type(a)(_unwrapped(x) for x in a)
-    return a
-
-
 def _all_whole(args, kwargs) -> bool:
-    return all(a._is_whole for a in _flat_args(args, kwargs) if isinstance(a, _Whole))
+    return all(a._is_whole for a in flat_args(args, kwargs) if isinstance(a, _Whole))
 
 
 def _on_whole(func, args, kwargs):
@@ -275,7 +260,7 @@ def _on_whole(func, args, kwargs):
 
 
 def _set_of(args, kwargs) -> "ParamSet":
-    return next(a._shardc_set for a in _flat_args(args, kwargs) if isinstance(a, _Whole))
+    return next(a._shardc_set for a in flat_args(args, kwargs) if isinstance(a, _Whole))
 
 
 class ParamSet:
