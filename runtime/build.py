@@ -169,7 +169,7 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     install_casts(model, specs)                          # units/casts.py [Note: casts at unit boundaries]
     canon = list(dict.fromkeys(aliases[n] for n in order))
     pset = ParamSet(states, canon, dtensors, comm, ledger, runtime.boundary, comms, lowering.owned,
-                    lowering.clip_rows)
+                    lowering.clip_rows, tp)
     if not simulation.active():                          # a simulated rank needs no values
         pset.expect_values(unset, unset_buffers(model))
     return Built(model, strategy, specs, backend, faults, ledger, dev, comm, aliases, order, targets,

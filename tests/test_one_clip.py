@@ -6,10 +6,15 @@ Tiny under ZeRO-3 with block 0's states sharded over gpu only (two distinct
 optimizer level sets), each path's norm equals one process's on the whole batch, the two
 paths train to the same parameters, and each clip call's ledger is explain's clip rows:
 one all-reduce of one fp32 scalar (4 bytes) per distinct optimizer level set, here over
-("gpu",) and ("node", "gpu"). A gradient's own norm read alone is still the whole
-tensor's (one all-reduce of its partial over its piece's levels).
+("gpu",) and ("node", "gpu"). With experts on an ep dim (examples/moe.py, PaRO-IIG with
+the experts' optimizer over node, ep = gpu) both paths' norms equal one process's and
+each other's, and both record the one clip row (the dense and the experts' clip levels
+are both node, gpu). A gradient's own norm read alone is still the whole tensor's (one
+all-reduce of its partial over its piece's levels).
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -18,6 +23,7 @@ from tests.harness import dist_run
 from tests.test_runtime_util import Tiny, batches, loss_fn, max_rel_err, reference
 
 pytestmark = pytest.mark.distributed
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIP = 0.05                      # below the norms seen here, so every step scales the gradients
 MIXED = """strategy clip_two_levels
 mesh node(2) > gpu(2)
@@ -98,3 +104,48 @@ def test_a_gradient_norm_read_alone_is_the_whole_tensors():
         assert abs(n - whole) <= 1e-6 * whole
         # Tiny's blocks.1 group: the (node, gpu) optimizer levels, one fp32 entry
         assert ledger == [(("update", "all_reduce", ("node", "gpu"), 4, "dense"), 1)]
+
+
+def _ep_batch(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randint(0, 128, (2, 8), generator=g)
+
+
+def _ep_loss(m, x):
+    return torch.nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+
+
+def _ep(rank, world):
+    import shardc
+    from examples.moe import apply_ep, moe_tiny
+    from shardc.analysis.costmodel.bucketing import resolve_bucket
+    from shardc.runtime import shard_module
+    from shardc.units import find_units
+    from torch.distributed.device_mesh import init_device_mesh
+    whole = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    dp = whole._unflatten(0, (2, 2), ("node", "gpu"))
+    ep = whole._unflatten(0, (2, 2), ("efsdp", "ep"))["ep"]
+    import dataclasses
+    s = dataclasses.replace(shardc.load_strategy(os.path.join(ROOT, "examples/strategies/moe/paro_iig_ep_zero1.shard"),
+                                                 mesh="node(2) > gpu(2)"), accumulate=1)
+    out = {}
+    for path in ("sm", "torch"):
+        m = apply_ep(moe_tiny(), ep)
+        sm = shard_module(m, s, find_units(m, resolve_bucket(m, s)), mesh=dp)
+        _ep_loss(sm, _ep_batch(rank)).backward()
+        sm.reset_comm_ledger()
+        n = sm.clip_grad_norm_(CLIP) if path == "sm" else torch.nn.utils.clip_grad_norm_(sm.parameters(), CLIP)
+        out[path] = (float(n), [(_key(r), r.count) for r in sm.comm_ledger()])
+    return out
+
+
+def test_with_experts_on_an_ep_dim_both_paths_take_one_norm():
+    from examples.moe import moe_tiny
+    m = moe_tiny()
+    _ep_loss(m, torch.cat([_ep_batch(r) for r in range(4)])).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP))
+    for r in dist_run(4, _ep):
+        (sm_norm, sm_ledger), (t_norm, t_ledger) = r["sm"], r["torch"]
+        assert abs(sm_norm - want) <= 1e-5 * want and abs(t_norm - want) <= 1e-5 * want, (sm_norm, t_norm, want)
+        assert sm_ledger == t_ledger == [(("update", "all_reduce", ("node", "gpu"), SCALAR, "dense"), 1)], \
+            (sm_ledger, t_ledger)

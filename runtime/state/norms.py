@@ -139,9 +139,9 @@ class PartialNorm(torch.Tensor):
         pset, p = self._pset, self._p
         with NO_TF():
             if self._total:
-                parts = [(*pset.clip_of(spec), part * clip.tp_weight(pset.tp, spec.name))
+                parts = [(*pset.clip_of(spec), part * clip.tp_weight(pset.clip_tp, spec.name))
                          for spec, part in self._entries]
-                value = clip.total_norm(parts, pset.clip_rows, pset.comm, pset.tp, p, self.device)
+                value = clip.total_norm(parts, pset.clip_rows, pset.comm, pset.clip_tp, p, self.device)
             else:
                 partials = torch.stack([part.float() for _, part in self._entries])
                 reduce_each(pset, partials, [spec for spec, _ in self._entries], p)

@@ -267,9 +267,11 @@ class ParamSet:
     """Every parameter of one ShardedModule as a `ShardParam` (see the module notes)."""
 
     def __init__(self, units, order: list[str], tp: dict, comm, ledger, boundary, comms: dict | None = None,
-                 owned_plan=None, clip_rows=()):
+                 owned_plan=None, clip_rows=(), clip_tp: dict | None = None):
         self.comm, self.ledger, self.boundary, self.tp = comm, ledger, boundary, tp
-        self.clip_rows = clip_rows                  # the plan's (runtime/step/clip.py [Note: one clip])
+        # what a clip's total reads, as sm.clip_grad_norm_ does (runtime/step/clip.py [Note: one
+        # clip]): the plan's clip rows and the tensor-parallel parameters (not the experts' DTensors)
+        self.clip_rows, self.clip_tp = clip_rows, tp if clip_tp is None else clip_tp
         self.owned_plan = owned_plan                # the plan's owners (Lowering.owned; runtime/step/owned.py)
         self._comms = comms or {Over.DENSE: comm}   # the Comm of each placement's mesh (`Over`)
         self.params: dict[str, ShardParam] = {}
