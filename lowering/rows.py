@@ -153,8 +153,9 @@ def clip_rows(mesh: Mesh, optim_levels) -> tuple[Row, ...]:
 
 def norm_row(levels: tuple[str, ...], nbytes: int, over: Over = Over.DENSE) -> Row:
     """The all-reduce of whole-tensor norm partials over `levels` (`nbytes`: one entry per
-    tensor), what `torch.nn.utils.clip_grad_norm_(sm.parameters())` runs (runtime/state/params.py):
-    a clip row of the measured size, so the ledger gets it through `record_row` like any other."""
+    tensor), what a norm of shardc tensors read on its own runs (runtime/state/norms.py; a
+    clip's total runs the plan's clip rows instead): a clip row of the measured size, so the
+    ledger gets it through `record_row` like any other."""
     return Row(Phase.UPDATE, Op.ALL_REDUCE, levels, levels, nbytes, Per.CLIP, over=over)
 
 

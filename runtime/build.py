@@ -168,7 +168,8 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
         _install_hooks(model, runtime)
     install_casts(model, specs)                          # units/casts.py [Note: casts at unit boundaries]
     canon = list(dict.fromkeys(aliases[n] for n in order))
-    pset = ParamSet(states, canon, dtensors, comm, ledger, runtime.boundary, comms, lowering.owned)
+    pset = ParamSet(states, canon, dtensors, comm, ledger, runtime.boundary, comms, lowering.owned,
+                    lowering.clip_rows, tp)
     if not simulation.active():                          # a simulated rank needs no values
         pset.expect_values(unset, unset_buffers(model))
     return Built(model, strategy, specs, backend, faults, ledger, dev, comm, aliases, order, targets,
@@ -187,8 +188,8 @@ def _refuse_graph_experts(strategy: Strategy, backend: str) -> None:
 
 def _refuse_graph_kinds(lowering: Lowering, backend: str) -> None:
     """A registered placement kind (lowering/placements.py) does not run in the whole-step mode yet."""
-    kind = next((g.placement.over for u in lowering.units for g in u.groups
-                 if g.placement.over not in (Over.DENSE, Over.EXPERTS)), None)
+    registered = {k.over for k in placements.kinds()}
+    kind = next((g.placement.over for u in lowering.units for g in u.groups if g.placement.over in registered), None)
     if kind is not None and backend == "inductor":
         raise ShardcError(f"backend='inductor' does not take the placement kind {kind.value!r} yet; "
                           f"use the eager runtime (backend='eager')")

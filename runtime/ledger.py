@@ -3,8 +3,9 @@
 Input: the plan row of every collective run (`record_row`: the one place a record is made),
 whichever executor runs it — the eager communication interface (eager/comm.py) as it issues a
 row, the whole-step mode as each compiled graph runs (its rows: graph/step.py,
-graph/boundary.py), the whole-tensor norms of `clip_grad_norm_(sm.parameters())`
-(state/params.py, their rows built by the lowering's `norm_row`): no record is made by hand. Output: `comm_ledger()`, a merged,
+graph/boundary.py), the clip rows of both clip entry points (step/clip.py [Note: one
+clip]), a norm read on its own (state/norms.py, its row built by the lowering's
+`norm_row`): no record is made by hand. Output: `comm_ledger()`, a merged,
 sorted `list[LedgerRecord]` (docs/internals.md "Ledger"; merging and order are the
 lowering's, shared with `explain`).
 

@@ -102,3 +102,74 @@ def test_an_owed_update_is_released_with_its_owner():
     assert k2 not in _OWED and k1 in _OWED
     assert torch.equal(await_update(torch.zeros(4), k1), torch.ones(4))   # the forward's graph takes it
     assert k1 not in _OWED and kept.buf is None
+
+
+# -- no module-level mutable state for one model ------------------------------------------------
+# Every module-level dict, list, set or weak map the library mutates, or flag it rebinds
+# (`global`), and why it is process-wide rather than one model's or one optimizer's. A
+# unit's record of the attributes it took lives on the module (`module._shardc_held`,
+# runtime/groups/unit.py [Note: sharded modules]); a tensor-owned step on its optimizer
+# (runtime/step/owned.py `step_of`). A new entry here needs a reason of the same kind.
+PROCESS_WIDE = {
+    ("runtime/graph/update.py", "_OWED"): "weak handles by key for the opaque op a compiled graph calls; "
+                                          "each module's step boundary owns its entries",
+    ("runtime/transport/mesh.py", "_CACHE"): "process groups per mesh, shared by every module on that mesh",
+    ("runtime/transport/device.py", "_pools"): "one set of comm streams per device",
+    ("runtime/transport/device.py", "_stream_modules"): "torch's stream module per device type",
+    ("runtime/transport/device.py", "_native_rs_override"): "a process-wide switch for benchmarks and tests",
+    ("runtime/step/optimizer.py", "_installed"): "torch's global optimizer hooks are installed once per process",
+    ("lowering/placements.py", "_KINDS"): "placement kinds: read-only outside a test's `registered` scope",
+    ("algorithms/base.py", "_REGISTRY"): "collective algorithms: read-only after import outside a test's scope",
+    ("algorithms/base.py", "_SEALED"): "the registry's seal, set once at import",
+    ("compiler/reuse.py", "_RECORDS"): "output shapes of the blocks export stood in for, by the int id its "
+                                       "custom op carries (compile time; not any model's runtime state)",
+}
+PACKAGES = ("runtime", "lowering", "algorithms", "units", "compiler", "analysis", "dsl", "shardc")
+CONTAINERS = {"dict", "list", "set", "defaultdict", "Counter", "OrderedDict", "WeakKeyDictionary",
+              "WeakValueDictionary", "WeakSet", "deque"}
+MUTATORS = {"append", "add", "setdefault", "pop", "popitem", "update", "clear", "extend", "insert", "remove",
+            "discard", "appendleft"}
+
+
+def _mutable_globals(tree) -> set[str]:
+    import ast
+    names = set()
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if isinstance(value, ast.Call):
+            f = value.func
+            container = (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) in CONTAINERS
+        else:
+            container = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp))
+        names |= {t.id for t in targets if container and isinstance(t, ast.Name)}
+    return names
+
+
+def _mutated(tree, names: set[str]) -> set[str]:
+    """Of `names`, those the module changes: an item set or deleted, a mutating method, `global`."""
+    import ast
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            out |= set(node.names)
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            for t in node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]:
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id in names:
+                    out.add(t.value.id)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in names:
+            out.add(node.func.value.id)
+    return out
+
+
+def test_no_module_level_mutable_state_but_the_process_wide():
+    import ast
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parent.parent
+    found = set()
+    for pkg in PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py")):
+            tree = ast.parse(f.read_text())
+            found |= {(f.relative_to(root).as_posix(), n) for n in _mutated(tree, _mutable_globals(tree))}
+    assert found == set(PROCESS_WIDE), (sorted(found - set(PROCESS_WIDE)), sorted(set(PROCESS_WIDE) - found))

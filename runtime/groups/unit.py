@@ -11,14 +11,15 @@ taken by a unit.
 A unit takes its parameters out of their modules (module.py, [Note: parameters become
 views]), so a module a ShardedModule wraps can never be sharded again: `shardc.compile`
 asks `holds_sharded` and refuses it, a ShardedModule or a module inside one, in one
-sentence. Each UnitState records the (module, attribute) pairs it holds in a weak map (no
-attribute is added to the user's modules); a module counts once an attribute recorded for
-it has really left its `_parameters`, so a ShardedModule that failed before taking them
-leaves its model compilable.
+sentence. Each UnitState records on each module it takes from the attributes it holds
+(`module._shardc_held`, a set in the module's own `__dict__`, as FSDP2 keeps its state
+reachable from the module it shards: no process-global map, and the record goes with
+the module); a module counts once an attribute recorded for it has really left its
+`_parameters`, so a ShardedModule that failed before taking them leaves its model
+compilable.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -28,12 +29,12 @@ from shardc.units import UnitSpec
 from .flat_group import FlatGroup
 from .transitions import TrainingState, assert_in_states
 
-_HELD: "weakref.WeakKeyDictionary[torch.nn.Module, set[str]]" = weakref.WeakKeyDictionary()
+HELD = "_shardc_held"                   # on a module: the attributes a unit took from it
 
 
 def holds_sharded(module: torch.nn.Module) -> bool:
     """Whether a unit took the parameters of `module` or of a module inside it ([Note: sharded modules])."""
-    return any(any(a not in m._parameters for a in _HELD.get(m, ())) for m in module.modules())
+    return any(any(a not in m._parameters for a in m.__dict__.get(HELD, ())) for m in module.modules())
 
 
 @dataclass
@@ -50,7 +51,7 @@ class UnitState:
         for slots in self.targets:
             for pairs in slots:
                 for mod, attr in pairs:
-                    _HELD.setdefault(mod, set()).add(attr)
+                    mod.__dict__.setdefault(HELD, set()).add(attr)   # kept by the module itself
 
     # -- the forward's transitions ([Note: asserted transitions]) ---------------------------
     @property

@@ -41,19 +41,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import math
 import types
 from math import prod
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardc.lowering import RELEASE_GRADS, Over
-from shardc.lowering.rows import norm_row
 
 from ..step.boundary import StepPhase
 from ..errors import RuntimeUsageError
+from . import norms
+from .norms import flat_args, unwrapped
 from .pieces import PieceSpec, gather
 
 _T = torch.Tensor
@@ -139,7 +138,7 @@ class _Whole:
         if func in NORMS:
             return
         what = getattr(func, "__name__", str(func))
-        mine = next(a for a in _flat_args(args, kwargs) if isinstance(a, _Whole))
+        mine = next(a for a in flat_args(args, kwargs) if isinstance(a, _Whole))
         spec = mine._shardc_spec
         kind = "reduces" if func in REDUCTIONS else "reshapes or indexes"
         raise RuntimeUsageError(
@@ -147,14 +146,6 @@ class _Whole:
             f"shardc model that tensor is this rank's piece ({spec.hi - spec.lo} of "
             f"{prod(spec.global_shape)} elements): use its full_tensor() (every rank calls it), "
             f"sm.full_state_dict(), or sm.clip_grad_norm_() for clipping")
-
-
-def _flat_args(args, kwargs):
-    for a in list(args) + list((kwargs or {}).values()):
-        if isinstance(a, (list, tuple)):
-            yield from a
-        else:
-            yield a
 
 
 class ShardParam(_Whole, nn.Parameter):
@@ -213,6 +204,8 @@ _DATA_GET = _T.data.__get__                        # a method-wrapper: compared 
 
 def _dispatch(cls, func, args, kwargs):
     """The rules every shardc tensor follows (see [Note: a parameter is this rank's piece])."""
+    if func in NORMS and not _has_dim(func, args, kwargs):
+        return _set_of(args, kwargs).norms(func, args, kwargs)      # even on whole pieces: one clip
     if func in RESHAPES or func in REDUCTIONS:
         if _all_whole(args, kwargs):
             return _on_whole(func, args, kwargs)
@@ -221,6 +214,11 @@ def _dispatch(cls, func, args, kwargs):
     out = _plain(func, args, kwargs)
     keep = func in KEEPS or (getattr(func, "__name__", "") == "__get__" and func == _DATA_GET)
     return _kept(out, args[0]) if keep and isinstance(args[0], _Whole) else out
+
+
+def _has_dim(func, args, kwargs) -> bool:
+    """A norm along dims (local on whole pieces, refused on others: runtime/state/norms.py)."""
+    return func is not torch._foreach_norm and (len(args) > 2 or (kwargs or {}).get("dim") is not None)
 
 
 def _kept(out, of: "_Whole"):
@@ -239,21 +237,13 @@ def _plain(func, args, kwargs):
     such as hook registration) get the pieces as plain tensors (aliases of the same storage)."""
     with torch._C.DisableTorchFunctionSubclass():
         if not isinstance(func, types.FunctionType) and getattr(func, "__name__", "") not in ("__get__", "__set__") \
-                and any(isinstance(a, _Whole) and a.is_meta for a in _flat_args(args, kwargs)):
-            args, kwargs = _unwrapped(tuple(args)), {k: _unwrapped(v) for k, v in (kwargs or {}).items()}
+                and any(isinstance(a, _Whole) and a.is_meta for a in flat_args(args, kwargs)):
+            args, kwargs = unwrapped(tuple(args), _Whole), {k: unwrapped(v, _Whole) for k, v in (kwargs or {}).items()}
         return func(*args, **(kwargs or {}))
 
 
-def _unwrapped(a):
-    if isinstance(a, _Whole):
-        return a.as_subclass(torch.Tensor)
-    if isinstance(a, (list, tuple)):
-        return type(a)(_unwrapped(x) for x in a)
-    return a
-
-
 def _all_whole(args, kwargs) -> bool:
-    return all(a._is_whole for a in _flat_args(args, kwargs) if isinstance(a, _Whole))
+    return all(a._is_whole for a in flat_args(args, kwargs) if isinstance(a, _Whole))
 
 
 def _on_whole(func, args, kwargs):
@@ -270,46 +260,30 @@ def _on_whole(func, args, kwargs):
 
 
 def _set_of(args, kwargs) -> "ParamSet":
-    return next(a._shardc_set for a in _flat_args(args, kwargs) if isinstance(a, _Whole))
-
-
-def _norm_args(func, args, kwargs) -> tuple[list, float, bool]:
-    """(tensors, p, single) of a norm call, refusing what is not a whole-tensor vector norm."""
-    kw = dict(kwargs or {})
-    if func is torch._foreach_norm:
-        tensors = list(args[0])
-        p = args[1] if len(args) > 1 else kw.get("ord", 2)
-        return tensors, float(p), False
-    names = {torch.linalg.vector_norm: "ord", torch.linalg.norm: "ord"}.get(func, "p")
-    p = args[1] if len(args) > 1 else kw.get(names, None)
-    dim = args[2] if len(args) > 2 else kw.get("dim", None)
-    if dim is not None:
-        raise RuntimeUsageError(f"{func.__name__}(dim=...) on a shardc parameter or gradient reduces rows of "
-                                f"the whole tensor, which this rank does not hold; take the norm of the whole "
-                                f"tensor (no dim), or use full_tensor()")
-    if p is None or p == "fro":
-        p = 2
-    if isinstance(p, str):
-        raise RuntimeUsageError(f"{func.__name__}(p={p!r}) is a matrix norm; on a shardc parameter or "
-                                f"gradient only vector norms of the whole tensor are computed")
-    return [args[0]], float(p), True
+    return next(a._shardc_set for a in flat_args(args, kwargs) if isinstance(a, _Whole))
 
 
 class ParamSet:
     """Every parameter of one ShardedModule as a `ShardParam` (see the module notes)."""
 
     def __init__(self, units, order: list[str], tp: dict, comm, ledger, boundary, comms: dict | None = None,
-                 owned_plan=None):
+                 owned_plan=None, clip_rows=(), clip_tp: dict | None = None):
         self.comm, self.ledger, self.boundary, self.tp = comm, ledger, boundary, tp
+        # what a clip's total reads, as sm.clip_grad_norm_ does (runtime/step/clip.py [Note: one
+        # clip]): the plan's clip rows and the tensor-parallel parameters (not the experts' DTensors)
+        self.clip_rows, self.clip_tp = clip_rows, tp if clip_tp is None else clip_tp
         self.owned_plan = owned_plan                # the plan's owners (Lowering.owned; runtime/step/owned.py)
         self._comms = comms or {Over.DENSE: comm}   # the Comm of each placement's mesh (`Over`)
         self.params: dict[str, ShardParam] = {}
         self.grads = _LazyGrads(self._grad_views)  # name -> (ShardGrad, plain view, storage), made at first use
         found = {}
+        self._clip: dict[str, tuple] = {}            # name -> its placement's (clip_levels, clip_weight)
         for u in units:
             for g in u.groups:
+                pl = g.gplan.placement
                 for spec, local in self.pieces(g.storage):
                     found[spec.name] = (spec, local, g.storage)
+                    self._clip.setdefault(spec.name, (pl.clip_levels, pl.clip_weight))
         for name in order:
             if name in found and name not in self.params:
                 spec, local, st = found[name]
@@ -473,57 +447,17 @@ class ParamSet:
         return gather(self.comm, spec, local)
 
     def norms(self, func, args, kwargs):
-        """A whole-tensor vector norm of each shardc tensor (see the module notes); plain
-        tensors mixed in keep their own."""
-        tensors, p, single = _norm_args(func, args, kwargs)
-        ours = [i for i, t in enumerate(tensors) if isinstance(t, _Whole)]
-        with torch._C.DisableTorchFunctionSubclass():
-            out = [torch.linalg.vector_norm(t, p) for t in tensors]
-            partial = torch.stack([_partial(tensors[i], p) for i in ours]) if ours else None
-        if partial is not None:
-            self._reduce(partial, [tensors[i]._shardc_spec for i in ours], p)
-            for k, i in enumerate(ours):
-                out[i] = _finish(partial[k], p).to(tensors[i].dtype)
-        return out[0] if single else out
+        """A whole-tensor norm of each shardc tensor, partial until read (runtime/state/norms.py
+        [Note: lazy norms])."""
+        return norms.norms(self, func, args, kwargs, lambda t: isinstance(t, _Whole))
 
-    def _reduce(self, partial: torch.Tensor, specs: list[PieceSpec], p: float) -> None:
-        """Sum (max for p = inf) each entry over its piece's levels, then over tp where the
-        parameter is tp-sharded; recorded as update all-reduces."""
-        op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-        by_levels: dict[tuple, list[int]] = {}
-        for k, s in enumerate(specs):
-            by_levels.setdefault((s.levels, s.over), []).append(k)
-        for (levels, over), ks in by_levels.items():
-            group = self._comms[over].smesh.group(levels)
-            if group is None:
-                continue
-            idx = torch.tensor(ks, device=partial.device)
-            part = partial.index_select(0, idx)
-            dist.all_reduce(part, op=op, group=group)
-            partial.index_copy_(0, idx, part)
-            self.ledger.record_row(norm_row(levels, part.numel() * part.element_size(), over=over))
-        sharded = [k for k, s in enumerate(specs) if s.tp is not None and s.tp.sharded]
-        if sharded:
-            idx = torch.tensor(sharded, device=partial.device)
-            part = partial.index_select(0, idx)
-            dist.all_reduce(part, op=op, group=specs[sharded[0]].tp.mesh.get_group())
-            partial.index_copy_(0, idx, part)
+    def comm_of(self, over: Over):
+        """The Comm of placement kind `over`'s mesh."""
+        return self._comms[over]
 
-
-def _partial(t: torch.Tensor, p: float) -> torch.Tensor:
-    """This rank's share of a p-norm: sum |x|^p (max |x| for p = inf, count for p = 0)."""
-    x = t.detach().float()
-    if math.isinf(p):
-        return x.abs().amax() if x.numel() else torch.zeros((), device=x.device)
-    if p == 0:
-        return (x != 0).sum().float()
-    return x.abs().pow(p).sum()
-
-
-def _finish(total: torch.Tensor, p: float) -> torch.Tensor:
-    if math.isinf(p) or p == 0:
-        return total
-    return total.pow(1.0 / p)
+    def clip_of(self, spec: PieceSpec) -> tuple[tuple[str, ...], int]:
+        """The clip levels and weight of the group holding `spec`'s piece (its placement's)."""
+        return self._clip[spec.name]
 
 
 class _LazyGrads(Mapping):

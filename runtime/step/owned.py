@@ -35,7 +35,7 @@ from torch import nn
 
 from ..errors import RuntimeUsageError
 
-_steps: "weakref.WeakKeyDictionary[torch.optim.Optimizer, OwnedStep]" = weakref.WeakKeyDictionary()
+STEP = "_shardc_owned_step"             # on an optimizer: its OwnedStep (the optimizer's own state)
 
 
 def refuse(plan, strategy, backend: str, tp: dict) -> None:
@@ -65,24 +65,24 @@ def owned_names(pset) -> dict:
 def adopt(opt, pset, params) -> bool:
     """`opt` (not element-wise) steps whole tensors over `params`, all owned matrices;
     True when it is adopted now (its checkpoint hooks are due: runtime/step/owned_state.py)."""
-    if opt in _steps:
+    if step_of(opt) is not None:
         return False
-    _steps[opt] = OwnedStep(opt, pset, params)
+    opt.__dict__[STEP] = OwnedStep(opt, pset, params)    # kept by the optimizer: goes with it
     return True
 
 
 def step_of(opt) -> "OwnedStep | None":
-    return _steps.get(opt)
+    return opt.__dict__.get(STEP)
 
 
 def before(opt, consumed: bool = True) -> None:
-    step = _steps.get(opt)
+    step = step_of(opt)
     if step is not None:
         step.to_owners(consumed)
 
 
 def after(opt) -> None:
-    step = _steps.get(opt)
+    step = step_of(opt)
     if step is not None:
         step.from_owners()
 
