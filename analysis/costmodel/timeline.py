@@ -216,7 +216,7 @@ def _grad_full(u, g) -> int:
 class _Sizes:
     """Per unit: the bytes each buffer kind of the [Note]s holds (staging.py for the collectives')."""
 
-    def __init__(self, plan: Lowering, mesh, algo):
+    def __init__(self, plan: Lowering, mesh, algo, a2a: bool = False):
         units = plan.units
         self.gathered = [sum(g.gathered_bytes for g in u.groups) for u in units]
         self.grad = [sum(_grad_full(u, g) for g in u.groups) for u in units]
@@ -227,8 +227,8 @@ class _Sizes:
         self.shard_on_wait = [sum(g.grads_bytes for g in u.groups if g.trainable and g.factors.g > 1)
                               for u in units]
         self.reduce, self.rs_staging, self.rs_codec, self.sync, self.sync_ar = ([] for _ in range(5))
-        # the gloo all-to-all's receive block is not counted: a simulated rank (and a device
-        # backend) reduce-scatters natively ([Note: timeline: reduce workspace])
+        # the gloo all-to-all's receive blocks: in the collectives' staging with `a2a`
+        # (staging.py [Note: staging: receive blocks]); none on a native reduce-scatter
         self.recv = 0
         self.has_ar: list[bool] = []
         self.update: list[tuple[int, int, int]] = []  # per group with an update gather: (unit, issued, more at its wait)
@@ -257,7 +257,7 @@ class _Sizes:
                     red += _grad_full(u, g) + g.grads_bytes
                     if mesh is not None:
                         row = g.row(Phase.BACKWARD, Op.ALL_TO_ALL) or g.row(Phase.BACKWARD, Op.REDUCE_SCATTER)
-                        rs += reduce_scatter_bytes(mesh, algo, row, g.n, e)
+                        rs += reduce_scatter_bytes(mesh, algo, row, g.n, e, a2a)
                         rc = max(rc, codec_bytes(mesh, row, g.n))
                 up = g.row(Phase.UPDATE, Op.ALL_GATHER)
                 if up is not None and mesh is not None:
@@ -266,12 +266,12 @@ class _Sizes:
                     self.update.append((len(self.reduce), g.optim_elems * pe + a, b - a))
                 rs_row, ar_row = g.row(Phase.SYNC, Op.REDUCE_SCATTER), g.row(Phase.SYNC, Op.ALL_REDUCE)
                 if rs_row is not None:
-                    syn += g.optim_elems * e + (reduce_scatter_bytes(mesh, algo, rs_row, g.n // f.g, e)
+                    syn += g.optim_elems * e + (reduce_scatter_bytes(mesh, algo, rs_row, g.n // f.g, e, a2a)
                                                 if mesh is not None else 0)
                 if ar_row is not None:
                     has_ar = True
                 if ar_row is not None and mesh is not None:
-                    ar += all_reduce_bytes(mesh, algo, ar_row, g.optim_elems, e)
+                    ar += all_reduce_bytes(mesh, algo, ar_row, g.optim_elems, e, a2a)
             for lst, v in ((self.reduce, red), (self.rs_staging, rs), (self.rs_codec, rc), (self.sync, syn),
                            (self.sync_ar, ar)):
                 lst.append(v)
@@ -291,14 +291,15 @@ class _Sizes:
 
 
 def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None = None,
-             output: int = 0, micro_batches: int = 1, mesh=None, algo=None) -> Timeline:
+             output: int = 0, micro_batches: int = 1, mesh=None, algo=None, a2a: bool = False) -> Timeline:
     """The phases' peaks of one step ([Note]s above), from the plan and the states.
     `saved`: each unit's saved activation bytes (the trace's, unit order; None or under
     checkpointing: `activations` stays alive through the whole backward). `mesh`, `algo`:
     the strategy's mesh and its resolved collective algorithm, for the collectives' own
-    buffers (None: not counted)."""
+    buffers (None: not counted); `a2a`: the backend reduce-scatters by all-to-all (gloo), so
+    its receive blocks count (staging.py [Note: staging: receive blocks])."""
     units = plan.units
-    z = _Sizes(plan, mesh, algo)
+    z = _Sizes(plan, mesh, algo, a2a)
     size = z.gathered
     grads = int(memory["grads"])
     # the model states without the grad shards: zero_grad() freed them ([Note: timeline: grad shards])
