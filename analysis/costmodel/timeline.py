@@ -86,8 +86,11 @@ flight] (REDUCE_IN_FLIGHT = 1): with s_G > 1 a unit's reduce-scatter holds its f
 before the next copy, and the unit's gathered buffer is freed before it too, so the next
 unit's flat input reuses the same workspace. The pool keeps what was handed back, so from
 a unit's copy on it holds the largest (N + N/s_G) so far (its high-water mark) and, on the
-gloo all-to-all path, one receive block (not counted: a simulated rank reduce-scatters
-natively). With more than one micro-batch the pool keeps it between micro-batches, so
+gloo all-to-all path, the receive blocks it lent that unit's reduce-scatter (`a2a`;
+staging.py [Note: staging: receive blocks]; none where the reduce-scatter is native: a
+device backend, a simulated rank). Measured on 4 gloo ranks (bench/peak_gloo.py): PaRO-IIG
+on HF GPT-2 (4 micro-batches) 0.937 of the backward's peak with the blocks in the staging
+only, where the pool does not keep them. With more than one micro-batch the pool keeps it between micro-batches, so
 every later forward and backward holds the largest unit's worth from its start.
 
 [Note: timeline: sync chunk]
@@ -227,16 +230,17 @@ class _Sizes:
         self.shard_on_wait = [sum(g.grads_bytes for g in u.groups if g.trainable and g.factors.g > 1)
                               for u in units]
         self.reduce, self.rs_staging, self.rs_codec, self.sync, self.sync_ar = ([] for _ in range(5))
-        # the gloo all-to-all's receive blocks: in the collectives' staging with `a2a`
-        # (staging.py [Note: staging: receive blocks]); none on a native reduce-scatter
-        self.recv = 0
+        # the gloo all-to-all's receive blocks (staging.py [Note: staging: receive blocks]; none on
+        # a native reduce-scatter): a backward reduce's come from the reduce workspace, which
+        # keeps them ([Note: timeline: reduce workspace]), per unit; the syncs' in their staging
+        self.recv: list[int] = []
         self.has_ar: list[bool] = []
         self.update: list[tuple[int, int, int]] = []  # per group with an update gather: (unit, issued, more at its wait)
         # per phase (forward, backward): a gather issued ahead, and at its wait (codec included)
         self.ag_issued = {Phase.FORWARD: [], Phase.BACKWARD: []}
         self.ag_wait = {Phase.FORWARD: [], Phase.BACKWARD: []}
         for u in units:
-            red = rs = rc = syn = ar = 0
+            red = rs = rc = syn = ar = recv = 0
             has_ar = False
             ag = {ph: [0, 0] for ph in self.ag_wait}
             for g in u.groups:
@@ -257,7 +261,9 @@ class _Sizes:
                     red += _grad_full(u, g) + g.grads_bytes
                     if mesh is not None:
                         row = g.row(Phase.BACKWARD, Op.ALL_TO_ALL) or g.row(Phase.BACKWARD, Op.REDUCE_SCATTER)
-                        rs += reduce_scatter_bytes(mesh, algo, row, g.n, e, a2a)
+                        rs += reduce_scatter_bytes(mesh, algo, row, g.n, e)
+                        recv += reduce_scatter_bytes(mesh, algo, row, g.n, e, a2a) - reduce_scatter_bytes(
+                            mesh, algo, row, g.n, e)
                         rc = max(rc, codec_bytes(mesh, row, g.n))
                 up = g.row(Phase.UPDATE, Op.ALL_GATHER)
                 if up is not None and mesh is not None:
@@ -273,7 +279,7 @@ class _Sizes:
                 if ar_row is not None and mesh is not None:
                     ar += all_reduce_bytes(mesh, algo, ar_row, g.optim_elems, e, a2a)
             for lst, v in ((self.reduce, red), (self.rs_staging, rs), (self.rs_codec, rc), (self.sync, syn),
-                           (self.sync_ar, ar)):
+                           (self.sync_ar, ar), (self.recv, recv)):
                 lst.append(v)
             self.has_ar.append(has_ar)
             for ph, (a, b) in ag.items():
@@ -307,7 +313,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     states = int(memory["total"])
     # the pool kept between micro-batches ([Note: timeline: reduce workspace]): one unit's
     # flat input and output chunk, the largest, and one receive block
-    pool = (max(z.reduce, default=0) + z.recv) if micro_batches > 1 else 0
+    pool = max((r + b for r, b in zip(z.reduce, z.recv)), default=0) if micro_batches > 1 else 0
     # a forward after the first micro-batch's backward holds every grad shard
     fwd_states = states if micro_batches > 1 or not RELEASE_GRADS else bare
     # forward: the window as each unit runs, each unit's gather waited beside what ran before
@@ -400,7 +406,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
                                           ("gathers issued ahead", ahead), ("early syncs", issuing))))
         early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
         if z.reduce[i]:
-            ws = max(ws, z.reduce[i] + z.recv)
+            ws = max(ws, z.reduce[i] + z.recv[i])
         done = alive - (left[i] if left is not None else 0)
         # its gradients copied and its reduce issued (autograd's gradient freed only when its
         # views' backward returns, after the issue): the reduce-scatter's staging and codec
