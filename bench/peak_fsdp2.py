@@ -275,7 +275,8 @@ def sim_836m(system: str) -> dict:
     """One system's simulated rank 0 at the 836M Llama (`--simulate-836m`): bench/bigmodel.py's
     16 layers of TinyLlama's width in fp32, 8 ranks, shardc's systems as the gloo run has them
     (`bench/llama_zero3_units.shard`, `hsdp_text`), FSDP2's `fully_shard` per unit, 1 x 128
-    tokens, AdamW, the second step tracked per phase."""
+    tokens, AdamW, the second step tracked per phase. The config keeps HF's `use_cache`
+    (both systems alike): without it HF's packed-sequence check reads a meta value."""
     import contextlib
     sys.path.insert(0, HERE)
     import bigmodel
@@ -290,8 +291,9 @@ def sim_836m(system: str) -> dict:
     from shardc.analysis.costmodel.flops import flash_sdpa_mode
     from shardc.simulate import _step_tracker, init_fake, simulate_rank
 
-    def factory():
-        return bigmodel.llama(16)
+    def factory():          # use_cache: HF's packed-sequence check reads a value, which meta tensors have not
+        from transformers import LlamaConfig, LlamaForCausalLM
+        return LlamaForCausalLM(LlamaConfig(num_hidden_layers=16, **dict(bigmodel.WIDTH, use_cache=True)))
     if system.startswith("shardc"):
         with open(UNITS) as f:
             text = f.read() if system.endswith("zero3") else hsdp_text()

@@ -4,6 +4,9 @@ bench/peak_models.py at 4 and 8 CPU gloo ranks (bench stage; information only).
 
     python bench/peak_gloo.py -o bench/results/systems_100gbit_DATE_peak-gloo.jsonl [--worlds 4,8] [--only zero3]
     python bench/peak_gloo.py --render bench/results/systems_100gbit_DATE_peak-gloo.jsonl   # docs tables
+        [--simulated bench/results/simulate_DATE_peak-sweep-gpt2-4.jsonl,...]   # with simulate's column
+    python bench/peak_gloo.py --reexplain FILE       # explain's columns again after a timeline change
+    python bench/peak_gloo.py --probe --worlds 4 --models gpt2_small --only zero3   # rank 0's live storages by site
 
 Per (model, world) one pool of gloo ranks (tests/harness.py `dist_run`) runs each strategy in
 turn as a training loop would: `shardc.compile` on the model built from its config (no
@@ -13,9 +16,10 @@ weights), the strategy's own `accumulate` micro-batches of 1 x 64 random tokens 
 MemTracker subclass `shardc simulate` uses (shardc/simulate.py `_step_tracker`: the same
 phases, forward / backward / step, the same external tensors), so a real rank and a
 simulated one are measured alike. Beside each: explain's timeline point for each phase and
-its peak (without the framework overhead), and `shardc simulate`'s measured peak for rank 0
-(fake process group, meta tensors). Output: one JSON line per run (the max over ranks and
-rank 0's measured peaks per phase, explain's, simulate's).
+its peak (without the framework overhead) as `explain --backend gloo` computes it (the gloo
+reduce-scatter's receive blocks counted), and, with --simulate, `shardc simulate`'s measured
+peak for rank 0 (fake process group, meta tensors). Output: one JSON line per run (the max
+over ranks and rank 0's measured peaks per phase, explain's).
 """
 from __future__ import annotations
 
@@ -159,6 +163,22 @@ def run(strategy: str, model: str, world: int, probe: bool = False, sim: bool = 
     return out
 
 
+def join_simulated(rows: list[dict], paths: list[str]) -> None:
+    """Each row's `simulated` (rank 0's measured peak under `shardc simulate`, the fake group)
+    and `simulated_explain` (explain's, native reduce-scatters) from bench/peak_sweep.py's files."""
+    sims = {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    sims[(r["model"], r["strategy"], r["world"])] = r
+    for r in rows:
+        s = sims.get((r["model"], r["strategy"], r["world"]))
+        if s is not None and "error" not in s:
+            r.update(simulated=s["measured"], simulated_explain=s["explain"])
+
+
 def render(rows: list[dict]) -> str:
     out = ["| model | ranks | strategy | states | explain's peak, gloo (phase) | measured, gloo (phase) | "
            "explain / measured | per phase: fwd, bwd, step | simulated (explain / simulated) |",
@@ -182,6 +202,7 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--worlds", default="4,8")
     ap.add_argument("--render")
+    ap.add_argument("--simulated", metavar="FILES", help="--render: join bench/peak_sweep.py's results (comma-separated)")
     ap.add_argument("--reexplain", metavar="FILE", help="recompute explain's columns of FILE in place, then render")
     ap.add_argument("--probe", action="store_true", help="print rank 0's live storages by site at each phase's peak")
     ap.add_argument("--simulate", action="store_true", help="also rank 0 of `shardc simulate` (fake group)")
@@ -199,7 +220,10 @@ def main() -> None:
         a.render = a.reexplain
     if a.render:
         with open(a.render) as f:
-            print(render([json.loads(line) for line in f if line.strip()]))
+            rows = [json.loads(line) for line in f if line.strip()]
+        if a.simulated:
+            join_simulated(rows, a.simulated.split(","))
+        print(render(rows))
         return
     from tests.harness import shutdown
     for world in map(int, a.worlds.split(",")):
