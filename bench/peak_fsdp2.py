@@ -291,9 +291,7 @@ def sim_836m(system: str) -> dict:
     from shardc.analysis.costmodel.flops import flash_sdpa_mode
     from shardc.simulate import _step_tracker, init_fake, simulate_rank
 
-    def factory():          # use_cache: HF's packed-sequence check reads a value, which meta tensors have not
-        from transformers import LlamaConfig, LlamaForCausalLM
-        return LlamaForCausalLM(LlamaConfig(num_hidden_layers=16, **dict(bigmodel.WIDTH, use_cache=True)))
+    from peak_models import llama_836m as factory
     if system.startswith("shardc"):
         with open(UNITS) as f:
             text = f.read() if system.endswith("zero3") else hsdp_text()
