@@ -419,9 +419,10 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         bwd = max([bwd, *pts], key=lambda p: p.bytes)
         alive = done                        # its saved tensors are gone once its backward ran
         prev = i                            # waited (its reduce, its early sync's turn) as the next gradients arrive
-    if prev is not None and prev in early and prev not in synced:
-        synced.append(prev)
-    rest = sorted((z.sync[k] + z.sync_ar[k] for k in range(len(units)) if k not in early), reverse=True)
+    # the last unit reduced is waited by no later unit: its sync goes out with the bounded
+    # ones at the backward's end (runtime/step/boundary.py `_issue_sync`), which advances no
+    # early sync, so the last early one stays in its reduce-scatter stage until opt.step()
+    rest = sorted((z.sync[k] + z.sync_ar[k] for k in range(len(units)) if k not in synced), reverse=True)
     early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
     sync_buffers = (("early syncs", early_bytes), ("syncs in flight", sum(rest[:SYNC_IN_FLIGHT])))
     chunk = max((g.optim_elems * 4 for u in units for g in u.groups if g.trainable), default=0)
