@@ -61,10 +61,12 @@ def _tracked_step(rank: int, world: int) -> dict:
     return tracker.phase_peaks()
 
 
-def _explained(backend: str) -> dict:
+def _explained(*backends: str) -> list[dict]:
+    """explain's bytes per measured phase under each backend (one trace for all)."""
     from types import SimpleNamespace
 
     from shardc.analysis.costmodel.report import explain, model_units
+    from shardc.analysis.costmodel.timeline import MEASURED
     from shardc.cli import predict_args
     from shardc.cli.loader import load_factory
     from shardc.simulate import meta_model
@@ -72,16 +74,18 @@ def _explained(backend: str) -> dict:
     strategy = _strategy()
     graph = predict_args.graph(SimpleNamespace(no_graph=False, seq=None, tokens=TOKENS, tp=1, checkpoint=False),
                                strategy, spec, strategy.scopes.params.dtype.value)
-    e = explain(strategy, model_units(strategy, meta_model(load_factory(spec), spec)), graph=graph, backend=backend)
-    from shardc.analysis.costmodel.timeline import MEASURED
-    at = {p["phase"]: p["bytes"] for p in e.peak["timeline"]}
-    return {ph: max(at[p] for p in points) for ph, points in MEASURED.items()}
+    units = model_units(strategy, meta_model(load_factory(spec), spec))
+    out = []
+    for backend in backends:
+        at = {p["phase"]: p["bytes"] for p in explain(strategy, units, graph=graph, backend=backend).peak["timeline"]}
+        out.append({ph: max(at[p] for p in points) for ph, points in MEASURED.items()})
+    return out
 
 
 def test_explain_on_gloo_is_the_measured_peak_per_phase():
     ranks = dist_run(2, _tracked_step)
     measured = {ph: max(r[ph] for r in ranks) for ph in ranks[0]}
-    gloo, native = _explained("gloo"), _explained("nccl")
+    gloo, native = _explained("gloo", "nccl")
     for ph in ("forward", "backward"):
         assert abs(gloo[ph] - measured[ph]) <= TOLERANCE * measured[ph], (ph, gloo[ph], measured[ph])
     assert measured["step"] <= (1 + TOLERANCE) * gloo["step"], (gloo["step"], measured["step"])
