@@ -271,9 +271,74 @@ SIM_SYSTEMS = ("shardc:zero3", "fsdp2:zero3", "shardc:mics", "fsdp2:hsdp")
 SIM_NODES, SIM_SEQ = 128, 2048
 
 
+def sim_836m(system: str) -> dict:
+    """One system's simulated rank 0 at the 836M Llama (`--simulate-836m`): bench/bigmodel.py's
+    16 layers of TinyLlama's width in fp32, 8 ranks, shardc's systems as the gloo run has them
+    (`bench/llama_zero3_units.shard`, `hsdp_text`), FSDP2's `fully_shard` per unit, 1 x 128
+    tokens, AdamW, the second step tracked per phase. The config keeps HF's `use_cache`
+    (both systems alike): without it HF's packed-sequence check reads a meta value."""
+    import contextlib
+    sys.path.insert(0, HERE)
+    import bigmodel
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import torch.distributed._tools.fake_collectives  # noqa: F401  (the collectives' fake kernels)
+    import shardc
+    from shardc.analysis.costmodel.flops import flash_sdpa_mode
+    from shardc.simulate import _step_tracker, init_fake, simulate_rank
+
+    from peak_models import llama_836m as factory
+    if system.startswith("shardc"):
+        with open(UNITS) as f:
+            text = f.read() if system.endswith("zero3") else hsdp_text()
+        s = shardc.load_strategy(text, mesh=MESH, world_size=WORLD)
+        rep = simulate_rank(s, factory, 0, spec="llama_16", micro_batches=1, batch=1, seq=bigmodel.TOKENS, peak=True)
+        return {"peaks": rep["peak"]["phases"], "peak": rep["peak"]["measured"], "by_kind": rep["peak"]["by_kind"],
+                "states": rep["memory"]["total"], "explain": rep["peak"]["explain"],
+                "explain_phases": rep["peak"]["explain_phases"]}
+    init_fake(0, WORLD)
+    with torch.device("meta"):
+        model = factory()
+    mesh = (init_device_mesh("cpu", (WORLD,), mesh_dim_names=("shard",)) if system.endswith("zero3") else
+            init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard")))
+    for mod in [model.model.embed_tokens, *model.model.layers, model.lm_head]:
+        fully_shard(mod, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, 32000, (1, bigmodel.TOKENS))
+
+        def step(phase):
+            with phase("forward"):
+                loss = F.cross_entropy(model(x).logits.flatten(0, -2).float(), x.flatten())
+            with phase("backward"):
+                loss.backward()
+            del loss
+            with phase("step"):
+                opt.step()
+                opt.zero_grad()
+        with flash_sdpa_mode():
+            step(lambda name: contextlib.nullcontext())
+        tracker = _step_tracker()
+        tracker.track_external(model, opt)
+        with tracker, flash_sdpa_mode():
+            step(tracker.phase)
+    dist.destroy_process_group()
+    peaks = tracker.phase_peaks()
+    return {"peaks": peaks, "peak": max(peaks.values()), "by_kind": tracker.peak_by_kind(),
+            "states": sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())}
+
+
 def sim_worker(system: str) -> dict:
     """One system's simulated rank 0 (see `--simulate`): MemTracker's peak per phase, bytes."""
     import contextlib
+    if system.startswith("836m:"):
+        return sim_836m(system[len("836m:"):])
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
     import simulate_papers as P
@@ -329,16 +394,19 @@ def sim_worker(system: str) -> dict:
             "states": sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())}
 
 
-def simulate(out: str) -> None:
+def simulate(out: str, small: bool = False) -> None:
+    """`--simulate` (LLaMA-65B, 1024 ranks) or, `small`, `--simulate-836m` (8 ranks)."""
     results = {}
-    for system in SIM_SYSTEMS:                  # a fresh process each: each makes its own fake group
-        got = subprocess.run([sys.executable, sys.argv[0], "--sim-worker", system], check=True,
-                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    for system in (SYSTEMS if small else SIM_SYSTEMS):   # a fresh process each: each makes its own fake group
+        got = subprocess.run([sys.executable, sys.argv[0], "--sim-worker", ("836m:" if small else "") + system],
+                             check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         results[system] = json.loads(got)
-        print(system, round(results[system]["peak"] / 1e9, 2), "GB", flush=True)
+        print(system, round(results[system]["peak"] / 2**20, 2), "MiB", flush=True)
     meta = {"model": "examples/llama.py:llama_65b (bf16 params, grads, collectives; fp32 master, AdamW)",
             "mesh": f"node({SIM_NODES}) > gpu(8)", "rank": 0, "seq": SIM_SEQ, "torch": torch.__version__,
             "tracker": "torch.distributed._tools.mem_tracker.MemTracker (shardc.simulate's)"}
+    if small:
+        meta.update(model="bench/bigmodel.py:llama_16 (836M, TinyLlama's width, fp32, AdamW)", mesh=MESH, seq=128)
     with open(out, "w") as f:
         json.dump({"meta": meta, "systems": results}, f, indent=1)
 
@@ -357,6 +425,7 @@ def main() -> None:
     ap.add_argument("--json", help="driver: run the 8 ranks, write the results here")
     ap.add_argument("--table", help="print docs/BENCHMARKS.md's rows from a result file")
     ap.add_argument("--simulate", help="LLaMA-65B at 1024 simulated ranks: write the results here")
+    ap.add_argument("--simulate-836m", help="the 836M Llama at 8 simulated ranks: write the results here")
     ap.add_argument("--layers", type=int, default=0, help="bench/bigmodel.py's Llama with this many layers "
                     "(16: 836M), built on meta, its start-up tracked too (default: the small Llama)")
     ap.add_argument("--cold", action="store_true", help="track the first step (no unmeasured step before)")
@@ -373,9 +442,9 @@ def main() -> None:
         return worker(a.worker, a.layers, not a.cold, tuple(a.systems.split(",")), a.load, a.save, not a.no_step)
     if a.sim_worker:
         return print(json.dumps(sim_worker(a.sim_worker)))
-    if a.simulate:
-        simulate(a.simulate)
-        with open(a.simulate) as f:
+    if a.simulate or a.simulate_836m:
+        simulate(a.simulate or a.simulate_836m, small=bool(a.simulate_836m))
+        with open(a.simulate or a.simulate_836m) as f:
             return print(sim_table(json.load(f)["systems"]))
     if a.table:
         with open(a.table) as f:

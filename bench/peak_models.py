@@ -17,3 +17,15 @@ def llama_small():
     from transformers import LlamaConfig, LlamaForCausalLM
     return LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+
+
+def llama_836m():
+    """bench/bigmodel.py's 836M Llama (16 layers of TinyLlama's width, fp32) with HF's
+    `use_cache` on: without it HF's packed-sequence check reads a value, which a simulated
+    rank's meta tensors have not (bench/peak_fsdp2.py --simulate-836m)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bigmodel
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=16, **dict(bigmodel.WIDTH, use_cache=True)))

@@ -24,14 +24,11 @@ def _site() -> str:
     return "autograd (no python frame)"
 
 
-def main() -> None:
-    import sys
-    import shardc.simulate as sim
+def probing(make):
+    """(a tracker factory like `make` (shardc/simulate.py `_step_tracker`) whose instances
+    remember, at each phase's peak, the live storages by allocation site; {phase: (bytes,
+    {site: bytes})}, filled as the tracker runs). Patches MemTracker's storage records."""
     from torch.distributed._tools import mem_tracker as mt
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", help="print this phase only")
-    a, rest = ap.parse_known_args()
-
     sites: dict[int, str] = {}
     orig = mt._WeakRefInfo.create_winfo.__func__
 
@@ -40,7 +37,6 @@ def main() -> None:
         sites[id(w)] = f"{reftype.value}: {_site()}"
         return w, ref
     mt._WeakRefInfo.create_winfo = classmethod(create_winfo)
-    make = sim._step_tracker
     found: dict[str, tuple[int, dict]] = {}
 
     def tracker():
@@ -71,7 +67,16 @@ def main() -> None:
                 yield
         cls._update_peak_stats, cls.phase = update, phase
         return t
-    sim._step_tracker = tracker
+    return tracker, found
+
+
+def main() -> None:
+    import sys
+    import shardc.simulate as sim
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", help="print this phase only")
+    a, rest = ap.parse_known_args()
+    sim._step_tracker, found = probing(sim._step_tracker)
 
     import io
     from shardc.cli import main as cli

@@ -14,15 +14,15 @@ from shardc.lowering.lower import UnitSize, lower, lower_unit, placement, unit_s
 from shardc.lowering.rows import (BLOCK, CLIP_BYTES, PHASE_ORDER, code_bytes, elem_bytes, ledger_key, master_is_params, merged,
                                   payload_bytes, shard_payload_bytes)
 from shardc.lowering.schedule import schedule
-from shardc.lowering.transients import (REDUCE_IN_FLIGHT, RELEASE_GRADS, RS_RECV_BYTES, RS_RECV_FLOOR,
-                                        STAGING_BYTES, STAGING_OVER, SYNC_IN_FLIGHT, staging_block,
-                                        recv_block_bytes)
+from shardc.lowering.transients import (A2A_RS_BACKENDS, REDUCE_IN_FLIGHT, RELEASE_GRADS, RS_RECV_BYTES,
+                                        RS_RECV_FLOOR, STAGING_BYTES, STAGING_OVER, SYNC_IN_FLIGHT,
+                                        recv_block_bytes, recv_bytes, staging_block)
 from shardc.lowering.scopes import (expert_clip_levels, expert_clip_weight, expert_group, is_expert, over_of, placement_meshes,
                                     row_mesh, unit_scopes,
                                     unused_override)
 
-__all__ = ["BLOCK", "CLIP_BYTES", "ExpertGroup", "expert_clip_levels", "expert_clip_weight", "expert_group",
+__all__ = ["A2A_RS_BACKENDS", "BLOCK", "CLIP_BYTES", "ExpertGroup", "expert_clip_levels", "expert_clip_weight", "expert_group",
            "is_expert", "over_of", "placement_meshes", "row_mesh", "Factors", "ledger_key", "GroupPlan", "LedgerRecord", "Lowering", "Op", "Over", "Per", "Phase", "Placement", "placement", "RankPlan",
            "Row", "Schedule", "Stage", "UnitPlan", "UnitSize", "code_bytes", "coords", "elem_bytes", "factors", "lower",
-           "lower_unit", "master_is_params", "merged", "mixed_index", "PHASE_ORDER", "pad_multiple", "RS_RECV_BYTES", "RS_RECV_FLOOR", "recv_block_bytes", "padded", "payload_bytes", "schedule",
+           "lower_unit", "master_is_params", "merged", "mixed_index", "PHASE_ORDER", "pad_multiple", "RS_RECV_BYTES", "RS_RECV_FLOOR", "recv_block_bytes", "recv_bytes", "padded", "payload_bytes", "schedule",
            "shard_payload_bytes", "STAGING_BYTES", "STAGING_OVER", "staging_block", "SYNC_IN_FLIGHT", "REDUCE_IN_FLIGHT", "RELEASE_GRADS", "unit_scopes", "unit_sizes", "unused_override"]

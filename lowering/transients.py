@@ -78,6 +78,11 @@ reduce-scatter holds beside its input), but at least RS_RECV_FLOOR (so a stage t
 most s blocks, and never blocks smaller than the floor), and never more than
 RS_RECV_BYTES. The buffer is taken from the reduce workspace when the block is issued and
 handed back when its local sum is done (runtime/groups/workspace.py [Note: reduce workspace]).
+A stage whose columns take more than one block frees each block before it takes the next
+(one block alive at a time). `A2A_RS_BACKENDS` names the backends that reduce-scatter this
+way (the runtime's choice per process group, runtime/transport/device.py; explain's
+`--backend`, whose timeline counts the blocks: analysis/costmodel/staging.py); a device
+backend's native reduce-scatter (NCCL) and a simulated rank's fake one hold none.
 """
 from __future__ import annotations
 
@@ -88,6 +93,7 @@ STAGING_BYTES = 32 << 20        # [Note: staging chunks]: a staged collective's 
 STAGING_OVER = 4                # [Note: staging chunks]: a piece's transients, in blocks, at most
 RS_RECV_BYTES = 32 << 20        # [Note: receive blocks]: the all-to-all's receive block, at most
 RS_RECV_FLOOR = 1 << 20         # [Note: receive blocks]: ... and at least (when the input is larger)
+A2A_RS_BACKENDS = frozenset({"gloo"})   # [Note: receive blocks]: reduce-scatter as an all-to-all and a sum
 
 
 def recv_block_bytes(chunk_bytes: int, cap: int = RS_RECV_BYTES) -> int:
@@ -101,3 +107,13 @@ def staging_block(column_bytes: int, pieces: int, cap: int = STAGING_BYTES) -> i
     collective's `pieces` together at most `cap` bytes (STAGING_BYTES; the runtime passes its
     own module's, which a test may lower), a column being `column_bytes`; at least one."""
     return max(1, cap // (max(pieces, 1) * column_bytes))
+
+
+def recv_bytes(m: int, s: int, e: int, cap: int = RS_RECV_BYTES) -> int:
+    """The receive buffer one all-to-all reduce-scatter stage holds at a time: s ranks, an
+    output chunk of m elements of e bytes ([Note: receive blocks]; runtime/eager/collectives.py
+    `_rs`): one block of columns, or the whole input when one block covers it."""
+    if s < 2 or m < 1:
+        return 0
+    cols = max(1, recv_block_bytes(m * e, cap) // (s * e))
+    return s * min(cols, m) * e

@@ -37,6 +37,15 @@ buffer (b / |S_1|, ...), all alive until the block is copied back. An input
 whose length is not a multiple of the scatter stages' ranks is first padded (a copy of n,
 alive for the whole all-reduce).
 
+[Note: staging: receive blocks]
+With `a2a` (a backend in shardc.lowering's A2A_RS_BACKENDS: gloo) each flat reduce-scatter
+stage is an all-to-all and a sum (runtime/eager/collectives.py `_rs`) holding one receive
+block at a time (`recv_bytes`, shardc.lowering [Note: receive blocks]): a reduce-scatter's or
+a staged all-reduce's stages run one after the other, so a piece holds its largest stage's
+block, and the pieces' blocks add up. A native reduce-scatter (NCCL, a simulated rank's fake
+group) holds none. Measured on 4 gloo ranks (bench/peak_gloo.py): ddp on HF GPT-2, its
+all-reduce over node(2) > gpu(2) staged, 0.830 of the backward's peak without them.
+
 [Note: staging: codec temporaries]
 runtime/transport/quant.py codes a quantized collective's rows a batch at a time (shardc.lowering
 [Note: codec batches]); `encode_rows` holds the zero-padded fp32 copy of the batch, the
@@ -51,7 +60,7 @@ from math import prod
 import shardc.algorithms as algorithms
 from shardc.algorithms.base import bounds, scatter_perm
 from shardc.dsl.ir import Collectives, Mesh
-from shardc.lowering import shard_payload_bytes, staging_block
+from shardc.lowering import recv_bytes, shard_payload_bytes, staging_block
 from shardc.lowering.peak_facts import CODEC_ROWS
 from shardc.lowering.rows import elem_bytes
 
@@ -71,9 +80,10 @@ def _algo(mesh: Mesh, algo: Collectives | None, key):
     return algorithms.resolve(Collectives.AUTO.value if algo is None else Collectives(algo).value, key)
 
 
-def reduce_scatter_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> int:
+def reduce_scatter_bytes(mesh: Mesh, algo, row, n: int, elem: int, a2a: bool = False) -> int:
     """Bytes a reduce-scatter of `n` input elements of `elem` bytes holds while in flight
-    ([Note: staging: reduce-scatter])."""
+    ([Note: staging: reduce-scatter]; `a2a`: its stages' receive blocks too, [Note: staging:
+    receive blocks])."""
     key = _key(mesh, row)
     if not key or row is None:
         return 0
@@ -85,7 +95,7 @@ def reduce_scatter_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> int:
     a = _algo(mesh, algo, key)
     stages = a.scatter(key, mesh.ordered)
     if stages == (key,) and a.pieces == 1:
-        return cast
+        return cast + (recv_bytes(n // s, s, c) if a2a else 0)
     # per piece, one block of its columns at a time (`staging_block`): copied out (no
     # copy when the one block is the whole input in the stages' order: a view), then each
     # stage but the last writes a new buffer
@@ -96,9 +106,12 @@ def reduce_scatter_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> int:
     for lo, hi in bounds(m, a.pieces):
         b = min(hi - lo, block) * s * c
         total += 0 if inplace and b == m * s * c else b
-        for st in stages[:-1]:
+        recv = 0
+        for k, st in enumerate(stages):
+            recv = max(recv, recv_bytes(b // _n(mesh, st) // c, _n(mesh, st), c) if a2a else 0)
             b //= _n(mesh, st)
-            total += b
+            total += b if k < len(stages) - 1 else 0
+        total += recv
     return cast + total
 
 
@@ -133,9 +146,10 @@ def all_gather_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> tuple[int, int
     return cast + first, cast + last
 
 
-def all_reduce_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> int:
+def all_reduce_bytes(mesh: Mesh, algo, row, n: int, elem: int, a2a: bool = False) -> int:
     """Bytes a staged all-reduce of `n` elements of `elem` bytes holds while in flight
-    ([Note: staging: all-reduce])."""
+    ([Note: staging: all-reduce]; `a2a`: its scatter stages' receive blocks too, [Note:
+    staging: receive blocks])."""
     key = _key(mesh, row)
     if not key or row is None:
         return 0
@@ -152,15 +166,27 @@ def all_reduce_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> int:
         b = min(hi - lo, block) * inner * elem
         if hi - lo < cols or block < cols:       # a block of some columns: copied out contiguous
             total += b
+        recv = 0
         for st in plan.scatter:
+            recv = max(recv, recv_bytes(b // _n(mesh, st) // elem, _n(mesh, st), elem) if a2a else 0)
             b //= _n(mesh, st)
             total += b
+        total += recv
     return pad + total
 
 
 def codec_bytes(mesh: Mesh, row, n: int) -> int:
     """The codec's temporaries of a quantized collective over n elements: one batch's
-    ([Note: staging: codec temporaries]); 0 for a collective in a float dtype."""
+    ([Note: staging: receive blocks]
+With `a2a` (a backend in shardc.lowering's A2A_RS_BACKENDS: gloo) each flat reduce-scatter
+stage is an all-to-all and a sum (runtime/eager/collectives.py `_rs`) holding one receive
+block at a time (`recv_bytes`, shardc.lowering [Note: receive blocks]): a reduce-scatter's or
+a staged all-reduce's stages run one after the other, so a piece holds its largest stage's
+block, and the pieces' blocks add up. A native reduce-scatter (NCCL, a simulated rank's fake
+group) holds none. Measured on 4 gloo ranks (bench/peak_gloo.py): ddp on HF GPT-2, its
+all-reduce over node(2) > gpu(2) staged, 0.830 of the backward's peak without them.
+
+[Note: staging: codec temporaries]); 0 for a collective in a float dtype."""
     key = _key(mesh, row) if row is not None else ()
     if not key or not row.comm.quantized:
         return 0

@@ -92,8 +92,11 @@ flight] (REDUCE_IN_FLIGHT = 1): with s_G > 1 a unit's reduce-scatter holds its f
 before the next copy, and the unit's gathered buffer is freed before it too, so the next
 unit's flat input reuses the same workspace. The pool keeps what was handed back, so from
 a unit's copy on it holds the largest (N + N/s_G) so far (its high-water mark) and, on the
-gloo all-to-all path, one receive block (not counted: a simulated rank reduce-scatters
-natively). With more than one micro-batch the pool keeps it between micro-batches, so
+gloo all-to-all path, the receive blocks it lent that unit's reduce-scatter (`a2a`;
+staging.py [Note: staging: receive blocks]; none where the reduce-scatter is native: a
+device backend, a simulated rank). Measured on 4 gloo ranks (bench/peak_gloo.py): PaRO-IIG
+on HF GPT-2 (4 micro-batches) 0.937 of the backward's peak with the blocks in the staging
+only, where the pool does not keep them. With more than one micro-batch the pool keeps it between micro-batches, so
 every later forward and backward holds the largest unit's worth from its start.
 
 [Note: timeline: sync chunk]
@@ -221,7 +224,7 @@ def _grad_full(u, g) -> int:
 class _Sizes:
     """Per unit: the bytes each buffer kind of the [Note]s holds (staging.py for the collectives')."""
 
-    def __init__(self, plan: Lowering, mesh, algo):
+    def __init__(self, plan: Lowering, mesh, algo, a2a: bool = False):
         units = plan.units
         self.gathered = [sum(g.gathered_bytes for g in u.groups) for u in units]
         self.grad = [sum(_grad_full(u, g) for g in u.groups) for u in units]
@@ -232,16 +235,17 @@ class _Sizes:
         self.shard_on_wait = [sum(g.grads_bytes for g in u.groups if g.trainable and g.factors.g > 1)
                               for u in units]
         self.reduce, self.rs_staging, self.rs_codec, self.sync, self.sync_ar = ([] for _ in range(5))
-        # the gloo all-to-all's receive block is not counted: a simulated rank (and a device
-        # backend) reduce-scatters natively ([Note: timeline: reduce workspace])
-        self.recv = 0
+        # the gloo all-to-all's receive blocks (staging.py [Note: staging: receive blocks]; none on
+        # a native reduce-scatter): a backward reduce's come from the reduce workspace, which
+        # keeps them ([Note: timeline: reduce workspace]), per unit; the syncs' in their staging
+        self.recv: list[int] = []
         self.has_ar: list[bool] = []
         self.update: list[tuple[int, int, int]] = []  # per group with an update gather: (unit, issued, more at its wait)
         # per phase (forward, backward): a gather issued ahead, and at its wait (codec included)
         self.ag_issued = {Phase.FORWARD: [], Phase.BACKWARD: []}
         self.ag_wait = {Phase.FORWARD: [], Phase.BACKWARD: []}
         for u in units:
-            red = rs = rc = syn = ar = 0
+            red = rs = rc = syn = ar = recv = 0
             has_ar = False
             ag = {ph: [0, 0] for ph in self.ag_wait}
             for g in u.groups:
@@ -263,6 +267,8 @@ class _Sizes:
                     if mesh is not None:
                         row = g.row(Phase.BACKWARD, Op.ALL_TO_ALL) or g.row(Phase.BACKWARD, Op.REDUCE_SCATTER)
                         rs += reduce_scatter_bytes(mesh, algo, row, g.n, e)
+                        recv += reduce_scatter_bytes(mesh, algo, row, g.n, e, a2a) - reduce_scatter_bytes(
+                            mesh, algo, row, g.n, e)
                         rc = max(rc, codec_bytes(mesh, row, g.n))
                 up = g.row(Phase.UPDATE, Op.ALL_GATHER)
                 if up is not None and mesh is not None:
@@ -271,14 +277,14 @@ class _Sizes:
                     self.update.append((len(self.reduce), g.optim_elems * pe + a, b - a))
                 rs_row, ar_row = g.row(Phase.SYNC, Op.REDUCE_SCATTER), g.row(Phase.SYNC, Op.ALL_REDUCE)
                 if rs_row is not None:
-                    syn += g.optim_elems * e + (reduce_scatter_bytes(mesh, algo, rs_row, g.n // f.g, e)
+                    syn += g.optim_elems * e + (reduce_scatter_bytes(mesh, algo, rs_row, g.n // f.g, e, a2a)
                                                 if mesh is not None else 0)
                 if ar_row is not None:
                     has_ar = True
                 if ar_row is not None and mesh is not None:
-                    ar += all_reduce_bytes(mesh, algo, ar_row, g.optim_elems, e)
+                    ar += all_reduce_bytes(mesh, algo, ar_row, g.optim_elems, e, a2a)
             for lst, v in ((self.reduce, red), (self.rs_staging, rs), (self.rs_codec, rc), (self.sync, syn),
-                           (self.sync_ar, ar)):
+                           (self.sync_ar, ar), (self.recv, recv)):
                 lst.append(v)
             self.has_ar.append(has_ar)
             for ph, (a, b) in ag.items():
@@ -297,15 +303,17 @@ class _Sizes:
 
 def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None = None,
              output: int = 0, micro_batches: int = 1, mesh=None, algo=None,
-             optimizer: str = DEFAULT_OPTIMIZER, optimizer_kwargs: dict | None = None) -> Timeline:
+             optimizer: str = DEFAULT_OPTIMIZER, optimizer_kwargs: dict | None = None,
+             a2a: bool = False) -> Timeline:
     """The phases' peaks of one step ([Note]s above), from the plan and the states.
     `saved`: each unit's saved activation bytes (the trace's, unit order; None or under
     checkpointing: `activations` stays alive through the whole backward). `mesh`, `algo`:
     the strategy's mesh and its resolved collective algorithm, for the collectives' own
     buffers (None: not counted). `optimizer`, `optimizer_kwargs`: the step's optimizer, for its
-    temporaries ([Note: timeline: optimizer step])."""
+    temporaries ([Note: timeline: optimizer step]). `a2a`: the backend reduce-scatters by
+    all-to-all (gloo), so its receive blocks count (staging.py [Note: staging: receive blocks])."""
     units = plan.units
-    z = _Sizes(plan, mesh, algo)
+    z = _Sizes(plan, mesh, algo, a2a)
     size = z.gathered
     grads = int(memory["grads"])
     # the model states without the grad shards: zero_grad() freed them ([Note: timeline: grad shards])
@@ -313,7 +321,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     states = int(memory["total"])
     # the pool kept between micro-batches ([Note: timeline: reduce workspace]): one unit's
     # flat input and output chunk, the largest, and one receive block
-    pool = (max(z.reduce, default=0) + z.recv) if micro_batches > 1 else 0
+    pool = max((r + b for r, b in zip(z.reduce, z.recv)), default=0) if micro_batches > 1 else 0
     # a forward after the first micro-batch's backward holds every grad shard
     fwd_states = states if micro_batches > 1 or not RELEASE_GRADS else bare
     # forward: the window as each unit runs, each unit's gather waited beside what ran before
@@ -406,7 +414,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
                                           ("gathers issued ahead", ahead), ("early syncs", issuing))))
         early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
         if z.reduce[i]:
-            ws = max(ws, z.reduce[i] + z.recv)
+            ws = max(ws, z.reduce[i] + z.recv[i])
         done = alive - (left[i] if left is not None else 0)
         # its gradients copied and its reduce issued (autograd's gradient freed only when its
         # views' backward returns, after the issue): the reduce-scatter's staging and codec
@@ -419,9 +427,10 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         bwd = max([bwd, *pts], key=lambda p: p.bytes)
         alive = done                        # its saved tensors are gone once its backward ran
         prev = i                            # waited (its reduce, its early sync's turn) as the next gradients arrive
-    if prev is not None and prev in early and prev not in synced:
-        synced.append(prev)
-    rest = sorted((z.sync[k] + z.sync_ar[k] for k in range(len(units)) if k not in early), reverse=True)
+    # the last unit reduced is waited by no later unit: its sync goes out with the bounded
+    # ones at the backward's end (runtime/step/boundary.py `_issue_sync`), which advances no
+    # early sync, so the last early one stays in its reduce-scatter stage until opt.step()
+    rest = sorted((z.sync[k] + z.sync_ar[k] for k in range(len(units)) if k not in synced), reverse=True)
     early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
     sync_buffers = (("early syncs", early_bytes), ("syncs in flight", sum(rest[:SYNC_IN_FLIGHT])))
     chunk = max((g.optim_elems * 4 for u in units for g in u.groups if g.trainable), default=0)

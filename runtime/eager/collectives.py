@@ -152,6 +152,7 @@ def _rs(dst, src, pg, scratch=None):
         yield [dist.all_to_all(list(recv.view(s, -1)), [r[lo:hi] for r in rows], group=pg, async_op=True)]
         a2a.sum_rows(recv.view(s, -1), out=dst[lo:hi])
         _give(scratch, recv)
+        del recv                               # one block alive at a time ([Note: receive blocks])
 
 
 def _a2a_sum(dst, src, pg, s, scratch):

@@ -53,10 +53,11 @@ import torch.distributed as dist
 from torch import nn
 
 from shardc.dsl.errors import ShardcError
-from shardc.lowering import Op
+from shardc.lowering import A2A_RS_BACKENDS, Op
 
-# backends whose reduce_scatter is an all-reduce plus a slice (see [Note: backend per device])
-ALLREDUCE_RS_BACKENDS = frozenset({"gloo"})
+# backends whose reduce_scatter is an all-to-all plus a sum (see [Note: backend per device]; the
+# lowering owns the set: explain's timeline counts their receive blocks)
+ALLREDUCE_RS_BACKENDS = A2A_RS_BACKENDS
 STREAM_KINDS = (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE)
 
 _native_rs_override: bool | None = None

@@ -42,6 +42,9 @@ def add_arguments(p) -> None:
     p.add_argument("--collectives", choices=("auto", "ring", "hierarchical", "ho-ring"),
                    help="override the strategy's `collectives` (how multi-level groups are counted)")
     p.add_argument("--clip", action="store_true", help="count the clip_grad_norm_ all-reduce")
+    p.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
+                   help="the process groups' backend: gloo reduce-scatters by all-to-all, whose receive "
+                        "blocks the peak counts (default nccl)")
     p.add_argument("--passes", default=None, metavar="NAMES",
                    help='plan passes the run uses, comma-separated, as for `shardc compile --passes` '
                         '("" for none; default: all)')
@@ -77,7 +80,7 @@ def run(args) -> int:
     e = explain(strategy, units, micro_batches=args.micro_batches, optimizer=args.optimizer,
                 optimizer_kwargs=kw, clip_grad_norm=args.clip, bandwidth=bw, tokens=args.tokens,
                 flops=rate, graph=graph, checkpoint=args.checkpoint, peak_flops=predict_args.peak(args),
-                overhead=predict_args.overhead(args), passes=parse_passes(args.passes))
+                overhead=predict_args.overhead(args), passes=parse_passes(args.passes), backend=args.backend)
     owners = []
     if owned:                    # `optim ... by tensor`: analysis/costmodel/owned.py
         from shardc.analysis.costmodel.memory import optimizer_state_bytes
