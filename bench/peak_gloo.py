@@ -112,9 +112,10 @@ def rank_step(rank: int, world: int, strategy: str, model: str, micro_batches: i
                 out = sm(x)
                 logits = out if torch.is_tensor(out) else out[0]
                 loss = F.cross_entropy(logits.flatten(0, -2).float(), x.flatten()).div(micro_batches)
+            del out, logits      # as shardc simulate's loop ([Note: the loop drops the output before backward])
             with phase("backward"):
                 loss.backward()
-            del out, logits, loss
+            del loss
         with phase("step"):
             opt.step()
             opt.zero_grad()
