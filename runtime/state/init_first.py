@@ -17,7 +17,8 @@ value before them, and every rank did the same draws. Here the mesh's first rank
 runs `fn` on every module, in `nn.Module.apply`'s order and from the same RNG state, so
 the values are the same, and sends each rank its chunk: no rank repeats a draw another
 rank made (issue 50). Each parameter is materialized as a view of its flat group's padded
-buffer (the group's layout; NaN before `fn` runs, the padding zero), so what `fn` writes
+buffer (the group's layout; NaN once anything could read it, untouched.py's [Note: NaN only
+where it can be seen]; the padding zero), so what `fn` writes
 is already laid out; a parameter `fn` replaced (`.data = ...`) or of another dtype than
 the group's params is copied in (cast) once its last holder ran. When a group's last
 parameter is final, the buffer is scattered over the data-parallel group (a replicated
@@ -59,6 +60,7 @@ from shardc.lowering import RankPlan
 from ..buffers import broadcast
 from .init import _materialize as _materialize_alone
 from .init import all_nan, apply_order, materialize_buffers, rng
+from .untouched import Untouched
 
 SENDS_IN_FLIGHT = 0            # scattered buffers a first rank keeps while it fills the next (0: the bound of
 #                                lowering/startup.py, one unit; 1 overlaps the send with the next unit)
@@ -125,13 +127,15 @@ def _run_first(model, fn, order, sched, storages, params, device, sender, state)
     real: dict[int, nn.Parameter] = {}
     holders: dict[int, list] = {}
     error = None
+    untouched = sender.untouched
     with rng(state):
         for i, (path, m) in enumerate(order):
             if error is None:
                 try:
                     with torch.no_grad():
                         _materialize(m, device, real, holders, slot_of, sender)
-                    fn(m)
+                    with untouched:
+                        fn(m)
                 except Exception as e:  # noqa: BLE001 — every rank raises it (see Note)
                     error = (f"init function {getattr(fn, '__name__', fn)!r} failed on module {path or '<root>'} "
                              f"({type(m).__name__}): {type(e).__name__}: {e}")
@@ -161,8 +165,7 @@ def _materialize(m: nn.Module, device, real: dict, holders: dict, slot_of: dict,
                 continue                   # made below, as init.py does
             s = where[1]
             view = sender.buffer(where[0])[s.offset:s.offset + s.numel].view(p.shape)
-            if view.is_floating_point():
-                view.fill_(float("nan"))
+            sender.untouched.add(view)     # NaN once an op could read it ([Note: NaN only where it can be seen])
             real[key] = nn.Parameter(view, requires_grad=p.requires_grad)
             holders[key] = []
         holders[key].append((m, attr, p))
@@ -179,6 +182,7 @@ class _Sender:
         self.pool: dict[torch.dtype, torch.Tensor] = {}   # a sent buffer per dtype, reused
         self.pending: list = []            # (work, storage) in send order
         self.unset: set[str] = set()
+        self.untouched = Untouched()       # the views not yet written (untouched.py)
 
     def buffer(self, k: int) -> torch.Tensor:
         """Group k's padded buffer (taken at its first use, the padding zero): the front of a
@@ -221,7 +225,10 @@ class _Sender:
         buf = self.buffer(k)
         dst = buf[slot.offset:slot.offset + slot.numel]
         if value.data_ptr() != dst.data_ptr() or value.dtype != dst.dtype:
+            self.untouched.forget(dst)
             dst.copy_(value.detach().reshape(-1))
+        else:
+            self.untouched.settle(dst)
         if dst.is_floating_point() and all_nan(dst):
             self.unset.add(name)
 
