@@ -125,12 +125,15 @@ def apply(pieces, shard: torch.Tensor) -> None:
     if not pieces:
         return
     cur = torch.random.get_rng_state()
+    scratch = None                          # one block's room, reused (no heap left behind per block)
     for p in pieces:
         if p[0] == "normal":
             _, at, skip, length, size, state, mean, std = p
             torch.random.set_rng_state(state)
             for lo, hi in blocks(size):           # consecutive draws: the same values as one
-                drawn = torch.empty(hi - lo, dtype=torch.float32).normal_(mean, std)
+                if scratch is None or scratch.numel() < hi - lo:
+                    scratch = torch.empty(hi - lo, dtype=torch.float32)
+                drawn = scratch[:hi - lo].normal_(mean, std)
                 x, y = max(lo, skip), min(hi, skip + length)
                 if x < y:
                     shard[at + x - skip:at + y - skip].copy_(drawn[x - lo:y - lo])
