@@ -17,7 +17,8 @@ value before them, and every rank did the same draws. Here the mesh's first rank
 runs `fn` on every module, in `nn.Module.apply`'s order and from the same RNG state, so
 the values are the same, and sends each rank its chunk: no rank repeats a draw another
 rank made (issue 50). Each parameter is materialized as a view of its flat group's padded
-buffer (the group's layout; NaN before `fn` runs, the padding zero), so what `fn` writes
+buffer (the group's layout; NaN once anything could read it, untouched.py's [Note: NaN only
+where it can be seen]; the padding zero), so what `fn` writes
 is already laid out; a parameter `fn` replaced (`.data = ...`) or of another dtype than
 the group's params is copied in (cast) once its last holder ran. When a group's last
 parameter is final, the buffer is scattered over the data-parallel group (a replicated
@@ -33,6 +34,24 @@ process's would be, as when every rank ran the init) and an error `fn` raised (e
 raises it; the first rank sends zeros for the groups it had not filled, so no rank waits
 for a send that never comes); and buffers are broadcast as after a scatter (a buffer's
 init may draw too).
+[Note: one buffer, reused]
+A sent buffer is kept (one per dtype, the largest) and the next group's buffer is its
+front: a fresh buffer per group cost the first rank a page fault per 4 KiB of every unit
+(the C allocator returns big blocks to the OS at each free), which was most of the time of
+the NaN fill before `fn` (measured: 6.1 of 21.9 s of values on a 1-layer 175M Llama at 4
+ranks, loaded machine). The pool holds at most the largest unit's buffer, the bound below.
+[Note: each rank draws its part]
+On CPU (`_Pieces`) the first rank sends instructions, not values. A whole `normal_`, `fill_`
+or `zero_` of a parameter is not run on the first rank (untouched.py's [Note: deferred
+whole writes]): the generator is moved past the draw and the state where each rank's part
+starts is kept (draws.py's [Note: a draw split by ranks]). When a group is final, one object
+scatter gives each rank its pieces: ("normal", state, ...), ("fill", value), or ("copy",
+values) for a parameter ops ran on, and each rank writes them into its shard (padding stays
+the zeros its allocation gave it). So no whole parameter is drawn or sent: the buffer a
+parameter is a view of is `empty`, and its pages are touched only where an op other than
+those three ran. The first rank's work is moving the generator (3.1 ns an element, numpy's
+MT19937) and drawing its own chunk; each rank draws its chunk. Values as before: one
+process's. Elsewhere (CUDA parameters) the buffer is scattered (`_Sender`).
 Memory: a rank other than the first holds its shards only; the first, beyond them, the
 buffer being filled (its parameters are views of it: a parameter of another dtype is
 one more tensor while its module runs) and `SENDS_IN_FLIGHT` sent ones
@@ -53,6 +72,9 @@ from shardc.lowering import RankPlan
 from ..buffers import broadcast
 from .init import _materialize as _materialize_alone
 from .init import all_nan, apply_order, materialize_buffers, rng
+from .draws import apply as apply_pieces
+from .draws import bounds
+from .untouched import Fill, Untouched
 
 SENDS_IN_FLIGHT = 0            # scattered buffers a first rank keeps while it fills the next (0: the bound of
 #                                lowering/startup.py, one unit; 1 overlaps the send with the next unit)
@@ -81,16 +103,16 @@ def initialize_first(model: nn.Module, fn, storages, params: dict[str, nn.Parame
     group, me = smesh.dp_group(), smesh.rank
     order = apply_order(model)
     sched = _Schedule(order, storages, params)
-    sender = _Sender(storages, smesh, group, device)
+    sender = (_Pieces if device.type == "cpu" else _Sender)(storages, smesh, group, device)
     for k in sched.done_at.get(-1, ()):        # groups of no parameter: padding only
-        sender.send(k, None if me else sender.buffer(k))
+        sender.finish(k, True) if me == 0 else sender.receive(k)
     error = None
     if me == 0:
         error = _run_first(model, fn, order, sched, storages, params, device, sender, state)
     else:
         for i in range(len(order)):
             for k in sched.done_at.get(i, ()):
-                sender.send(k, None)
+                sender.receive(k)
     sender.drain()
     box = [None]
     if me == 0:
@@ -119,13 +141,15 @@ def _run_first(model, fn, order, sched, storages, params, device, sender, state)
     real: dict[int, nn.Parameter] = {}
     holders: dict[int, list] = {}
     error = None
+    untouched = sender.untouched
     with rng(state):
         for i, (path, m) in enumerate(order):
             if error is None:
                 try:
                     with torch.no_grad():
                         _materialize(m, device, real, holders, slot_of, sender)
-                    fn(m)
+                    with untouched:
+                        fn(m)
                 except Exception as e:  # noqa: BLE001 — every rank raises it (see Note)
                     error = (f"init function {getattr(fn, '__name__', fn)!r} failed on module {path or '<root>'} "
                              f"({type(m).__name__}): {type(e).__name__}: {e}")
@@ -137,7 +161,7 @@ def _run_first(model, fn, order, sched, storages, params, device, sender, state)
                     for mod, attr, meta in holders.pop(pid):
                         mod._parameters[attr] = meta
             for k in sched.done_at.get(i, ()):
-                sender.send(k, sender.buffer(k) if error is None else sender.zeros(k))
+                sender.finish(k, error is None)
     return error
 
 
@@ -155,8 +179,7 @@ def _materialize(m: nn.Module, device, real: dict, holders: dict, slot_of: dict,
                 continue                   # made below, as init.py does
             s = where[1]
             view = sender.buffer(where[0])[s.offset:s.offset + s.numel].view(p.shape)
-            if view.is_floating_point():
-                view.fill_(float("nan"))
+            sender.untouched.add(view)     # NaN once an op could read it ([Note: NaN only where it can be seen])
             real[key] = nn.Parameter(view, requires_grad=p.requires_grad)
             holders[key] = []
         holders[key].append((m, attr, p))
@@ -170,14 +193,17 @@ class _Sender:
     def __init__(self, storages, smesh, group, device):
         self.storages, self.smesh, self.group, self.device = storages, smesh, group, device
         self.full: dict[int, torch.Tensor] = {}
+        self.pool: dict[torch.dtype, torch.Tensor] = {}   # a sent buffer per dtype, reused
         self.pending: list = []            # (work, storage) in send order
         self.unset: set[str] = set()
+        self.untouched = Untouched()       # the views not yet written (untouched.py)
 
     def buffer(self, k: int) -> torch.Tensor:
-        """Group k's padded buffer (allocated at its first use, the padding zero)."""
+        """Group k's padded buffer (taken at its first use, the padding zero): the front of a
+        pooled one of its dtype where one is large enough ([Note: one buffer, reused])."""
         if k not in self.full:
             st = self.storages[k]
-            buf = torch.empty(st.n, dtype=st.pdtype, device=self.device)
+            buf = self._take(st.n, st.pdtype)
             end = 0
             for s in sorted(st.layout.slots, key=lambda s: s.offset):
                 buf[end:s.offset].zero_()
@@ -185,6 +211,30 @@ class _Sender:
             buf[end:].zero_()
             self.full[k] = buf
         return self.full[k]
+
+    def _take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """n elements of a pooled buffer of `dtype` (the largest kept), else a new one; a
+        smaller pooled buffer is dropped for it, so the pool never holds two of a dtype."""
+        pooled = self.pool.pop(dtype, None)
+        if pooled is not None and pooled.numel() >= n:
+            return pooled[:n]
+        return torch.empty(n, dtype=dtype, device=self.device)
+
+    def _give_back(self, buf: torch.Tensor | None) -> None:
+        """A sent buffer to the pool (its base: the whole pooled allocation)."""
+        if buf is None:
+            return
+        base = buf._base if buf._base is not None else buf
+        kept = self.pool.get(base.dtype)
+        if kept is None or kept.numel() < base.numel():
+            self.pool[base.dtype] = base
+
+    def finish(self, k: int, ok: bool) -> None:
+        """Group k is final on the first rank: its buffer sent (zeros after an error)."""
+        self.send(k, self.buffer(k) if ok else self.zeros(k))
+
+    def receive(self, k: int) -> None:
+        self.send(k, None)
 
     def zeros(self, k: int) -> torch.Tensor:
         self.full.pop(k, None)
@@ -196,7 +246,10 @@ class _Sender:
         buf = self.buffer(k)
         dst = buf[slot.offset:slot.offset + slot.numel]
         if value.data_ptr() != dst.data_ptr() or value.dtype != dst.dtype:
+            self.untouched.forget(dst)
             dst.copy_(value.detach().reshape(-1))
+        else:
+            self.untouched.settle(dst)
         if dst.is_floating_point() and all_nan(dst):
             self.unset.add(name)
 
@@ -205,6 +258,7 @@ class _Sender:
         self.full.pop(k, None)
         if self.group is None:
             st.write_chunk(full[st.p_start:st.p_start + st.p_len])
+            self._give_back(full)
             return
         if st.s_p == 1:
             buf = full if full is not None else st.shard
@@ -227,7 +281,91 @@ class _Sender:
             st.write_chunk(full)
         else:
             st.write_chunk(st.shard)       # the master follows the received shard
+        self._give_back(full)
 
     def drain(self) -> None:
         while self.pending:
             self._wait()
+
+
+class _Pieces:
+    """On CPU: each rank's instructions for its chunk of a group, one object scatter per
+    group ([Note: each rank draws its part])."""
+
+    def __init__(self, storages, smesh, group, device):
+        self.storages, self.smesh, self.group, self.device = storages, smesh, group, device
+        self.full: dict[int, torch.Tensor] = {}
+        self.group_of: dict[int, int] = {}         # a buffer's storage -> its group
+        self.ops: dict[tuple[int, int], object] = {}    # (group, slot offset) -> Normal/Fill; None: values
+        self.unset: set[str] = set()
+        self.untouched = Untouched(starts=self._starts)
+        self._chunks: dict[int, list] = {}
+
+    def chunks(self, k: int) -> list[tuple[int, int]]:
+        """Every rank's params chunk of group k (start, length), by group rank."""
+        if k not in self._chunks:
+            st = self.storages[k]
+            self._chunks[k] = [RankPlan(self.smesh.mesh, st.plan.scopes, r).chunk("params", st.n)
+                               for r in range(self.smesh.mesh.world)]
+        return self._chunks[k]
+
+    def _parts(self, k: int, off: int, n: int):
+        """(rank, at in its chunk, a, b): the elements [a, b) of a slot at `off` each rank keeps."""
+        for r, (c, ln) in enumerate(self.chunks(k)):
+            x, y = max(off, c), min(off + n, c + ln)
+            if x < y:
+                yield r, x - c, x - off, y - off
+
+    def _starts(self, view: torch.Tensor) -> list[int]:
+        k = self.group_of[view.untyped_storage().data_ptr()]
+        return [bounds(a, b, view.numel())[0] for _, _, a, b in self._parts(k, view.storage_offset(), view.numel())]
+
+    def buffer(self, k: int) -> torch.Tensor:
+        """Group k's buffer: `empty`, its pages touched only where ops run on parameters."""
+        if k not in self.full:
+            st = self.storages[k]
+            self.full[k] = torch.empty(st.n, dtype=st.pdtype, device=self.device)
+            self.group_of[self.full[k].untyped_storage().data_ptr()] = k
+        return self.full[k]
+
+    def keep(self, value: torch.Tensor, k: int, slot, name: str) -> None:
+        """A parameter is final: its deferred op, or its values in the buffer."""
+        dst = self.buffer(k)[slot.offset:slot.offset + slot.numel]
+        op = None
+        if value.data_ptr() != dst.data_ptr() or value.dtype != dst.dtype:
+            self.untouched.forget(dst)
+            dst.copy_(value.detach().reshape(-1))
+        elif dst.is_floating_point() and self.untouched.pending(dst):
+            self.untouched.forget(dst)
+            op = Fill(float("nan"))           # no op touched it: NaN, unset
+            self.unset.add(name)
+        else:
+            op = self.untouched.settle(dst)
+        if op is None and dst.is_floating_point() and all_nan(dst):
+            self.unset.add(name)
+        self.ops[k, slot.offset] = op
+
+    def finish(self, k: int, ok: bool) -> None:
+        st = self.storages[k]
+        lists = [[] for _ in range(self.smesh.mesh.world)]
+        buf = self.full.pop(k, None)
+        if ok:
+            for s in st.layout.slots:
+                op = self.ops.pop((k, s.offset), None)
+                for r, at, a, b in self._parts(k, s.offset, s.numel):
+                    lists[r].append(op.piece(at, a, b) if op is not None else
+                                    ("copy", at, buf[s.offset + a:s.offset + b].clone()))
+        self._exchange(k, lists)
+
+    def receive(self, k: int) -> None:
+        self._exchange(k, None)
+
+    def _exchange(self, k: int, lists) -> None:
+        out = [None]
+        dist.scatter_object_list(out, lists, group=self.group, group_src=0)
+        st = self.storages[k]
+        apply_pieces(out[0], st.shard)
+        st.write_chunk(st.shard)           # the master follows the shard
+
+    def drain(self) -> None:
+        pass
