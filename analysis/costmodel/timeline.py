@@ -160,7 +160,7 @@ from dataclasses import dataclass
 
 from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Op, Phase, master_is_params
 
-from .staging import all_gather_bytes, all_reduce_bytes, codec_bytes, reduce_scatter_bytes
+from .staging import all_gather_bytes, all_reduce_bytes, reduce_codec_bytes, reduce_scatter_bytes
 
 # Gradients the loss's backward makes, each the size of the fp32 logits ([Note: timeline: loss gradient]).
 LOSS_GRADIENTS = 4
@@ -258,7 +258,7 @@ class _Sizes:
                     if mesh is not None:
                         row = g.row(Phase.BACKWARD, Op.ALL_TO_ALL) or g.row(Phase.BACKWARD, Op.REDUCE_SCATTER)
                         rs += reduce_scatter_bytes(mesh, algo, row, g.n, e)
-                        rc = max(rc, codec_bytes(mesh, row, g.n))
+                        rc = max(rc, reduce_codec_bytes(mesh, row, g.n, e))
                 up = g.row(Phase.UPDATE, Op.ALL_GATHER)
                 if up is not None and mesh is not None:
                     pe = g.params_bytes * f.p // max(g.n, 1)
