@@ -31,6 +31,19 @@ median 0.511 CPU s a rank and 45k page faults, against 0.384 s and 3.9k with one
 rank (e24a095) and 0.429 s and 6.1k at 2^20; the collectives and bytes are the same
 (docs/BENCHMARKS.md, "hpZ (zeropp) against e24a095").
 
+[Note: the codec's working copies]
+A batch is coded with as few fp32 passes and copies as the layout allows, and the result is
+bit for bit what the plain formula gives. encode: rows that are whole fp32 blocks are read
+in place (no zero-padded copy); the quotient is rounded and clamped in place. decode: an
+fp32 output (the gathered buffer, qgZ's rows buffer) is written in place, codes cast into
+it, then scaled block by block; any other output dtype gets the fp32 values and one cast
+(a bf16 buffer is not scaled in bf16). qgZ's sum (transport/a2a.py) adds a one-row batch
+as it is (a (1, m) `sum(0)` is a copy). Before, each batch held three fp32 copies and the
+gather's decode a fourth: hpZ's micro-batches took 0.429 CPU s a rank against e24a095's
+0.384 (bench model, 2 nodes x 2, loopback gloo); per-rank cProfiles placed the difference
+in these copies (docs/BENCHMARKS.md, "hpZ (zeropp) against e24a095"). explain counts what
+is left (analysis/costmodel/staging.py [Note: staging: codec temporaries]).
+
 [Note: codec batches on meta]
 On the meta device (a simulated rank, runtime/simulation.py) there are no values to code,
 so a quantized collective codes only its first batch: the largest one, whose temporaries
