@@ -15,7 +15,9 @@ faults per micro-batch on main, from the codec's working copies.
 
     torchrun --standalone --nproc-per-node 4 bench/codec_trace.py --nodes 2 --per-node 2 --out OUT.json
 
-`--rows N` sets runtime/transport/quant.py's ROWS_AT_ONCE for the run (the codec's batch, to compare
+`--profile P` writes each rank's cProfile (main thread's CPU time) of the timed micro-batches to `P.rankN` (the
+CPU figures of that run include the profiler's own cost; compare profiled runs only with
+profiled runs). `--rows N` sets runtime/transport/quant.py's ROWS_AT_ONCE for the run (the codec's batch, to compare
 bounds on one tree). The script runs on older trees too (it reads only the bench helpers and
 shardc's public API), which is how e24a095 was measured beside main.
 """
@@ -36,7 +38,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from models import batch, build_model
-from peers.systems import build_system
+try:
+    from peers.systems import build_system
+except ImportError:                  # trees before the restructure (e24a095): bench/systems.py
+    from systems import build_system
 
 CALLS: list = []
 COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "all_to_all_single", "all_to_all",
@@ -75,6 +80,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rows", type=int, default=None)
     p.add_argument("--out", required=True)
+    p.add_argument("--profile", default=None,
+                   help="write each rank's cProfile of the timed step's micro-batches to PROFILE.rankN")
     args = p.parse_args()
     os.environ["LOCAL_WORLD_SIZE"] = str(args.per_node)      # `gpu(local)`: the emulated node's ranks
     torch.set_num_threads(1)
@@ -88,7 +95,11 @@ def main() -> int:
                         batch(model, 0, 0, 0, args.micro_batch)[0], args.accumulate)
     count_collectives()
     mine = {}
+    prof = None
     for step in range(args.warmup + 1):
+        if args.profile and step == args.warmup:
+            import cProfile
+            prof = cProfile.Profile(time.thread_time)   # this thread's CPU, not wall time (a loaded machine)
         dist.barrier()
         CALLS.clear()
         micro, losses = [], []
@@ -96,9 +107,13 @@ def main() -> int:
             x, y = batch(model, step, i, rank, args.micro_batch)
             t, c = time.perf_counter(), time.process_time()
             f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            if prof is not None:
+                prof.enable()
             logits = sys_.model(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
             (loss / args.accumulate).backward()
+            if prof is not None:
+                prof.disable()
             micro.append({"wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - c,
                           "minflt": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f})
             losses.append(float(loss))
@@ -106,6 +121,8 @@ def main() -> int:
         sys_.opt.zero_grad()
         mine = {"micro": micro, "losses": losses,
                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10}
+    if prof is not None:
+        prof.dump_stats(f"{args.profile}.rank{rank}")
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if rank == 0:

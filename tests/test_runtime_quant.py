@@ -94,3 +94,31 @@ def test_zero_topo_quantized_trains():
         ("update", "all_gather", ("node", "gpu"), 112 // 2 * 4, 3),
     ])
     assert res[0][2] == want
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_codec_in_place_is_the_formula(bits):
+    # runtime/transport/quant.py [Note: the codec's working copies]: whole fp32 blocks are
+    # read in place (the input is left as it was), an fp32 output is decoded into directly,
+    # a bf16 one scaled in fp32 and cast once; each equals the plain blockwise formula
+    from shardc.dsl.ir import DType
+    from shardc.runtime.transport import quant
+    dt = DType.INT8 if bits == 8 else DType.INT4
+    qmax = (1 << (bits - 1)) - 1
+    torch.manual_seed(0)
+    for m in (512, 301):                                   # whole blocks; a short last block, odd
+        x = torch.randn(3, m) * torch.tensor([[1.0], [10.0], [0.0]])
+        before = x.clone()
+        pay = quant.quantize_rows(x, dt)
+        assert torch.equal(x, before)
+        blocks = [x[:, i:i + 256] for i in range(0, m, 256)]
+        scales = [b.abs().amax(dim=1, keepdim=True) / qmax for b in blocks]
+        want = torch.cat([torch.round(b / s.clamp_min(torch.finfo(torch.float32).tiny)).clamp(-qmax, qmax) * s
+                          for b, s in zip(blocks, scales)], dim=1)
+        assert torch.equal(quant.dequantize_rows(pay, m, dt), want)
+        out = torch.full((3, m), float("nan"))
+        quant.dequantize_rows(pay, m, dt, out=out)
+        assert torch.equal(out, want)
+        half = torch.empty(3, m, dtype=torch.bfloat16)
+        quant.dequantize_rows(pay, m, dt, out=half)
+        assert torch.equal(half, want.to(torch.bfloat16))

@@ -48,10 +48,13 @@ all-reduce over node(2) > gpu(2) staged, 0.830 of the backward's peak without th
 
 [Note: staging: codec temporaries]
 runtime/transport/quant.py codes a quantized collective's rows a batch at a time (shardc.lowering
-[Note: codec batches]); `encode_rows` holds the zero-padded fp32 copy of the batch, the
-quotient then its rounding and its clamp (`CODEC_FP32` fp32 copies at once) and the int8
-codes; `decode_rows` the float codes, the padded copy and the scaled result. These live
-only while the collective is issued (encode) or waited (decode), beside its payloads.
+[Note: codec batches]), in place where it can (quant.py [Note: the codec's working copies]).
+Encoding a batch of b elements (padded to whole blocks: b') holds the quotient (b' fp32) and
+the int8 codes (b), or, when the rows are not whole fp32 blocks, the padded fp32 copy beside
+the quotient (2 b' fp32). Decoding into an fp32 buffer holds only int4's nibbles (b/2); into
+any other dtype, the fp32 values first (b fp32). qgZ's sum decodes into one fp32 rows buffer
+(b) beside its fp32 accumulator (the chunk, m), and sums a batch of several rows (m more). These live only while the collective is
+issued (encode) or waited (decode), beside its payloads.
 """
 from __future__ import annotations
 
@@ -60,11 +63,10 @@ from math import prod
 import shardc.algorithms as algorithms
 from shardc.algorithms.base import bounds, scatter_perm
 from shardc.dsl.ir import Collectives, Mesh
-from shardc.lowering import recv_bytes, shard_payload_bytes, staging_block
+from shardc.lowering import BLOCK, recv_bytes, shard_payload_bytes, staging_block
 from shardc.lowering.peak_facts import CODEC_ROWS
 from shardc.lowering.rows import elem_bytes
 
-CODEC_FP32 = 3      # fp32 copies of a batch alive at once in the codec ([Note: staging: codec temporaries])
 
 
 def _key(mesh: Mesh, row) -> tuple[str, ...]:
@@ -128,10 +130,10 @@ def all_gather_bytes(mesh: Mesh, algo, row, n: int, elem: int) -> tuple[int, int
     if row.comm.quantized:                      # qwZ: the quantized shard and s gathered payloads
         p = shard_payload_bytes(n // s, row.comm)
         if not staged:
-            return p + s * p, p + s * p + codec_bytes(mesh, row, n)
+            return p + s * p, p + s * p + codec_bytes(mesh, row, n, elem)
         # the stages' buffers are freed before the payloads are decoded
         return (p + s * p + p * _n(mesh, stages[0]),
-                p + s * p + max(s * p + s * p // _n(mesh, stages[-1]), codec_bytes(mesh, row, n)))
+                p + s * p + max(s * p + s * p // _n(mesh, stages[-1]), codec_bytes(mesh, row, n, elem)))
     c = elem_bytes(row.comm)
     cast = n * c if c != elem else 0
     if not staged:
@@ -175,22 +177,31 @@ def all_reduce_bytes(mesh: Mesh, algo, row, n: int, elem: int, a2a: bool = False
     return pad + total
 
 
-def codec_bytes(mesh: Mesh, row, n: int) -> int:
-    """The codec's temporaries of a quantized collective over n elements: one batch's
-    ([Note: staging: receive blocks]
-With `a2a` (a backend in shardc.lowering's A2A_RS_BACKENDS: gloo) each flat reduce-scatter
-stage is an all-to-all and a sum (runtime/eager/collectives.py `_rs`) holding one receive
-block at a time (`recv_bytes`, shardc.lowering [Note: receive blocks]): a reduce-scatter's or
-a staged all-reduce's stages run one after the other, so a piece holds its largest stage's
-block, and the pieces' blocks add up. A native reduce-scatter (NCCL, a simulated rank's fake
-group) holds none. Measured on 4 gloo ranks (bench/peak_gloo.py): ddp on HF GPT-2, its
-all-reduce over node(2) > gpu(2) staged, 0.830 of the backward's peak without them.
+def codec_bytes(mesh: Mesh, row, n: int, out_elem: int) -> int:
+    """The codec's temporaries of a quantized all-gather over n elements, decoded into a
+    buffer of `out_elem`-byte elements: one batch's ([Note: staging: codec temporaries]);
+    0 for a collective in a float dtype."""
+    return _codec(mesh, row, n, out_elem, 4)
 
-[Note: staging: codec temporaries]); 0 for a collective in a float dtype."""
+
+def reduce_codec_bytes(mesh: Mesh, row, n: int, in_elem: int) -> int:
+    """qgZ's codec temporaries: the larger of its encode of `in_elem`-byte inputs and its
+    sum's decode ([Note: staging: codec temporaries])."""
+    return _codec(mesh, row, n, 0, in_elem)
+
+
+def _codec(mesh: Mesh, row, n: int, out_elem: int, in_elem: int) -> int:
+    """One batch's codec bytes: an all-gather's decode (`out_elem` > 0) or qgZ's."""
     key = _key(mesh, row) if row is not None else ()
     if not key or not row.comm.quantized:
         return 0
     s = _n(mesh, key)
     m = max(n // s, 1)
-    batch = min(s, max(1, CODEC_ROWS // m)) * m
-    return CODEC_FP32 * 4 * batch + batch
+    rows = min(s, max(1, CODEC_ROWS // m))
+    batch, padded = rows * m, rows * -(-m // BLOCK) * BLOCK
+    nibbles = batch // 2 if row.comm.bits == 4 else 0
+    if out_elem:                                # an all-gather's decode into its output
+        return nibbles + (0 if out_elem == 4 else 4 * batch)
+    copy = m % BLOCK != 0 or in_elem != 4
+    encode = 8 * padded if copy else 4 * padded + batch
+    return max(encode, 4 * m + 4 * batch + nibbles + (4 * m if rows > 1 else 0))

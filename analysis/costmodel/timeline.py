@@ -170,7 +170,7 @@ from dataclasses import dataclass
 from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Op, Phase, master_is_params
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, step_temporary_bytes
 
-from .staging import all_gather_bytes, all_reduce_bytes, codec_bytes, reduce_scatter_bytes
+from .staging import all_gather_bytes, all_reduce_bytes, reduce_codec_bytes, reduce_scatter_bytes
 
 # Gradients the loss's backward makes, each the size of the fp32 logits ([Note: timeline: loss gradient]).
 LOSS_GRADIENTS = 4
@@ -269,7 +269,7 @@ class _Sizes:
                         rs += reduce_scatter_bytes(mesh, algo, row, g.n, e)
                         recv += reduce_scatter_bytes(mesh, algo, row, g.n, e, a2a) - reduce_scatter_bytes(
                             mesh, algo, row, g.n, e)
-                        rc = max(rc, codec_bytes(mesh, row, g.n))
+                        rc = max(rc, reduce_codec_bytes(mesh, row, g.n, e))
                 up = g.row(Phase.UPDATE, Op.ALL_GATHER)
                 if up is not None and mesh is not None:
                     pe = g.params_bytes * f.p // max(g.n, 1)

@@ -241,7 +241,7 @@ def _ag_plan(out, inp, mesh, key, algo, comm, s):
         def decode():                            # rows at once (runtime/transport/quant.py [Note: rows at once])
             rows, got = out.view(s, m), gathered.view(s, p)
             for lo, hi in quant.row_batches(s, m, got.device):
-                rows[lo:hi].copy_(quant.dequantize_rows(got[lo:hi], m, comm))
+                quant.dequantize_rows(got[lo:hi], m, comm, out=rows[lo:hi])
         return _ag_bytes(gathered, payload, mesh, key, algo), decode
     cdt = torch_dtype(comm)
     if cdt == out.dtype and cdt == inp.dtype:

@@ -126,7 +126,7 @@ class FlatGroup:
         def decode():                                # rows at once (runtime/transport/quant.py)
             rows, payloads = st.full_data.view(s_q, m), got.view(s_q, p4)
             for lo, hi in quant.row_batches(s_q, m, payloads.device):
-                rows[lo:hi].copy_(quant.dequantize_rows(payloads[lo:hi], m, qd))
+                quant.dequantize_rows(payloads[lo:hi], m, qd, out=rows[lo:hi])
         return ThenWork(work, decode)
 
     def release(self) -> bool:

@@ -45,9 +45,14 @@ def qgz_send(inp: torch.Tensor, s: int, dtype: DType, out: torch.Tensor | None =
 
 def qgz_sum(recv: torch.Tensor, m: int, dtype: DType) -> torch.Tensor:
     """The fp32 sum of the s payload rows `recv` (s, p) received by qgZ's all-to-all: this
-    rank's m-element chunk of the reduce-scatter."""
+    rank's m-element chunk of the reduce-scatter. The rows are decoded a batch at a time into
+    one reused buffer; a batch of one row is added as it is (its `sum(0)` would be a copy),
+    a batch of several is summed first (operators per batch, not per rank)."""
     s = recv.shape[0]
     acc = torch.zeros(m, dtype=torch.float32, device=recv.device)
-    for lo, hi in quant.row_batches(s, m, recv.device):
-        acc += quant.dequantize_rows(recv[lo:hi], m, dtype).sum(0)
+    batches = quant.row_batches(s, m, recv.device)
+    vals = torch.empty(max(hi - lo for lo, hi in batches), m, dtype=torch.float32, device=recv.device)
+    for lo, hi in batches:
+        rows = quant.dequantize_rows(recv[lo:hi], m, dtype, out=vals[:hi - lo])
+        acc += rows[0] if hi - lo == 1 else rows.sum(0)
     return acc

@@ -31,6 +31,19 @@ median 0.511 CPU s a rank and 45k page faults, against 0.384 s and 3.9k with one
 rank (e24a095) and 0.429 s and 6.1k at 2^20; the collectives and bytes are the same
 (docs/BENCHMARKS.md, "hpZ (zeropp) against e24a095").
 
+[Note: the codec's working copies]
+A batch is coded with as few fp32 passes and copies as the layout allows, and the result is
+bit for bit what the plain formula gives. encode: rows that are whole fp32 blocks are read
+in place (no zero-padded copy); the quotient is rounded and clamped in place. decode: an
+fp32 output (the gathered buffer, qgZ's rows buffer) is written in place, codes cast into
+it, then scaled block by block; any other output dtype gets the fp32 values and one cast
+(a bf16 buffer is not scaled in bf16). qgZ's sum (transport/a2a.py) adds a one-row batch
+as it is (a (1, m) `sum(0)` is a copy). Before, each batch held three fp32 copies and the
+gather's decode a fourth: hpZ's micro-batches took 0.429 CPU s a rank against e24a095's
+0.384 (bench model, 2 nodes x 2, loopback gloo); per-rank cProfiles placed the difference
+in these copies (docs/BENCHMARKS.md, "hpZ (zeropp) against e24a095"). explain counts what
+is left (analysis/costmodel/staging.py [Note: staging: codec temporaries]).
+
 [Note: codec batches on meta]
 On the meta device (a simulated rank, runtime/simulation.py) there are no values to code,
 so a quantized collective codes only its first batch: the largest one, whose temporaries
@@ -80,21 +93,27 @@ def encode(x: torch.Tensor, dtype: DType) -> tuple[torch.Tensor, torch.Tensor]:
 
 def encode_rows(x: torch.Tensor, dtype: DType) -> tuple[torch.Tensor, torch.Tensor]:
     """`encode` of each row of the 2-D float tensor `x` (s rows of m elements) at once:
-    codes (s, code_bytes) and scales (s, blocks). See [Note: rows at once]."""
+    codes (s, code_bytes) and scales (s, blocks). See [Note: rows at once] and
+    [Note: the codec's working copies]."""
     if not dtype.quantized:
         raise ValueError(f"{dtype!r} is not a quantized dtype")
     rows, m = x.shape
     nblocks = ceil(m / BLOCK)
-    xf = torch.zeros(rows, nblocks * BLOCK, dtype=torch.float32, device=x.device)
-    xf[:, :m] = x
+    if m == nblocks * BLOCK and x.dtype == torch.float32 and x.is_contiguous():
+        xf = x                          # whole blocks already: read in place
+    else:
+        xf = torch.empty(rows, nblocks * BLOCK, dtype=torch.float32, device=x.device)
+        xf[:, :m] = x
+        xf[:, m:] = 0
     blocks = xf.view(rows, nblocks, BLOCK)
     qmax = _qmax(dtype)
-    scale = blocks.abs().amax(dim=2) / qmax
-    q = torch.round(blocks / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, :, None])
-    q = q.clamp(-qmax, qmax).to(torch.int8).view(rows, -1)[:, :m]
+    scale = blocks.abs().amax(dim=2) / qmax     # (torch.linalg.vector_norm(ord=inf): 12x the CPU)
+    q = blocks / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, :, None]
+    del xf, blocks
+    q = q.round_().clamp_(-qmax, qmax).view(rows, -1)[:, :m].to(torch.int8)
     if dtype is DType.INT8:
         return q, scale                 # int8 codes (the payload holds their bytes)
-    u = (q + 8).to(torch.uint8)
+    u = q.add_(8).view(torch.uint8)     # offset by 8, as (q + 8).to(uint8) would
     if m % 2:
         u = torch.cat([u, u.new_zeros(rows, 1)], dim=1)
     return u[:, 0::2] | (u[:, 1::2] << 4), scale
@@ -105,16 +124,26 @@ def decode(codes: torch.Tensor, scale: torch.Tensor, m: int, dtype: DType) -> to
     return decode_rows(codes.reshape(1, -1), scale.reshape(1, -1), m, dtype)[0]
 
 
-def decode_rows(codes: torch.Tensor, scale: torch.Tensor, m: int, dtype: DType) -> torch.Tensor:
-    """`decode` of each row of (codes (s, code_bytes), scales (s, blocks)): (s, m) float32."""
-    rows, nblocks = codes.shape[0], ceil(m / BLOCK)
+def decode_rows(codes: torch.Tensor, scale: torch.Tensor, m: int, dtype: DType,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """`decode` of each row of (codes (s, code_bytes), scales (s, blocks)): (s, m) float32,
+    written into `out` when given (any float dtype; an fp32 `out` is decoded in place,
+    [Note: the codec's working copies])."""
+    rows = codes.shape[0]
+    if out is not None and (out.dtype != torch.float32 or out.stride(-1) != 1):
+        return out.copy_(decode_rows(codes, scale, m, dtype))     # scaled in fp32, cast once
+    vals = torch.empty(rows, m, dtype=torch.float32, device=codes.device) if out is None else out
     if dtype is DType.INT8:
-        q = (codes if codes.dtype == torch.int8 else codes.view(torch.int8)).to(torch.float32)
+        vals.copy_(codes if codes.dtype == torch.int8 else codes.view(torch.int8))
     else:
-        q = torch.stack([codes & 0xF, codes >> 4], dim=2).view(rows, -1)[:, :m].to(torch.float32) - 8
-    full = torch.zeros(rows, nblocks * BLOCK, dtype=torch.float32, device=codes.device)
-    full[:, :m] = q
-    return (full.view(rows, nblocks, BLOCK) * scale[:, :, None]).view(rows, -1)[:, :m]
+        vals[:, 0::2].copy_(codes & 0xF)                 # the even elements: low nibbles
+        vals[:, 1::2].copy_((codes >> 4)[:, :m // 2])     # the odd ones: high nibbles
+        vals.sub_(8)
+    whole = m // BLOCK
+    vals[:, :whole * BLOCK].unflatten(1, (whole, BLOCK)).mul_(scale[:, :whole, None])
+    if whole * BLOCK < m:                                 # the short last block
+        vals[:, whole * BLOCK:].mul_(scale[:, whole:whole + 1])
+    return vals
 
 
 def quantize(x: torch.Tensor, dtype: DType, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,20 +165,17 @@ def quantize_rows(x: torch.Tensor, dtype: DType, out: torch.Tensor | None = None
 
 def dequantize(buf: torch.Tensor, m: int, dtype: DType, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode a payload of an m-element shard into `out` (float32 unless given)."""
-    vals = dequantize_rows(buf.reshape(1, -1), m, dtype)[0]
-    if out is None:
-        return vals
-    out.copy_(vals.view(out.shape))
-    return out
+    vals = dequantize_rows(buf.reshape(1, -1), m, dtype, None if out is None else out.view(1, -1))[0]
+    return vals if out is None else out
 
 
-def dequantize_rows(buf: torch.Tensor, m: int, dtype: DType) -> torch.Tensor:
+def dequantize_rows(buf: torch.Tensor, m: int, dtype: DType, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode each row of `buf` (s payloads of m-element shards, one per row, possibly
-    longer than a payload): (s, m) float32."""
+    longer than a payload): (s, m) float32, or into `out` (s, m) when given."""
     nblocks = ceil(m / BLOCK)
     ncode = code_bytes(m, dtype)
     scale = buf[:, ncode:ncode + nblocks * 4].clone(memory_format=torch.contiguous_format).view(torch.float32)
-    return decode_rows(buf[:, :ncode], scale, m, dtype)
+    return decode_rows(buf[:, :ncode], scale, m, dtype, out)
 
 
 def error_bound(x: torch.Tensor, dtype: DType) -> torch.Tensor:
