@@ -4,7 +4,9 @@ Orders (`ORDERS`): "after" `torch.compile(shardc.compile(model))`; "before"
 `shardc.compile(torch.compile(model))` (nanoGPT's); "blocks" `block.compile()` on each
 transformer block, then `shardc.compile` (torchtitan's). Each must
 - train at parity with one eager process (rel 1e-5; tests/test_compile_parity.py's
-  reference), SGD with momentum and AdamW, 2 micro-batches a step, on 4 gloo ranks;
+  reference), SGD with momentum and AdamW, 2 micro-batches a step: ZeRO-3 on 2 gloo ranks
+  `node(1) > gpu(2)`, PaRO-IIG on 4, `node(2) > gpu(2)` (its two levels; every rank compiles
+  its own graphs, so each rank more is one more compile of every graph on the 2 cores);
 - run as many matmuls inside Inductor graphs per training step as the same order
   without shardc (tests/matmul_count.py), which is every `nn.Linear`'s 3 matmuls (forward,
   input and weight gradient) per micro-batch for a whole-model compile — the root unit's
@@ -32,6 +34,9 @@ from tests.matmul_count import MatmulCount
 pytestmark = pytest.mark.distributed
 ORDERS = ("after", "before", "blocks")
 ACC, MESH = 2, "node(2) > gpu(2)"
+# the world each strategy runs on: ZeRO-3 shards over the world, 2 ranks show it; PaRO-IIG
+# needs both levels of node(2) > gpu(2)
+WORLDS = {"zero3.shard": (2, "node(1) > gpu(2)"), "paro_iig.shard": (4, MESH)}
 
 
 def strategy_text(name: str) -> str:
@@ -74,6 +79,7 @@ def _steps(world):
 def _gpt_job(rank, world, cases):
     out = []
     for name, order, opt_kind in cases:
+        mesh = WORLDS[name][1]
         torch._dynamo.reset()
         counters.clear()
         torch.manual_seed(123 + rank)                # rank 0's initial weights must win
@@ -84,7 +90,7 @@ def _gpt_job(rank, world, cases):
         ex = (torch.zeros(par.MICRO_B, TINY.block_size, dtype=torch.long),)
         text = strategy_text(name)
         sm = compiled(model, order, mc.backend,
-                      lambda m: shardc.compile(m, text, mesh=MESH, example_inputs=ex))
+                      lambda m: shardc.compile(m, text, mesh=mesh, example_inputs=ex))
         assert not (sm._orig_mod if order == "after" else sm).hooks      # the emitted fx forward
         o = par.make_opt(opt_kind, sm)
         opt = sm.optimizer(o.pop("cls"), **o)
@@ -124,8 +130,8 @@ def _gpt_step(m, opt):
 
 
 # every order once: after under ZeRO-3 with SGD + momentum, before under PaRO-IIG and blocks
-# under ZeRO-3 with AdamW (one pool of ranks: the compiled graphs are the model's, the same
-# under either strategy); SHARDC_FULL_SWEEPS=1 runs every order under both strategies with
+# under ZeRO-3 with AdamW (ZeRO-3's on 2 ranks, PaRO-IIG's on 4: `WORLDS`; the compiled graphs
+# are the model's, the same under either strategy); SHARDC_FULL_SWEEPS=1 runs every order under both strategies with
 # SGD + momentum and AdamW in turn
 GPT_CASES = [(name, order, ("sgd", "adamw")[(i + j) % 2]) for i, name in enumerate(("zero3.shard", "paro_iig.shard"))
              for j, order in enumerate(ORDERS)] if FULL_SWEEPS else \
@@ -133,27 +139,33 @@ GPT_CASES = [(name, order, ("sgd", "adamw")[(i + j) % 2]) for i, name in enumera
 
 
 def test_gpt_compiled_in_every_order_trains_at_parity():
-    # six compiled models per rank in one pool: the earlier tests' pools (8 ranks among
+    # up to six compiled models per rank in a pool: the earlier tests' pools (8 ranks among
     # them) are closed first, so their memory is free (in two full-suite CI runs a rank of
     # this pool died with no Python error while they were alive; never when run alone)
     shutdown()
     plain = {order: _plain_counts(par.make_model, order, _gpt_step) for order in ORDERS}
     for order in ORDERS:                                            # the counter counts what runs
         assert plain[order][0] == expected_compiled(par.make_model(), order)
-    try:
-        results = dist_run(4, _gpt_job, GPT_CASES)
-    except AssertionError as e:
-        # a rank of this pool segfaults inside libtorch_cpu now and then in full-suite runs
-        # (dmesg: "segfault ... in libtorch_cpu.so", no Python error; never alone): one retry
-        # in a fresh pool, and a second death fails the test
-        if " died (exit code" not in str(e):
-            raise
-        shutdown()
-        results = dist_run(4, _gpt_job, GPT_CASES)
-    for i, (name, order, opt_kind) in enumerate(GPT_CASES):
-        per_rank = [r[i] for r in results]
+    results = {}                                                  # case -> the ranks' results
+    for world in sorted({w for w, _ in WORLDS.values()}):
+        cases = [c for c in GPT_CASES if WORLDS[c[0]][0] == world]
+        if not cases:
+            continue
+        try:
+            got = dist_run(world, _gpt_job, cases)
+        except AssertionError as e:
+            # a rank of this pool segfaults inside libtorch_cpu now and then in full-suite runs
+            # (dmesg: "segfault ... in libtorch_cpu.so", no Python error; never alone): one retry
+            # in a fresh pool, and a second death fails the test
+            if " died (exit code" not in str(e):
+                raise
+            shutdown()
+            got = dist_run(world, _gpt_job, cases)
+        results.update({c: [r[i] for r in got] for i, c in enumerate(cases)})
+    for name, order, opt_kind in GPT_CASES:
+        per_rank = results[name, order, opt_kind]
         par._assert_close([(losses, state) for losses, state, *_ in per_rank],
-                          par._reference(ACC, opt_kind, 4))
+                          par._reference(ACC, opt_kind, WORLDS[name][0]))
         for _, _, got, eager, graphs in per_rank:
             assert got == plain[order][0], f"{name} {order}: {got} matmuls ran compiled, {plain[order][0]} without shardc"
             assert eager == plain[order][1]
@@ -174,11 +186,12 @@ def _hooks_gpt(rank, world, order):
     mc = MatmulCount()
     ex = (torch.zeros(par.MICRO_B, TINY.block_size, dtype=torch.long),)
     text = strategy_text("zero3.shard")
+    mesh = WORLDS["zero3.shard"][1]
     if order == "before":
-        sm = shardc.compile(torch.compile(model, backend=mc.backend), text, mesh=MESH,
+        sm = shardc.compile(torch.compile(model, backend=mc.backend), text, mesh=mesh,
                             example_inputs=ex, capture="export")
     else:                                                   # "module": sm.compile()
-        sm = shardc.compile(model, text, mesh=MESH, example_inputs=ex, capture="export")
+        sm = shardc.compile(model, text, mesh=mesh, example_inputs=ex, capture="export")
         sm.compile(backend=mc.backend)
     assert sm.hooks
     o = par.make_opt("sgd", sm)
@@ -195,9 +208,10 @@ def _hooks_gpt(rank, world, order):
 def test_gpt_on_the_hooks_path_runs_its_tied_head_compiled():
     # the compiled-model order (the "module" order, `sm.compile()`, too with SHARDC_FULL_SWEEPS=1)
     orders = ("before", "module") if FULL_SWEEPS else ("before",)
-    results = dist_run(4, _hooks_gpt_job, orders)
+    world = WORLDS["zero3.shard"][0]
+    results = dist_run(world, _hooks_gpt_job, orders)
     want = expected_compiled(par.make_model(), "after")
     for k, order in enumerate(orders):
-        par._assert_close([r[k][:2] for r in results], par._reference(ACC, "sgd", 4))
+        par._assert_close([r[k][:2] for r in results], par._reference(ACC, "sgd", world))
         for _, _, got, eager in (r[k] for r in results):
             assert (got, eager) == (want, 0), f"{order}: {got} matmuls compiled, {eager} eager; want {want}, 0"

@@ -21,9 +21,10 @@ the step's sync and update one more.
   gathers where the emitted SCHEDULE says (prefetch 1: unit i+1's gather before unit i's
   compute, forward and backward), and each unit's reduce-scatter stays in flight over the
   next unit's backward compute.
-- `no_sync()`, a DCP checkpoint through the README's recipe, the emitted file
-  (`shardc compile --inductor`), a Hugging Face GPT-2 (`use_cache=False`, a training
-  forward), and each refusal's one sentence.
+- `no_sync()` (the parity sweep's zero3), a DCP checkpoint through the README's recipe
+  resumed by a module of the emitted file (`shardc compile --inductor`; the sweep's
+  paro_nig), a Hugging Face GPT-2 (`use_cache=False`, a training forward), and each
+  refusal's one sentence.
 """
 from __future__ import annotations
 
@@ -147,12 +148,46 @@ def compiled(strategy_text, mesh, layers=1, rank=0, meta=False, **kw):
     return shardc.compile(model, strategy_text, mesh=mesh, backend="inductor", **kw)
 
 
+def _resume_in_the_emitted_file(sm, opt, kind, rank, world, emitted, steps):
+    """A DCP checkpoint of `sm` (after step 1) through the README's recipe, resumed by a new
+    module of the emitted file (`shardc compile --inductor`), which trains the rest of `steps`."""
+    import importlib.util
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    msd, osd = get_state_dict(sm, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{emitted}.ckpt")
+    spec = importlib.util.spec_from_file_location(f"emitted_{rank}", emitted)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    other = mod.shard_model(gpt(SWEEP_LAYERS, seed=7))
+    assert other.backend == "inductor"
+    cls, kw = opt_of(kind)
+    oopt = other.optimizer(cls, **kw)
+    msd, osd = get_state_dict(other, oopt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=f"{emitted}.ckpt")
+    set_state_dict(other, oopt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return other, train(other, oopt, steps, rank, world)
+
+
 def _sweep(rank, world, cases, mesh, layers=1):
+    """Each case (strategy text, optimizer, options) trained STEPS steps; options: "meta" (built
+    on the meta device), "no_sync" (`no_sync()` on the first micro-batch of every step: exact,
+    the step's sync is at opt.step()), "resume" (the emitted file's path: step 1 here, then a
+    DCP checkpoint resumed by a module of that file for the rest)."""
     out = []
-    for strategy_text, kind, *meta in cases:
-        sm = compiled(strategy_text, mesh, layers, rank=rank, meta=bool(meta))
+    for strategy_text, kind, opts in cases:
+        sm = compiled(strategy_text, mesh, layers, rank=rank, meta="meta" in opts)
         cls, kw = opt_of(kind)
-        losses = train(sm, sm.optimizer(cls, **kw), data(world, layers=layers), rank, world)
+        opt = sm.optimizer(cls, **kw)
+        steps = data(world, layers=layers)
+        if "resume" in opts:
+            losses = train(sm, opt, steps[:1], rank, world)
+            sm, more = _resume_in_the_emitted_file(sm, opt, kind, rank, world, opts["resume"], steps[1:])
+            losses += more
+        else:
+            losses = train(sm, opt, steps, rank, world, no_sync_first="no_sync" in opts)
         gathers = [(g.kind, [(lv, b) for op, lv, b, _ in g.collectives if op == "all_gather"])
                    for g in sm.runtime.collectives()]
         rows = [(r.levels, r.bytes) for u in sm.lowering.units for g in u.groups for r in g.rows
@@ -191,20 +226,34 @@ HO_RING = "mesh node(*) > gpu(2)\nparams shard over gpu\ngrads shard over world\
 # paro_igg, paro_iig, mics and hsdp_zero2 mix the shapes above over gpu and world) and
 # zero_topo's 3-level mesh on 8 ranks.
 SHAPES = ("ddp", "zero3", "paro_nig")
+# two blocks: with one, the only block is the forward's last unit and the backward's first,
+# kept gathered between them, so nothing is re-gathered in the backward (hpZ's Q gather)
+SWEEP_LAYERS = 2
 
 
-def test_strategies_train_at_parity():
-    """...and ZeRO++ in full (int8 hpZ secondary, qwZ, qgZ) within 1 % of the reference loss."""
+def test_strategies_train_at_parity(tmp_path):
+    """...and ZeRO++ in full (int8 hpZ secondary, qwZ, qgZ) within 1 % of the reference loss;
+    zero3 with `no_sync()` on every step's first micro-batch, paro_nig resumed after step 1
+    from a DCP checkpoint by a module of the emitted file (`shardc compile --inductor`)."""
+    import shardc
+    from shardc.compiler.api import compile_source
     names = [n for n in NAMED if n != "zero_topo"] if FULL else list(SHAPES)
     assert set(SHAPES) <= set(NAMED) and (not FULL or "zeropp" in names)
-    cases = [(text(n), ("adamw", "sgd")[i % 2]) + (("meta",) if n == "zero3" else ()) for i, n in enumerate(names)]
+    source, plan = compile_source(gpt(SWEEP_LAYERS), text("paro_nig"), mesh=MESH, backend="inductor")
+    assert plan.backend == "inductor" and "backend='inductor'" in source
+    emitted = tmp_path / "emitted_paro_nig.py"
+    emitted.write_text(source)
+    assert shardc.load_strategy(text("paro_nig"), mesh=MESH).accumulate == ACC
+    options = {"zero3": {"meta": True, "no_sync": True}, "paro_nig": {"resume": str(emitted)}}
+    cases = [(text(n), ("adamw", "sgd")[i % 2], options.get(n, {})) for i, n in enumerate(names)]
     if FULL:
-        cases.append((HO_RING + f"accumulate {ACC}\nbucket 0\n", "adamw"))
-    cases.append((QUANTIZED + f"accumulate {ACC}\nbucket 0\n", "sgd"))
-    results = dist_run(4, _sweep, cases, MESH, 2)
-    refs = {(kind, meta): reference(kind, 4, layers=2, meta=meta) for kind in ("adamw", "sgd") for meta in (False, True)}
-    for i, (_, kind, *meta) in enumerate(cases[:-1]):          # zero3's model is built on meta
-        close([r[i][:2] for r in results], refs[kind, bool(meta)])
+        cases.append((HO_RING + f"accumulate {ACC}\nbucket 0\n", "adamw", {}))
+    cases.append((QUANTIZED + f"accumulate {ACC}\nbucket 0\n", "sgd", {}))
+    results = dist_run(4, _sweep, cases, MESH, SWEEP_LAYERS)
+    refs = {(kind, meta): reference(kind, 4, layers=SWEEP_LAYERS, meta=meta)
+            for kind in ("adamw", "sgd") for meta in (False, True)}
+    for i, (_, kind, opts) in enumerate(cases[:-1]):          # zero3's model is built on meta
+        close([r[i][:2] for r in results], refs[kind, "meta" in opts])
     close([r[-1][:2] for r in results], refs["sgd", False], rtol=1e-2)
     for i in ((names.index("zeropp"),) if FULL else ()) + (len(cases) - 1,):
         backward_regathers_are_the_rows(results[0][i])
@@ -214,7 +263,7 @@ def test_strategies_train_at_parity():
 @pytest.mark.skipif(not FULL, reason="8 compiling ranks on the suite's 2 cores: opt-in, SHARDC_FULL_SWEEPS=1 "
                     "(zero_topo trains at parity on its 3-level mesh in the eager runtime: test_runtime_parity.py)")
 def test_three_levels_zero_topo_at_parity():
-    results = dist_run(8, _sweep, [(text("zero_topo"), "sgd")], MESH3, 2)
+    results = dist_run(8, _sweep, [(text("zero_topo"), "sgd", {})], MESH3, 2)
     close([r[0][:2] for r in results], reference("sgd", 8, layers=2))
     backward_regathers_are_the_rows(results[0][0])
     assert {lv for lv, _ in results[0][0][3]} == {("gpu", "gcd")}
@@ -394,50 +443,7 @@ def test_the_backward_that_ends_the_step_syncs_in_its_graph():
     close([(r[7], r[8]) for r in results], reference("sgd", 4, steps=3, layers=3))
 
 
-# -- everything else the eager runtime does ---------------------------------------------------
-def _features_job(rank, world, emitted):
-    import importlib.util
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    out = {}
-    # no_sync on the first micro-batch of every step: exact (the step's sync is at opt.step())
-    sm = compiled(text("zero3"), MESH, rank=rank)
-    opt = sm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
-    out["no_sync"] = (train(sm, opt, data(world), rank, world, no_sync_first=True), sm.full_state_dict())
-    # a DCP checkpoint after step 1, resumed by a new module of the emitted file, step 2 there
-    sm = compiled(text("paro_nig"), MESH, rank=rank)
-    opt = sm.optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
-    first = train(sm, opt, data(world)[:1], rank, world)
-    msd, osd = get_state_dict(sm, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{emitted}.ckpt")
-    spec = importlib.util.spec_from_file_location(f"emitted_{rank}", emitted)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    other = mod.shard_model(gpt(seed=7))
-    assert other.backend == "inductor"
-    oopt = other.optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
-    msd, osd = get_state_dict(other, oopt)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=f"{emitted}.ckpt")
-    set_state_dict(other, oopt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    out["resumed"] = (first + train(other, oopt, data(world)[1:], rank, world), other.full_state_dict())
-    return out
-
-
-def test_no_sync_checkpoints_and_the_emitted_file(tmp_path):
-    import shardc
-    from shardc.compiler.api import compile_source
-    source, plan = compile_source(gpt(), text("paro_nig"), mesh=MESH, backend="inductor")
-    assert plan.backend == "inductor" and "backend='inductor'" in source
-    emitted = tmp_path / "emitted_paro_nig.py"
-    emitted.write_text(source)
-    assert shardc.load_strategy(text("paro_nig"), mesh=MESH).accumulate == ACC
-    results = dist_run(4, _features_job, str(emitted))
-    close([r["no_sync"] for r in results], reference("sgd", 4))
-    close([r["resumed"] for r in results], reference("adamw", 4))
-
-
+# -- a Hugging Face model --------------------------------------------------------------------
 def _hf_train(model, opt, rank, world, split):
     """tests/test_hf_models.py's data and loop, with the causal LM loss taken from the logits
     (HF's `labels=` path logs a warning once, which a compiled graph cannot hold)."""
@@ -455,10 +461,22 @@ def _hf_train(model, opt, rank, world, split):
     return losses
 
 
+def hf_gpt2(seed=0):
+    """tests/test_hf_models.py's GPT-2 config with one block (a root unit and a block unit:
+    every graph the mode builds; each block more is Inductor compile time on every rank)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests import test_hf_models as hf
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=hf.V, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      bos_token_id=0, eos_token_id=0))
+
+
 def _hf_job(rank, world):
     import shardc
     from tests import test_hf_models as hf
-    model = hf.make_model("gpt2", seed=0 if rank == 0 else 100 + rank)
+    model = hf_gpt2(seed=0 if rank == 0 else 100 + rank)
     model.config.use_cache = False          # a training forward (a cache's updates cannot be in one graph)
     sm = shardc.compile(model, text("paro_iig"), mesh=MESH, backend="inductor",
                         example_inputs=(torch.zeros(hf.B, hf.T, dtype=torch.long),))
@@ -470,7 +488,7 @@ def _hf_job(rank, world):
 def test_a_hugging_face_gpt2_trains_at_parity():
     from tests import test_hf_models as hf
     results = dist_run(4, _hf_job)
-    model = hf.make_model("gpt2")
+    model = hf_gpt2()
     model.config.use_cache = False
     cls, kw = hf.opt_kwargs("sgd")
     ref = _hf_train(model, cls(model.parameters(), **kw), 0, 4, False)
