@@ -468,6 +468,7 @@ def big(a) -> str:
     import time
     sys.path.insert(0, HERE)
     import bigmodel
+    import bigmodel_driver
     merged: dict = {"meta": {}, "systems": {}}
     load = os.path.join(os.path.abspath(a.load), "dcp") if a.load else None
     if load and not os.path.exists(load):
@@ -478,14 +479,14 @@ def big(a) -> str:
         part = os.path.abspath(a.json) + "." + system.replace(":", "-")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port",
                "29641", sys.argv[0], "--worker", part, "--layers", str(a.layers), "--systems", system]
-        have = bigmodel.wait_for_memory(int(a.need_gib * bigmodel.GIB), 600)
+        have = bigmodel_driver.wait_for_memory(int(a.need_gib * bigmodel.GIB), 600)
         print(f"{system}: {have / bigmodel.GIB:.1f} GiB available", flush=True)
         seen: dict = {}
         load0, t0 = os.getloadavg(), time.perf_counter()
         proc = subprocess.Popen(cmd + (["--cold"] if a.cold else []) + (["--load", load] if load else []) +
                                 (["--no-step"] if a.no_step else []), env=dict(os.environ, OMP_NUM_THREADS="1"),
                                 start_new_session=True)
-        threading.Thread(target=bigmodel.watch, args=(proc, int(0.75 * bigmodel.GIB), seen), daemon=True).start()
+        threading.Thread(target=bigmodel_driver.watch, args=(proc, int(0.75 * bigmodel.GIB), seen), daemon=True).start()
         rc = proc.wait()
         run = dict(torchrun_s=round(time.perf_counter() - t0, 1), loadavg_before=load0, loadavg_after=os.getloadavg(),
                    max_sum_rss=seen.get("max_sum_rss"), min_available=seen.get("min_available"),
