@@ -271,25 +271,59 @@ SIM_SYSTEMS = ("shardc:zero3", "fsdp2:zero3", "shardc:mics", "fsdp2:hsdp")
 SIM_NODES, SIM_SEQ = 128, 2048
 
 
+def fsdp2_fake_step(model, seq: int, logits_of) -> dict:
+    """FSDP2's side of `--simulate` / `--simulate-836m`: the `fully_shard`ed meta `model` made
+    fake (FakeTensorMode) under the fake group, 1 x `seq` tokens, AdamW, one step unmeasured
+    (the optimizer's states are made), the next under simulate's MemTracker subclass per
+    phase, as shardc's simulated rank runs. `logits_of`: the model's output -> its logits."""
+    import contextlib
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardc.analysis.costmodel.flops import flash_sdpa_mode
+    from shardc.simulate import _step_tracker
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, 32000, (1, seq))
+
+        def step(phase):
+            with phase("forward"):
+                loss = F.cross_entropy(logits_of(model(x)).flatten(0, -2).float(), x.flatten())
+            with phase("backward"):
+                loss.backward()
+            del loss
+            with phase("step"):
+                opt.step()
+                opt.zero_grad()
+        with flash_sdpa_mode():
+            step(lambda name: contextlib.nullcontext())
+        tracker = _step_tracker()
+        tracker.track_external(model, opt)
+        with tracker, flash_sdpa_mode():
+            step(tracker.phase)
+    dist.destroy_process_group()
+    peaks = tracker.phase_peaks()
+    return {"peaks": peaks, "peak": max(peaks.values()), "by_kind": tracker.peak_by_kind(),
+            "states": sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())}
+
+
 def sim_836m(system: str) -> dict:
     """One system's simulated rank 0 at the 836M Llama (`--simulate-836m`): bench/bigmodel.py's
     16 layers of TinyLlama's width in fp32, 8 ranks, shardc's systems as the gloo run has them
     (`bench/llama_zero3_units.shard`, `hsdp_text`), FSDP2's `fully_shard` per unit, 1 x 128
     tokens, AdamW, the second step tracked per phase. The config keeps HF's `use_cache`
     (both systems alike): without it HF's packed-sequence check reads a meta value."""
-    import contextlib
     sys.path.insert(0, HERE)
     import bigmodel
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import torch.distributed._tools.fake_collectives  # noqa: F401  (the collectives' fake kernels)
     import shardc
-    from shardc.analysis.costmodel.flops import flash_sdpa_mode
-    from shardc.simulate import _step_tracker, init_fake, simulate_rank
+    from shardc.simulate import init_fake, simulate_rank
 
     from peak_models import llama_836m as factory
     if system.startswith("shardc"):
@@ -308,41 +342,17 @@ def sim_836m(system: str) -> dict:
     for mod in [model.model.embed_tokens, *model.model.layers, model.lm_head]:
         fully_shard(mod, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x = torch.randint(0, 32000, (1, bigmodel.TOKENS))
-
-        def step(phase):
-            with phase("forward"):
-                loss = F.cross_entropy(model(x).logits.flatten(0, -2).float(), x.flatten())
-            with phase("backward"):
-                loss.backward()
-            del loss
-            with phase("step"):
-                opt.step()
-                opt.zero_grad()
-        with flash_sdpa_mode():
-            step(lambda name: contextlib.nullcontext())
-        tracker = _step_tracker()
-        tracker.track_external(model, opt)
-        with tracker, flash_sdpa_mode():
-            step(tracker.phase)
-    dist.destroy_process_group()
-    peaks = tracker.phase_peaks()
-    return {"peaks": peaks, "peak": max(peaks.values()), "by_kind": tracker.peak_by_kind(),
-            "states": sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())}
+    return fsdp2_fake_step(model, bigmodel.TOKENS, lambda out: out.logits)
 
 
 def sim_worker(system: str) -> dict:
     """One system's simulated rank 0 (see `--simulate`): MemTracker's peak per phase, bytes."""
-    import contextlib
     if system.startswith("836m:"):
         return sim_836m(system[len("836m:"):])
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
     import simulate_papers as P
-    from shardc.simulate import _step_tracker, init_fake, simulate_rank
+    from shardc.simulate import init_fake, simulate_rank
     factory = P._factory("examples/llama.py:llama_65b")
     if system.startswith("shardc"):
         import shardc
@@ -350,14 +360,10 @@ def sim_worker(system: str) -> dict:
         rep = simulate_rank(s, factory, 0, spec="llama_65b", micro_batches=1, batch=1, seq=SIM_SEQ, peak=True)
         return {"peaks": rep["peak"]["phases"], "peak": rep["peak"]["measured"], "by_kind": rep["peak"]["by_kind"],
                 "states": rep["memory"]["total"]}
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import torch.distributed._tools.fake_collectives  # noqa: F401  (the collectives' fake kernels)
-    from shardc.analysis.costmodel.flops import flash_sdpa_mode
     world = SIM_NODES * 8
     init_fake(0, world)
     with torch.device("meta"):
@@ -368,30 +374,7 @@ def sim_worker(system: str) -> dict:
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x = torch.randint(0, 32000, (1, SIM_SEQ))
-
-        def step(phase):
-            with phase("forward"):
-                loss = F.cross_entropy(model(x).flatten(0, -2).float(), x.flatten())
-            with phase("backward"):
-                loss.backward()
-            del loss
-            with phase("step"):
-                opt.step()
-                opt.zero_grad()
-        with flash_sdpa_mode():
-            step(lambda name: contextlib.nullcontext())
-        tracker = _step_tracker()
-        tracker.track_external(model, opt)
-        with tracker, flash_sdpa_mode():
-            step(tracker.phase)
-    dist.destroy_process_group()
-    peaks = tracker.phase_peaks()
-    return {"peaks": peaks, "peak": max(peaks.values()), "by_kind": tracker.peak_by_kind(),
-            "states": sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())}
+    return fsdp2_fake_step(model, SIM_SEQ, lambda out: out)
 
 
 def simulate(out: str, small: bool = False) -> None:
