@@ -172,6 +172,12 @@ from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, step_temporary_bytes
 
 from .staging import all_gather_bytes, all_reduce_bytes, reduce_codec_bytes, reduce_scatter_bytes
 
+# The backward walk in `timeline` keeps one earlier unit's reduce-scatter in flight (`prev`):
+# the runtime's bound REDUCE_IN_FLIGHT (runtime/eager/engine.py `_bound_reductions`) read here,
+# so a larger bound fails at import instead of mispredicting the peak.
+if REDUCE_IN_FLIGHT != 1:
+    raise ImportError(f"timeline models one reduce-scatter in flight, the runtime allows {REDUCE_IN_FLIGHT}")
+
 # Gradients the loss's backward makes, each the size of the fp32 logits ([Note: timeline: loss gradient]).
 LOSS_GRADIENTS = 4
 # Tensors of the logits' size the loop holds: at the forward's end (the logits, cross entropy's
