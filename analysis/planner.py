@@ -46,7 +46,7 @@ from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import STATES, Collectives, DType, GradsSpec, Mesh, OptimSpec, ParamsSpec, Scopes, Strategy
 from shardc.dsl.quantities import duration
 from shardc.dsl.unparse import unparse
-from shardc.lowering import expert_group
+from shardc.lowering import kinds_of
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 
 from shardc.analysis.costmodel.report import Explained, explain
@@ -125,8 +125,8 @@ def plan(base: Strategy, units: list[UnitSize], budget: float, *, bandwidth=None
     out = []
     for sc in enumerate_scopes(base.mesh, dtype):
         s = replace(base, scopes=sc, overrides=(), collectives=Collectives.AUTO)
-        experts = expert_group(s)          # an experts statement without a block: the candidate's scopes
-        us = [replace(u, scopes=sc, experts=experts if u.experts is not None else None) for u in units]
+        now = {k.over: k for k in kinds_of(s)}     # an experts statement without a block: the candidate's scopes
+        us = [replace(u, scopes=sc, placed=tuple((now.get(k.over, k), t, f) for k, t, f in u.placed)) for u in units]
         rep = explain(s, us, micro_batches=micro_batches, optimizer=optimizer,
                       optimizer_kwargs=optimizer_kwargs, bandwidth=bandwidth, tokens=tokens, flops=flops,
                       graph=graph, checkpoint=checkpoint, peak_flops=peak_flops, overhead=overhead)

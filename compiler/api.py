@@ -25,7 +25,7 @@ from math import prod
 from torch import nn
 
 from shardc.analysis.costmodel.bucketing import resolve_bucket
-from shardc.analysis.costmodel.sizes import placed_params
+from shardc.analysis.costmodel.sizes import model_unit_sizes
 from shardc.compiler.capture import capture as capture_graph
 from shardc.compiler.codegen import emit
 from shardc.compiler.passes import run_passes
@@ -33,7 +33,7 @@ from shardc.compiler.plan import Plan, build_plan
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, MeshDims, Strategy
 from shardc.dsl.unparse import unparse
-from shardc.lowering import expert_group, unit_sizes
+from shardc.lowering import kinds_of
 from shardc.units import find_units
 
 __all__ = ["compile_source", "resolve_strategy"]
@@ -77,7 +77,7 @@ def _resolve_collectives(strategy: Strategy, model: nn.Module, units) -> Strateg
     if strategy.collectives is not Collectives.AUTO:
         return strategy
     from shardc.analysis.costmodel.timing import choose_collectives
-    sizes = unit_sizes(placed_params(model, expert_group(strategy)), units, expert_group(strategy))
+    sizes = model_unit_sizes(model, units, kinds_of(strategy))
     return dataclasses.replace(strategy, collectives=choose_collectives(strategy, sizes))
 
 

@@ -42,7 +42,7 @@ from shardc.compiler.passes.meta import Call, info
 from shardc.compiler.plan import Plan
 from shardc.dsl.ir import STATES, Scopes, Strategy
 from shardc.dsl.unparse import state_clause, state_text
-from shardc.lowering import Over, Phase
+from shardc.lowering import Phase, kinds_of
 
 __all__ = ["emit", "statement"]
 
@@ -174,26 +174,25 @@ def _stage_line(plan: Plan, stage, c: "_Commenter") -> str:
     return f"{stage!r}," + (f"  # {'; '.join(why)}" if why else "")
 
 
-def _cause(plan: Plan, c: "_Commenter", u, g, r) -> str:
-    """The strategy line behind row `r`: an expert group's follows the experts' scopes and
-    names the `experts` statement (its ep and the experts' mesh)."""
-    if g.placement.over != Over.EXPERTS:
+def _cause(plan: Plan, c: "_Commenter", u, g, r, kinds: dict) -> str:
+    """The strategy line behind row `r`: the unit's scope's, or, for a group a strategy
+    statement places (`kinds`: its placement kinds by `Over`; the `experts` statement), its
+    placement's scope and that statement."""
+    k = kinds.get(g.placement.over)
+    text = k.statement() if k is not None else None
+    if text is None:
         return c.stmt(u.scopes, r.state)
-    s = plan.strategy
-    e = s.experts
-    ep = f" ep {e.ep}" if e.ep > 1 else ""
-    return (c.stmt(s.expert_scopes, r.state) + "; " +
-            statement(s, e.line, f'experts "{e.pattern}"{ep} (over {s.expert_mesh})'))
+    return c.stmt(g.placement.scopes, r.state) + "; " + statement(plan.strategy, k.line, text)
 
 
 def _row_lines(plan: Plan, c: "_Commenter") -> list[str]:
-    out = []
+    out, kinds = [], {k.over: k for k in kinds_of(plan.strategy)}
     for i, (u, up) in enumerate(zip(plan.units, plan.lowering.units)):
         for g in up.groups:
             kind = "trainable" if g.trainable else "frozen"
             for r in g.rows:
                 out.append(f"{i:>3} {kind:<9} {r.phase.value:<8} {r.op.value:<14} {','.join(r.levels):<14} "
-                           f"{r.bytes:>12,} B per {r.per.value:<8}  {_cause(plan, c, u, g, r)}")
+                           f"{r.bytes:>12,} B per {r.per.value:<8}  {_cause(plan, c, u, g, r, kinds)}")
     for r in plan.lowering.clip_rows:
         out.append(f"  * {'':<9} {r.phase.value:<8} {r.op.value:<14} {','.join(r.levels):<14} "
                    f"{r.bytes:>12,} B per {r.per.value:<8}  clip_grad_norm_ (optim chunks' squared norm)")

@@ -16,9 +16,9 @@ from torch import nn
 
 from shardc.compiler.passes.meta import Call, capture_info, info
 from shardc.dsl.ir import Strategy
-from shardc.lowering import Lowering, expert_group, lower, unit_sizes
+from shardc.lowering import Lowering, kinds_of, lower
 from shardc.lowering.passes import pass_names
-from shardc.analysis.costmodel.sizes import placed_params
+from shardc.analysis.costmodel.sizes import model_unit_sizes
 
 __all__ = ["Step", "Plan", "build_plan"]
 
@@ -53,7 +53,7 @@ def build_plan(gm, strategy: Strategy, model: nn.Module, passes=None, backend: s
     ci = capture_info(gm)
     steps = tuple(Step(info(n).op, info(n).unit, info(n).line) for n in gm.graph.nodes
                   if info(n) is not None and info(n).op is not Call.COMPUTE)
-    sizes = unit_sizes(placed_params(model, expert_group(strategy)), ci.units, expert_group(strategy))
+    sizes = model_unit_sizes(model, ci.units, kinds_of(strategy))
     lowering = lower(strategy.mesh, sizes, strategy.prefetch, passes)
     structure = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
     return Plan(strategy, tuple(ci.units), tuple(u.trainable for u in sizes), tuple(u.frozen for u in sizes),

@@ -21,7 +21,8 @@ on it, and so the granularity of its optimizer states (flat chunks, or whole ten
 owners are `Lowering.owned`, lowering/owned.py). Every consumer reads a group's mesh,
 scopes and factors from its placement and a row's mesh from `Row.over`; none maps a kind
 back to a mesh. A new kind is a new `Over` value and the file that says which parameters
-it takes and their scopes (lowering/placements.py [Note: placement kinds]).
+it takes and their placement (lowering/placements.py [Note: placement kinds]; the experts':
+lowering/experts.py).
 """
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ class Phase(CodeEnum):
 class Over:
     """What a group's parameters are placed over, named: a placement kind (its data-parallel
     mesh and scopes). `Over.DENSE`: the strategy's mesh and the unit's scopes; `Over.EXPERTS`:
-    the experts' mesh and scopes (dsl/ir.py [Note: the experts' mesh]); a registered kind
-    adds its own (lowering/placements.py). Ledger order: these two, then registration order."""
+    the experts' mesh and scopes (lowering/experts.py, dsl/ir.py [Note: the experts' mesh]);
+    a registered kind adds its own (lowering/placements.py). Ledger order: these two, then
+    registration order."""
     value: str
 
 
@@ -102,25 +104,12 @@ class Factors:
 
 
 @dataclass(frozen=True, slots=True)
-class ExpertGroup:
-    """The strategy's `experts` statement as the lowering reads it: which parameters are
-    experts (`pattern`, a glob over parameter and module FQNs), the mesh they are
-    data-parallel over and their scopes on it, and the ep degree and the level it borrows
-    from (dsl/ir.py [Note: the experts' mesh]). `lowering.expert_group(strategy)` makes it."""
-    pattern: str
-    mesh: Mesh
-    scopes: Scopes
-    ep: int = 1
-    level: str = ""
-
-
-@dataclass(frozen=True, slots=True)
 class Placement:
     """Where a group's parameters are placed ([Note: a group is keyed by its placement]): the
     data-parallel mesh (`over`, that mesh `mesh`), their scopes on it and the scopes' shard
     factors. Its granularity is the optimizer scope's (flat chunks, or whole tensors). Its
     clip: the strategy-mesh levels whose all-reduce adds its squared norms, and how many
-    times that sum meets each of its optimizer slices (lowering/scopes.py [Note: clip rows
+    times that sum meets each of its optimizer slices (lowering/experts.py [Note: clip rows
     of experts]; 1 but for experts whose optim scope leaves out the level ep borrows from)."""
     over: Over
     mesh: Mesh

@@ -11,58 +11,54 @@ from dataclasses import dataclass
 
 from shardc.dsl.ir import Mesh, Scopes
 
-from .ir import ExpertGroup, Lowering, Over, Placement, UnitPlan
-from .layout import factors, pad_multiple, padded
+from .ir import Lowering, Over, Placement, UnitPlan
+from .layout import pad_multiple, padded
 from .passes import run_plan_passes
 from .rows import clip_rows, group_plan
-from .placements import get as get_kind, kinds
-from .scopes import expert_clip_levels, expert_clip_weight, over_of
+from .placements import PlacementKind, kinds as registered_kinds, placement
+from .scopes import kind_for
 from .schedule import schedule
+
+__all__ = ["UnitSize", "lower", "lower_unit", "placement", "unit_sizes"]
 
 
 @dataclass(frozen=True, slots=True)
 class UnitSize:
     """Element counts of one unit (before padding) and its resolved scopes: its own (dense)
-    parameters', and apart those of each other placement (`placed`: (Over, trainable,
-    frozen) per kind): with an `experts` statement its expert parameters' (`experts` says
-    where they go), and a registered kind's (lowering/placements.py)."""
+    parameters', and apart those of each other placement kind that takes some of them
+    (`placed`: (kind, trainable, frozen) per kind, lowering/placements.py): the `experts`
+    statement's, a registered kind's."""
     name: str
     trainable: int
     frozen: int
     scopes: Scopes
     root: bool = False
-    experts: ExpertGroup | None = None
-    placed: tuple[tuple[Over, int, int], ...] = ()
+    placed: tuple[tuple[PlacementKind, int, int], ...] = ()
 
     def counts(self, over: Over) -> tuple[int, int]:
         """(trainable, frozen) elements placed by kind `over`."""
         if over == Over.DENSE:
             return self.trainable, self.frozen
-        return next(((t, f) for o, t, f in self.placed if o == over), (0, 0))
+        return next(((t, f) for k, t, f in self.placed if k.over == over), (0, 0))
 
 
-def unit_sizes(params, units, experts: ExpertGroup | None = None) -> list[UnitSize]:
+def unit_sizes(params, units, kinds=None) -> list[UnitSize]:
     """Sizes of `units` (name, params, scopes; root first): `params` maps each canonical
-    FQN to a tensor-like object (`numel()`, `requires_grad`; a meta tensor will do), each
-    an expert's local shard where `experts` names it (`is_expert`)."""
+    FQN to a tensor-like object (`numel()`, `requires_grad`; a meta tensor will do), each as
+    one rank holds it (an expert's local shard); `kinds`: the placement kinds besides the
+    unit's own, in precedence order (lowering/scopes.py `kinds_of(strategy)`; None: the
+    registered ones)."""
+    kinds = registered_kinds() if kinds is None else tuple(kinds)
     out = []
     for i, u in enumerate(units):
-        over = {n: over_of(experts, n, params[n]) for n in u.params}
-        of = lambda o: [n for n in u.params if over[n] == o]
+        kind = {n: kind_for(kinds, n, params[n]) for n in u.params}
+        of = lambda k: [n for n in u.params if kind[n] is k]
         count = lambda names, t: sum(params[n].numel() for n in names if params[n].requires_grad == t)
-        dense = of(Over.DENSE)
-        placed = tuple((o, count(of(o), True), count(of(o), False))
-                       for o in (Over.EXPERTS, *(k.over for k in kinds())) if of(o))
+        dense = of(None)
+        placed = tuple((k, count(of(k), True), count(of(k), False)) for k in kinds if of(k))
         out.append(UnitSize(u.name, count(dense, True), count(dense, False), u.scopes, root=(i == 0),
-                            experts=experts if of(Over.EXPERTS) else None, placed=placed))
+                            placed=placed))
     return out
-
-
-def placement(over: Over, mesh: Mesh, sc: Scopes, clip: tuple | None = None, weight: int = 1) -> Placement:
-    """The placement of a group over `mesh` (named `over`) with scopes `sc`; its clip
-    all-reduce is over `clip` (default: its optim levels, `mesh` being the strategy's)."""
-    return Placement(over, mesh, sc, factors(sc, mesh), mesh.ordered(sc.optim.levels) if clip is None else clip,
-                     weight)
 
 
 def _groups(pl: Placement, counts, root: bool):
@@ -74,26 +70,14 @@ def _groups(pl: Placement, counts, root: bool):
     return out
 
 
-def _placement(mesh: Mesh, u: UnitSize, over: Over) -> Placement:
-    """The placement of unit `u`'s parameters of kind `over` (lowering/placements.py [Note: placement kinds])."""
-    if over == Over.DENSE:
-        return placement(over, mesh, u.scopes)
-    if over == Over.EXPERTS:
-        e = u.experts
-        return placement(over, e.mesh, e.scopes, expert_clip_levels(mesh, e), expert_clip_weight(e))
-    k = get_kind(over)
-    return placement(over, mesh, k.scopes(u.scopes))
-
-
 def lower_unit(mesh: Mesh, u: UnitSize) -> UnitPlan:
-    groups, dense = [], placement(Over.DENSE, mesh, u.scopes)
-    for over in (Over.DENSE, *(o for o, _, _ in u.placed)):
-        trainable, frozen = u.counts(over)
-        groups += _groups(dense if over == Over.DENSE else _placement(mesh, u, over),
-                          ((trainable, True), (frozen, False)), u.root)
+    """Unit `u`'s groups: its own parameters' on `mesh` with its scopes, then each kind's with
+    that kind's placement (lowering/placements.py [Note: placement kinds])."""
+    dense = placement(Over.DENSE, mesh, u.scopes)
+    groups = _groups(dense, ((u.trainable, True), (u.frozen, False)), u.root)
+    for k, trainable, frozen in u.placed:
+        groups += _groups(k.placement(mesh, u.scopes), ((trainable, True), (frozen, False)), u.root)
     return UnitPlan(u.name, u.scopes, dense.factors, tuple(groups), u.root)
-
-
 
 
 def lower(mesh: Mesh, units, prefetch: int = 1, passes=None) -> Lowering:

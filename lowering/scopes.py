@@ -25,8 +25,9 @@ from dataclasses import replace
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import DEPENDENCY, Mesh, Scopes, Strategy
 
-from .ir import ExpertGroup, Over
-from .placements import kind_of, kinds
+from .experts import expert_group
+from .ir import Over
+from .placements import PlacementKind, kinds
 
 
 def _matches(pattern: str, unit: str, modules: tuple[str, ...]) -> bool:
@@ -63,43 +64,31 @@ def unused_override(strategy: Strategy, used: set[int], units: list[str]) -> Non
             raise ShardcError(f'{where}: override pattern "{ov.pattern}" matches no unit (units: {", ".join(units)})')
 
 
-# -- experts ----------------------------------------------------------------------------------
-# [Note: clip rows of experts]
-# clip_grad_norm_ adds every element's square once. An expert's optimizer slices differ
-# across its OS levels on the experts' mesh and across the ep ranks, and repeat over the
-# rest. On the strategy's mesh those ranks are the OS levels plus the level ep borrows
-# from, which also counts its ranks outside ep when the OS levels leave it out: then each
-# rank weights its experts' squares by 1 / (that level's size on the experts' mesh), the
-# number of times the sum meets each slice (runtime/step/clip.py), and one all-reduce over
-# `expert_clip_levels` adds them, as for any OS level set.
-
-def expert_group(strategy: Strategy) -> ExpertGroup | None:
-    """The lowering's view of the strategy's `experts` statement (None without one)."""
-    e = strategy.experts
-    if e is None:
-        return None
-    return ExpertGroup(e.pattern, strategy.expert_mesh, strategy.expert_scopes, e.ep, e.level)
+# -- placement kinds -------------------------------------------------------------------------
+def kinds_of(strategy: Strategy) -> tuple[PlacementKind, ...]:
+    """The placement kinds under `strategy` besides the unit's own, in precedence order: its
+    statements' (the `experts` statement's, lowering/experts.py), then the registered ones
+    (lowering/placements.py [Note: a read-only kind registry])."""
+    e = expert_group(strategy)
+    return ((e,) if e is not None else ()) + kinds()
 
 
-def is_expert(experts: ExpertGroup, fqn: str) -> bool:
-    """Whether parameter `fqn` is an expert: the pattern matches it or a module holding it."""
-    parts = fqn.split(".")
-    return any(fnmatch.fnmatchcase(".".join(parts[:k]), experts.pattern) for k in range(1, len(parts) + 1))
+def kind_for(kinds, fqn: str, tensor=None) -> PlacementKind | None:
+    """The first of `kinds` that takes parameter `fqn` (None: the unit's own placement)."""
+    return next((k for k in kinds if k.takes(fqn, tensor)), None)
 
 
-def over_of(experts: ExpertGroup | None, fqn: str, tensor=None) -> Over:
-    """The placement of parameter `fqn`: the experts' when `experts` names it, else a
-    registered kind's that takes it (lowering/placements.py), else the unit's own."""
-    if experts is not None and is_expert(experts, fqn):
-        return Over.EXPERTS
-    kind = kind_of(fqn, tensor) if tensor is not None else None
-    return kind.over if kind is not None else Over.DENSE
+def over_of(kinds, fqn: str, tensor=None) -> Over:
+    """The placement of parameter `fqn` among `kinds` (`kinds_of`): the first that takes it,
+    else the unit's own (`Over.DENSE`)."""
+    k = kind_for(kinds, fqn, tensor)
+    return Over.DENSE if k is None else k.over
 
 
 def placement_meshes(strategy: Strategy) -> dict[Over, Mesh]:
     """The mesh of each placement (`Over`) under `strategy`: the one owner of that map."""
-    return {Over.DENSE: strategy.mesh, Over.EXPERTS: strategy.expert_mesh} | \
-        {k.over: strategy.mesh for k in kinds()}
+    return {Over.DENSE: strategy.mesh} | {k.over: k.placement(strategy.mesh, strategy.scopes).mesh
+                                          for k in kinds_of(strategy)}
 
 
 def row_mesh(row, mesh: Mesh, meshes=None) -> Mesh:
@@ -108,17 +97,3 @@ def row_mesh(row, mesh: Mesh, meshes=None) -> Mesh:
     over = getattr(row, "over", Over.DENSE)
     on = (meshes or {}).get(over if isinstance(over, Over) else Over(over))
     return mesh if on is None else on
-
-
-def expert_clip_levels(mesh, experts: ExpertGroup) -> tuple[str, ...]:
-    """The strategy-mesh levels of the experts' clip all-reduce ([Note: clip rows of experts])."""
-    levels = set(experts.scopes.optim.levels) | ({experts.level} if experts.ep > 1 else set())
-    return mesh.ordered(levels)
-
-
-def expert_clip_weight(experts: ExpertGroup) -> int:
-    """How many times the experts' clip all-reduce meets each expert slice (1 unless the
-    experts' optimizer scope leaves out the level ep borrows from)."""
-    if experts.ep == 1 or experts.level in experts.scopes.optim.levels:
-        return 1
-    return experts.mesh.size(experts.level)

@@ -34,8 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Strategy
-from shardc.lowering import Lowering, Over, RankPlan, Schedule, Stage, expert_group, lower, over_of, unit_sizes
-from shardc.lowering import placements
+from shardc.lowering import Lowering, Over, RankPlan, Schedule, Stage, kinds_of, lower, over_of, unit_sizes
 from shardc.lowering.owned import owned_plan
 from shardc.units import UnitSpec, canonical_names, local_params, unit_members
 
@@ -46,7 +45,6 @@ from .casts import install_casts
 from .eager.comm import Comm
 from .transport.device import model_device
 from .eager.engine import Engine
-from .transport.experts import expert_runtime
 from .eager.faults import Faults
 from .groups.flat_group import FlatGroup
 from .groups.layout import build_layout
@@ -61,6 +59,7 @@ from .state.scatter import scatter_values
 from .groups.storage import FlatStorage
 from .groups.unit import UnitState
 from .groups.workspace import Workspace
+from .groups import placed
 
 NEED_DIST = ("shard_model/shard_module need one process per rank: launch with torchrun "
              "(e.g. `torchrun --nproc-per-node 4 train.py`) and call "
@@ -102,7 +101,8 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
           lowering: Lowering | None = None, backend: str = "eager", init=None, device=None,
           rng=None) -> Built:
     graph_mode.check_backend(backend)
-    _refuse_graph_experts(strategy, backend)
+    kinds = kinds_of(strategy)                           # placements besides the units' own
+    placed.refuse_graph(kinds, strategy, backend)
     faults = Faults(timeout)
     if not dist.is_initialized():
         raise ShardcError(NEED_DIST)
@@ -116,13 +116,11 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     for n in order:
         names_of[aliases[n]].append(n)
     frozen = {n for n, p in params.items() if not p.requires_grad}
-    experts = expert_group(strategy)
-    ert = expert_runtime(comm.smesh, experts, params) if experts is not None and experts.ep > 1 else None
-    tp = tp_params(params, strategy.mesh.names, ert.params if ert else ())   # DTensor parameters (TP, SP)
+    where = placed.placed(kinds, comm, strategy, params)   # each placement's Comm; the experts' DTensors
+    tp = tp_params(params, strategy.mesh.names, where.params)   # DTensor parameters (TP, SP)
     check_root_dims(comm.smesh.device_mesh, tp)
-    dtensors = tp | (ert.params if ert else {})         # views wrapped, pieces at their global offsets
-    comms = {Over.DENSE: comm, Over.EXPERTS: Comm(experts.mesh, strategy.collectives, ledger, ert.smesh) if ert else comm}
-    comms |= {k.over: comm for k in placements.kinds()}     # a registered kind is on the strategy's mesh
+    dtensors = tp | where.params                        # views wrapped, pieces at their global offsets
+    comms = where.comms
     if backend == "inductor":
         graph_mode.refuse(tp)
     source = Source.NONE if simulation.active() else _source(meta, init, comm.smesh, dev)
@@ -133,23 +131,22 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
     oplan = owned_plan(strategy.mesh, canonical, {n: t.shape for n, t in params.items()},
                        {n: n not in frozen for n in params})   # lowering/owned.py
     owned.refuse(oplan, strategy, backend, tp)
-    lowered = _lowered(lowering, passes, strategy, unit_sizes(local, canonical, experts))
-    _refuse_graph_kinds(lowered, backend)
+    lowered = _lowered(lowering, passes, strategy, unit_sizes(local, canonical, kinds))
     # the one plan: what each unit does and the schedule the engine follows
     lowering = dataclasses.replace(lowered, schedule=_checked(schedule, lowered.schedule, len(specs),
                                                               hooks or backend == "inductor"), owned=oplan)
     t = time.perf_counter()
-    _warm_groups(comms, experts, specs)
+    placed.warm_groups(comms, kinds, strategy.mesh, specs)
     for c in {id(c): c for c in comms.values()}.values():
         faults.apply_timeout(c.smesh)
     faults.register()
     seconds = {"groups_s": time.perf_counter() - t}
     t = time.perf_counter()
-    states = _units(specs, per_unit, lowering, frozen, local, targets, dtensors, strategy, experts, comms,
+    states = _units(specs, per_unit, lowering, frozen, local, targets, dtensors, strategy, kinds, comms,
                     faults, dev)
     seconds["allocation_s"], t = time.perf_counter() - t, time.perf_counter()
-    unset = _values(source, model, states, params, targets, init, dev, {o: c.smesh for o, c in comms.items()}, rng,
-                    bool(dtensors))
+    unset = _values(source, model, states, params, targets, init, dev, {o: c.smesh for o, c in comms.items()},
+                    where.no_init, rng, bool(dtensors))
     seconds["values_s"] = time.perf_counter() - t
     for places in targets.values():
         for mod, attr in places:
@@ -174,25 +171,6 @@ def build(model: nn.Module, strategy: Strategy, units: list[UnitSpec], mesh=None
         pset.expect_values(unset, unset_buffers(model))
     return Built(model, strategy, specs, backend, faults, ledger, dev, comm, aliases, order, targets,
                  names_of, frozen, tp, lowering, runtime, hooks, pset, dtensors, seconds)
-
-
-def _refuse_graph_experts(strategy: Strategy, backend: str) -> None:
-    """Expert groups do not run in the whole-step mode yet: one sentence."""
-    e = strategy.experts
-    if e is None or backend != "inductor":
-        return
-    where = f"{strategy.file}:{e.line}" if e.line else strategy.file
-    raise ShardcError(f"{where}: backend='inductor' does not take an `experts` statement yet; "
-                      f"use the eager runtime (backend='eager')")
-
-
-def _refuse_graph_kinds(lowering: Lowering, backend: str) -> None:
-    """A registered placement kind (lowering/placements.py) does not run in the whole-step mode yet."""
-    registered = {k.over for k in placements.kinds()}
-    kind = next((g.placement.over for u in lowering.units for g in u.groups if g.placement.over in registered), None)
-    if kind is not None and backend == "inductor":
-        raise ShardcError(f"backend='inductor' does not take the placement kind {kind.value!r} yet; "
-                          f"use the eager runtime (backend='eager')")
 
 
 # -- where the values come from -------------------------------------------------------------
@@ -255,14 +233,16 @@ def _source(meta: bool, init, smesh: ShardMesh, dev: torch.device) -> Source:
     return Source.NONE if init is False else Source.INIT
 
 
-def _values(source: Source, model, states, params, targets, init, dev, smeshes, rng, dtensors: bool) -> set[str]:
-    """Every storage's values from `source`; returns the parameters left without one. The
-    experts' values come from the first rank of their own mesh (`smeshes`: the ShardMesh of
-    each placement's mesh), which holds this rank's experts. An init is run by the first
+def _values(source: Source, model, states, params, targets, init, dev, smeshes, no_init, rng,
+            dtensors: bool) -> set[str]:
+    """Every storage's values from `source`; returns the parameters left without one. A
+    placement's values come from the first rank of its own mesh (`smeshes`: the ShardMesh of
+    each placement's mesh; the experts': it holds this rank's experts); `no_init`: why an
+    init cannot give them (runtime/groups/placed.py), or None. An init is run by the first
     rank alone and sent (runtime/state/init_first.py) where the data-parallel group is
     the whole world and no parameter is a DTensor (`dtensors`); else by every rank."""
     storages = [g.storage for u in states for g in u.groups]
-    smesh, esmesh = smeshes[Over.DENSE], smeshes[Over.EXPERTS]
+    smesh = smeshes[Over.DENSE]
     if source is Source.SCATTER:
         for over, mesh in smeshes.items():
             mine = [g.storage for u in states for g in u.groups if g.gplan.placement.over == over]
@@ -273,9 +253,8 @@ def _values(source: Source, model, states, params, targets, init, dev, smeshes, 
     if source is Source.NONE:
         materialize_buffers(model, dev)
         return set(params)
-    if esmesh is not smesh:
-        raise ShardcError("a model on the meta device with ep > 1 is not initialized by shardc yet: build it with "
-                          "values (each rank's experts placed by its ExpertParallel), or pass init=False and load it")
+    if no_init is not None:
+        raise ShardcError(no_init)
     fn = init or state_init.reset_parameters
     if not isinstance(fn, state_init.BuffersOnly) and not dtensors and smesh.dp_group() is not None \
             and smesh.mesh.world == dist.get_world_size():
@@ -290,7 +269,7 @@ def _values(source: Source, model, states, params, targets, init, dev, smeshes, 
 
 
 # -- units ------------------------------------------------------------------------------------
-def _units(specs, per_unit, lowering, frozen, local, targets, tp, strategy, experts, comms, faults, dev) -> list:
+def _units(specs, per_unit, lowering, frozen, local, targets, tp, strategy, kinds, comms, faults, dev) -> list:
     """The sharded units; a group's rows run on the Comm of its placement's mesh (`comms`,
     keyed by `Over`), divided by the whole data-parallel world like every group's
     (runtime/transport/experts.py, [Note: expert gradients are averaged over the whole data-parallel degree])."""
@@ -300,7 +279,7 @@ def _units(specs, per_unit, lowering, frozen, local, targets, tp, strategy, expe
         guarded = {o: faults.guard(c, spec.name) for o, c in comms.items()}
         for gplan in uplan.groups:
             pl = gplan.placement
-            sel = [n for n in names if (n not in frozen) == gplan.trainable and over_of(experts, n, local[n]) == pl.over]
+            sel = [n for n in names if (n not in frozen) == gplan.trainable and over_of(kinds, n, local[n]) == pl.over]
             layout = build_layout([(n, tuple(local[n].shape)) for n in sel], gplan.trainable, gplan.n)
             st = FlatStorage(layout, RankPlan(pl.mesh, pl.scopes, comms[pl.over].rank), dev, i == 0, pl.over)
             groups.append(FlatGroup(st, gplan, guarded[pl.over], workspace, strategy.mesh.world))
@@ -320,19 +299,6 @@ def _placeholders(u: UnitState, runtime, backend: str) -> None:
         for s, slot_targets in zip(g.storage.layout.slots, targets):
             for mod, attr in slot_targets:
                 setattr(mod, attr, torch.empty(s.shape, dtype=g.storage.pdtype, device="meta"))
-
-
-def _warm_groups(comms, experts, specs) -> None:
-    """Create every process group up front, in the same order on every rank (`experts`: the
-    strategy's expert group, or None)."""
-    scopes = [(spec.scopes, comms[Over.DENSE]) for spec in specs]
-    scopes += [(experts.scopes, comms[Over.EXPERTS])] if experts is not None else []
-    scopes += [(k.scopes(spec.scopes), comms[k.over]) for k in placements.kinds() for spec in specs]
-    for sc, c in scopes:
-        plan = RankPlan(c.smesh.mesh, sc, c.rank)
-        for lv in plan.groups():
-            if lv and plan.s(lv) > 1:
-                c.smesh.group(lv)
 
 
 def _install_hooks(model: nn.Module, rt) -> None:
@@ -389,7 +355,7 @@ def _lowered(lowering: Lowering | None, passes, strategy: Strategy, sizes) -> Lo
     these units: names, scopes, element counts), else lowered here with `passes`."""
     if lowering is None:
         return lower(strategy.mesh, sizes, strategy.prefetch, passes)
-    want = [(s.name, s.scopes, tuple((t, o, phi) for o in (Over.DENSE, *(o for o, _, _ in s.placed))
+    want = [(s.name, s.scopes, tuple((t, o, phi) for o in (Over.DENSE, *(k.over for k, _, _ in s.placed))
                                      for phi, t in zip(s.counts(o), (True, False)) if phi))
             for s in sizes]
     got = [(u.name, u.scopes, tuple((g.trainable, g.placement.over, g.phi) for g in u.groups)) for u in lowering.units]

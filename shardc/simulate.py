@@ -173,7 +173,7 @@ def simulate_rank(strategy, factory, rank: int, *, spec: str = "the model factor
 def _ep_mesh(strategy, smesh):
     """This rank's 1-D ep DeviceMesh under the strategy's `experts` statement (None without
     one, or with ep 1): the mesh the runtime checks the experts against."""
-    from shardc.lowering.scopes import expert_group
+    from shardc.lowering import expert_group
     from shardc.runtime.transport.experts import ep_device_mesh
     experts = expert_group(strategy)
     return ep_device_mesh(smesh, experts) if experts is not None and experts.ep > 1 else None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Strategy
-from shardc.lowering import A2A_RS_BACKENDS, Lowering, expert_group, lower, placement_meshes
+from shardc.lowering import A2A_RS_BACKENDS, Lowering, Over, kinds_of, lower, placement_meshes
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 
 from shardc.analysis.costmodel.activations import FRAMEWORK_OVERHEAD, peak_memory
@@ -47,7 +47,7 @@ def model_units(strategy: Strategy, model) -> list[UnitSize]:
     compiler resolves) with their sizes."""
     from shardc.analysis.costmodel.bucketing import resolve_bucket
     from shardc.units import find_units
-    return model_unit_sizes(model, find_units(model, resolve_bucket(model, strategy)), expert_group(strategy))
+    return model_unit_sizes(model, find_units(model, resolve_bucket(model, strategy)), kinds_of(strategy))
 
 
 def explain(strategy: Strategy, units, *, micro_batches: int | None = None, optimizer: str = DEFAULT_OPTIMIZER,
@@ -101,7 +101,7 @@ def to_json(e: Explained) -> dict:
         "mesh": [{"name": l.name, "size": l.size} for l in s.mesh.levels],
         "micro_batches": e.micro_batches,
         "params": model_params(e.units)[0],
-        "expert_params": model_params(e.units)[1],
+        "expert_params": model_params(e.units)[1].get(Over.EXPERTS, 0),
         "units": len(e.units),
         "memory": dict(e.memory),
         "ledger": ledger_dicts(e.ledger),

@@ -11,19 +11,22 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardc.dsl.errors import ShardcError
-from shardc.lowering import ExpertGroup, Over, UnitSize, is_expert, unit_sizes
+from shardc.lowering import Over, UnitSize, kind_for, unit_sizes
+from shardc.lowering.placements import kinds as registered
 from shardc.units import local_params
 
-__all__ = ["UnitSize", "model_unit_sizes", "model_params", "dense_flops", "ep_local", "placed_params"]
+__all__ = ["UnitSize", "model_unit_sizes", "model_params", "dense_flops", "placed_params"]
 
 
-def model_params(units) -> tuple[int, int]:
-    """(the model's parameters, the experts among them), global: an expert parameter's
-    count is one ep rank's part (`ep_local`) times ep; a registered kind's are whole."""
-    experts = sum(sum(u.counts(Over.EXPERTS)) * (u.experts.ep if u.experts else 1) for u in units)
-    placed = sum(t + f for u in units for o, t, f in u.placed if o != Over.EXPERTS)
-    return sum(u.trainable + u.frozen for u in units) + placed + experts, experts
+def model_params(units) -> tuple[int, dict[Over, int]]:
+    """(the model's parameters, those of each placement kind besides the units' own), global:
+    a kind's count is one rank's part times the ranks it is split over (`parts`: the
+    experts' ep; a registered kind's are whole)."""
+    placed: dict[Over, int] = {}
+    for u in units:
+        for k, t, f in u.placed:
+            placed[k.over] = placed.get(k.over, 0) + (t + f) * k.parts
+    return sum(u.trainable + u.frozen for u in units) + sum(placed.values()), placed
 
 
 def dense_flops(units, tokens: int) -> int:
@@ -32,44 +35,32 @@ def dense_flops(units, tokens: int) -> int:
     return 6 * sum(u.trainable + u.frozen for u in units) * tokens
 
 
-def model_unit_sizes(model, units, experts: ExpertGroup | None = None) -> list[UnitSize]:
+def model_unit_sizes(model, units, kinds=None) -> list[UnitSize]:
     """Sizes of `units` (UnitSpecs, root first) read from `model`'s parameters.
 
     Parameters are looked up by canonical FQN (tied aliases are excluded by the unit
     finder, so each element is counted once); only `numel()` and `requires_grad` are
     read, so a meta-device model works. (`shardc.lowering.unit_sizes` does the counting,
-    from a name -> parameter mapping.) With `experts` of ep > 1 each expert parameter
-    counts as one ep rank's part: its dim 0 (the experts) split over the ep ranks, as
-    DTensor `Shard(0)` on the ep dim places it (`ep_local`).
+    from a name -> parameter mapping.) `kinds`: the placement kinds
+    (`shardc.lowering.kinds_of(strategy)`; None: the registered ones); a parameter a kind
+    splits before placing it (an expert, with ep > 1) counts as one rank's part
+    (`placed_params`).
     """
-    return unit_sizes(placed_params(model, experts), units, experts)
+    kinds = registered() if kinds is None else tuple(kinds)
+    return unit_sizes(placed_params(model, kinds), units, kinds)
 
 
-def placed_params(model, experts: ExpertGroup | None) -> dict:
-    """Each parameter as one rank holds it once the experts are placed: `local_params` (a
-    DTensor's local shard), and each expert parameter not yet placed (a plain tensor, as
-    in a model built for `explain`, `plan` or `shardc compile`) cut to one ep rank's part
-    (`ep_local`), so every stage sizes the units the runtime will shard."""
+def placed_params(model, kinds) -> dict:
+    """Each parameter as one rank holds it once the model is placed: `local_params` (a
+    DTensor's local shard), and each parameter of a kind not yet placed (a plain tensor, as
+    in a model built for `explain`, `plan` or `shardc compile`) as a meta tensor of that
+    kind's `local_shape` (an expert: dim 0 divided by ep), so every stage sizes the units
+    the runtime will shard."""
     local = local_params(model)
-    if experts is None or experts.ep == 1:
-        return local
     placed = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
-    cut = ep_local({n: t for n, t in local.items() if n not in placed}, experts)
-    return {n: cut.get(n, t) for n, t in local.items()}
-
-
-def ep_local(params: dict, experts: ExpertGroup | None) -> dict:
-    """`params` with each expert parameter (`is_expert`) replaced by a meta tensor of one ep
-    rank's shape: dim 0 divided by ep; one sentence where it does not divide."""
-    if experts is None or experts.ep == 1:
-        return params
-    out = dict(params)
-    for name, p in params.items():
-        if not is_expert(experts, name):
-            continue
-        if p.dim() == 0 or p.shape[0] % experts.ep:
-            raise ShardcError(f"expert parameter {name!r} has shape {tuple(p.shape)}: ep {experts.ep} must divide "
-                              f"its dim 0 (the experts), which DTensor Shard(0) on the ep dim splits")
-        out[name] = torch.empty((p.shape[0] // experts.ep, *p.shape[1:]), device="meta").requires_grad_(
-            p.requires_grad)
+    out = {}
+    for n, t in local.items():
+        k = kind_for(kinds, n, t) if n not in placed else None
+        shape = tuple(t.shape) if k is None else k.local_shape(n, tuple(t.shape))
+        out[n] = t if shape == tuple(t.shape) else torch.empty(shape, device="meta").requires_grad_(t.requires_grad)
     return out

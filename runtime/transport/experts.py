@@ -1,10 +1,13 @@
-"""Expert parallelism — stage: runtime. The experts' mesh and their DTensor parameters.
+"""Expert parallelism — stage: runtime. The experts' mesh and their DTensor parameters: the
+runtime of the experts' placement kind (lowering/experts.py), on a mesh of its own
+(runtime/groups/placed.py [Note: a kind on a mesh of its own]).
 
 Input: the mesh shardc shards over (`ShardMesh`), the strategy's experts
 (`shardc.lowering.ExpertGroup`: pattern, ep, the level ep borrows from, the experts' mesh)
-and the model's parameters. Output: `ExpertRuntime`: the experts' `ShardMesh` (the ranks
-ep leaves, its levels named as the strategy's), this rank's ep group, and a `TPParam` per
-expert parameter, validated (one sentence naming the culprit otherwise).
+and the model's parameters. Output: `ExpertRuntime` (None with ep 1: the experts stay on the
+strategy's mesh): the experts' `ShardMesh` (the ranks ep leaves, its levels named as the
+strategy's), this rank's ep group, and a `TPParam` per expert parameter, validated (one
+sentence naming the culprit otherwise).
 
 [Note: the experts' process groups]
 ep borrows the innermost `ep` ranks of its level (all of them for a whole level). Every
@@ -48,9 +51,18 @@ class ExpertRuntime(NamedTuple):
     ep_ranks: tuple[int, ...]          # this rank's ep group (global ranks, ep order)
     params: dict                       # canonical name -> TPParam (Shard(0) on the ep mesh)
 
+    @property
+    def no_init(self) -> str:
+        """Why shardc's init does not give the experts their values (each rank holds other experts)."""
+        return ("a model on the meta device with ep > 1 is not initialized by shardc yet: build it with values "
+                "(each rank's experts placed by its ExpertParallel), or pass init=False and load it")
 
-def expert_runtime(smesh: ShardMesh, experts: ExpertGroup, params: dict) -> ExpertRuntime:
-    """The experts' mesh and parameters for `experts` of ep > 1 (see the module notes)."""
+
+def expert_runtime(smesh: ShardMesh, experts: ExpertGroup, params: dict) -> ExpertRuntime | None:
+    """The experts' mesh and parameters (see the module notes); None for ep 1 (the
+    strategy's mesh, plain tensors)."""
+    if experts.ep == 1:
+        return None
     full, esmesh = _meshes(smesh, experts)
     ep_ranks = tuple(full[EP_DIM].mesh.flatten().tolist())
     out = {}

@@ -18,6 +18,7 @@ from shardc.analysis.costmodel.sizes import model_params
 from shardc.cli import predict_args
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.quantities import duration, flop_rate, human_bytes, parse_rate, parse_seconds
+from shardc.lowering import Over
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 from shardc.lowering.passes import parse_passes
 from shardc.dsl.ir import Collectives
@@ -113,7 +114,8 @@ def render(e) -> None:
 
     s = e.strategy
     con = Console()
-    phi, experts = model_params(e.units)
+    phi, placed = model_params(e.units)
+    experts = placed.get(Over.EXPERTS, 0)
     ep = s.experts.ep if s.experts is not None else 1
     of = (f" ({experts:,} of them experts" + (f", 1/{ep} of them on a rank: ep {ep} over {s.experts.level}"
                                              if ep > 1 else "") + ")") if experts else ""
