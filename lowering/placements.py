@@ -3,8 +3,9 @@ mesh and with which scopes.
 
 Input: a parameter (its canonical FQN and a tensor-like object: `shape`,
 `requires_grad`; a meta tensor will do) and a unit's resolved `Scopes` on the strategy's
-mesh. Output: the kind that places it (`kind_of`; None: the unit's own, `Over.DENSE`), and
-that kind's `Placement` of the unit's parameters it takes (mesh, scopes, factors, clip).
+mesh. Output: the registered kinds (`kinds`; the one that places a parameter:
+lowering/scopes.py `kind_for`, None: the unit's own, `Over.DENSE`), and a kind's
+`Placement` of the unit's parameters it takes (mesh, scopes, factors, clip).
 
 [Note: placement kinds]
 A group is keyed by its placement (lowering/ir.py [Note: a group is keyed by its
@@ -17,12 +18,12 @@ that makes it (`line`, `statement`; none for a registered kind) and how a senten
 (`named`). The kinds under a strategy are its statements' (the `experts` statement's) and
 the registered ones (lowering/scopes.py `kinds_of`). Every stage reads a kind or a group's
 placement and nothing else: the lowering makes its groups (`unit_sizes`, `lower_unit`), the
-runtime places their flat chunks on its mesh's Comm (runtime/transport/placed.py), the clip
+runtime places their flat chunks on its mesh's Comm (runtime/groups/placed.py), the clip
 adds their squares over their clip levels, the ledger and cost model count their rows under
 their `Over`, codegen names the statement behind them. So a kind on the strategy's mesh is
 one value and the file defining it; a kind on a mesh of its own adds its runtime file (its
 process groups and DTensor parameters, as runtime/transport/experts.py) and one entry in
-runtime/transport/placed.py's `OWN_MESH`.
+runtime/groups/placed.py's `OWN_MESH`.
 
 [Note: a read-only kind registry]
 As for collective algorithms (algorithms/base.py [Note: a read-only registry]), no kind is
@@ -40,7 +41,7 @@ from shardc.dsl.ir import Mesh, Scopes
 from .ir import Over, Placement
 from .layout import factors
 
-__all__ = ["PlacementKind", "kind_of", "kinds", "placement", "rank", "registered"]
+__all__ = ["PlacementKind", "kinds", "placement", "rank", "registered"]
 
 
 def placement(over: Over, mesh: Mesh, sc: Scopes, clip: tuple | None = None, weight: int = 1) -> Placement:
@@ -105,11 +106,6 @@ def registered(*added: PlacementKind):
 def kinds() -> tuple[PlacementKind, ...]:
     """The registered kinds, in registration order."""
     return tuple(_KINDS.values())
-
-
-def kind_of(fqn: str, tensor) -> PlacementKind | None:
-    """The registered kind that places `fqn` (None: none does)."""
-    return next((k for k in _KINDS.values() if k.takes(fqn, tensor)), None)
 
 
 def rank(value: str) -> int:

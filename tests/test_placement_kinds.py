@@ -118,3 +118,46 @@ def test_a_registered_kind_trains_at_parity_and_its_ledger_is_the_plans():
         assert overs == ["dense", "vectors"]
         assert ledger == [type(r)(r.phase, r.op, r.levels, r.bytes, 2 * r.count, r.over) for r in one_step]
         assert any(r.over == "vectors" for r in ledger)
+
+
+# The experts are a kind like `vectors`: their value is named only where kinds are defined or
+# listed, never by a stage that consumes a plan (lowering/placements.py [Note: placement kinds]).
+NAMES_A_KIND = {
+    "lowering/ir.py": "defines the value",
+    "lowering/experts.py": "the experts' kind",
+    "runtime/transport/experts.py": "the experts' runtime",
+    "lowering/placements.py": "the language's kinds, in ledger order",
+    "lowering/scopes.py": "kinds_of: the kinds a strategy's statements make",
+    "shardc/simulate.py": "a simulated rank hands a MoE factory its ep mesh",
+    "runtime/groups/placed.py": "OWN_MESH: the kinds on a mesh of their own and their runtimes",
+    "analysis/costmodel/report.py": "explain --json's `expert_params` field",
+    "shardc/cli/cmd_explain.py": "explain's `N of them experts` line",
+}
+
+
+def test_no_stage_branches_on_the_experts_kind():
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    found = set()
+    for d in ("lowering", "runtime", "analysis", "compiler", "units", "shardc"):
+        for path in (root / d).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr == "EXPERTS" or \
+                        isinstance(node, ast.Name) and node.id in ("ExpertGroup", "is_expert", "expert_group"):
+                    found.add(path.relative_to(root).as_posix())
+    assert found - set(NAMES_A_KIND) == set()
+    # the experts' kind says what the stages used to branch on
+    s = shardc.load_strategy('mesh node(2) > gpu(4)\nparams shard over node\ngrads shard over node\n'
+                             'optim shard over node\nexperts "*.experts" ep 2\n')
+    from shardc.lowering import kinds_of
+    (e,) = kinds_of(s)
+    assert e.over == Over.EXPERTS and e.parts == 2 and e.takes("blocks.0.moe.experts.w1", None)
+    pl = e.placement(s.mesh, s.scopes)
+    assert pl.mesh == s.expert_mesh and pl.scopes == s.expert_scopes
+    # optim over node leaves out gpu, the level ep borrows from: the clip is over node, gpu
+    # and meets each expert slice gpu / ep = 2 times
+    assert pl.clip_levels == ("node", "gpu") and pl.clip_weight == 4 // 2
+    assert e.local_shape("w", (8, 3)) == (4, 3)
+    with pytest.raises(shardc.ShardcError, match="ep 2 must divide its dim 0"):
+        e.local_shape("w", (3, 3))
