@@ -9,6 +9,13 @@ one JSON line per simulated rank (`shardc simulate --json`, states and ledger on
 set, simulated beside explain. GB = 10^9 bytes. Usage:
     python bench/simulate_moe.py run OUT.jsonl [RANKS]   # RANKS default "0,last"
     python bench/simulate_moe.py table OUT.jsonl
+    python bench/simulate_moe.py ab OUT.jsonl BASE.jsonl BASE_ROOT BASE_PYTHON [CONFIGS]
+
+`ab` runs the same configs on this tree and on another checkout (`BASE_ROOT`, run by
+`BASE_PYTHON`, whose `shardc` must be that checkout), interleaved config by config, the
+order alternating, so both see the same load; each report gets `run_wall_s`, the run's wall
+seconds. CONFIGS: MODEL:WORLDS;... (default "mixtral:128,256,512;deepseek_v3:128"). A
+restructure that must not move a figure reruns this (docs/BENCHMARKS.md, issue 53).
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {"deepseek_v3": "DeepSeek-V3", "mixtral": "Mixtral 8x7B"}
@@ -25,22 +33,39 @@ GB = 1e9
 
 
 def run(out: str, ranks: str = "0,last") -> None:
+    for model in MODELS:
+        for name in STRATEGIES:
+            for world in WORLDS:
+                _one(out, model, name, world, ranks)
+
+
+def _one(out: str, model: str, name: str, world: int, ranks: str = "0,last", root: str = ROOT,
+         python: str = sys.executable) -> None:
+    """One config's simulated ranks on the checkout `root`, appended to `out`."""
+    cmd = [python, "-m", "shardc.cli", "simulate", os.path.join(root, "examples/strategies/moe", f"{name}.shard"),
+           "--mesh", f"node({world // 8}) > gpu(8)", "--model", os.path.join(root, f"examples/moe.py:{model}"),
+           "--rank", ranks, "--tokens", "64", "--no-graph", "--no-peak", "--json"]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+    wall = time.perf_counter() - t
+    if proc.returncode not in (0, 1) or not proc.stdout.strip():
+        raise SystemExit(f"{root}: {model} {name} {world}: {proc.stderr.strip()[-2000:]}")
     with open(out, "a") as f:
-        for model in MODELS:
-            for name in STRATEGIES:
-                for world in WORLDS:
-                    cmd = [sys.executable, "-m", "shardc.cli", "simulate",
-                           os.path.join(ROOT, "examples/strategies/moe", f"{name}.shard"),
-                           "--mesh", f"node({world // 8}) > gpu(8)", "--model",
-                           os.path.join(ROOT, f"examples/moe.py:{model}"), "--rank", ranks,
-                           "--tokens", "64", "--no-graph", "--no-peak", "--json"]
-                    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-                    if proc.returncode not in (0, 1) or not proc.stdout.strip():
-                        raise SystemExit(f"{model} {name} {world}: {proc.stderr.strip()[-2000:]}")
-                    for rep in json.loads(proc.stdout):
-                        rep["model"] = model
-                        f.write(json.dumps(rep) + "\n")
-                    print(model, name, world, "done", flush=True)
+        for rep in json.loads(proc.stdout):
+            rep["model"], rep["run_wall_s"] = model, wall
+            f.write(json.dumps(rep) + "\n")
+    print(root, model, name, world, f"{wall:.1f} s", flush=True)
+
+
+def ab(out: str, base_out: str, base_root: str, base_python: str,
+       configs: str = "mixtral:128,256,512;deepseek_v3:128") -> None:
+    """This tree and `base_root` on the same configs, interleaved (see the module notes)."""
+    runs = [(m, name, int(w)) for part in configs.split(";") for m, ws in [part.split(":")]
+            for name in STRATEGIES for w in ws.split(",")]
+    for i, (model, name, world) in enumerate(runs):
+        sides = [(out, ROOT, sys.executable), (base_out, base_root, base_python)]
+        for o, root, py in (sides if i % 2 == 0 else sides[::-1]):
+            _one(o, model, name, world, root=root, python=py)
 
 
 def _ledger(rep, key: str) -> float:
@@ -71,5 +96,7 @@ def table(path: str) -> str:
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         run(sys.argv[2], *sys.argv[3:4])
+    elif sys.argv[1] == "ab":
+        ab(*sys.argv[2:7])
     else:
         print(table(sys.argv[2]))
