@@ -273,7 +273,7 @@ def worker(rank, world, args, port=None):
     # each owner's Muon step in the run above, against the plan's cost per owner
     sm = built[("shardc:owned", True)][3] if ("shardc:owned", True) in built else None
     if sm is not None:
-        (grp,) = _owned_plan_of(sm).groups
+        grp = next(g for g in _owned_plan_of(sm).groups if g.matrices)        # the remainder: no NS
         from shardc.analysis.costmodel.owned import ns_step_flops
         per_owner = [sum(ns_step_flops(t.shape) for t in grp.tensors if t.owner == r) for r in range(world)]
         out["owners"] = dict(measured_s=out["shardc:owned muon"]["ns_s_per_rank"],
@@ -307,7 +307,8 @@ def owners_alone(model_name: str, worlds, rounds: int, ns_steps: int = 5) -> dic
     model = build_model(model_name)
     out = {}
     for world in worlds:
-        (grp,) = owned_of(shardc.load_strategy(OWNED.format(g=world // 2)), model).plan.groups
+        grp = next(g for g in owned_of(shardc.load_strategy(OWNED.format(g=world // 2)), model).plan.groups
+                   if g.matrices)
         mats = {r: [torch.randn(t.shape) for t in grp.tensors if t.owner == r] for r in range(world)}
         times = {r: [] for r in range(world)}
         cpu = {r: [] for r in range(world)}
