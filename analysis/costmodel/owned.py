@@ -125,8 +125,8 @@ def owners_lines(owned: Owned) -> list[str]:
     for g in owned.plan.groups:
         load = g.load()
         mean = sum(load) / len(load)
-        what, by = (("matrices", "Newton–Schulz FLOPs per iteration") if g.matrices else
-                    ("other tensors, element-wise", "elements"))
+        what, by = (("matrices", "balanced by Newton–Schulz FLOPs per iteration") if g.matrices else
+                    ("other tensors, element-wise", "balanced by elements"))
         lines.append(f"tensor owners over {', '.join(g.levels) or 'one rank'} ({len(g.tensors)} {what}, "
                      f"{g.ranks} owners; {by}, most-loaded owner "
                      f"{100 * g.imbalance():+.1f} % of the mean):")
@@ -134,9 +134,9 @@ def owners_lines(owned: Owned) -> list[str]:
             mats = [t.name for t in g.tensors if t.owner == pos]
             share = f"{100 * (load[pos] / mean - 1):+.1f} %" if mean else "—"
             shown = ", ".join(mats[:3]) + (f" and {len(mats) - 3} more" if len(mats) > 3 else "")
-            cost = f"cost {load[pos]:.3g} ({share})" if g.matrices else f"({share})"
+            cost = f", cost {load[pos]:.3g}" if g.matrices else ""
             lines.append(f"  owner {pos}: {len(mats)} {'matrices' if g.matrices else 'tensors'}, "
-                         f"{g.owned_elems(pos)} elements, {cost}: {shown or 'none'}")
+                         f"{g.owned_elems(pos)} elements{cost} ({share}): {shown or 'none'}")
     return lines
 
 
