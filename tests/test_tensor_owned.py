@@ -159,7 +159,12 @@ def test_bench_gpt_model_states_equal_the_full_tensor_recipes_on_every_rank():
     recipe = sum(p.numel() // world * (4 + 4 + (4 if muon(n, p) else 8)) for n, p in named)
     units = model_units(s, model)
     plan = lower(s.mesh, units, s.prefetch)
-    optim = optim_bytes_per_rank(s, plan, owned_of(s, model), k_flat=optimizer_state_bytes("adamw"),
+    owned = owned_of(s, model)
+    mats, rest = owned.plan.groups
+    # the owners explain prints: Newton–Schulz FLOPs even (one matrix of each kind per owner),
+    # and the blocks' 28 norm and bias vectors (24 of 512, 4 of 2,048) at 5,120 elements each
+    assert mats.imbalance() == 0.0 and rest.load() == (5120,) * world
+    optim = optim_bytes_per_rank(s, plan, owned, k_flat=optimizer_state_bytes("adamw"),
                                  k_owned=optimizer_state_bytes("muon"))
     states = memory_of(plan, k_state=optimizer_state_bytes("adamw"), prefetch=s.prefetch)
     total = sum(p.numel() for _, p in named)
