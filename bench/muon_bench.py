@@ -331,17 +331,19 @@ def owners_alone(model_name: str, worlds, rounds: int, ns_steps: int = 5) -> dic
 def table(doc: dict) -> str:
     """The JSON as the markdown table docs/BENCHMARKS.md shows."""
     mib = 2 ** 20
-    rows = ["| system | optimizer | step (s) | opt.step() (s) | Newton–Schulz, busiest rank (s) | model states / rank, max (MiB) | mean (MiB) "
-            "| node link / rank (MiB) | gpu link / rank (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| system | optimizer | step (s) | opt.step() (s) | Newton–Schulz, max over ranks: wall (s) | CPU (s) "
+            "| model states / rank, max (bytes) | mean (bytes) | node link / rank (MiB) | gpu link / rank (MiB) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for k, v in doc.items():
         if k in ("owners", "meta"):
             continue
         system, opt = k.rsplit(" ", 1)
         if system == "shardc:owned" and opt == "adamw":
             system = "shardc:zero3 (flat)"
-        rows.append(f"| {system} | {opt} | {v['step_s']:.3f} | {v['opt_step_s']:.3f} | "
-                    f"{max(v.get('ns_s_per_rank', [0.0])):.3f} | "
-                    f"{v['state_bytes_max'] / mib:.1f} | {v['state_bytes_mean'] / mib:.1f} | "
+        ns, cpu = max(v.get("ns_s_per_rank", [0.0])), max(v.get("ns_cpu_s_per_rank", [0.0]))
+        wall_cpu = f"{ns:.3f} | {cpu:.3f}" if ns else "— | —"
+        rows.append(f"| {system} | {opt} | {v['step_s']:.3f} | {v['opt_step_s']:.3f} | {wall_cpu} | "
+                    f"{v['state_bytes_max']:,} | {v['state_bytes_mean']:,.0f} | "
                     f"{v['link_bytes'].get('node', 0) / mib:.1f} | {v['link_bytes'].get('gpu', 0) / mib:.1f} |")
     o = doc.get("owners")
     if o:
