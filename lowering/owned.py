@@ -7,8 +7,9 @@ tensor (dsl/ir.py [Note: tensor-owned scopes]): per group of ranks, its matrices
 fixed order with the rank that owns each and the optimizer's compute per owner, its other
 trainable tensors (the element-wise remainder: norms, biases) with theirs, and per group
 the two ledger rows of the step (every tensor's parameter and reduced gradient to its
-owner, the updated tensor back to the ranks holding its chunks). The runtime (runtime/step/owned.py)
-moves exactly these rows; `shardc explain` prints the owners and adds the rows.
+owner, the updated tensor back to the ranks holding its chunks). The runtime
+(runtime/step/owned.py) moves exactly these rows; `shardc explain` prints the owners and
+adds the rows.
 
 [Note: owners balanced by compute]
 An optimizer that needs whole matrices spends most of its step in Newton–Schulz
@@ -40,8 +41,8 @@ Their ledger bytes follow the all-to-all convention of the links model
 share of every tensor of the group, fp32 parameter plus gradient to the owners
 (Phase.SYNC, 8·Σ numel / p, rounded down) and the fp32 parameter back (Phase.UPDATE,
 4·Σ numel / p); each once per optimizer step, per group (the matrices' and the
-remainder's: each optimizer moves the groups of the tensors it steps). A group of one rank has no rows (the owner is the rank
-itself).
+remainder's: each optimizer moves the groups of the tensors it steps). A group of one
+rank has no rows (the owner is the rank itself).
 """
 from __future__ import annotations
 
