@@ -233,7 +233,7 @@ def worker(rank, world, args, port=None):
     _CFG["name"] = args.model
     _CFG["model"] = build_model(args.model)
     mesh = shardc.load_strategy(ZERO3.format(g=world // 2)).mesh
-    systems = [(k, m) for m in (True, False) for k in args.systems]
+    systems = [(k, m) for m in (True, False) if ("muon" if m else "adamw") in args.optimizers for k in args.systems]
     built = {s: build(s[0], s[1], world) for s in systems}
     times = {s: [] for s in systems}
     opt_times = {s: [] for s in systems}
@@ -366,6 +366,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--systems", nargs="+", default=["shardc:owned", "fsdp2", "ddp", "shardc:replicate"])
+    ap.add_argument("--optimizers", nargs="+", choices=("muon", "adamw"), default=["muon", "adamw"],
+                    help="Muon + AdamW, AdamW alone, or both (default)")
     ap.add_argument("--out", default="muon_bench.json")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--model", default="bench", help="a bench/models.py preset (default bench)")
