@@ -233,7 +233,7 @@ def worker(rank, world, args, port=None):
     _CFG["name"] = args.model
     _CFG["model"] = build_model(args.model)
     mesh = shardc.load_strategy(ZERO3.format(g=world // 2)).mesh
-    systems = [(k, m) for m in (True, False) for k in args.systems]
+    systems = [(k, m) for m in (True, False) if ("muon" if m else "adamw") in args.optimizers for k in args.systems]
     built = {s: build(s[0], s[1], world) for s in systems}
     times = {s: [] for s in systems}
     opt_times = {s: [] for s in systems}
@@ -273,7 +273,7 @@ def worker(rank, world, args, port=None):
     # each owner's Muon step in the run above, against the plan's cost per owner
     sm = built[("shardc:owned", True)][3] if ("shardc:owned", True) in built else None
     if sm is not None:
-        (grp,) = _owned_plan_of(sm).groups
+        grp = next(g for g in _owned_plan_of(sm).groups if g.matrices)        # the remainder: no NS
         from shardc.analysis.costmodel.owned import ns_step_flops
         per_owner = [sum(ns_step_flops(t.shape) for t in grp.tensors if t.owner == r) for r in range(world)]
         out["owners"] = dict(measured_s=out["shardc:owned muon"]["ns_s_per_rank"],
@@ -307,7 +307,8 @@ def owners_alone(model_name: str, worlds, rounds: int, ns_steps: int = 5) -> dic
     model = build_model(model_name)
     out = {}
     for world in worlds:
-        (grp,) = owned_of(shardc.load_strategy(OWNED.format(g=world // 2)), model).plan.groups
+        grp = next(g for g in owned_of(shardc.load_strategy(OWNED.format(g=world // 2)), model).plan.groups
+                   if g.matrices)
         mats = {r: [torch.randn(t.shape) for t in grp.tensors if t.owner == r] for r in range(world)}
         times = {r: [] for r in range(world)}
         cpu = {r: [] for r in range(world)}
@@ -330,17 +331,19 @@ def owners_alone(model_name: str, worlds, rounds: int, ns_steps: int = 5) -> dic
 def table(doc: dict) -> str:
     """The JSON as the markdown table docs/BENCHMARKS.md shows."""
     mib = 2 ** 20
-    rows = ["| system | optimizer | step (s) | opt.step() (s) | Newton–Schulz, busiest rank (s) | model states / rank, max (MiB) | mean (MiB) "
-            "| node link / rank (MiB) | gpu link / rank (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| system | optimizer | step (s) | opt.step() (s) | Newton–Schulz, max over ranks: wall (s) | CPU (s) "
+            "| model states / rank, max (bytes) | mean (bytes) | node link / rank (MiB) | gpu link / rank (MiB) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for k, v in doc.items():
         if k in ("owners", "meta"):
             continue
         system, opt = k.rsplit(" ", 1)
         if system == "shardc:owned" and opt == "adamw":
             system = "shardc:zero3 (flat)"
-        rows.append(f"| {system} | {opt} | {v['step_s']:.3f} | {v['opt_step_s']:.3f} | "
-                    f"{max(v.get('ns_s_per_rank', [0.0])):.3f} | "
-                    f"{v['state_bytes_max'] / mib:.1f} | {v['state_bytes_mean'] / mib:.1f} | "
+        ns, cpu = max(v.get("ns_s_per_rank", [0.0])), max(v.get("ns_cpu_s_per_rank", [0.0]))
+        wall_cpu = f"{ns:.3f} | {cpu:.3f}" if ns else "— | —"
+        rows.append(f"| {system} | {opt} | {v['step_s']:.3f} | {v['opt_step_s']:.3f} | {wall_cpu} | "
+                    f"{v['state_bytes_max']:,} | {v['state_bytes_mean']:,.0f} | "
                     f"{v['link_bytes'].get('node', 0) / mib:.1f} | {v['link_bytes'].get('gpu', 0) / mib:.1f} |")
     o = doc.get("owners")
     if o:
@@ -363,6 +366,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--systems", nargs="+", default=["shardc:owned", "fsdp2", "ddp", "shardc:replicate"])
+    ap.add_argument("--optimizers", nargs="+", choices=("muon", "adamw"), default=["muon", "adamw"],
+                    help="Muon + AdamW, AdamW alone, or both (default)")
     ap.add_argument("--out", default="muon_bench.json")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--model", default="bench", help="a bench/models.py preset (default bench)")

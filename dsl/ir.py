@@ -185,7 +185,9 @@ class Granularity(CodeEnum):
 # optimizer that is not element-wise (torch.optim.Muon) runs on whole tensors. The
 # parameters' fp32 master stays the flat chunk over LEVELS (the states are placed by
 # tensor, the storage by element); the owners are assigned once, in the plan
-# (lowering/owned.py), and the rest of the unit (norms, biases) stays element-wise.
+# (lowering/owned.py). The rest of the unit (norms, biases) is for an element-wise
+# optimizer; its states are owned whole too, balanced by elements (so they do not fall
+# unevenly where the flat chunks' boundaries cut the unit).
 # The dependency rule holds on the levels: params ⊆ grads ⊆ optim; only `optim` takes
 # `by tensor` (a gradient reaches its owner from the grads scope's flat chunks).
 

@@ -206,7 +206,7 @@ class OwnedTensor:
     name: str                         # canonical parameter FQN
     shape: tuple[int, ...]
     owner: int                        # its owner's position in the group
-    flops: int                        # `ns_flops(shape)`
+    flops: int                        # `ns_flops(shape)` for a matrix, 0 for the element-wise remainder
 
     @property
     def numel(self) -> int:
@@ -218,23 +218,26 @@ class OwnedTensor:
 
 @dataclass(frozen=True, slots=True)
 class OwnedGroup:
-    """The matrices whose optimizer states one group of ranks owns (one optim scope placed
-    by tensor, lowering/owned.py)."""
+    """The tensors whose optimizer states one group of ranks owns (one optim scope placed
+    by tensor, lowering/owned.py): its matrices (`matrices`, balanced by Newton–Schulz
+    FLOPs) or the rest of its trainable tensors (balanced by elements)."""
     levels: tuple[str, ...]           # the optim scope's levels, mesh order
     order: tuple[str, ...]            # digit order of a position (the master chunks')
     ranks: int
     tensors: tuple[OwnedTensor, ...]  # plan order: units in forward order, their parameters in order
     rows: tuple[Row, ...]             # [Note: owned rows]
+    matrices: bool = True             # False: the element-wise remainder (norms, biases)
 
     def load(self) -> tuple[int, ...]:
-        """Newton–Schulz cost per owner position."""
+        """What the owners are balanced by, per owner position: Newton–Schulz FLOPs per
+        iteration for the matrices, elements for the remainder."""
         out = [0] * self.ranks
         for t in self.tensors:
-            out[t.owner] += t.flops
+            out[t.owner] += t.flops if self.matrices else t.numel
         return tuple(out)
 
     def owned_elems(self, position: int) -> int:
-        """Elements of the matrices `position` owns (its whole-tensor optimizer states)."""
+        """Elements of the tensors `position` owns (its whole-tensor optimizer states)."""
         return sum(t.numel for t in self.tensors if t.owner == position)
 
     def imbalance(self) -> float:

@@ -104,8 +104,8 @@ def test_plan_owns_the_blocks_matrices_only():
     named = dict(model.named_parameters())
     plan = owned_plan(s.mesh, units, {n: p.shape for n, p in named.items()},
                       {n: p.requires_grad for n, p in named.items()})
-    (g,) = plan.groups
-    assert g.levels == ("node", "gpu") and g.ranks == 4
+    g, rest = plan.groups
+    assert g.levels == ("node", "gpu") and g.ranks == 4 and g.matrices
     assert [t.name for t in g.tensors] == [f"blocks.{i}.{m}.weight" for i in range(3) for m in ("up", "down")]
     # six matrices of equal cost over 4 owners: two owners get two
     one = 4 * min(D, H) ** 2 * max(D, H) + 2 * min(D, H) ** 3
@@ -113,6 +113,64 @@ def test_plan_owns_the_blocks_matrices_only():
     elems = 6 * D * H
     # a rank's mean share (the links model's all-to-all buffer): fp32 param + grad, then param
     assert [r.bytes for r in g.rows] == [2 * 4 * elems // 4, 4 * elems // 4]
+    # the blocks' norms and biases: owned whole too, balanced by elements (nine of D = 6 and
+    # three of H = 7 over 4 owners: the 7s first, one each to owners 0-2, then the 6s to the
+    # least loaded: 19, 19, 19, 18)
+    assert not rest.matrices and rest.levels == g.levels
+    assert sorted(t.name for t in rest.tensors) == sorted(
+        f"blocks.{i}.{n}" for i in range(3) for n in ("ln.weight", "ln.bias", "up.bias", "down.bias"))
+    assert rest.load() == (19, 19, 19, 18) and sum(rest.load()) == 3 * (3 * D + H)
+    assert [r.bytes for r in rest.rows] == [2 * 4 * 75 // 4, 4 * 75 // 4]
+
+
+def _bench_gpt():
+    """bench/models.py's `bench` preset (4 blocks of d = 512), on the meta device."""
+    import os
+    from shardc.cli.loader import load_factory
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with torch.device("meta"):
+        return load_factory(os.path.join(root, "examples/gpt.py") + ":gpt")(
+            vocab_size=256, block_size=64, n_layer=4, n_head=8, n_embd=512)
+
+
+def test_bench_gpt_model_states_equal_the_full_tensor_recipes_on_every_rank():
+    """The bench's layout (zero3, the blocks' optimizer states by tensor, Muon on the blocks'
+    matrices and AdamW on the rest) at the bench's 4 ranks: every rank's model states
+    (explain's, which tests above hold equal to `memory_report()`) equal those of FSDP2 with
+    the `full_tensor()` recipe, a quarter of every tensor per rank: params and grads 4 B per
+    element, Muon's momentum 4 B per element of the blocks' matrices, AdamW 8 B per element
+    of the rest, all from the parameters' shapes. Before the blocks' norms and biases were
+    owned whole (balanced by elements) they sat in the flat chunks and the largest rank
+    held 24,576 B more."""
+    from shardc.analysis.costmodel.memory import memory_of, optimizer_state_bytes
+    from shardc.analysis.costmodel.owned import optim_bytes_per_rank, owned_of
+    from shardc.analysis.costmodel.report import model_units
+    from shardc.lowering import lower
+    world = 4
+    s = shardc.load_strategy("mesh node(2) > gpu(2)\nparams shard over world\ngrads  shard over world\n"
+                             "optim  shard over world\n"
+                             'override "transformer.h.*" { optim shard over world by tensor }\n')
+    model = _bench_gpt()
+    named = list(model.named_parameters())
+    assert all(p.shape[0] % world == 0 for _, p in named)      # FSDP2's dim-0 shards: no padding
+
+    def muon(n, p):
+        return n.startswith("transformer.h.") and p.dim() == 2
+    recipe = sum(p.numel() // world * (4 + 4 + (4 if muon(n, p) else 8)) for n, p in named)
+    units = model_units(s, model)
+    plan = lower(s.mesh, units, s.prefetch)
+    owned = owned_of(s, model)
+    mats, rest = owned.plan.groups
+    # the owners explain prints: Newton–Schulz FLOPs even (one matrix of each kind per owner),
+    # and the blocks' 28 norm and bias vectors (24 of 512, 4 of 2,048) at 5,120 elements each
+    assert mats.imbalance() == 0.0 and rest.load() == (5120,) * world
+    optim = optim_bytes_per_rank(s, plan, owned, k_flat=optimizer_state_bytes("adamw"),
+                                 k_owned=optimizer_state_bytes("muon"))
+    states = memory_of(plan, k_state=optimizer_state_bytes("adamw"), prefetch=s.prefetch)
+    total = sum(p.numel() for _, p in named)
+    assert states["params"] == states["grads"] == 4 * total // world
+    per_rank = [states["params"] + states["params_secondary"] + states["grads"] + o for o in optim]
+    assert per_rank == [recipe] * world, (per_rank, recipe)
 
 
 # -- parity ----------------------------------------------------------------------------------
@@ -357,9 +415,14 @@ def test_explain_prints_the_owners_and_their_rows(tmp_path, capsys):
     import json
     assert main(["explain", str(path), "--model", "examples/llama.py:llama_tiny", "--clip", "--no-graph",
                  "--json"]) == 0
-    (g,) = json.loads(capsys.readouterr().out)["owners"]
+    g, rest = json.loads(capsys.readouterr().out)["owners"]
     named = dict(_llama().named_parameters())
     assert g["levels"] == ["node", "gpu"] and g["owners"] == 4 and len(g["tensors"]) == 14
+    assert g["kind"] == "matrices" and rest["kind"] == "elementwise"
+    # the blocks' 4 RMSNorm weights, owned whole and balanced by elements: one each
+    norms = [n for n in named if n.startswith("layers.") and named[n].dim() == 1]
+    assert sorted(t["name"] for t in rest["tensors"]) == sorted(norms) and len(norms) == 4
+    assert [o["elements"] for o in rest["per_owner"]] == [named[norms[0]].numel()] * 4
     for t in g["tensors"]:
         assert t["flops"] == ns_flops(named[t["name"]].shape) and 0 <= t["owner"] < 4
     load = [sum(t["flops"] for t in g["tensors"] if t["owner"] == r) for r in range(4)]

@@ -13,7 +13,9 @@ Rank r holds, per trainable flat group, its optim chunk (N / s_OS elements of th
 master where the params dtype is not fp32, as for any layout) and the element-wise
 optimizer's state of that chunk's non-owned elements (K_flat each; the padding rides on
 the group's last parameter, so it counts only when that parameter is not owned), plus the
-whole-tensor optimizer's state of the matrices it owns (K_owned per element of each).
+whole-tensor optimizer's state of the matrices it owns (K_owned per element of each) and
+the element-wise optimizer's state of the other tensors it owns (K_flat per element:
+lowering/owned.py [Note: the element-wise remainder is owned too]).
 `memory_report()` measures exactly these tensors.
 """
 from __future__ import annotations
@@ -73,6 +75,8 @@ def owner_flops(owned: Owned) -> list[tuple[int, ...]]:
     """Per owner group: each owner's Newton–Schulz FLOPs per step."""
     out = []
     for g in owned.plan.groups:
+        if not g.matrices:                       # the element-wise remainder: no Newton–Schulz
+            continue
         load = [0] * g.ranks
         for t in g.tensors:
             load[t.owner] += ns_step_flops(t.shape)
@@ -109,32 +113,38 @@ def optim_bytes_per_rank(strategy: Strategy, lowering: Lowering, owned: Owned, *
                 total += k_flat * flat
         for g in owned.plan.groups:
             pos = mixed_index(mesh, rank, g.order)
-            total += k_owned * g.owned_elems(pos)
+            total += (k_owned if g.matrices else k_flat) * g.owned_elems(pos)
         out.append(total)
     return out
 
 
 def owners_lines(owned: Owned) -> list[str]:
-    """What explain prints: per owner group, each owner's matrices and Newton–Schulz cost."""
+    """What explain prints: per owner group, each owner's tensors and what they are balanced
+    by (the matrices' Newton–Schulz FLOPs, the remainder's elements)."""
     lines = []
     for g in owned.plan.groups:
         load = g.load()
         mean = sum(load) / len(load)
-        lines.append(f"tensor owners over {', '.join(g.levels) or 'one rank'} ({len(g.tensors)} matrices, "
-                     f"{g.ranks} owners; Newton–Schulz FLOPs per iteration, most-loaded owner "
+        what, by = (("matrices", "balanced by Newton–Schulz FLOPs per iteration") if g.matrices else
+                    ("other tensors, element-wise", "balanced by elements"))
+        lines.append(f"tensor owners over {', '.join(g.levels) or 'one rank'} ({len(g.tensors)} {what}, "
+                     f"{g.ranks} owners; {by}, most-loaded owner "
                      f"{100 * g.imbalance():+.1f} % of the mean):")
         for pos in range(g.ranks):
             mats = [t.name for t in g.tensors if t.owner == pos]
             share = f"{100 * (load[pos] / mean - 1):+.1f} %" if mean else "—"
             shown = ", ".join(mats[:3]) + (f" and {len(mats) - 3} more" if len(mats) > 3 else "")
-            lines.append(f"  owner {pos}: {len(mats)} matrices, {g.owned_elems(pos)} elements, "
-                         f"cost {load[pos]:.3g} ({share}): {shown or 'none'}")
+            cost = f", cost {load[pos]:.3g}" if g.matrices else ""
+            lines.append(f"  owner {pos}: {len(mats)} {'matrices' if g.matrices else 'tensors'}, "
+                         f"{g.owned_elems(pos)} elements{cost} ({share}): {shown or 'none'}")
     return lines
 
 
 def owners_doc(plan: OwnedPlan) -> list[dict]:
-    """`explain --json`'s "owners": per owner group, the owner of each matrix and each owner's
-    Newton–Schulz FLOPs per iteration, its share of the group's and its distance from the mean."""
+    """`explain --json`'s "owners": per owner group (`kind` "matrices" or "elementwise"),
+    the owner of each tensor and each owner's load (Newton–Schulz FLOPs per iteration of the
+    matrices; elements of the remainder, whose `flops` are 0), its share of the group's and
+    its distance from the mean."""
     out = []
     for g in plan.groups:
         load = g.load()
@@ -142,10 +152,11 @@ def owners_doc(plan: OwnedPlan) -> list[dict]:
         mean = total / len(load)
         out.append({
             "levels": list(g.levels), "owners": g.ranks, "imbalance": g.imbalance(),
+            "kind": "matrices" if g.matrices else "elementwise",
             "tensors": [{"name": t.name, "shape": list(t.shape), "owner": t.owner, "flops": t.flops}
                         for t in g.tensors],
             "per_owner": [{"owner": pos, "matrices": sum(1 for t in g.tensors if t.owner == pos),
-                           "elements": g.owned_elems(pos), "flops": load[pos],
+                           "elements": g.owned_elems(pos), "flops": load[pos] if g.matrices else 0,
                            "share": load[pos] / total if total else 0.0,
                            "vs_mean": load[pos] / mean - 1.0 if mean else 0.0} for pos in range(g.ranks)],
         })
@@ -173,8 +184,8 @@ def explain_owned(e, model, *, k_flat: int, k_owned: int, flops: float | None = 
     memory["optim"] = max(per_rank)
     memory["total"] = sum(memory[k] for k in ("params", "params_secondary", "grads", "optim"))
     lines = owners_lines(owned) + [
-        f"optimizer states per rank (element-wise K={k_flat} on chunks, whole-tensor K={k_owned} on owned "
-        f"matrices): " + ", ".join(f"rank {r} {b:,}" for r, b in enumerate(per_rank[:8]))
+        f"optimizer states per rank (element-wise K={k_flat} on chunks and owned non-matrices, whole-tensor "
+        f"K={k_owned} on owned matrices): " + ", ".join(f"rank {r} {b:,}" for r, b in enumerate(per_rank[:8]))
         + (f" ... ({len(per_rank)} ranks; memory shows the largest)" if len(per_rank) > 8 else
            " (memory shows the largest)")]
     time, rates = e.time, e.rates

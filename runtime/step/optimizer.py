@@ -28,7 +28,9 @@ element's new value depends on its own grad and state). LBFGS, Adafactor-style f
 moments and anything not in `ELEMENTWISE` are refused on a parameter whose piece is a flat
 chunk, in one sentence naming it and the tensor-owned scope; they run on parameters whose
 piece is whole (optim `replicate`, s_OS = 1) and on matrices whose optim scope is `by
-tensor` (runtime/step/owned.py: the owner steps each whole matrix).
+tensor` (runtime/step/owned.py: the owner steps each whole matrix). An element-wise
+optimizer over tensors a by-tensor scope owns (its norms and biases) steps them whole on
+their owners the same way, and the rest of its parameters on their chunks.
 """
 from __future__ import annotations
 
@@ -75,7 +77,8 @@ def _mine(opt) -> tuple:
     owners = tuple((s, tuple(ps)) for s, ps in sets.values())
     fresh = [s for s, _ in owners if not any(o() is opt for o in s.optimizers)]
     for s, ps in owners:
-        if s in fresh and _check_cls(type(opt), s, ps) and owned.adopt(opt, s, ps):
+        whole = type(opt) not in ELEMENTWISE             # steps views of whole pieces too
+        if s in fresh and _check_cls(type(opt), s, ps) and owned.adopt(opt, s, ps, views=whole):
             owned_state.attach(opt)
     if fresh and len(fresh) == len(owners):        # the optimizer's first adoption: its hooks once
         attach_optimizer_hooks(opt)
@@ -112,13 +115,14 @@ def _others_due(pset):
 
 
 def _check_cls(cls, pset, params) -> bool:
-    """Whether `cls` steps whole tensors (runtime/step/owned.py): not element-wise, over matrices
-    whose optim scope is by tensor or over whole pieces. An element-wise one runs on any
-    chunks (False); one that is not is refused on a flat chunk in one sentence naming the
-    tensor-owned scope."""
-    if cls in ELEMENTWISE:
-        return False
+    """Whether `cls` steps whole tensors (runtime/step/owned.py): one that is not element-wise,
+    over matrices whose optim scope is by tensor or over whole pieces; an element-wise one
+    over any tensor a by-tensor scope owns (lowering/owned.py [Note: the element-wise
+    remainder is owned too]), else it runs on the chunks (False). One that is not
+    element-wise is refused on a flat chunk in one sentence naming the tensor-owned scope."""
     owners = owned.owned_names(pset)
+    if cls in ELEMENTWISE:
+        return any(p._shardc_spec.name in owners for p in params)
     flat = [p for p in params if p._shardc_spec.name not in owners and not p._is_whole]
     if flat:
         name = flat[0]._shardc_spec.name

@@ -2,8 +2,9 @@
 
 Input: a torch optimizer that is not element-wise (`torch.optim.Muon`) over a
 ShardedModule's matrices whose `optim` scope is placed by tensor (dsl/ir.py [Note:
-tensor-owned scopes]), and the plan's owners (`Lowering.owned`, lowering/owned.py, which
-`ParamSet.owned_plan` holds).
+tensor-owned scopes]), or an element-wise one (AdamW) over such a scope's other tensors
+(lowering/owned.py [Note: the element-wise remainder is owned too]), and the plan's owners
+(`Lowering.owned`, lowering/owned.py, which `ParamSet.owned_plan` holds).
 Output: that optimizer's step run on whole tensors, each by its owner only: before the
 step every matrix's parameter and reduced gradient go to its owner (one all-to-all per
 group, the plan's SYNC row), the optimizer steps whole-tensor stand-ins of the matrices
@@ -62,12 +63,13 @@ def owned_names(pset) -> dict:
     return plan.owner_of() if plan is not None else {}
 
 
-def adopt(opt, pset, params) -> bool:
-    """`opt` (not element-wise) steps whole tensors over `params`, all owned matrices;
-    True when it is adopted now (its checkpoint hooks are due: runtime/step/owned_state.py)."""
+def adopt(opt, pset, params, views: bool = True) -> bool:
+    """`opt` steps whole tensors over the owned ones of `params` (and, with `views`, over
+    the whole pieces: an optimizer that is not element-wise); True when it is adopted now
+    (its checkpoint hooks are due: runtime/step/owned_state.py)."""
     if step_of(opt) is not None:
         return False
-    opt.__dict__[STEP] = OwnedStep(opt, pset, params)    # kept by the optimizer: goes with it
+    opt.__dict__[STEP] = OwnedStep(opt, pset, params, views)   # kept by the optimizer: goes with it
     return True
 
 
@@ -114,7 +116,7 @@ class _Group:
 class OwnedStep:
     """One optimizer's whole-tensor step (see the module notes)."""
 
-    def __init__(self, opt, pset, params):
+    def __init__(self, opt, pset, params, views: bool = True):
         self.opt, self.pset = weakref.ref(opt), pset
         names = owned_names(pset)
         by_group: dict[int, tuple] = {}
@@ -125,7 +127,7 @@ class OwnedStep:
                 by_group[id(g)] = _Group(g, mine, pset)
         self.groups = list(by_group.values())
         # [Note: stand-ins] whole pieces (optim replicate) are viewed in the parameter's shape, in place
-        self.views = {n: p for n, p in held.items() if n not in names and p._is_whole}
+        self.views = {n: p for n, p in held.items() if views and n not in names and p._is_whole}
         self.stand_ins = {n: nn.Parameter(torch.empty(0), requires_grad=True) for n in held
                           if n in names or n in self.views}
         self._saved = None
