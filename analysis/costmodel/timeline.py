@@ -19,8 +19,9 @@ shardc.lowering [Note: gradient lifetimes] (RELEASE_GRADS): zero_grad() frees ev
 shard, so the forward of a step's first micro-batch holds none ("states" there is
 memory_report()'s total less its `grads`). In the backward a unit's shard appears when its
 gradients arrive (s_G = 1: after its backward ran, so not beside its saved tensors while
-it runs) or when its reduce-scatter is waited (s_G > 1: as the next unit's gradients arrive,
-or at the backward's end); a group with no gradient's at the sync. From
+it runs) or when its reduce-scatter is issued (s_G > 1: the reduce-scatter writes into the
+shard itself, with no chunk beside it, runtime/groups/storage.py [Note: reduce into the
+shard]; a later micro-batch's lands in a workspace chunk); a group with no gradient's at the sync. From
 the sync to zero_grad() every shard is alive (the sync and step points count the whole
 total). With more than one micro-batch the later forwards and backwards hold every shard.
 The fp32 copies a bf16 grad shard is read through (runtime/state/params.py [Note:
@@ -88,7 +89,8 @@ issued the reduce: so they count beside the reduce's staging and codec at its is
 [Note: timeline: reduce workspace]
 runtime/groups/workspace.py [Note: reduce workspace], shardc.lowering [Note: reductions in
 flight] (REDUCE_IN_FLIGHT = 1): with s_G > 1 a unit's reduce-scatter holds its flat input
-(N) and its output chunk (N/s_G) until the next unit's gradients arrive; that wait comes
+(N) and, after the step's first micro-batch, its output chunk (N/s_G; in the first the
+output is the grad shard itself) until the next unit's gradients arrive; that wait comes
 before the next copy, and the unit's gathered buffer is freed before it too, so the next
 unit's flat input reuses the same workspace. The pool keeps what was handed back, so from
 a unit's copy on it holds the largest (N + N/s_G) so far (its high-water mark) and, on the
@@ -235,7 +237,7 @@ class _Sizes:
         self.gathered = [sum(g.gathered_bytes for g in u.groups) for u in units]
         self.grad = [sum(_grad_full(u, g) for g in u.groups) for u in units]
         # the grad shard's bytes ([Note: timeline: grad shards]): from its gradients' arrival
-        # (s_G = 1), from its reduce-scatter's wait (s_G > 1)
+        # (s_G = 1), from its reduce-scatter's issue (s_G > 1)
         self.shard_on_arrival = [sum(g.grads_bytes for g in u.groups if g.trainable and g.factors.g == 1)
                                  for u in units]
         self.shard_on_wait = [sum(g.grads_bytes for g in u.groups if g.trainable and g.factors.g > 1)
@@ -405,8 +407,6 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         if shards != grads:
             shards += z.shard_on_arrival[i]     # s_G = 1: the shard exists from its gradients' arrival
         if prev is not None:
-            if shards != grads:
-                shards += z.shard_on_wait[prev]
             if prev in early:
                 synced.append(prev)         # its reduce waited: its sync goes out
         if prev is not None and prev in early:
@@ -419,8 +419,10 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
                                           ("reduce workspace", ws), ("reduce-scatter staging", in_flight),
                                           ("gathers issued ahead", ahead), ("early syncs", issuing))))
         early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
-        if z.reduce[i]:
-            ws = max(ws, z.reduce[i] + z.recv[i])
+        if shards != grads:
+            shards += z.shard_on_wait[i]        # s_G > 1: its reduce-scatter lands in the shard itself
+        if z.reduce[i]:                         # ... so no chunk in the step's first micro-batch
+            ws = max(ws, z.reduce[i] - (z.shard_on_wait[i] if micro_batches == 1 else 0) + z.recv[i])
         done = alive - (left[i] if left is not None else 0)
         # its gradients copied and its reduce issued (autograd's gradient freed only when its
         # views' backward returns, after the issue): the reduce-scatter's staging and codec
