@@ -271,7 +271,7 @@ SIM_SYSTEMS = ("shardc:zero3", "fsdp2:zero3", "shardc:mics", "fsdp2:hsdp")
 SIM_NODES, SIM_SEQ = 128, 2048
 
 
-def fsdp2_fake_step(model, seq: int, logits_of) -> dict:
+def fsdp2_fake_step(model, seq: int, logits_of, vocab: int = 32000) -> dict:
     """FSDP2's side of `--simulate` / `--simulate-836m`: the `fully_shard`ed meta `model` made
     fake (FakeTensorMode) under the fake group, 1 x `seq` tokens, AdamW, one step unmeasured
     (the optimizer's states are made), the next under simulate's MemTracker subclass per
@@ -287,7 +287,7 @@ def fsdp2_fake_step(model, seq: int, logits_of) -> dict:
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x = torch.randint(0, 32000, (1, seq))
+        x = torch.randint(0, vocab, (1, seq))
 
         def step(phase):
             with phase("forward"):
@@ -310,12 +310,14 @@ def fsdp2_fake_step(model, seq: int, logits_of) -> dict:
             "states": sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())}
 
 
-def sim_836m(system: str) -> dict:
+def sim_836m(system: str, factory=None, seq: int = 0) -> dict:
     """One system's simulated rank 0 at the 836M Llama (`--simulate-836m`): bench/bigmodel.py's
     16 layers of TinyLlama's width in fp32, 8 ranks, shardc's systems as the gloo run has them
     (`bench/llama_zero3_units.shard`, `hsdp_text`), FSDP2's `fully_shard` per unit, 1 x 128
     tokens, AdamW, the second step tracked per phase. The config keeps HF's `use_cache`
-    (both systems alike): without it HF's packed-sequence check reads a meta value."""
+    (both systems alike): without it HF's packed-sequence check reads a meta value.
+    `factory`, `seq`: another HF Llama of the same units and its tokens (a test's small one;
+    the process must have no default process group: each side makes its fake one)."""
     sys.path.insert(0, HERE)
     import bigmodel
     from torch.distributed.device_mesh import init_device_mesh
@@ -325,12 +327,14 @@ def sim_836m(system: str) -> dict:
     import shardc
     from shardc.simulate import init_fake, simulate_rank
 
-    from peak_models import llama_836m as factory
+    if factory is None:
+        from peak_models import llama_836m as factory
+    seq = seq or bigmodel.TOKENS
     if system.startswith("shardc"):
         with open(UNITS) as f:
             text = f.read() if system.endswith("zero3") else hsdp_text()
         s = shardc.load_strategy(text, mesh=MESH, world_size=WORLD)
-        rep = simulate_rank(s, factory, 0, spec="llama_16", micro_batches=1, batch=1, seq=bigmodel.TOKENS, peak=True)
+        rep = simulate_rank(s, factory, 0, spec="llama_16", micro_batches=1, batch=1, seq=seq, peak=True)
         return {"peaks": rep["peak"]["phases"], "peak": rep["peak"]["measured"], "by_kind": rep["peak"]["by_kind"],
                 "states": rep["memory"]["total"], "explain": rep["peak"]["explain"],
                 "explain_phases": rep["peak"]["explain_phases"]}
@@ -342,7 +346,7 @@ def sim_836m(system: str) -> dict:
     for mod in [model.model.embed_tokens, *model.model.layers, model.lm_head]:
         fully_shard(mod, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return fsdp2_fake_step(model, bigmodel.TOKENS, lambda out: out.logits)
+    return fsdp2_fake_step(model, seq, lambda out: out.logits, model.config.vocab_size)
 
 
 def sim_worker(system: str) -> dict:
