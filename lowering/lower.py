@@ -33,6 +33,7 @@ class UnitSize:
     root: bool = False
     experts: ExpertGroup | None = None
     placed: tuple[tuple[Over, int, int], ...] = ()
+    single: bool = False              # its dense trainable elements are one tensor (GroupPlan.whole_grad)
 
     def counts(self, over: Over) -> tuple[int, int]:
         """(trainable, frozen) elements placed by kind `over`."""
@@ -53,8 +54,9 @@ def unit_sizes(params, units, experts: ExpertGroup | None = None) -> list[UnitSi
         dense = of(Over.DENSE)
         placed = tuple((o, count(of(o), True), count(of(o), False))
                        for o in (Over.EXPERTS, *(k.over for k in kinds())) if of(o))
+        single = sum(1 for n in dense if params[n].requires_grad) == 1
         out.append(UnitSize(u.name, count(dense, True), count(dense, False), u.scopes, root=(i == 0),
-                            experts=experts if of(Over.EXPERTS) else None, placed=placed))
+                            experts=experts if of(Over.EXPERTS) else None, placed=placed, single=single))
     return out
 
 
@@ -65,12 +67,12 @@ def placement(over: Over, mesh: Mesh, sc: Scopes, clip: tuple | None = None, wei
                      weight)
 
 
-def _groups(pl: Placement, counts, root: bool):
+def _groups(pl: Placement, counts, root: bool, single: bool = False):
     out = []
     for phi, trainable in counts:
         if phi:
             n = padded(phi, pad_multiple(pl.factors, trainable))
-            out.append(group_plan(pl, phi, n, trainable, root))
+            out.append(group_plan(pl, phi, n, trainable, root, single and trainable))
     return out
 
 
@@ -90,7 +92,7 @@ def lower_unit(mesh: Mesh, u: UnitSize) -> UnitPlan:
     for over in (Over.DENSE, *(o for o, _, _ in u.placed)):
         trainable, frozen = u.counts(over)
         groups += _groups(dense if over == Over.DENSE else _placement(mesh, u, over),
-                          ((trainable, True), (frozen, False)), u.root)
+                          ((trainable, True), (frozen, False)), u.root, u.single and over == Over.DENSE)
     return UnitPlan(u.name, u.scopes, dense.factors, tuple(groups), u.root)
 
 
