@@ -85,6 +85,15 @@ def hsdp_text() -> str:
     return text.replace("shard over world", "shard over gpu").replace("collectives ring\n", "")
 
 
+def optimizer():
+    """(class, kwargs) of the step's optimizer: AdamW, or with `--sgd` (which sets
+    PEAK_FSDP2_SGD for the ranks it starts) SGD without momentum, which holds no state: the
+    836M model's 8 ranks fit this machine's memory only without AdamW's 2 x 418 MB per rank."""
+    if os.environ.get("PEAK_FSDP2_SGD"):
+        return torch.optim.SGD, {"lr": 1e-3}
+    return torch.optim.AdamW, {"lr": 1e-3}
+
+
 def build(system: str, x: torch.Tensor, layers: int = 0, phases: dict | None = None, load: str | None = None):
     """(the model to call, its optimizer, its states' tensors for the tracker, sync()).
     `layers` > 0: bench/bigmodel.py's Llama of TinyLlama's width with that many layers, built
@@ -116,7 +125,8 @@ def build(system: str, x: torch.Tensor, layers: int = 0, phases: dict | None = N
             sm = shardc.compile(model, text, example_inputs=(x,), mesh=MESH, **({"init": init} if layers else {}))
             if load:
                 bigmodel.load_dcp(sm, load)
-        opt = sm.optimizer(torch.optim.AdamW, lr=1e-3)
+        cls, kw = optimizer()
+        opt = sm.optimizer(cls, **kw)
         out = (sm, opt, lambda: [*held_tensors(sm.runtime, sm.params), opt],
                lambda: sm.runtime.boundary.wait_sync("the benchmark's sync phase"))
     else:
@@ -133,7 +143,8 @@ def build(system: str, x: torch.Tensor, layers: int = 0, phases: dict | None = N
                 model.apply(bigmodel.rotary_only(model._init_weights) if load else model._init_weights)
                 if load:
                     bigmodel.load_dcp(model, load)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        cls, kw = optimizer()
+        opt = cls(model.parameters(), **kw)
         out = (model, opt, lambda: [model, opt], lambda: None)
     if tracker is not None and phases is not None:
         from torch.distributed._tools.mem_tracker import _TOTAL_KEY
@@ -241,7 +252,8 @@ def worker(out: str, layers: int = 0, warm: bool = True, systems=SYSTEMS, load: 
             else:
                 meta = {"model": "LlamaForCausalLM h256 i704 L4 v8192 fp32", "params": sum(
                     p.numel() for p in llama_small().parameters()), "batch": BATCH, "seq": SEQ}
-            meta.update({"world": WORLD, "mesh": MESH, "torch": torch.__version__,
+            meta.update({"world": WORLD, "mesh": MESH, "torch": torch.__version__, "optimizer": "{} {}".format(
+                             optimizer()[0].__name__, optimizer()[1]),
                          "tracker": "torch.distributed._tools.mem_tracker.MemTracker (shardc.simulate's)"})
             with open(out, "w") as f:
                 json.dump({"meta": meta, "systems": results}, f, indent=1)
@@ -416,6 +428,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="bench/bigmodel.py's Llama with this many layers "
                     "(16: 836M), built on meta, its start-up tracked too (default: the small Llama)")
     ap.add_argument("--cold", action="store_true", help="track the first step (no unmeasured step before)")
+    ap.add_argument("--sgd", action="store_true", help="SGD without momentum instead of AdamW (no optimizer states)")
     ap.add_argument("--load", metavar="DIR", help="--layers: the start-up only, a DCP load of DIR/dcp (saved "
                     "there first from FSDP2's init when absent)")
     ap.add_argument("--no-step", action="store_true", help="--layers: the start-up only")
@@ -425,6 +438,8 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--sim-worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.sgd:
+        os.environ["PEAK_FSDP2_SGD"] = "1"          # for the ranks this run starts (`optimizer`)
     if a.worker:
         return worker(a.worker, a.layers, not a.cold, tuple(a.systems.split(",")), a.load, a.save, not a.no_step)
     if a.sim_worker:
