@@ -166,7 +166,7 @@ class FlatGroup:
         st = self.storage
         if st.s_g == 1:
             st.add_slot_grads(grads)
-        elif (whole := st.whole_grad(grads)) is not None:
+        elif self.gplan.whole_grad and (whole := st.whole_grad(grads)) is not None:   # the plan's rule
             self.reduce_grad(whole, pooled=False)
         else:
             self.reduce_grad(st.flat_grads(grads, self.workspace))

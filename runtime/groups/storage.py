@@ -286,7 +286,9 @@ class FlatStorage:
 
     def whole_grad(self, grads) -> torch.Tensor | None:
         """The one gradient of a one-parameter group, flat, when it is the layout itself
-        (no padding, contiguous, the grad dtype and device: see [Note: grad accumulation])."""
+        (no padding, contiguous, the grad dtype and device: see [Note: grad accumulation]).
+        The plan says which groups are such (lowering `GroupPlan.whole_grad`, which explain's
+        timeline reads); this checks the tensor autograd gave."""
         if len(self._sizes) != 1 or self.layout.phi != self.n or grads[0] is None:
             return None
         g = grads[0]
