@@ -77,7 +77,8 @@ torch's `zero_grad(set_to_none=True)` frees a model's gradients: a released shar
 stale, and its next write covers all of it (`_grad_back` gives the storage back first:
 the unit's first gradients of the next step, or whatever materializes it). So from
 zero_grad() to a unit's first reduced gradient in the next step (its backward's
-reduce-scatter completing, or its slot gradients with s_G = 1) the shard holds no bytes
+reduce-scatter issued into it, [Note: reduce into the shard], or its slot gradients with
+s_G = 1) the shard holds no bytes
 (shardc.lowering [Note: reductions in flight] for the rest of the backward's buffers).
 The whole-step mode keeps the shard allocated (its graphs read it even when stale).
 """
