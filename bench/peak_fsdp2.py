@@ -85,6 +85,15 @@ def hsdp_text() -> str:
     return text.replace("shard over world", "shard over gpu").replace("collectives ring\n", "")
 
 
+def optimizer():
+    """(class, kwargs) of the step's optimizer: AdamW, or with `--sgd` (which sets
+    PEAK_FSDP2_SGD for the ranks it starts) SGD without momentum, which holds no state: the
+    836M model's 8 ranks fit this machine's memory only without AdamW's 2 x 418 MB per rank."""
+    if os.environ.get("PEAK_FSDP2_SGD"):
+        return torch.optim.SGD, {"lr": 1e-3}
+    return torch.optim.AdamW, {"lr": 1e-3}
+
+
 def build(system: str, x: torch.Tensor, layers: int = 0, phases: dict | None = None, load: str | None = None):
     """(the model to call, its optimizer, its states' tensors for the tracker, sync()).
     `layers` > 0: bench/bigmodel.py's Llama of TinyLlama's width with that many layers, built
@@ -116,7 +125,8 @@ def build(system: str, x: torch.Tensor, layers: int = 0, phases: dict | None = N
             sm = shardc.compile(model, text, example_inputs=(x,), mesh=MESH, **({"init": init} if layers else {}))
             if load:
                 bigmodel.load_dcp(sm, load)
-        opt = sm.optimizer(torch.optim.AdamW, lr=1e-3)
+        cls, kw = optimizer()
+        opt = sm.optimizer(cls, **kw)
         out = (sm, opt, lambda: [*held_tensors(sm.runtime, sm.params), opt],
                lambda: sm.runtime.boundary.wait_sync("the benchmark's sync phase"))
     else:
@@ -133,7 +143,8 @@ def build(system: str, x: torch.Tensor, layers: int = 0, phases: dict | None = N
                 model.apply(bigmodel.rotary_only(model._init_weights) if load else model._init_weights)
                 if load:
                     bigmodel.load_dcp(model, load)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        cls, kw = optimizer()
+        opt = cls(model.parameters(), **kw)
         out = (model, opt, lambda: [model, opt], lambda: None)
     if tracker is not None and phases is not None:
         from torch.distributed._tools.mem_tracker import _TOTAL_KEY
@@ -241,7 +252,8 @@ def worker(out: str, layers: int = 0, warm: bool = True, systems=SYSTEMS, load: 
             else:
                 meta = {"model": "LlamaForCausalLM h256 i704 L4 v8192 fp32", "params": sum(
                     p.numel() for p in llama_small().parameters()), "batch": BATCH, "seq": SEQ}
-            meta.update({"world": WORLD, "mesh": MESH, "torch": torch.__version__,
+            meta.update({"world": WORLD, "mesh": MESH, "torch": torch.__version__, "optimizer": "{} {}".format(
+                             optimizer()[0].__name__, optimizer()[1]),
                          "tracker": "torch.distributed._tools.mem_tracker.MemTracker (shardc.simulate's)"})
             with open(out, "w") as f:
                 json.dump({"meta": meta, "systems": results}, f, indent=1)
@@ -271,7 +283,7 @@ SIM_SYSTEMS = ("shardc:zero3", "fsdp2:zero3", "shardc:mics", "fsdp2:hsdp")
 SIM_NODES, SIM_SEQ = 128, 2048
 
 
-def fsdp2_fake_step(model, seq: int, logits_of) -> dict:
+def fsdp2_fake_step(model, seq: int, logits_of, vocab: int = 32000) -> dict:
     """FSDP2's side of `--simulate` / `--simulate-836m`: the `fully_shard`ed meta `model` made
     fake (FakeTensorMode) under the fake group, 1 x `seq` tokens, AdamW, one step unmeasured
     (the optimizer's states are made), the next under simulate's MemTracker subclass per
@@ -287,7 +299,7 @@ def fsdp2_fake_step(model, seq: int, logits_of) -> dict:
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x = torch.randint(0, 32000, (1, seq))
+        x = torch.randint(0, vocab, (1, seq))
 
         def step(phase):
             with phase("forward"):
@@ -310,12 +322,14 @@ def fsdp2_fake_step(model, seq: int, logits_of) -> dict:
             "states": sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())}
 
 
-def sim_836m(system: str) -> dict:
+def sim_836m(system: str, factory=None, seq: int = 0) -> dict:
     """One system's simulated rank 0 at the 836M Llama (`--simulate-836m`): bench/bigmodel.py's
     16 layers of TinyLlama's width in fp32, 8 ranks, shardc's systems as the gloo run has them
     (`bench/llama_zero3_units.shard`, `hsdp_text`), FSDP2's `fully_shard` per unit, 1 x 128
     tokens, AdamW, the second step tracked per phase. The config keeps HF's `use_cache`
-    (both systems alike): without it HF's packed-sequence check reads a meta value."""
+    (both systems alike): without it HF's packed-sequence check reads a meta value.
+    `factory`, `seq`: another HF Llama of the same units and its tokens (a test's small one;
+    the process must have no default process group: each side makes its fake one)."""
     sys.path.insert(0, HERE)
     import bigmodel
     from torch.distributed.device_mesh import init_device_mesh
@@ -325,12 +339,14 @@ def sim_836m(system: str) -> dict:
     import shardc
     from shardc.simulate import init_fake, simulate_rank
 
-    from peak_models import llama_836m as factory
+    if factory is None:
+        from peak_models import llama_836m as factory
+    seq = seq or bigmodel.TOKENS
     if system.startswith("shardc"):
         with open(UNITS) as f:
             text = f.read() if system.endswith("zero3") else hsdp_text()
         s = shardc.load_strategy(text, mesh=MESH, world_size=WORLD)
-        rep = simulate_rank(s, factory, 0, spec="llama_16", micro_batches=1, batch=1, seq=bigmodel.TOKENS, peak=True)
+        rep = simulate_rank(s, factory, 0, spec="llama_16", micro_batches=1, batch=1, seq=seq, peak=True)
         return {"peaks": rep["peak"]["phases"], "peak": rep["peak"]["measured"], "by_kind": rep["peak"]["by_kind"],
                 "states": rep["memory"]["total"], "explain": rep["peak"]["explain"],
                 "explain_phases": rep["peak"]["explain_phases"]}
@@ -342,7 +358,7 @@ def sim_836m(system: str) -> dict:
     for mod in [model.model.embed_tokens, *model.model.layers, model.lm_head]:
         fully_shard(mod, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return fsdp2_fake_step(model, bigmodel.TOKENS, lambda out: out.logits)
+    return fsdp2_fake_step(model, seq, lambda out: out.logits, model.config.vocab_size)
 
 
 def sim_worker(system: str) -> dict:
@@ -412,6 +428,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="bench/bigmodel.py's Llama with this many layers "
                     "(16: 836M), built on meta, its start-up tracked too (default: the small Llama)")
     ap.add_argument("--cold", action="store_true", help="track the first step (no unmeasured step before)")
+    ap.add_argument("--sgd", action="store_true", help="SGD without momentum instead of AdamW (no optimizer states)")
     ap.add_argument("--load", metavar="DIR", help="--layers: the start-up only, a DCP load of DIR/dcp (saved "
                     "there first from FSDP2's init when absent)")
     ap.add_argument("--no-step", action="store_true", help="--layers: the start-up only")
@@ -421,6 +438,8 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--sim-worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.sgd:
+        os.environ["PEAK_FSDP2_SGD"] = "1"          # for the ranks this run starts (`optimizer`)
     if a.worker:
         return worker(a.worker, a.layers, not a.cold, tuple(a.systems.split(",")), a.load, a.save, not a.no_step)
     if a.sim_worker:

@@ -19,6 +19,16 @@ def llama_small():
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
 
 
+def llama_836m_small():
+    """The 836M model's units at a test's size (tests/test_peak_fsdp2.py): two decoder layers,
+    the untied embedding and head (4096 x 256) the largest units, as the 836M model's are;
+    `use_cache` on as in `llama_836m`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=704, vocab_size=4096,
+                                        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                        tie_word_embeddings=False, use_cache=True, max_position_embeddings=128))
+
+
 def llama_836m():
     """bench/bigmodel.py's 836M Llama (16 layers of TinyLlama's width, fp32) with HF's
     `use_cache` on: without it HF's packed-sequence check reads a value, which a simulated

@@ -138,6 +138,9 @@ class GroupPlan:
     optim_elems: int                  # N / s_OS: elements of the optimizer chunk
     master_bytes: int                 # fp32 master copy (params dtype not fp32)
     gathered_bytes: int               # full params while gathered (0 when s_P = 1)
+    # its one parameter's gradient is reduce-scattered as autograd made it, with no flat copy
+    # (runtime/groups/storage.py `whole_grad`: one tensor, no padding, grads in the params dtype)
+    whole_grad: bool = False
 
     @property
     def key(self) -> tuple[bool, Placement]:

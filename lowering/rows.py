@@ -124,7 +124,8 @@ def master_is_params(params_dtype: DType, trainable: bool, s_p: int, s_os: int) 
     return trainable and params_dtype is not DType.FP32 and s_p > 1 and s_p == s_os
 
 
-def group_plan(pl: Placement, phi: int, n: int, trainable: bool, root: bool) -> GroupPlan:
+def group_plan(pl: Placement, phi: int, n: int, trainable: bool, root: bool, single: bool = False) -> GroupPlan:
+    """`single`: its trainable elements are one tensor (whole_grad when unpadded, grads in the params dtype)."""
     sc, f, mesh = pl.scopes, pl.factors, pl.mesh
     rows = tuple(_gathers(sc, f, mesh, n, root)) + (tuple(_gradients(sc, f, mesh, n)) if trainable else ())
     if pl.over != Over.DENSE:
@@ -138,7 +139,8 @@ def group_plan(pl: Placement, phi: int, n: int, trainable: bool, root: bool) -> 
         grads_bytes=n // f.g * elem_bytes(sc.grads.dtype) if trainable else 0,
         optim_elems=n // f.os if trainable else 0,
         master_bytes=n // f.os * 4 if trainable and sc.params.dtype is not DType.FP32 and not one else 0,
-        gathered_bytes=n * pb if f.p > 1 else 0)
+        gathered_bytes=n * pb if f.p > 1 else 0,
+        whole_grad=single and trainable and phi == n and sc.params.dtype is sc.grads.dtype)
 
 
 def clip_rows(mesh: Mesh, optim_levels) -> tuple[Row, ...]:

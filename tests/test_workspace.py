@@ -5,7 +5,8 @@ Bounds from [Note: reduce workspace]: at most two reduce-scatters in flight, eac
 N-element input, an all-to-all receive buffer (gloo: N elements for units as small as
 these, under the receive bound) and an N/s_G chunk, so the pool holds at most
 2·(2N + N/s_G) elements of the largest unit (fp32: 4 bytes each); every tensor is made
-during the first micro-batch of a step. A unit of one parameter reduce-scatters its
+during the first two micro-batches of a step (the first has no chunks: its reduce-scatters
+land in the grad shards, groups/storage.py [Note: reduce into the shard]). A unit of one parameter reduce-scatters its
 gradient as it is, with no flat copy, and trains at parity.
 """
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _window(rank, world):
 def test_reduce_buffers_reused_and_bounded():
     for r in dist_run(2, _window):
         a, held = r["allocs"], r["held"]
-        assert a[0] == a[1] == a[2] and a[3] == a[4] == a[5], a      # made in micro-batch 1 only
+        assert a[1] == a[2] and a[4] == a[5], a      # made in micro-batches 1 and 2 only
         assert 0 < held[0] <= r["bound"] and 0 < held[3] <= r["bound"], (held, r["bound"])
         assert held[2] == 0 and held[5] == 0, held                   # emptied by the step's sync
 

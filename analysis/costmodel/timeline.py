@@ -19,8 +19,9 @@ shardc.lowering [Note: gradient lifetimes] (RELEASE_GRADS): zero_grad() frees ev
 shard, so the forward of a step's first micro-batch holds none ("states" there is
 memory_report()'s total less its `grads`). In the backward a unit's shard appears when its
 gradients arrive (s_G = 1: after its backward ran, so not beside its saved tensors while
-it runs) or when its reduce-scatter is waited (s_G > 1: as the next unit's gradients arrive,
-or at the backward's end); a group with no gradient's at the sync. From
+it runs) or when its reduce-scatter is issued (s_G > 1: the reduce-scatter writes into the
+shard itself, with no chunk beside it, runtime/groups/storage.py [Note: reduce into the
+shard]; a later micro-batch's lands in a workspace chunk); a group with no gradient's at the sync. From
 the sync to zero_grad() every shard is alive (the sync and step points count the whole
 total). With more than one micro-batch the later forwards and backwards hold every shard.
 The fp32 copies a bf16 grad shard is read through (runtime/state/params.py [Note:
@@ -85,10 +86,20 @@ flight]), after `reduce_grad` has copied them (s_G > 1) or added them in (s_G = 
 issued the reduce: so they count beside the reduce's staging and codec at its issue
 (measured: zeropp's qgZ issue on HF GPT-2 at 4 ranks, 1.005 with them, 0.945 without).
 
+[Note: timeline: whole gradients]
+A group whose one parameter's gradient is its layout already (lowering `GroupPlan.whole_grad`:
+one tensor, no padding, grads in the params dtype; runtime/groups/storage.py `whole_grad`:
+an embedding's or a head's unit) has no flat input in the workspace: its reduce-scatter
+reads autograd's gradient, which the reduce in flight keeps alive until the next unit's
+gradients arrive and it is waited (counted there with "reduce-scatter staging"). Counted
+in the workspace before, the head's gradient stayed in the pool's high-water mark for the
+whole backward: explain 1.085x the measured backward on the 836M model's width at 2 layers.
+
 [Note: timeline: reduce workspace]
 runtime/groups/workspace.py [Note: reduce workspace], shardc.lowering [Note: reductions in
 flight] (REDUCE_IN_FLIGHT = 1): with s_G > 1 a unit's reduce-scatter holds its flat input
-(N) and its output chunk (N/s_G) until the next unit's gradients arrive; that wait comes
+(N) and, after the step's first micro-batch, its output chunk (N/s_G; in the first the
+output is the grad shard itself) until the next unit's gradients arrive; that wait comes
 before the next copy, and the unit's gathered buffer is freed before it too, so the next
 unit's flat input reuses the same workspace. The pool keeps what was handed back, so from
 a unit's copy on it holds the largest (N + N/s_G) so far (its high-water mark) and, on the
@@ -235,7 +246,7 @@ class _Sizes:
         self.gathered = [sum(g.gathered_bytes for g in u.groups) for u in units]
         self.grad = [sum(_grad_full(u, g) for g in u.groups) for u in units]
         # the grad shard's bytes ([Note: timeline: grad shards]): from its gradients' arrival
-        # (s_G = 1), from its reduce-scatter's wait (s_G > 1)
+        # (s_G = 1), from its reduce-scatter's issue (s_G > 1)
         self.shard_on_arrival = [sum(g.grads_bytes for g in u.groups if g.trainable and g.factors.g == 1)
                                  for u in units]
         self.shard_on_wait = [sum(g.grads_bytes for g in u.groups if g.trainable and g.factors.g > 1)
@@ -250,8 +261,9 @@ class _Sizes:
         # per phase (forward, backward): a gather issued ahead, and at its wait (codec included)
         self.ag_issued = {Phase.FORWARD: [], Phase.BACKWARD: []}
         self.ag_wait = {Phase.FORWARD: [], Phase.BACKWARD: []}
+        self.kept_grad: list[int] = []       # a whole gradient held by its reduce-scatter in flight
         for u in units:
-            red = rs = rc = syn = ar = recv = 0
+            red = rs = rc = syn = ar = recv = kept = 0
             has_ar = False
             ag = {ph: [0, 0] for ph in self.ag_wait}
             for g in u.groups:
@@ -269,7 +281,10 @@ class _Sizes:
                     continue
                 e = _grad_full(u, g) // max(g.n, 1)
                 if f.g > 1:
-                    red += _grad_full(u, g) + g.grads_bytes
+                    # the flat input (none where the gradient is reduced as autograd made it:
+                    # that one stays alive in flight instead, [Note: timeline: whole gradients])
+                    red += (0 if g.whole_grad else _grad_full(u, g)) + g.grads_bytes
+                    kept += _grad_full(u, g) if g.whole_grad else 0
                     if mesh is not None:
                         row = g.row(Phase.BACKWARD, Op.ALL_TO_ALL) or g.row(Phase.BACKWARD, Op.REDUCE_SCATTER)
                         rs += reduce_scatter_bytes(mesh, algo, row, g.n, e)
@@ -290,7 +305,7 @@ class _Sizes:
                 if ar_row is not None and mesh is not None:
                     ar += all_reduce_bytes(mesh, algo, ar_row, g.optim_elems, e, a2a)
             for lst, v in ((self.reduce, red), (self.rs_staging, rs), (self.rs_codec, rc), (self.sync, syn),
-                           (self.sync_ar, ar), (self.recv, recv)):
+                           (self.sync_ar, ar), (self.recv, recv), (self.kept_grad, kept)):
                 lst.append(v)
             self.has_ar.append(has_ar)
             for ph, (a, b) in ag.items():
@@ -384,7 +399,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         held |= issue | ({i} if size[i] and st is not None else set())
         ahead = sum(z.ag_issued[Phase.BACKWARD][k] for k in issue if k != i)
         early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
-        in_flight = z.rs_staging[prev] if prev is not None else 0
+        in_flight = z.rs_staging[prev] + z.kept_grad[prev] if prev is not None else 0
         gathered = sum(size[k] for k in held)
         # while its backward runs: its saved tensors and its gradient, the previous reduce in flight
         pts = [Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
@@ -405,8 +420,6 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         if shards != grads:
             shards += z.shard_on_arrival[i]     # s_G = 1: the shard exists from its gradients' arrival
         if prev is not None:
-            if shards != grads:
-                shards += z.shard_on_wait[prev]
             if prev in early:
                 synced.append(prev)         # its reduce waited: its sync goes out
         if prev is not None and prev in early:
@@ -419,8 +432,10 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
                                           ("reduce workspace", ws), ("reduce-scatter staging", in_flight),
                                           ("gathers issued ahead", ahead), ("early syncs", issuing))))
         early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
-        if z.reduce[i]:
-            ws = max(ws, z.reduce[i] + z.recv[i])
+        if shards != grads:
+            shards += z.shard_on_wait[i]        # s_G > 1: its reduce-scatter lands in the shard itself
+        if z.reduce[i]:                         # ... so no chunk in the step's first micro-batch
+            ws = max(ws, z.reduce[i] - (z.shard_on_wait[i] if micro_batches == 1 else 0) + z.recv[i])
         done = alive - (left[i] if left is not None else 0)
         # its gradients copied and its reduce issued (autograd's gradient freed only when its
         # views' backward returns, after the issue): the reduce-scatter's staging and codec

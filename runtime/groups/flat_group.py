@@ -46,7 +46,7 @@ class GatherInFlight(NamedTuple):
 
 class ReduceInFlight(NamedTuple):
     work: object
-    chunk: torch.Tensor          # workspace: the reduce-scatter's output (N/s_G)
+    chunk: torch.Tensor | None   # workspace: the reduce-scatter's output (N/s_G); None: the grad shard itself
     flat: torch.Tensor           # its input, the flat local gradient (N)
     pooled: bool                 # `flat` is the workspace's (else the gradient itself)
 
@@ -166,7 +166,7 @@ class FlatGroup:
         st = self.storage
         if st.s_g == 1:
             st.add_slot_grads(grads)
-        elif (whole := st.whole_grad(grads)) is not None:
+        elif self.gplan.whole_grad and (whole := st.whole_grad(grads)) is not None:   # the plan's rule
             self.reduce_grad(whole, pooled=False)
         else:
             self.reduce_grad(st.flat_grads(grads, self.workspace))
@@ -184,20 +184,23 @@ class FlatGroup:
                 if pooled:
                     self.workspace.give(flat)
             return
-        dev = st.grad_shard.device
+        dev = st.grad_device
         if flat is None:
             flat = self.workspace.take(st.n, st.gdtype, dev).zero_()
-        chunk = self.workspace.take(st.grad_shard.numel(), st.gdtype, dev)
+        # the shard itself when it holds nothing yet (groups/storage.py [Note: reduce into the shard])
+        direct = st.reduce_target() if not self.reducing else None
+        chunk = direct if direct is not None else self.workspace.take(st.grad_elems, st.gdtype, dev)
         row = self._row(Phase.BACKWARD, Op.ALL_TO_ALL) or self._row(Phase.BACKWARD, Op.REDUCE_SCATTER)
         work = self.comm.reduce_scatter(row, chunk, flat, scratch=self.workspace)
-        self.reducing.append(ReduceInFlight(work, chunk, flat, pooled))
+        self.reducing.append(ReduceInFlight(work, None if direct is not None else chunk, flat, pooled))
 
     def finish_grads(self) -> None:
         """Wait this group's backward reduce-scatters, add them in, hand the scratch back."""
         for work, chunk, flat, pooled in self.reducing:
             work.wait()
-            self.storage.accumulate(chunk)
-            self.workspace.give(chunk)
+            if chunk is not None:               # else it landed in the shard itself
+                self.storage.accumulate(chunk)
+                self.workspace.give(chunk)
             if pooled:
                 self.workspace.give(flat)
         self.reducing.clear()

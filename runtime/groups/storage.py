@@ -34,6 +34,18 @@ gradient, when contiguous and of the grad dtype, is reduce-scattered as it is
 (`whole_grad`), with no flat copy beside it (an embedding's or a head's unit: the largest
 of a language model, where that copy is the backward's peak).
 
+[Note: reduce into the shard]
+A backward reduce-scatter (s_G > 1) whose grad shard holds nothing yet (stale, or never
+allocated: the step's first micro-batch) writes its output straight into the shard
+(`reduce_target`); only a later micro-batch's reduce lands in a workspace chunk that is then
+added in. So the shard comes into being at the reduce's issue, not at its wait, and no chunk
+of N/s_G elements sits beside it: FSDP2 likewise keeps its reduce-scatter's output as the
+sharded gradient. Measured by the same tracker, simulated (fake process group) on the 836M
+Llama at 8 ranks: the chunk beside the grad shard was what held shardc's backward above
+FSDP2's (bench/peak_fsdp2.py --simulate-836m, docs/BENCHMARKS.md). A shard marked clean here
+is written before anything reads it: every reader (the sync, the norms, opt.step()) waits
+the group's reduce-scatters first (`FlatGroup.finish_grads`).
+
 [Note: nothing whole at build]
 Building a storage writes only what it keeps: the params shard, the secondary, the master.
 The full buffer of a gathered group (s_P > 1) is allocated `empty` and its storage resized
@@ -65,7 +77,8 @@ torch's `zero_grad(set_to_none=True)` frees a model's gradients: a released shar
 stale, and its next write covers all of it (`_grad_back` gives the storage back first:
 the unit's first gradients of the next step, or whatever materializes it). So from
 zero_grad() to a unit's first reduced gradient in the next step (its backward's
-reduce-scatter completing, or its slot gradients with s_G = 1) the shard holds no bytes
+reduce-scatter issued into it, [Note: reduce into the shard], or its slot gradients with
+s_G = 1) the shard holds no bytes
 (shardc.lowering [Note: reductions in flight] for the rest of the backward's buffers).
 The whole-step mode keeps the shard allocated (its graphs read it even when stale).
 """
@@ -168,6 +181,16 @@ class FlatStorage:
         return self._g_len * torch.empty((), dtype=self.gdtype).element_size()
 
     @property
+    def grad_elems(self) -> int:
+        """The grad shard's elements (N/s_G; asking allocates nothing)."""
+        return self._g_len
+
+    @property
+    def grad_device(self) -> torch.device:
+        """Where the grad shard lives (asking allocates nothing)."""
+        return self._g_device
+
+    @property
     def grad_allocated(self) -> bool:
         return self._grad_shard is not None
 
@@ -264,18 +287,20 @@ class FlatStorage:
 
     def whole_grad(self, grads) -> torch.Tensor | None:
         """The one gradient of a one-parameter group, flat, when it is the layout itself
-        (no padding, contiguous, the grad dtype and device: see [Note: grad accumulation])."""
+        (no padding, contiguous, the grad dtype and device: see [Note: grad accumulation]).
+        The plan says which groups are such (lowering `GroupPlan.whole_grad`, which explain's
+        timeline reads); this checks the tensor autograd gave."""
         if len(self._sizes) != 1 or self.layout.phi != self.n or grads[0] is None:
             return None
         g = grads[0]
-        if g.dtype != self.gdtype or g.device != self.grad_shard.device or not g.is_contiguous():
+        if g.dtype != self.gdtype or g.device != self._g_device or not g.is_contiguous():
             return None
         return g.view(-1)
 
     def flat_grads(self, grads, workspace: Workspace) -> torch.Tensor:
         """One backward's gradients laid out flat (N elements, zeros where none) in a
         workspace tensor."""
-        flat = workspace.take(self.n, self.gdtype, self.grad_shard.device)
+        flat = workspace.take(self.n, self.gdtype, self._g_device)
         dst, src = [], []
         for piece, g in zip(self.plain_views(flat), grads):
             if g is None:
@@ -287,6 +312,20 @@ class FlatStorage:
             torch._foreach_copy_(dst, src)
         flat[self.layout.phi:].zero_()
         return flat
+
+    def reduce_target(self) -> torch.Tensor | None:
+        """The grad shard itself as a backward reduce-scatter's output when nothing is in it
+        yet (stale after zero_grad(), or never written): the reduced chunk lands there with
+        no chunk of its own beside it, as FSDP2 keeps its reduce-scatter's output as the
+        sharded gradient ([Note: reduce into the shard]); None when it holds gradients to add to."""
+        if self._grad_shard is not None and not self.stale:
+            return None
+        self.stale = False
+        if self._grad_shard is None:
+            self._grad_shard = torch.empty(self._g_len, dtype=self.gdtype, device=self._g_device)
+            self._gviews = self.plain_views(self._grad_shard) if self.s_g == 1 else None
+            return self._grad_shard
+        return self._grad_back()
 
     def accumulate(self, chunk: torch.Tensor) -> None:
         """Add a reduced grad chunk (N/s_G) into the shard (copy it when stale)."""

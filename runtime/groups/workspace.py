@@ -9,7 +9,8 @@ Output: a view of a pooled tensor, handed back once its reduce-scatter is waited
 A backward with s_G > 1 needs, per unit, one N-element buffer (the unit's gradients laid
 out flat, the reduce-scatter's input; none for a one-parameter unit whose gradient is
 the layout already, groups/storage.py [Note: grad accumulation]), one N/s_G-element chunk (its
-output) and, on gloo, the all-to-all's receive buffer (at most the lowering's receive block, in
+output; none in the step's first micro-batch, whose reduce-scatter writes into the grad
+shard itself, groups/storage.py [Note: reduce into the shard]) and, on gloo, the all-to-all's receive buffer (at most the lowering's receive block, in
 blocks past it: runtime/eager/collectives.py [Note: bounded all-to-all]; handed back as soon
 as its local sum is done), all alive until the reduce-scatter is waited. The engine waits
 the previous unit's reduce-scatter before the next unit's gradients are laid out flat
