@@ -134,7 +134,8 @@ def _errors(rank, world):
     out["full"] = said(empty.full_state_dict)
     import tempfile
     import torch.distributed.checkpoint as dcp
-    out["first_key"] = next(iter(empty.state_dict()))
+    from torch.distributed.tensor import DTensor
+    out["first_key"] = next(k for k, v in empty.state_dict().items() if isinstance(v, DTensor))   # a parameter
     with tempfile.TemporaryDirectory() as tmp:       # each rank its own: the save stops while it plans
         try:
             dcp.save(empty.state_dict(), checkpoint_id=tmp)
