@@ -1,12 +1,14 @@
 """A whole-parameter draw, drawn by each rank for its own chunk — stage: runtime (state).
 The first rank's init (init_first.py) does not draw a parameter an init function fills with
-`normal_`: it moves the CPU generator past the draw and records where each rank's part of
-it starts; each rank then draws its part itself.
+`normal_` or `uniform_`: it counts the draw's outputs on a lagging generator (`Stream`) and
+records where the draw starts; each rank then draws its part itself.
 
-Input: the generator's state before the draw, the parameter's size N, mean and std, and the
-element ranges of N the ranks keep. Output: `Normal` (the generator advanced as the whole
-`normal_` would have advanced it; the state at each range's start) and `piece`, one rank's
-instruction for its range, which `apply` runs into that rank's shard.
+Input: the stream position where the draw starts (a run of the generator and an offset in
+it), the parameter's size N and the distribution's arguments, and the element ranges of N
+the ranks keep. Output: `Normal` / `Uniform` (the draw, recorded) and `piece`, one rank's
+instruction for its range; `resolve` turns every rank's stream positions into generator
+states, the walk between them split over the ranks; `apply` runs the instructions into
+that rank's shard.
 
 [Note: a draw split by ranks]
 torch's CPU `normal_` of a contiguous float32 tensor of N >= 16 elements (ATen's
@@ -20,39 +22,36 @@ the whole call consumes N outputs, plus 16 when N % 16 != 0. A rank keeping [a, 
 the smallest such [s, e) around it and keeps its part, drawing it as consecutive calls of
 BLOCK elements (the last taking the rest), which the same argument makes equal to one call:
 a rank's scratch is 4 MiB, not its chunk of the largest parameter (62.5 MiB of a 32000 x
-2048 embedding at 4 ranks, measured as start-up peak above FSDP2's). Advancing the generator without
-drawing uses numpy's MT19937 (`random_raw`, the same generator and tempering) on torch's
-state: 3.1 ns per element against `normal_`'s 6.6 here (loaded machine, one thread), and
-nothing is sent but the 5 KB states. tests/test_init_split_draws.py checks equality with
-one process's init.
+2048 embedding at 4 ranks, measured as start-up peak above FSDP2's). `uniform_` of float32
+(nn.Linear's `kaiming_uniform_`) takes one output per element, serially, so any [a, b)
+drawn from the state a outputs in equals those elements of the whole call; it consumes N.
+tests/test_init_split_draws.py checks both against one process's draws.
+
+[Note: a lagging generator]
+The first rank does not move torch's generator past a deferred draw: `Stream` counts the
+outputs the deferred draws took since the state it last saw (a run's base), and a draw's
+start is (run, offset). The generator is caught up (mt19937.py's `advance`: a walk, or a
+jump past 2^24 outputs) only where something draws from it directly: an op of the init
+function that takes the default generator (`catch_up`, from untouched.py) and the end of the
+init. A state found changed at a `take` or a catch-up was set from outside (`manual_seed` in
+the init function): its lag is dropped and a new run starts there, as one process's
+generator would. Not seen: an init function reading the state through Python
+(`torch.get_rng_state`, `fork_rng`) while draws are deferred sees the state before them.
+Then `resolve` (every rank): each rank's needed positions are gathered, the stream is cut
+into one segment per rank, each rank jumps to its segment's start and walks it once
+(numpy's MT19937, 3.1 ns an output here), keeping the state at every needed position in it,
+and the states are gathered: no rank walks another's part, and the walk divides by the
+world size.
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-MT_N = 624
-_LEFT, _NEXT, _KEY = 8, 16, 24          # torch's CPU generator state: int32 left, uint64 next, uint64 key[624]
-
-
-def _to_numpy(state: torch.Tensor) -> dict:
-    b = state.numpy().tobytes()
-    left = struct.unpack_from("<i", b, _LEFT)[0]
-    key = np.frombuffer(b, dtype="<u8", count=MT_N, offset=_KEY).astype(np.uint32)
-    return {"bit_generator": "MT19937", "state": {"key": key, "pos": MT_N + 1 - left}}
-
-
-def _to_torch(ns: dict, template: torch.Tensor) -> torch.Tensor:
-    b = bytearray(template.numpy().tobytes())
-    pos = int(ns["state"]["pos"])
-    struct.pack_into("<i", b, _LEFT, MT_N + 1 - pos)
-    struct.pack_into("<Q", b, _NEXT, pos if pos < MT_N else 0)
-    b[_KEY:_KEY + MT_N * 8] = np.asarray(ns["state"]["key"], dtype=np.uint32).astype("<u8").tobytes()
-    return torch.frombuffer(b, dtype=torch.uint8).clone()
-
+from .mt19937 import advance
 
 def bounds(a: int, b: int, n: int) -> tuple[int, int]:
     """The draw [s, e) around the kept elements [a, b) of an N-element `normal_` (see Note)."""
@@ -80,60 +79,150 @@ def deferrable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and t.numel() >= 16
 
 
+class Stream:
+    """torch's CPU generator with deferred draws counted, not drawn ([Note: a lagging generator])."""
+
+    def __init__(self):
+        self.bases: list[torch.Tensor] = []         # each run's first state
+        self.lengths: list[int] = []                # outputs deferred in each run
+        self.lag = 0
+
+    def _current(self) -> None:
+        """A new run where the generator is not where this stream left it."""
+        cur = torch.random.get_rng_state()
+        if not self.bases or not torch.equal(cur, self.bases[-1]):
+            if self.bases:
+                self.lengths[-1] = self.lag
+            self.bases.append(cur)
+            self.lengths.append(0)
+            self.lag = 0
+
+    def take(self, n: int) -> tuple[int, int]:
+        """A deferred draw of n outputs: where it starts (run, offset)."""
+        self._current()
+        at = (len(self.bases) - 1, self.lag)
+        self.lag += n
+        self.lengths[-1] = self.lag
+        return at
+
+    def catch_up(self) -> None:
+        """torch's generator where the deferred draws leave it (a new run starts there)."""
+        if not self.lag or not torch.equal(torch.random.get_rng_state(), self.bases[-1]):
+            return                          # nothing deferred, or set from outside since
+        torch.random.set_rng_state(advance(self.bases[-1], self.lag))
+        self._current()
+
+    def state_at(self, at: tuple[int, int]) -> torch.Tensor:
+        return advance(self.bases[at[0]], at[1])
+
+
 @dataclass
 class Normal:
-    """A deferred `normal_(mean, std)` of an n-element parameter: the state where each
-    draw starts (`states`, by start element)."""
+    """A deferred `normal_(mean, std)` of an n-element parameter, starting at stream position `at`."""
     n: int
     mean: float
     std: float
-    start: torch.Tensor
-    states: dict
+    at: tuple
+    stream: Stream
 
     @classmethod
-    def drawn(cls, n: int, mean: float, std: float, starts) -> "Normal":
-        """Record the draw and move torch's CPU generator past it, keeping the state at each of
-        `starts` (multiples of 16, below n)."""
-        cur = torch.random.get_rng_state()
-        g = np.random.MT19937()
-        g.state = _to_numpy(cur)
-        states, done = {}, 0
-        for s in sorted(set(starts)):
-            g.random_raw(s - done, output=False)
-            done = s
-            states[s] = _to_torch(g.state, cur)
-        g.random_raw(n + (16 if n % 16 else 0) - done, output=False)
-        torch.random.set_rng_state(_to_torch(g.state, cur))
-        return cls(n, mean, std, cur, states)
+    def drawn(cls, stream: Stream, n: int, mean: float, std: float) -> "Normal":
+        return cls(n, mean, std, stream.take(n + (16 if n % 16 else 0)), stream)
 
     def replay(self, view: torch.Tensor) -> None:
         """The whole draw into `view` (an op reads the parameter: it needs its values)."""
         cur = torch.random.get_rng_state()
-        torch.random.set_rng_state(self.start)
+        torch.random.set_rng_state(self.stream.state_at(self.at))
         view.normal_(self.mean, self.std)
         torch.random.set_rng_state(cur)
 
     def piece(self, at: int, a: int, b: int) -> tuple:
         """The instruction for elements [a, b) of the parameter, kept at `at` of a shard."""
         s, e = bounds(a, b, self.n)
-        return ("normal", at, a - s, b - a, e - s, self.states[s], self.mean, self.std)
+        return ("normal", at, a - s, b - a, e - s, (self.at[0], self.at[1] + s), self.mean, self.std)
+
+
+@dataclass
+class Uniform:
+    """A deferred float32 `uniform_(lo, hi)` of an n-element parameter (one output an element)."""
+    n: int
+    lo: float
+    hi: float
+    at: tuple
+    stream: Stream
+
+    @classmethod
+    def drawn(cls, stream: Stream, n: int, lo: float, hi: float) -> "Uniform":
+        return cls(n, lo, hi, stream.take(n), stream)
+
+    def replay(self, view: torch.Tensor) -> None:
+        cur = torch.random.get_rng_state()
+        torch.random.set_rng_state(self.stream.state_at(self.at))
+        view.uniform_(self.lo, self.hi)
+        torch.random.set_rng_state(cur)
+
+    def piece(self, at: int, a: int, b: int) -> tuple:
+        return ("uniform", at, 0, b - a, b - a, (self.at[0], self.at[1] + a), self.lo, self.hi)
+
+
+def resolve(pieces: list, stream: Stream | None, group, me: int, world: int) -> None:
+    """Every rank's pieces' stream positions as generator states, in place (a collective;
+    `stream`: the first rank's, the others None). See [Note: a lagging generator]."""
+    box = [None]
+    if me == 0:
+        stream.catch_up()
+        box = [(stream.bases, stream.lengths)]
+    if world > 1:
+        dist.broadcast_object_list(box, group=group, group_src=0)
+    bases, lengths = box[0]
+    mine = sorted({p[5] for p in pieces})
+    every = [None] * world
+    if world > 1:
+        dist.all_gather_object(every, mine, group=group)
+    else:
+        every = [mine]
+    first = np.cumsum([0] + list(lengths))
+    total = int(first[-1])
+    wanted = sorted({at for some in every for at in some}, key=lambda at: first[at[0]] + at[1])
+    lo, hi = total * me // world, total * (me + 1) // world
+    found, state, where = {}, None, None
+    for run, off in wanted:
+        g = int(first[run]) + off
+        if not (lo <= g < hi or (me == world - 1 and g == total)):
+            continue
+        if where is not None and where[0] == run and where[1] <= off:
+            state = advance(state, off - where[1])      # a walk: the segment once (see Note)
+        else:
+            state = advance(bases[run], off)            # a jump to the segment's first position
+        where = (run, off)
+        found[(run, off)] = state
+    gathered = [None] * world
+    if world > 1:
+        dist.all_gather_object(gathered, found, group=group)
+    else:
+        gathered = [found]
+    states = {k: v for part in gathered for k, v in part.items()}
+    for i, p in enumerate(pieces):
+        pieces[i] = p[:5] + (states[p[5]],) + p[6:]
 
 
 def apply(pieces, shard: torch.Tensor) -> None:
     """One rank's instructions into its shard: ("normal", at, skip, len, size, state, mean,
-    std), ("fill", at, len, value), ("copy", at, values)."""
+    std), ("uniform", at, 0, len, len, state, lo, hi), ("fill", at, len, value), ("copy", at,
+    values); a draw's state as `resolve` left it."""
     if not pieces:
         return
     cur = torch.random.get_rng_state()
     scratch = None                          # one block's room, reused (no heap left behind per block)
     for p in pieces:
-        if p[0] == "normal":
-            _, at, skip, length, size, state, mean, std = p
+        if p[0] in ("normal", "uniform"):
+            kind, at, skip, length, size, state, u, v = p
             torch.random.set_rng_state(state)
             for lo, hi in blocks(size):           # consecutive draws: the same values as one
                 if scratch is None or scratch.numel() < hi - lo:
                     scratch = torch.empty(hi - lo, dtype=torch.float32)
-                drawn = scratch[:hi - lo].normal_(mean, std)
+                part = scratch[:hi - lo]
+                drawn = part.normal_(u, v) if kind == "normal" else part.uniform_(u, v)
                 x, y = max(lo, skip), min(hi, skip + length)
                 if x < y:
                     shard[at + x - skip:at + y - skip].copy_(drawn[x - lo:y - lo])

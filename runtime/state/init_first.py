@@ -72,8 +72,8 @@ from shardc.lowering import RankPlan
 from ..buffers import broadcast
 from .init import _materialize as _materialize_alone
 from .init import all_nan, apply_order, materialize_buffers, rng
+from .draws import Stream, resolve
 from .draws import apply as apply_pieces
-from .draws import bounds
 from .untouched import Fill, Untouched
 
 SENDS_IN_FLIGHT = 0            # scattered buffers a first rank keeps while it fills the next (0: the bound of
@@ -114,6 +114,7 @@ def initialize_first(model: nn.Module, fn, storages, params: dict[str, nn.Parame
             for k in sched.done_at.get(i, ()):
                 sender.receive(k)
     sender.drain()
+    sender.resolve()                       # the draws' states (the first rank's generator caught up)
     box = [None]
     if me == 0:
         cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -287,6 +288,9 @@ class _Sender:
         while self.pending:
             self._wait()
 
+    def resolve(self) -> None:
+        pass
+
 
 class _Pieces:
     """On CPU: each rank's instructions for its chunk of a group, one object scatter per
@@ -295,11 +299,13 @@ class _Pieces:
     def __init__(self, storages, smesh, group, device):
         self.storages, self.smesh, self.group, self.device = storages, smesh, group, device
         self.full: dict[int, torch.Tensor] = {}
-        self.group_of: dict[int, int] = {}         # a buffer's storage -> its group
         self.ops: dict[tuple[int, int], object] = {}    # (group, slot offset) -> Normal/Fill; None: values
         self.unset: set[str] = set()
-        self.untouched = Untouched(starts=self._starts)
+        self.stream = Stream() if smesh.rank == 0 else None
+        self.untouched = Untouched(stream=self.stream)
         self._chunks: dict[int, list] = {}
+        self.draws: list = []                      # this rank's draw pieces, resolved at the end
+        self.drawn_into: dict[int, list] = {}      # group -> indexes of its draw pieces
 
     def chunks(self, k: int) -> list[tuple[int, int]]:
         """Every rank's params chunk of group k (start, length), by group rank."""
@@ -316,16 +322,11 @@ class _Pieces:
             if x < y:
                 yield r, x - c, x - off, y - off
 
-    def _starts(self, view: torch.Tensor) -> list[int]:
-        k = self.group_of[view.untyped_storage().data_ptr()]
-        return [bounds(a, b, view.numel())[0] for _, _, a, b in self._parts(k, view.storage_offset(), view.numel())]
-
     def buffer(self, k: int) -> torch.Tensor:
         """Group k's buffer: `empty`, its pages touched only where ops run on parameters."""
         if k not in self.full:
             st = self.storages[k]
             self.full[k] = torch.empty(st.n, dtype=st.pdtype, device=self.device)
-            self.group_of[self.full[k].untyped_storage().data_ptr()] = k
         return self.full[k]
 
     def keep(self, value: torch.Tensor, k: int, slot, name: str) -> None:
@@ -364,8 +365,23 @@ class _Pieces:
         out = [None]
         dist.scatter_object_list(out, lists, group=self.group, group_src=0)
         st = self.storages[k]
-        apply_pieces(out[0], st.shard)
-        st.write_chunk(st.shard)           # the master follows the shard
+        now = [p for p in out[0] if p[0] not in ("normal", "uniform")]
+        later = [p for p in out[0] if p[0] in ("normal", "uniform")]
+        apply_pieces(now, st.shard)
+        if later:                          # drawn once every position has its state (resolve)
+            self.drawn_into[k] = list(range(len(self.draws), len(self.draws) + len(later)))
+            self.draws += later
+        else:
+            st.write_chunk(st.shard)       # the master follows the shard
 
     def drain(self) -> None:
         pass
+
+    def resolve(self) -> None:
+        """Every rank's draws: their states found (draws.py's `resolve`, a collective), drawn."""
+        resolve(self.draws, self.stream, self.group, self.smesh.rank, self.smesh.mesh.world)
+        for k, idx in self.drawn_into.items():
+            st = self.storages[k]
+            apply_pieces([self.draws[i] for i in idx], st.shard)
+            st.write_chunk(st.shard)
+        self.draws, self.drawn_into = [], {}

@@ -39,7 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .draws import Normal, deferrable
+from .draws import Normal, Uniform, deferrable
 
 aten = torch.ops.aten
 OVERWRITES = {aten.normal_, aten.uniform_, aten.fill_, aten.zero_, aten.copy_, aten.random_,
@@ -52,6 +52,20 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
         return t.storage_offset(), t.storage_offset()
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return t.storage_offset(), t.storage_offset() + last + 1
+
+
+# ops that draw from a generator without a `generator` argument in their schema
+_RANDOM = {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "native_dropout",
+           "dropout", "feature_dropout", "alpha_dropout", "rrelu", "rrelu_with_noise", "multinomial", "poisson",
+           "bernoulli", "normal", "uniform", "random", "exponential", "cauchy", "log_normal", "geometric"}
+
+
+def draws_default(func, kwargs) -> bool:
+    """`func` may draw from torch's default CPU generator (a random op given no generator of its own)."""
+    if kwargs.get("generator") is not None:
+        return False
+    name = func.overloadpacket.__name__.rstrip("_")
+    return name in _RANDOM or any("Generator" in str(a.type) for a in func._schema.arguments)
 
 
 class Fill:
@@ -71,11 +85,11 @@ class Untouched(TorchDispatchMode):
     """The views not yet touched, and those whose only write was deferred, by their buffer's
     storage; see the module note and [Note: deferred whole writes]."""
 
-    def __init__(self, starts=None):
+    def __init__(self, stream=None):
         super().__init__()
         self.views: dict[int, dict[int, torch.Tensor]] = {}   # storage ptr -> {slot offset: view}
         self.deferred: dict[int, dict[int, tuple]] = {}       # storage ptr -> {slot offset: (view, op)}
-        self.starts = starts          # view -> the draw starts its ranks need (None: defer nothing)
+        self.stream = stream          # the lagging generator draws are counted on (None: defer nothing)
 
     def add(self, view: torch.Tensor) -> None:
         self.views.setdefault(view.untyped_storage().data_ptr(), {})[view.storage_offset()] = view
@@ -106,11 +120,13 @@ class Untouched(TorchDispatchMode):
             whole = None
             if func.overloadpacket in OVERWRITES and args and isinstance(args[0], torch.Tensor):
                 whole = args[0]
-                if self.starts is not None and self._defer(func, args, kwargs):
+                if self.stream is not None and self._defer(func, args, kwargs):
                     return whole
             for t in tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and not t.is_meta:
                     self._touch(t, t is whole)
+        if self.stream is not None and draws_default(func, kwargs):
+            self.stream.catch_up()             # it draws from the generator: where one process's would be
         return func(*args, **kwargs)
 
     def _exact(self, t: torch.Tensor):
@@ -129,6 +145,8 @@ class Untouched(TorchDispatchMode):
         t = args[0]
         if func is aten.normal_.default and kwargs.get("generator") is None and deferrable(t):
             make = "normal"
+        elif func is aten.uniform_.default and kwargs.get("generator") is None and deferrable(t):
+            make = "uniform"
         elif func is aten.fill_.Scalar or func is aten.zero_.default:
             make = "fill"
         else:
@@ -136,10 +154,11 @@ class Untouched(TorchDispatchMode):
         view = self._exact(t)
         if view is None:
             return False
-        if make == "normal":
-            mean = float(args[1]) if len(args) > 1 else float(kwargs.get("mean", 0.0))
-            std = float(args[2]) if len(args) > 2 else float(kwargs.get("std", 1.0))
-            op = Normal.drawn(view.numel(), mean, std, self.starts(view))
+        if make in ("normal", "uniform"):
+            first, second = (("mean", 0.0), ("std", 1.0)) if make == "normal" else (("from", 0.0), ("to", 1.0))
+            x = float(args[1]) if len(args) > 1 else float(kwargs.get(first[0], first[1]))
+            y = float(args[2]) if len(args) > 2 else float(kwargs.get(second[0], second[1]))
+            op = (Normal if make == "normal" else Uniform).drawn(self.stream, view.numel(), x, y)
         else:
             op = Fill(args[1] if func is aten.fill_.Scalar else 0)
         ptr, off = view.untyped_storage().data_ptr(), view.storage_offset()
