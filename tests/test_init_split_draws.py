@@ -71,7 +71,7 @@ def test_pieces_equal_the_whole_draw(kind, n, monkeypatch):
         op = make.drawn(stream, n, *args)
         assert torch.equal(torch.random.get_rng_state(), start)     # counted, not drawn
         pieces = [op.piece(0, a, b) for a, b in ranges]
-        resolve(pieces, stream, None, 0, 1)        # catches the generator up
+        resolve(pieces, stream)                    # catches the generator up
         torch.rand(2)
         assert torch.equal(torch.random.get_rng_state(), after), (n, ranges)
         got = torch.full((n,), float("nan"))

@@ -6,9 +6,8 @@ records where the draw starts; each rank then draws its part itself.
 Input: the stream position where the draw starts (a run of the generator and an offset in
 it), the parameter's size N and the distribution's arguments, and the element ranges of N
 the ranks keep. Output: `Normal` / `Uniform` (the draw, recorded) and `piece`, one rank's
-instruction for its range; `resolve` turns every rank's stream positions into generator
-states, the walk between them split over the ranks; `apply` runs the instructions into
-that rank's shard.
+instruction for its range; `segments` and `walk_to` turn stream positions into generator
+states, the walk split over the ranks; `apply` runs the instructions into that rank's shard.
 
 [Note: a draw split by ranks]
 torch's CPU `normal_` of a contiguous float32 tensor of N >= 16 elements (ATen's
@@ -37,11 +36,12 @@ init. A state found changed at a `take` or a catch-up was set from outside (`man
 the init function): its lag is dropped and a new run starts there, as one process's
 generator would. Not seen: an init function reading the state through Python
 (`torch.get_rng_state`, `fork_rng`) while draws are deferred sees the state before them.
-Then `resolve` (every rank): each rank's needed positions are gathered, the stream is cut
-into one segment per rank, each rank jumps to its segment's start and walks it once
-(numpy's MT19937, 3.1 ns an output here), keeping the state at every needed position in it,
-and the states are gathered: no rank walks another's part, and the walk divides by the
-world size.
+Then (init_first.py) the first rank, which made every rank's pieces, cuts the stream into
+one segment per rank (`segments`) and sends each rank the positions in its segment; each
+rank jumps to its segment's first position and walks on to its last (`walk_to`; numpy's
+MT19937, 3.1 ns an output here), keeping the state at each, and one gather gives every rank
+the states its own draws start from: no rank walks another's part, and the walk divides by
+the world size.
 """
 from __future__ import annotations
 
@@ -49,7 +49,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from .mt19937 import advance
 
@@ -165,43 +164,37 @@ class Uniform:
         return ("uniform", at, 0, b - a, b - a, (self.at[0], self.at[1] + a), self.lo, self.hi)
 
 
-def resolve(pieces: list, stream: Stream | None, group, me: int, world: int) -> None:
-    """Every rank's pieces' stream positions as generator states, in place (a collective;
-    `stream`: the first rank's, the others None). See [Note: a lagging generator]."""
-    box = [None]
-    if me == 0:
-        stream.catch_up()
-        box = [(stream.bases, stream.lengths)]
-    if world > 1:
-        dist.broadcast_object_list(box, group=group, group_src=0)
-    bases, lengths = box[0]
-    mine = sorted({p[5] for p in pieces})
-    every = [None] * world
-    if world > 1:
-        dist.all_gather_object(every, mine, group=group)
-    else:
-        every = [mine]
+def segments(positions, lengths, world: int) -> list[list]:
+    """The stream (runs of `lengths` outputs, one after another) cut into `world` equal
+    segments: the positions in each, in stream order (the walk each rank makes)."""
     first = np.cumsum([0] + list(lengths))
     total = int(first[-1])
-    wanted = sorted({at for some in every for at in some}, key=lambda at: first[at[0]] + at[1])
-    lo, hi = total * me // world, total * (me + 1) // world
-    found, state, where = {}, None, None
-    for run, off in wanted:
+    out = [[] for _ in range(world)]
+    for run, off in sorted(positions, key=lambda at: (int(first[at[0]]) + at[1], at[0])):
         g = int(first[run]) + off
-        if not (lo <= g < hi or (me == world - 1 and g == total)):
-            continue
+        out[min(g * world // total, world - 1) if total else 0].append((run, off))
+    return out
+
+
+def walk_to(positions, bases) -> dict:
+    """The generator state at each position (in stream order): a jump to the first, then the
+    walk from each to the next (see [Note: a lagging generator])."""
+    found, state, where = {}, None, None
+    for run, off in positions:
         if where is not None and where[0] == run and where[1] <= off:
-            state = advance(state, off - where[1])      # a walk: the segment once (see Note)
+            state = advance(state, off - where[1])
         else:
-            state = advance(bases[run], off)            # a jump to the segment's first position
+            state = advance(bases[run], off)
         where = (run, off)
         found[(run, off)] = state
-    gathered = [None] * world
-    if world > 1:
-        dist.all_gather_object(gathered, found, group=group)
-    else:
-        gathered = [found]
-    states = {k: v for part in gathered for k, v in part.items()}
+    return found
+
+
+def resolve(pieces: list, stream: Stream) -> None:
+    """One process: the pieces' positions as states, in place; the generator caught up."""
+    stream.catch_up()
+    positions = sorted({p[5] for p in pieces})
+    states = walk_to(segments(positions, stream.lengths, 1)[0], stream.bases)
     for i, p in enumerate(pieces):
         pieces[i] = p[:5] + (states[p[5]],) + p[6:]
 

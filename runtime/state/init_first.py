@@ -72,10 +72,11 @@ from shardc.lowering import RankPlan
 from ..buffers import broadcast
 from .init import _materialize as _materialize_alone
 from .init import all_nan, apply_order, materialize_buffers, rng
-from .draws import Stream, resolve
+from .draws import Stream, segments, walk_to
 from .draws import apply as apply_pieces
 from .untouched import Fill, Untouched
 
+DRAWS = ("normal", "uniform")  # the pieces drawn by the rank keeping them (draws.py)
 SENDS_IN_FLIGHT = 0            # scattered buffers a first rank keeps while it fills the next (0: the bound of
 #                                lowering/startup.py, one unit; 1 overlaps the send with the next unit)
 
@@ -114,7 +115,6 @@ def initialize_first(model: nn.Module, fn, storages, params: dict[str, nn.Parame
             for k in sched.done_at.get(i, ()):
                 sender.receive(k)
     sender.drain()
-    sender.resolve()                       # the draws' states (the first rank's generator caught up)
     box = [None]
     if me == 0:
         cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -288,9 +288,6 @@ class _Sender:
         while self.pending:
             self._wait()
 
-    def resolve(self) -> None:
-        pass
-
 
 class _Pieces:
     """On CPU: each rank's instructions for its chunk of a group, one object scatter per
@@ -304,8 +301,9 @@ class _Pieces:
         self.stream = Stream() if smesh.rank == 0 else None
         self.untouched = Untouched(stream=self.stream)
         self._chunks: dict[int, list] = {}
-        self.draws: list = []                      # this rank's draw pieces, resolved at the end
-        self.drawn_into: dict[int, list] = {}      # group -> indexes of its draw pieces
+        self.outbox: list[list] = [[] for _ in range(smesh.mesh.world)]   # the first rank's unsent (group, piece)s
+        self.positions: set = set()                # every draw's stream position sent (the first rank)
+        self.draws: list = []                      # this rank's (group, draw piece)s, drawn in drain
 
     def chunks(self, k: int) -> list[tuple[int, int]]:
         """Every rank's params chunk of group k (start, length), by group rank."""
@@ -347,41 +345,70 @@ class _Pieces:
         self.ops[k, slot.offset] = op
 
     def finish(self, k: int, ok: bool) -> None:
+        """Group k is final on the first rank: each rank's pieces of it queued; sent now when
+        they hold values ("copy": at most one group's are held), else with the next send."""
         st = self.storages[k]
-        lists = [[] for _ in range(self.smesh.mesh.world)]
         buf = self.full.pop(k, None)
+        values = False
         if ok:
             for s in st.layout.slots:
                 op = self.ops.pop((k, s.offset), None)
                 for r, at, a, b in self._parts(k, s.offset, s.numel):
-                    lists[r].append(op.piece(at, a, b) if op is not None else
-                                    ("copy", at, buf[s.offset + a:s.offset + b].clone()))
-        self._exchange(k, lists)
+                    if op is None:
+                        values = True
+                        self.outbox[r].append((k, ("copy", at, buf[s.offset + a:s.offset + b].clone())))
+                    else:
+                        self.outbox[r].append((k, op.piece(at, a, b)))
+        if values:
+            self._send(last=False)
 
     def receive(self, k: int) -> None:
-        self._exchange(k, None)
+        pass                               # the pieces come in the first rank's sends (drain)
 
-    def _exchange(self, k: int, lists) -> None:
+    def _send(self, last: bool) -> None:
+        """The queued pieces to every rank (one object scatter); the last send also carries the
+        stream's runs and each rank's segment of positions to walk (draws.py's `segments`)."""
+        world = self.smesh.mesh.world
+        msgs = [{"pieces": self.outbox[r], "last": last} for r in range(world)]
+        for r in range(world):
+            self.positions.update(p[5] for _, p in self.outbox[r] if p[0] in DRAWS)
+        if last:
+            self.stream.catch_up()         # the first rank's generator where one process's is
+            walks = segments(self.positions, self.stream.lengths, world)
+            for r in range(world):
+                msgs[r].update(bases=self.stream.bases, walk=walks[r])
+        self.outbox = [[] for _ in range(world)]
+        return self._receive(msgs)
+
+    def _receive(self, msgs=None) -> dict:
         out = [None]
-        dist.scatter_object_list(out, lists, group=self.group, group_src=0)
-        st = self.storages[k]
-        now = [p for p in out[0] if p[0] not in ("normal", "uniform")]
-        later = [p for p in out[0] if p[0] in ("normal", "uniform")]
-        apply_pieces(now, st.shard)
-        if later:                          # drawn once every position has its state (resolve)
-            self.drawn_into[k] = list(range(len(self.draws), len(self.draws) + len(later)))
-            self.draws += later
+        if self.group is None:
+            out = [msgs[0]]
         else:
-            st.write_chunk(st.shard)       # the master follows the shard
+            dist.scatter_object_list(out, msgs, group=self.group, group_src=0)
+        for k, p in out[0]["pieces"]:
+            if p[0] in DRAWS:
+                self.draws.append((k, p))  # drawn once every position has its state (drain)
+            else:
+                apply_pieces([p], self.storages[k].shard)
+        return out[0]
 
     def drain(self) -> None:
-        pass
-
-    def resolve(self) -> None:
-        """Every rank's draws: their states found (draws.py's `resolve`, a collective), drawn."""
-        resolve(self.draws, self.stream, self.group, self.smesh.rank, self.smesh.mesh.world)
-        for k, idx in self.drawn_into.items():
-            st = self.storages[k]
-            apply_pieces([self.draws[i] for i in idx], st.shard)
-            st.write_chunk(st.shard)
-        self.draws, self.drawn_into = [], {}
+        """Every send received; the draws' states found (each rank walks its segment, one
+        gather) and drawn; every group's master follows its shard."""
+        if self.smesh.rank == 0:
+            msg = self._send(last=True)
+        else:
+            while not (msg := self._receive())["last"]:
+                pass
+        found = walk_to(msg["walk"], msg["bases"])
+        every = [found]
+        if self.group is not None:
+            every = [None] * self.smesh.mesh.world
+            dist.all_gather_object(every, found, group=self.group)
+        states = {at: st for part in every for at, st in part.items()}
+        for k, p in self.draws:
+            apply_pieces([p[:5] + (states[p[5]],) + p[6:]], self.storages[k].shard)
+        for st in self.storages:
+            st.write_chunk(st.shard)       # the master follows the shard
+        self.draws = []
