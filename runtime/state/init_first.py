@@ -41,17 +41,22 @@ front: a fresh buffer per group cost the first rank a page fault per 4 KiB of ev
 the NaN fill before `fn` (measured: 6.1 of 21.9 s of values on a 1-layer 175M Llama at 4
 ranks, loaded machine). The pool holds at most the largest unit's buffer, the bound below.
 [Note: each rank draws its part]
-On CPU (`_Pieces`) the first rank sends instructions, not values. A whole `normal_`, `fill_`
-or `zero_` of a parameter is not run on the first rank (untouched.py's [Note: deferred
-whole writes]): the generator is moved past the draw and the state where each rank's part
-starts is kept (draws.py's [Note: a draw split by ranks]). When a group is final, one object
-scatter gives each rank its pieces: ("normal", state, ...), ("fill", value), or ("copy",
-values) for a parameter ops ran on, and each rank writes them into its shard (padding stays
-the zeros its allocation gave it). So no whole parameter is drawn or sent: the buffer a
-parameter is a view of is `empty`, and its pages are touched only where an op other than
-those three ran. The first rank's work is moving the generator (3.1 ns an element, numpy's
-MT19937) and drawing its own chunk; each rank draws its chunk. Values as before: one
-process's. Elsewhere (CUDA parameters) the buffer is scattered (`_Sender`).
+On CPU (`_Pieces`) the first rank sends instructions, not values. A whole `normal_` or
+float32 `uniform_`, `fill_` or `zero_` of a parameter is not run on the first rank
+(untouched.py's [Note: deferred whole writes]): a draw is counted on a lagging generator,
+not drawn, and its start kept as a stream position (draws.py's [Notes: a draw split by ranks,
+a lagging generator]). When a group is final, each rank's pieces of it are queued:
+("normal"/"uniform", position, ...), ("fill", value), or ("copy", values) for a parameter
+ops ran on. The queue is sent (one object scatter, each rank its own list) after a group
+with values, so at most one group's are held, and at the end; the last send also carries
+the generator's runs and each rank's segment of the positions, which the rank walks (one
+jump to its start), and one gather gives every rank the states its draws start from. Each
+rank writes the pieces into its shard (padding stays the zeros its allocation gave it). So
+no whole parameter is drawn or sent: the buffer a parameter is a view of is `empty`, and its
+pages are touched only where an op other than those ran; no rank moves the generator past
+another rank's part; and where the init only draws and fills, the whole init is three
+collectives (the scatter, the gather, the closing broadcast), not one per group. Values as
+before: one process's. Elsewhere (CUDA parameters) the buffer is scattered (`_Sender`).
 Memory: a rank other than the first holds its shards only; the first, beyond them, the
 buffer being filled (its parameters are views of it: a parameter of another dtype is
 one more tensor while its module runs) and `SENDS_IN_FLIGHT` sent ones
@@ -290,8 +295,8 @@ class _Sender:
 
 
 class _Pieces:
-    """On CPU: each rank's instructions for its chunk of a group, one object scatter per
-    group ([Note: each rank draws its part])."""
+    """On CPU: each rank's instructions for its chunks, sent in as few object scatters as
+    the values held allow ([Note: each rank draws its part])."""
 
     def __init__(self, storages, smesh, group, device):
         self.storages, self.smesh, self.group, self.device = storages, smesh, group, device
