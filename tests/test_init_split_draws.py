@@ -11,7 +11,8 @@ Mersenne Twister]).
   into 1, 2, 3 and 8 ranges at unaligned points: the draws are counted on a lagging stream
   (the generator untouched), each range's state found by `resolve` and drawn into a shard,
   and the pieces equal one whole call bit for bit; once caught up, the generator is where
-  the whole call leaves it. One process, no ranks.
+  the whole call leaves it. The same with a generator of the caller's (`generator=g`). One
+  process, no ranks.
 """
 from __future__ import annotations
 
@@ -55,27 +56,30 @@ def _splits(n: int):
     yield [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b]
 
 
+@pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("kind,n", [("normal", 16), ("normal", 17), ("normal", 31), ("normal", 48),
                                     ("normal", 1000), ("normal", 1003), ("normal", 4096 + 7),
                                     ("uniform", 16), ("uniform", 1003), ("uniform", 4096 + 7)])
-def test_pieces_equal_the_whole_draw(kind, n, monkeypatch):
+def test_pieces_equal_the_whole_draw(kind, n, own, monkeypatch):
     monkeypatch.setattr(draws, "BLOCK", 64)        # a piece drawn in several blocks, and in one
     make, args = (Normal, (0.1, 0.02)) if kind == "normal" else (Uniform, (-0.3, 0.2))
+    g = torch.Generator() if own else torch.default_generator
     for ranges in _splits(n):
-        start = _state()
-        whole = getattr(torch.empty(n), kind + "_")(*args)
-        torch.rand(2)                              # and the draw after it
-        after = torch.random.get_rng_state()
-        torch.random.set_rng_state(start)
+        g.set_state(_state())
+        start = g.get_state()
+        whole = getattr(torch.empty(n), kind + "_")(*args, generator=g)
+        torch.rand(2, generator=g)                 # and the draw after it
+        after = g.get_state()
+        g.set_state(start)
         stream = Stream()
-        op = make.drawn(stream, n, *args)
-        assert torch.equal(torch.random.get_rng_state(), start)     # counted, not drawn
+        op = make.drawn(stream, n, *args, g if own else None)
+        assert torch.equal(g.get_state(), start)   # counted, not drawn
         pieces = [op.piece(0, a, b) for a, b in ranges]
         resolve(pieces, stream)                    # catches the generator up
-        torch.rand(2)
-        assert torch.equal(torch.random.get_rng_state(), after), (n, ranges)
+        torch.rand(2, generator=g)
+        assert torch.equal(g.get_state(), after), (n, ranges)
         got = torch.full((n,), float("nan"))
         for (a, b), p in zip(ranges, pieces):
             apply([p], got[a:b])
         assert torch.equal(got, whole), (n, ranges)
-        assert torch.equal(torch.random.get_rng_state(), after)     # apply puts the generator back
+        assert torch.equal(g.get_state(), after)   # apply puts the generator back

@@ -3,7 +3,7 @@
 
 An init that writes parts of parameters before anything else (through `.data` too), reads
 a parameter before writing it, overwrites others whole, reseeds the generator and draws a
-tensor of its own between deferred draws, and leaves the final norm alone, on
+tensor of its own between deferred draws, draws biases from a generator of its own, and leaves the final norm alone, on
 2 gloo ranks under ZeRO-3 (the first rank draws and scatters, its one buffer reused from
 unit to unit): every value equals one process's `to_empty`, every floating parameter NaN,
 `apply(fn)` — NaN exactly where that process has NaN, so no byte of a reused buffer or of
@@ -36,7 +36,7 @@ def _mixed(m):
         m.weight.data[:, 0].fill_(0.5)          # partial, through .data: the rest stays NaN
         m.weight.mul_(2.0)                      # reads it
         if m.bias is not None:
-            nn.init.normal_(m.bias)             # whole: its values, no NaN
+            nn.init.normal_(m.bias, generator=mixed.gen)      # whole, from the caller's generator
     elif isinstance(m, nn.Embedding):
         torch.manual_seed(21)                   # reseeded between deferred draws: a new run
         nn.init.normal_(m.weight, std=0.02)
@@ -59,6 +59,7 @@ def _reference(skip_norm: bool) -> dict:
         for p in model.parameters():
             p.fill_(float("nan"))
     mixed.skip = model.norm if skip_norm else None
+    mixed.gen = torch.Generator().manual_seed(SEED + 1)
     model.apply(mixed)
     return model.state_dict()
 
@@ -68,6 +69,7 @@ def _run(rank, world, skip_norm):
     model = _meta()
     s = strategy("zero3", "node(1) > gpu(2)", accumulate=1)
     mixed.skip = model.norm if skip_norm else None
+    mixed.gen = torch.Generator().manual_seed(SEED + 1)
     torch.manual_seed(SEED)
     sm = shard_module(model, s, units_for(model, s.scopes), init=mixed)
     if skip_norm:

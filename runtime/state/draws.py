@@ -31,8 +31,10 @@ The first rank does not move torch's generator past a deferred draw: `Stream` co
 outputs the deferred draws took since the state it last saw (a run's base), and a draw's
 start is (run, offset). The generator is caught up (mt19937.py's `advance`: a walk, or a
 jump past 2^24 outputs) only where something draws from it directly: an op of the init
-function that takes the default generator (`catch_up`, from untouched.py) and the end of the
-init. A state found changed at a `take` or a catch-up was set from outside (`manual_seed` in
+function that draws from it (`catch_up`, from untouched.py) and the end of the init. A
+generator the init function passes (`normal_(..., generator=g)`, a CPU one) lags the same
+way, with runs of its own (its draws' states are its states: torch's CPU generators are one
+kind). A state found changed at a `take` or a catch-up was set from outside (`manual_seed` in
 the init function): its lag is dropped and a new run starts there, as one process's
 generator would. Not seen: an init function reading the state through Python
 (`torch.get_rng_state`, `fork_rng`) while draws are deferred sees the state before them.
@@ -79,37 +81,43 @@ def deferrable(t: torch.Tensor) -> bool:
 
 
 class Stream:
-    """torch's CPU generator with deferred draws counted, not drawn ([Note: a lagging generator])."""
+    """torch's CPU generators (the default one, and any an init function passes) with deferred
+    draws counted, not drawn ([Note: a lagging generator]); every generator's runs in one list."""
 
     def __init__(self):
         self.bases: list[torch.Tensor] = []         # each run's first state
         self.lengths: list[int] = []                # outputs deferred in each run
-        self.lag = 0
+        self.gens: dict[int, list] = {}             # id(generator) -> [generator, its run, its lag]
 
-    def _current(self) -> None:
-        """A new run where the generator is not where this stream left it."""
-        cur = torch.random.get_rng_state()
-        if not self.bases or not torch.equal(cur, self.bases[-1]):
-            if self.bases:
-                self.lengths[-1] = self.lag
+    def _current(self, g: torch.Generator) -> list:
+        """g's entry; a new run where g is not where this stream left it."""
+        entry, cur = self.gens.get(id(g)), g.get_state()
+        if entry is None or not torch.equal(cur, self.bases[entry[1]]):
             self.bases.append(cur)
             self.lengths.append(0)
-            self.lag = 0
+            entry = self.gens[id(g)] = [g, len(self.bases) - 1, 0]
+        return entry
 
-    def take(self, n: int) -> tuple[int, int]:
-        """A deferred draw of n outputs: where it starts (run, offset)."""
-        self._current()
-        at = (len(self.bases) - 1, self.lag)
-        self.lag += n
-        self.lengths[-1] = self.lag
+    def take(self, n: int, g: torch.Generator | None = None) -> tuple[int, int]:
+        """A deferred draw of n outputs from g (None: the default generator): where it starts."""
+        entry = self._current(torch.default_generator if g is None else g)
+        at = (entry[1], entry[2])
+        entry[2] += n
+        self.lengths[entry[1]] = entry[2]
         return at
 
-    def catch_up(self) -> None:
-        """torch's generator where the deferred draws leave it (a new run starts there)."""
-        if not self.lag or not torch.equal(torch.random.get_rng_state(), self.bases[-1]):
+    def catch_up(self, g: torch.Generator | None = None) -> None:
+        """g where its deferred draws leave it (a new run starts there)."""
+        g = torch.default_generator if g is None else g
+        entry = self.gens.get(id(g))
+        if entry is None or not entry[2] or not torch.equal(g.get_state(), self.bases[entry[1]]):
             return                          # nothing deferred, or set from outside since
-        torch.random.set_rng_state(advance(self.bases[-1], self.lag))
-        self._current()
+        g.set_state(advance(self.bases[entry[1]], entry[2]))
+        self._current(g)
+
+    def catch_up_all(self) -> None:
+        for g, _, _ in list(self.gens.values()):
+            self.catch_up(g)
 
     def state_at(self, at: tuple[int, int]) -> torch.Tensor:
         return advance(self.bases[at[0]], at[1])
@@ -125,8 +133,8 @@ class Normal:
     stream: Stream
 
     @classmethod
-    def drawn(cls, stream: Stream, n: int, mean: float, std: float) -> "Normal":
-        return cls(n, mean, std, stream.take(n + (16 if n % 16 else 0)), stream)
+    def drawn(cls, stream: Stream, n: int, mean: float, std: float, g=None) -> "Normal":
+        return cls(n, mean, std, stream.take(n + (16 if n % 16 else 0), g), stream)
 
     def replay(self, view: torch.Tensor) -> None:
         """The whole draw into `view` (an op reads the parameter: it needs its values)."""
@@ -151,8 +159,8 @@ class Uniform:
     stream: Stream
 
     @classmethod
-    def drawn(cls, stream: Stream, n: int, lo: float, hi: float) -> "Uniform":
-        return cls(n, lo, hi, stream.take(n), stream)
+    def drawn(cls, stream: Stream, n: int, lo: float, hi: float, g=None) -> "Uniform":
+        return cls(n, lo, hi, stream.take(n, g), stream)
 
     def replay(self, view: torch.Tensor) -> None:
         cur = torch.random.get_rng_state()
@@ -191,8 +199,8 @@ def walk_to(positions, bases) -> dict:
 
 
 def resolve(pieces: list, stream: Stream) -> None:
-    """One process: the pieces' positions as states, in place; the generator caught up."""
-    stream.catch_up()
+    """One process: the pieces' positions as states, in place; the generators caught up."""
+    stream.catch_up_all()
     positions = sorted({p[5] for p in pieces})
     states = walk_to(segments(positions, stream.lengths, 1)[0], stream.bases)
     for i, p in enumerate(pieces):

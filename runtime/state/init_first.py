@@ -378,7 +378,7 @@ class _Pieces:
         for r in range(world):
             self.positions.update(p[5] for _, p in self.outbox[r] if p[0] in DRAWS)
         if last:
-            self.stream.catch_up()         # the first rank's generator where one process's is
+            self.stream.catch_up_all()     # the first rank's generators where one process's are
             walks = segments(self.positions, self.stream.lengths, world)
             for r in range(world):
                 msgs[r].update(bases=self.stream.bases, walk=walks[r])

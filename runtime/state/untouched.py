@@ -24,9 +24,11 @@ saved are the NaN fills an overwrite would have replaced. Views are found by sto
 element range, so `.data` aliases (their own version counters) are seen too.
 
 [Note: deferred whole writes]
-With `starts` given (init_first.py), a whole `normal_` of a view (draws.py's conditions), a
-`fill_` of a number or a `zero_` is not run at all: the op is recorded (a `normal_` moves the
-generator past its draw, draws.py) and the parameter's buffer is never written, so the first
+With a `stream` given (init_first.py), a whole `normal_` or float32 `uniform_` of a view
+(draws.py's conditions; the default generator or a CPU one the init passes), a `fill_` of a
+number or a `zero_` is not run at all: the op is recorded (a draw is counted on the lagging
+generator, draws.py's [Note: a lagging generator]; any other op that draws from a generator
+catches that generator up first) and the parameter's buffer is never written, so the first
 rank holds no whole parameter. Each rank then runs the recorded op on its own part
 (draws.py's instructions, sent instead of values). An op that later reads or partly
 writes such a view first replays the recorded op into it (a draw from the state it started
@@ -60,12 +62,15 @@ _RANDOM = {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "r
            "bernoulli", "normal", "uniform", "random", "exponential", "cauchy", "log_normal", "geometric"}
 
 
-def draws_default(func, kwargs) -> bool:
-    """`func` may draw from torch's default CPU generator (a random op given no generator of its own)."""
-    if kwargs.get("generator") is not None:
-        return False
+def drawn_from(func, kwargs):
+    """The generator `func` may draw from (its `generator=`, else the default one), or None."""
+    g = kwargs.get("generator")
+    if g is not None:
+        return g
     name = func.overloadpacket.__name__.rstrip("_")
-    return name in _RANDOM or any("Generator" in str(a.type) for a in func._schema.arguments)
+    if name in _RANDOM or any("Generator" in str(a.type) for a in func._schema.arguments):
+        return torch.default_generator
+    return None
 
 
 class Fill:
@@ -125,8 +130,9 @@ class Untouched(TorchDispatchMode):
             for t in tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and not t.is_meta:
                     self._touch(t, t is whole)
-        if self.stream is not None and draws_default(func, kwargs):
-            self.stream.catch_up()             # it draws from the generator: where one process's would be
+        g = drawn_from(func, kwargs) if self.stream is not None else None
+        if g is not None and g.device.type == "cpu":
+            self.stream.catch_up(g)            # it draws from the generator: where one process's would be
         return func(*args, **kwargs)
 
     def _exact(self, t: torch.Tensor):
@@ -143,9 +149,11 @@ class Untouched(TorchDispatchMode):
         """A whole `normal_` (draws.py's conditions), `fill_` of a number or `zero_` of a
         watched view: recorded, not run ([Note: deferred whole writes])."""
         t = args[0]
-        if func is aten.normal_.default and kwargs.get("generator") is None and deferrable(t):
+        g = kwargs.get("generator")
+        own = g is None or g.device.type == "cpu"          # a CPU generator: one kind, its state ours to count
+        if func is aten.normal_.default and own and deferrable(t):
             make = "normal"
-        elif func is aten.uniform_.default and kwargs.get("generator") is None and deferrable(t):
+        elif func is aten.uniform_.default and own and deferrable(t):
             make = "uniform"
         elif func is aten.fill_.Scalar or func is aten.zero_.default:
             make = "fill"
@@ -158,7 +166,7 @@ class Untouched(TorchDispatchMode):
             first, second = (("mean", 0.0), ("std", 1.0)) if make == "normal" else (("from", 0.0), ("to", 1.0))
             x = float(args[1]) if len(args) > 1 else float(kwargs.get(first[0], first[1]))
             y = float(args[2]) if len(args) > 2 else float(kwargs.get(second[0], second[1]))
-            op = (Normal if make == "normal" else Uniform).drawn(self.stream, view.numel(), x, y)
+            op = (Normal if make == "normal" else Uniform).drawn(self.stream, view.numel(), x, y, g)
         else:
             op = Fill(args[1] if func is aten.fill_.Scalar else 0)
         ptr, off = view.untyped_storage().data_ptr(), view.storage_offset()
