@@ -49,13 +49,16 @@ a lagging generator]). When a group is final, each rank's pieces of it are queue
 ("normal"/"uniform", position, ...), ("fill", value), or ("copy", values) for a parameter
 ops ran on. The queue is sent (one object scatter, each rank its own list) after a group
 with values, so at most one group's are held, and at the end; the last send also carries
-the generator's runs and each rank's segment of the positions, which the rank walks (one
-jump to its start), and one gather gives every rank the states its draws start from. Each
+the generator's runs, every rank's segment of the positions, which each rank walks (one
+jump to its start), and the closing box below (the first rank's RNG state, `unset`, an
+error); one all-gather of the walked states (fixed-size tensors) gives every rank the
+states its draws start from. Each
 rank writes the pieces into its shard (padding stays the zeros its allocation gave it). So
 no whole parameter is drawn or sent: the buffer a parameter is a view of is `empty`, and its
 pages are touched only where an op other than those ran; no rank moves the generator past
-another rank's part; and where the init only draws and fills, the whole init is three
-collectives (the scatter, the gather, the closing broadcast), not one per group. Values as
+another rank's part; and where the init only draws and fills, the values take one object
+scatter and one all-gather (then the buffers' broadcast), not a scatter per group: under
+load each collective waits for every rank to be scheduled. Values as
 before: one process's. Elsewhere (CUDA parameters) the buffer is scattered (`_Sender`).
 Memory: a rank other than the first holds its shards only; the first, beyond them, the
 buffer being filled (its parameters are views of it: a parameter of another dtype is
@@ -119,13 +122,11 @@ def initialize_first(model: nn.Module, fn, storages, params: dict[str, nn.Parame
         for i in range(len(order)):
             for k in sched.done_at.get(i, ()):
                 sender.receive(k)
-    sender.drain()
-    box = [None]
-    if me == 0:
+
+    def closing():                         # what every rank takes from the first after the init
         cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        box = [(error, sender.unset, torch.random.get_rng_state(), cuda)]
-    dist.broadcast_object_list(box, group=group, group_src=0)
-    error, unset, cpu_state, cuda_state = box[0]
+        return error, sender.unset, torch.random.get_rng_state(), cuda
+    error, unset, cpu_state, cuda_state = sender.drain(closing if me == 0 else None)
     if me != 0:
         torch.random.set_rng_state(cpu_state)
         if cuda_state is not None:
@@ -289,9 +290,13 @@ class _Sender:
             st.write_chunk(st.shard)       # the master follows the received shard
         self._give_back(full)
 
-    def drain(self) -> None:
+    def drain(self, closing) -> tuple:
+        """Every send completed; then the first rank's `closing()` on every rank (a broadcast)."""
         while self.pending:
             self._wait()
+        box = [closing() if closing is not None else None]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        return box[0]
 
 
 class _Pieces:
@@ -370,9 +375,10 @@ class _Pieces:
     def receive(self, k: int) -> None:
         pass                               # the pieces come in the first rank's sends (drain)
 
-    def _send(self, last: bool) -> None:
+    def _send(self, last: bool, closing=None) -> dict:
         """The queued pieces to every rank (one object scatter); the last send also carries the
-        stream's runs and each rank's segment of positions to walk (draws.py's `segments`)."""
+        stream's runs, every rank's segment of positions to walk (draws.py's `segments`) and
+        `closing()` (initialize_first's box: no broadcast of its own)."""
         world = self.smesh.mesh.world
         msgs = [{"pieces": self.outbox[r], "last": last} for r in range(world)]
         for r in range(world):
@@ -380,8 +386,9 @@ class _Pieces:
         if last:
             self.stream.catch_up_all()     # the first rank's generators where one process's are
             walks = segments(self.positions, self.stream.lengths, world)
+            box = closing()
             for r in range(world):
-                msgs[r].update(bases=self.stream.bases, walk=walks[r])
+                msgs[r].update(bases=self.stream.bases, walks=walks, closing=box)
         self.outbox = [[] for _ in range(world)]
         return self._receive(msgs)
 
@@ -398,22 +405,31 @@ class _Pieces:
                 apply_pieces([p], self.storages[k].shard)
         return out[0]
 
-    def drain(self) -> None:
+    def drain(self, closing) -> tuple:
         """Every send received; the draws' states found (each rank walks its segment, one
-        gather) and drawn; every group's master follows its shard."""
-        if self.smesh.rank == 0:
-            msg = self._send(last=True)
+        all-gather of the states) and drawn; every group's master follows its shard. Returns
+        the first rank's `closing()`."""
+        me, world = self.smesh.rank, self.smesh.mesh.world
+        if me == 0:
+            msg = self._send(last=True, closing=closing)
         else:
             while not (msg := self._receive())["last"]:
                 pass
-        found = walk_to(msg["walk"], msg["bases"])
-        every = [found]
-        if self.group is not None:
-            every = [None] * self.smesh.mesh.world
-            dist.all_gather_object(every, found, group=self.group)
-        states = {at: st for part in every for at, st in part.items()}
-        for k, p in self.draws:
-            apply_pieces([p[:5] + (states[p[5]],) + p[6:]], self.storages[k].shard)
+        walks = msg["walks"]
+        found = walk_to(walks[me], msg["bases"])
+        size = max(len(w) for w in walks)
+        if size:
+            nbytes = msg["bases"][0].numel()
+            mine = torch.zeros(size, nbytes, dtype=torch.uint8)
+            for i, at in enumerate(walks[me]):
+                mine[i] = found[at]
+            every = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine, group=self.group)       # states are fixed-size: one collective
+            # each its own storage: torch's set_rng_state reads a state from its storage's start
+            states = {at: every[r][i].clone() for r in range(world) for i, at in enumerate(walks[r])}
+            for k, p in self.draws:
+                apply_pieces([p[:5] + (states[p[5]],) + p[6:]], self.storages[k].shard)
         for st in self.storages:
             st.write_chunk(st.shard)       # the master follows the shard
         self.draws = []
+        return msg["closing"]
