@@ -37,6 +37,8 @@ overwrite replaces the record.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -67,10 +69,14 @@ def drawn_from(func, kwargs):
     g = kwargs.get("generator")
     if g is not None:
         return g
+    return torch.default_generator if _random(func) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _random(func) -> bool:
+    """An op that draws: a random op, or one whose schema takes a generator (per op, once)."""
     name = func.overloadpacket.__name__.rstrip("_")
-    if name in _RANDOM or any("Generator" in str(a.type) for a in func._schema.arguments):
-        return torch.default_generator
-    return None
+    return name in _RANDOM or any("Generator" in str(a.type) for a in func._schema.arguments)
 
 
 class Fill:
