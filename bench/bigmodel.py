@@ -40,7 +40,8 @@ first shardc system captures and lowers and the others read its plan (a restart'
 start-up, shardc/handoff.py). The driver is bench/bigmodel_driver.py, the start-up paths
 bench/bigmodel_startup.py; `--table FILE --phases` prints the start-up per phase.
 
-Then, unless `--no-step`, one training step (with `--no-step`, the first forward alone): batch 1 x 128 random tokens per rank (seeded
+Then, unless `--no-step`, one training step (with `--no-step`, the first forward alone; with
+`--no-forward` too, nothing after start-up, and the seed checkpoint only if a system loads it): batch 1 x 128 random tokens per rank (seeded
 by rank), forward, the next-token cross-entropy from the logits, backward, AdamW (lr 3e-4)
 `step()`, `zero_grad()`.
 
@@ -266,7 +267,7 @@ def worker(args) -> None:
         r["save_s"] = time.perf_counter() - t
         r["hwm_save"] = proc_status()["VmHWM"]
     write_ranks(r, args.out)               # the start-up figures survive a step that does not fit
-    if not args.step:                      # the first forward alone (the step's times it too)
+    if not args.step and args.forward:     # the first forward alone (the step's times it too)
         dist.barrier()
         t = time.perf_counter()
         logits = model(x).logits
@@ -327,6 +328,8 @@ def main(argv=None) -> int:
                     help="FSDP2's fully_shard calls: each decoder layer and the root (layers), or also "
                          "the embedding and the head each on its own (units: bench/llama_zero3_units.shard's)")
     ap.add_argument("--no-step", dest="step", action="store_false", help="start-up only, no training step")
+    ap.add_argument("--no-forward", dest="forward", action="store_false",
+                    help="with --no-step: no first forward either, and no seed checkpoint unless a system loads it")
     ap.add_argument("--need-gib", type=float, help="memory to wait for before each torchrun (default: estimated)")
     ap.add_argument("--wait", type=float, default=3600, help="seconds to wait for that memory")
     ap.add_argument("--floor-gib", type=float, default=0.75,

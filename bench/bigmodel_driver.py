@@ -168,7 +168,7 @@ def run_system(system: str, args, need: int, save: bool) -> dict:
            os.path.abspath(B.__file__), "--worker", system, "--layers", str(args.layers), "--workdir", args.workdir,
            "--out", out, "--timeout", str(args.timeout), "--strategy", os.path.abspath(args.strategy),
            "--fsdp2-wrap", args.fsdp2_wrap] + \
-        (["--save"] if save else []) + ([] if args.step else ["--no-step"])
+        (["--save"] if save else []) + ([] if args.step else ["--no-step"]) + ([] if args.forward else ["--no-forward"])
     env = dict(os.environ, OMP_NUM_THREADS="1", SHARDC_TIMEOUT=str(args.timeout))
     if args.plan_cache and system.startswith("shardc"):
         env["SHARDC_PLAN_CACHE"] = args.plan_cache
@@ -345,7 +345,7 @@ def driver(args) -> None:
                                    "but it saved none")
                 res["prepare_hf"] = prepare_hf(args.layers, args.workdir)
                 print(f"  prepared {args.workdir}/hf: {res['prepare_hf']}", flush=True)
-            save = s == saver and rnd == 0
+            save = s == saver and rnd == 0 and (args.forward or bool(loads))
             if save:                           # it saves WORKDIR/dcp anew: the safetensors copy goes with the old one
                 shutil.rmtree(os.path.join(args.workdir, "hf"), ignore_errors=True)
             r = run_system(s, args, need, save=save)

@@ -1,19 +1,51 @@
-"""A `normal_` split by ranks equals the whole draw (runtime/state/draws.py, [Note: a draw
-split by ranks]).
+"""A draw split by ranks equals the whole draw (runtime/state/draws.py, [Note: a draw split
+by ranks] and [Note: a lagging generator]; runtime/state/mt19937.py, [Note: a jump of the
+Mersenne Twister]).
 
-For sizes with and without a tail (N % 16 != 0, and N < 32 where the tail overlaps the first
-block), every split of N into 1, 2, 3 and 8 ranges at unaligned points: the generator is
-moved past the draw without drawing, each range is drawn from its recorded state into a
-shard, and the pieces equal the whole `normal_` bit for bit; the generator ends where the
-whole call leaves it. One process, no ranks.
+- The jump: torch's generator advanced by n outputs with the polynomial jump gives the same
+  next draws as n outputs walked one by one (numpy's MT19937), for n below a block, across
+  blocks, below and past 2 x 19937, and in the tens of millions; two jumps equal one of their
+  sum (past 10^9 outputs, where a walk would take seconds).
+- `normal_` for sizes with and without a tail (N % 16 != 0, and N < 32 where the tail overlaps
+  the first block) and float32 `uniform_` for sizes with and without one, every split of N
+  into 1, 2, 3 and 8 ranges at unaligned points: the draws are counted on a lagging stream
+  (the generator untouched), each range's state found by `resolve` and drawn into a shard,
+  and the pieces equal one whole call bit for bit; once caught up, the generator is where
+  the whole call leaves it. The same with a generator of the caller's (`generator=g`). One
+  process, no ranks.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shardc.runtime.state import draws
-from shardc.runtime.state.draws import Normal, apply, bounds
+from shardc.runtime.state import draws, mt19937
+from shardc.runtime.state.draws import Normal, Stream, Uniform, apply, resolve
+
+
+def _state(k: int = 3) -> torch.Tensor:
+    torch.manual_seed(5)
+    torch.rand(k)                                  # somewhere in the sequence (block position k)
+    return torch.random.get_rng_state()
+
+
+def _next(state: torch.Tensor) -> torch.Tensor:
+    torch.random.set_rng_state(state)
+    return torch.rand(700)                         # past a block boundary
+
+
+@pytest.mark.parametrize("n", [1, 620, 624, 1249, 2 * 19937 - 3, 2 * 19937 + 5, 3_000_017])
+def test_jump_equals_walk(n):
+    for k in (3, 623):                             # a state early in its block, and at its end
+        s = _state(k)
+        assert torch.equal(_next(mt19937.jump(s, n)), _next(mt19937.walk(s, n))), (n, k)
+
+
+def test_jumps_compose():
+    s = _state()
+    a, b = 1_234_567_891, 987_654_321
+    assert torch.equal(_next(mt19937.jump(mt19937.jump(s, a), b)), _next(mt19937.jump(s, a + b)))
+    assert torch.equal(_next(mt19937.jump(s, 25_000_000)), _next(mt19937.walk(s, 25_000_000)))
 
 
 def _splits(n: int):
@@ -24,20 +56,30 @@ def _splits(n: int):
     yield [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b]
 
 
-@pytest.mark.parametrize("n", [16, 17, 31, 48, 1000, 1003, 4096 + 7])
-def test_pieces_equal_the_whole_draw(n, monkeypatch):
+@pytest.mark.parametrize("own", [False, True])
+@pytest.mark.parametrize("kind,n", [("normal", 16), ("normal", 17), ("normal", 31), ("normal", 48),
+                                    ("normal", 1000), ("normal", 1003), ("normal", 4096 + 7),
+                                    ("uniform", 16), ("uniform", 1003), ("uniform", 4096 + 7)])
+def test_pieces_equal_the_whole_draw(kind, n, own, monkeypatch):
     monkeypatch.setattr(draws, "BLOCK", 64)        # a piece drawn in several blocks, and in one
+    make, args = (Normal, (0.1, 0.02)) if kind == "normal" else (Uniform, (-0.3, 0.2))
+    g = torch.Generator() if own else torch.default_generator
     for ranges in _splits(n):
-        torch.manual_seed(5)
-        torch.rand(3)                              # somewhere in the sequence
-        start = torch.random.get_rng_state()
-        whole = torch.empty(n).normal_(0.1, 0.02)
-        after = torch.random.get_rng_state()
-        torch.random.set_rng_state(start)
-        op = Normal.drawn(n, 0.1, 0.02, [bounds(a, b, n)[0] for a, b in ranges])
-        assert torch.equal(torch.random.get_rng_state(), after), (n, ranges)
+        g.set_state(_state())
+        start = g.get_state()
+        whole = getattr(torch.empty(n), kind + "_")(*args, generator=g)
+        torch.rand(2, generator=g)                 # and the draw after it
+        after = g.get_state()
+        g.set_state(start)
+        stream = Stream()
+        op = make.drawn(stream, n, *args, g if own else None)
+        assert torch.equal(g.get_state(), start)   # counted, not drawn
+        pieces = [op.piece(0, a, b) for a, b in ranges]
+        resolve(pieces, stream)                    # catches the generator up
+        torch.rand(2, generator=g)
+        assert torch.equal(g.get_state(), after), (n, ranges)
         got = torch.full((n,), float("nan"))
-        for a, b in ranges:
-            apply([op.piece(0, a, b)], got[a:b])
+        for (a, b), p in zip(ranges, pieces):
+            apply([p], got[a:b])
         assert torch.equal(got, whole), (n, ranges)
-        assert torch.equal(torch.random.get_rng_state(), after)     # apply puts the generator back
+        assert torch.equal(g.get_state(), after)   # apply puts the generator back

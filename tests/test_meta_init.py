@@ -8,7 +8,8 @@
   unit, frozen parameters, a tied head, `bucket`ed units and hpZ among them;
   from there every strategy trains at parity (4 ranks, SGD+momentum and AdamW).
 - The default init is each module's `reset_parameters()`; an `init` that raises names the
-  module; a forward, a step or `full_state_dict()` without values is one sentence, as is a
+  module; a forward, a step, `full_state_dict()` or a `dcp.save` of `state_dict()` without
+  values is one sentence, as is a
   model partly on meta, a first rank on meta beside ranks with values, and `init=` for a
   model with values.
 - Values from the first rank: the others on meta receive only their own chunks (a scatter).
@@ -131,6 +132,16 @@ def _errors(rank, world):
     empty = _sharded("zero3", "node(1) > gpu(2)", init=False)
     out["forward"] = said(lambda: empty(x))
     out["full"] = said(empty.full_state_dict)
+    import tempfile
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+    out["first_key"] = next(k for k, v in empty.state_dict().items() if isinstance(v, DTensor))   # a parameter
+    with tempfile.TemporaryDirectory() as tmp:       # each rank its own: the save stops while it plans
+        try:
+            dcp.save(empty.state_dict(), checkpoint_id=tmp)
+            out["save"] = "no error"
+        except BaseException as e:                   # noqa: BLE001 — DCP's CheckpointException is one
+            out["save"] = f"{type(e).__name__}: {e}"
     empty.load_state_dict(one_process().state_dict())
     out["loaded"] = _same(empty.full_state_dict(), want)
     model = Tiny()
@@ -155,6 +166,9 @@ def test_bad_input_is_one_sentence():
                                        "'blocks.0.down.bias' and 20 more never got one"), r
         assert r["full"].startswith("RuntimeUsageError: full_state_dict() needs the parameters' values, but "
                                     "'blocks.0.down.bias' and 20 more never got one"), r
+        # a sharded save: DCP's exception on every rank carries the sentence naming the piece
+        assert (f"dcp.save of state_dict() needs the parameters' values, but {r['first_key']!r} never got one"
+                in r["save"]), r
         assert r["loaded"] == [], r
         assert r["partly"] == ("ShardcError: parameter 'blocks.1.up.weight' is on the meta device but others have "
                                "values: build the whole model on the meta device (shardc initializes or loads "

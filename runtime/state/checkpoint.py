@@ -86,7 +86,7 @@ def parameter_values(v: StateView, whole: set[str] | None) -> dict[str, torch.Te
         if whole is None or name in whole:
             out[name] = gather(v.comm, spec, local)
         else:
-            out[name] = wrap(local, spec, mesh, v.comm)
+            out[name] = wrap(local, spec, mesh, v.comm, v.params)
     return out
 
 

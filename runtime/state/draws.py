@@ -1,12 +1,13 @@
 """A whole-parameter draw, drawn by each rank for its own chunk — stage: runtime (state).
 The first rank's init (init_first.py) does not draw a parameter an init function fills with
-`normal_`: it moves the CPU generator past the draw and records where each rank's part of
-it starts; each rank then draws its part itself.
+`normal_` or `uniform_`: it counts the draw's outputs on a lagging generator (`Stream`) and
+records where the draw starts; each rank then draws its part itself.
 
-Input: the generator's state before the draw, the parameter's size N, mean and std, and the
-element ranges of N the ranks keep. Output: `Normal` (the generator advanced as the whole
-`normal_` would have advanced it; the state at each range's start) and `piece`, one rank's
-instruction for its range, which `apply` runs into that rank's shard.
+Input: the stream position where the draw starts (a run of the generator and an offset in
+it), the parameter's size N and the distribution's arguments, and the element ranges of N
+the ranks keep. Output: `Normal` / `Uniform` (the draw, recorded) and `piece`, one rank's
+instruction for its range; `segments` and `walk_to` turn stream positions into generator
+states, the walk split over the ranks; `apply` runs the instructions into that rank's shard.
 
 [Note: a draw split by ranks]
 torch's CPU `normal_` of a contiguous float32 tensor of N >= 16 elements (ATen's
@@ -20,39 +21,38 @@ the whole call consumes N outputs, plus 16 when N % 16 != 0. A rank keeping [a, 
 the smallest such [s, e) around it and keeps its part, drawing it as consecutive calls of
 BLOCK elements (the last taking the rest), which the same argument makes equal to one call:
 a rank's scratch is 4 MiB, not its chunk of the largest parameter (62.5 MiB of a 32000 x
-2048 embedding at 4 ranks, measured as start-up peak above FSDP2's). Advancing the generator without
-drawing uses numpy's MT19937 (`random_raw`, the same generator and tempering) on torch's
-state: 3.1 ns per element against `normal_`'s 6.6 here (loaded machine, one thread), and
-nothing is sent but the 5 KB states. tests/test_init_split_draws.py checks equality with
-one process's init.
+2048 embedding at 4 ranks, measured as start-up peak above FSDP2's). `uniform_` of float32
+(nn.Linear's `kaiming_uniform_`) takes one output per element, serially, so any [a, b)
+drawn from the state a outputs in equals those elements of the whole call; it consumes N.
+tests/test_init_split_draws.py checks both against one process's draws.
+
+[Note: a lagging generator]
+The first rank does not move torch's generator past a deferred draw: `Stream` counts the
+outputs the deferred draws took since the state it last saw (a run's base), and a draw's
+start is (run, offset). The generator is caught up (mt19937.py's `advance`: a walk, or a
+jump past 2^24 outputs) only where something draws from it directly: an op of the init
+function that draws from it (`catch_up`, from untouched.py) and the end of the init. A
+generator the init function passes (`normal_(..., generator=g)`, a CPU one) lags the same
+way, with runs of its own (its draws' states are its states: torch's CPU generators are one
+kind). A state found changed at a `take` or a catch-up was set from outside (`manual_seed` in
+the init function): its lag is dropped and a new run starts there, as one process's
+generator would. Not seen: an init function reading the state through Python
+(`torch.get_rng_state`, `fork_rng`) while draws are deferred sees the state before them.
+Then (init_first.py) the first rank, which made every rank's pieces, cuts the stream into
+one segment per rank (`segments`) and sends each rank the positions in its segment; each
+rank jumps to its segment's first position and walks on to its last (`walk_to`; numpy's
+MT19937, 3.1 ns an output here), keeping the state at each, and one gather gives every rank
+the states its own draws start from: no rank walks another's part, and the walk divides by
+the world size.
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-MT_N = 624
-_LEFT, _NEXT, _KEY = 8, 16, 24          # torch's CPU generator state: int32 left, uint64 next, uint64 key[624]
-
-
-def _to_numpy(state: torch.Tensor) -> dict:
-    b = state.numpy().tobytes()
-    left = struct.unpack_from("<i", b, _LEFT)[0]
-    key = np.frombuffer(b, dtype="<u8", count=MT_N, offset=_KEY).astype(np.uint32)
-    return {"bit_generator": "MT19937", "state": {"key": key, "pos": MT_N + 1 - left}}
-
-
-def _to_torch(ns: dict, template: torch.Tensor) -> torch.Tensor:
-    b = bytearray(template.numpy().tobytes())
-    pos = int(ns["state"]["pos"])
-    struct.pack_into("<i", b, _LEFT, MT_N + 1 - pos)
-    struct.pack_into("<Q", b, _NEXT, pos if pos < MT_N else 0)
-    b[_KEY:_KEY + MT_N * 8] = np.asarray(ns["state"]["key"], dtype=np.uint32).astype("<u8").tobytes()
-    return torch.frombuffer(b, dtype=torch.uint8).clone()
-
+from .mt19937 import advance
 
 def bounds(a: int, b: int, n: int) -> tuple[int, int]:
     """The draw [s, e) around the kept elements [a, b) of an N-element `normal_` (see Note)."""
@@ -80,60 +80,150 @@ def deferrable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and t.numel() >= 16
 
 
+class Stream:
+    """torch's CPU generators (the default one, and any an init function passes) with deferred
+    draws counted, not drawn ([Note: a lagging generator]); every generator's runs in one list."""
+
+    def __init__(self):
+        self.bases: list[torch.Tensor] = []         # each run's first state
+        self.lengths: list[int] = []                # outputs deferred in each run
+        self.gens: dict[int, list] = {}             # id(generator) -> [generator, its run, its lag]
+
+    def _current(self, g: torch.Generator) -> list:
+        """g's entry; a new run where g is not where this stream left it."""
+        entry, cur = self.gens.get(id(g)), g.get_state()
+        if entry is None or not torch.equal(cur, self.bases[entry[1]]):
+            self.bases.append(cur)
+            self.lengths.append(0)
+            entry = self.gens[id(g)] = [g, len(self.bases) - 1, 0]
+        return entry
+
+    def take(self, n: int, g: torch.Generator | None = None) -> tuple[int, int]:
+        """A deferred draw of n outputs from g (None: the default generator): where it starts."""
+        entry = self._current(torch.default_generator if g is None else g)
+        at = (entry[1], entry[2])
+        entry[2] += n
+        self.lengths[entry[1]] = entry[2]
+        return at
+
+    def catch_up(self, g: torch.Generator | None = None) -> None:
+        """g where its deferred draws leave it (a new run starts there)."""
+        g = torch.default_generator if g is None else g
+        entry = self.gens.get(id(g))
+        if entry is None or not entry[2] or not torch.equal(g.get_state(), self.bases[entry[1]]):
+            return                          # nothing deferred, or set from outside since
+        g.set_state(advance(self.bases[entry[1]], entry[2]))
+        self._current(g)
+
+    def catch_up_all(self) -> None:
+        for g, _, _ in list(self.gens.values()):
+            self.catch_up(g)
+
+    def state_at(self, at: tuple[int, int]) -> torch.Tensor:
+        return advance(self.bases[at[0]], at[1])
+
+
 @dataclass
 class Normal:
-    """A deferred `normal_(mean, std)` of an n-element parameter: the state where each
-    draw starts (`states`, by start element)."""
+    """A deferred `normal_(mean, std)` of an n-element parameter, starting at stream position `at`."""
     n: int
     mean: float
     std: float
-    start: torch.Tensor
-    states: dict
+    at: tuple
+    stream: Stream
 
     @classmethod
-    def drawn(cls, n: int, mean: float, std: float, starts) -> "Normal":
-        """Record the draw and move torch's CPU generator past it, keeping the state at each of
-        `starts` (multiples of 16, below n)."""
-        cur = torch.random.get_rng_state()
-        g = np.random.MT19937()
-        g.state = _to_numpy(cur)
-        states, done = {}, 0
-        for s in sorted(set(starts)):
-            g.random_raw(s - done, output=False)
-            done = s
-            states[s] = _to_torch(g.state, cur)
-        g.random_raw(n + (16 if n % 16 else 0) - done, output=False)
-        torch.random.set_rng_state(_to_torch(g.state, cur))
-        return cls(n, mean, std, cur, states)
+    def drawn(cls, stream: Stream, n: int, mean: float, std: float, g=None) -> "Normal":
+        return cls(n, mean, std, stream.take(n + (16 if n % 16 else 0), g), stream)
 
     def replay(self, view: torch.Tensor) -> None:
         """The whole draw into `view` (an op reads the parameter: it needs its values)."""
         cur = torch.random.get_rng_state()
-        torch.random.set_rng_state(self.start)
+        torch.random.set_rng_state(self.stream.state_at(self.at))
         view.normal_(self.mean, self.std)
         torch.random.set_rng_state(cur)
 
     def piece(self, at: int, a: int, b: int) -> tuple:
         """The instruction for elements [a, b) of the parameter, kept at `at` of a shard."""
         s, e = bounds(a, b, self.n)
-        return ("normal", at, a - s, b - a, e - s, self.states[s], self.mean, self.std)
+        return ("normal", at, a - s, b - a, e - s, (self.at[0], self.at[1] + s), self.mean, self.std)
+
+
+@dataclass
+class Uniform:
+    """A deferred float32 `uniform_(lo, hi)` of an n-element parameter (one output an element)."""
+    n: int
+    lo: float
+    hi: float
+    at: tuple
+    stream: Stream
+
+    @classmethod
+    def drawn(cls, stream: Stream, n: int, lo: float, hi: float, g=None) -> "Uniform":
+        return cls(n, lo, hi, stream.take(n, g), stream)
+
+    def replay(self, view: torch.Tensor) -> None:
+        cur = torch.random.get_rng_state()
+        torch.random.set_rng_state(self.stream.state_at(self.at))
+        view.uniform_(self.lo, self.hi)
+        torch.random.set_rng_state(cur)
+
+    def piece(self, at: int, a: int, b: int) -> tuple:
+        return ("uniform", at, 0, b - a, b - a, (self.at[0], self.at[1] + a), self.lo, self.hi)
+
+
+def segments(positions, lengths, world: int) -> list[list]:
+    """The stream (runs of `lengths` outputs, one after another) cut into `world` equal
+    segments: the positions in each, in stream order (the walk each rank makes)."""
+    first = np.cumsum([0] + list(lengths))
+    total = int(first[-1])
+    out = [[] for _ in range(world)]
+    for run, off in sorted(positions, key=lambda at: (int(first[at[0]]) + at[1], at[0])):
+        g = int(first[run]) + off
+        out[min(g * world // total, world - 1) if total else 0].append((run, off))
+    return out
+
+
+def walk_to(positions, bases) -> dict:
+    """The generator state at each position (in stream order): a jump to the first, then the
+    walk from each to the next (see [Note: a lagging generator])."""
+    found, state, where = {}, None, None
+    for run, off in positions:
+        if where is not None and where[0] == run and where[1] <= off:
+            state = advance(state, off - where[1])
+        else:
+            state = advance(bases[run], off)
+        where = (run, off)
+        found[(run, off)] = state
+    return found
+
+
+def resolve(pieces: list, stream: Stream) -> None:
+    """One process: the pieces' positions as states, in place; the generators caught up."""
+    stream.catch_up_all()
+    positions = sorted({p[5] for p in pieces})
+    states = walk_to(segments(positions, stream.lengths, 1)[0], stream.bases)
+    for i, p in enumerate(pieces):
+        pieces[i] = p[:5] + (states[p[5]],) + p[6:]
 
 
 def apply(pieces, shard: torch.Tensor) -> None:
     """One rank's instructions into its shard: ("normal", at, skip, len, size, state, mean,
-    std), ("fill", at, len, value), ("copy", at, values)."""
+    std), ("uniform", at, 0, len, len, state, lo, hi), ("fill", at, len, value), ("copy", at,
+    values); a draw's state as `resolve` left it."""
     if not pieces:
         return
     cur = torch.random.get_rng_state()
     scratch = None                          # one block's room, reused (no heap left behind per block)
     for p in pieces:
-        if p[0] == "normal":
-            _, at, skip, length, size, state, mean, std = p
+        if p[0] in ("normal", "uniform"):
+            kind, at, skip, length, size, state, u, v = p
             torch.random.set_rng_state(state)
             for lo, hi in blocks(size):           # consecutive draws: the same values as one
                 if scratch is None or scratch.numel() < hi - lo:
                     scratch = torch.empty(hi - lo, dtype=torch.float32)
-                drawn = scratch[:hi - lo].normal_(mean, std)
+                part = scratch[:hi - lo]
+                drawn = part.normal_(u, v) if kind == "normal" else part.uniform_(u, v)
                 x, y = max(lo, skip), min(hi, skip + length)
                 if x < y:
                     shard[at + x - skip:at + y - skip].copy_(drawn[x - lo:y - lo])

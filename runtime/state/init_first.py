@@ -41,17 +41,25 @@ front: a fresh buffer per group cost the first rank a page fault per 4 KiB of ev
 the NaN fill before `fn` (measured: 6.1 of 21.9 s of values on a 1-layer 175M Llama at 4
 ranks, loaded machine). The pool holds at most the largest unit's buffer, the bound below.
 [Note: each rank draws its part]
-On CPU (`_Pieces`) the first rank sends instructions, not values. A whole `normal_`, `fill_`
-or `zero_` of a parameter is not run on the first rank (untouched.py's [Note: deferred
-whole writes]): the generator is moved past the draw and the state where each rank's part
-starts is kept (draws.py's [Note: a draw split by ranks]). When a group is final, one object
-scatter gives each rank its pieces: ("normal", state, ...), ("fill", value), or ("copy",
-values) for a parameter ops ran on, and each rank writes them into its shard (padding stays
-the zeros its allocation gave it). So no whole parameter is drawn or sent: the buffer a
-parameter is a view of is `empty`, and its pages are touched only where an op other than
-those three ran. The first rank's work is moving the generator (3.1 ns an element, numpy's
-MT19937) and drawing its own chunk; each rank draws its chunk. Values as before: one
-process's. Elsewhere (CUDA parameters) the buffer is scattered (`_Sender`).
+On CPU (`Pieces`, init_pieces.py) the first rank sends instructions, not values. A whole `normal_` or
+float32 `uniform_`, `fill_` or `zero_` of a parameter is not run on the first rank
+(untouched.py's [Note: deferred whole writes]): a draw is counted on a lagging generator,
+not drawn, and its start kept as a stream position (draws.py's [Notes: a draw split by ranks,
+a lagging generator]). When a group is final, each rank's pieces of it are queued:
+("normal"/"uniform", position, ...), ("fill", value), or ("copy", values) for a parameter
+ops ran on. The queue is sent (one object scatter, each rank its own list) after a group
+with values, so at most one group's are held, and at the end; the last send also carries
+the generator's runs, every rank's segment of the positions, which each rank walks (one
+jump to its start), and the closing box below (the first rank's RNG state, `unset`, an
+error); one all-gather of the walked states (fixed-size tensors) gives every rank the
+states its draws start from. Each
+rank writes the pieces into its shard (padding stays the zeros its allocation gave it). So
+no whole parameter is drawn or sent: the buffer a parameter is a view of is `empty`, and its
+pages are touched only where an op other than those ran; no rank moves the generator past
+another rank's part; and where the init only draws and fills, the values take one object
+scatter and one all-gather (then the buffers' broadcast), not a scatter per group: under
+load each collective waits for every rank to be scheduled. Values as
+before: one process's. Elsewhere (CUDA parameters) the buffer is scattered (`_Sender`).
 Memory: a rank other than the first holds its shards only; the first, beyond them, the
 buffer being filled (its parameters are views of it: a parameter of another dtype is
 one more tensor while its module runs) and `SENDS_IN_FLIGHT` sent ones
@@ -72,9 +80,8 @@ from shardc.lowering import RankPlan
 from ..buffers import broadcast
 from .init import _materialize as _materialize_alone
 from .init import all_nan, apply_order, materialize_buffers, rng
-from .draws import apply as apply_pieces
-from .draws import bounds
-from .untouched import Fill, Untouched
+from .init_pieces import Pieces
+from .untouched import Untouched
 
 SENDS_IN_FLIGHT = 0            # scattered buffers a first rank keeps while it fills the next (0: the bound of
 #                                lowering/startup.py, one unit; 1 overlaps the send with the next unit)
@@ -103,7 +110,7 @@ def initialize_first(model: nn.Module, fn, storages, params: dict[str, nn.Parame
     group, me = smesh.dp_group(), smesh.rank
     order = apply_order(model)
     sched = _Schedule(order, storages, params)
-    sender = (_Pieces if device.type == "cpu" else _Sender)(storages, smesh, group, device)
+    sender = (Pieces if device.type == "cpu" else _Sender)(storages, smesh, group, device)
     for k in sched.done_at.get(-1, ()):        # groups of no parameter: padding only
         sender.finish(k, True) if me == 0 else sender.receive(k)
     error = None
@@ -113,13 +120,11 @@ def initialize_first(model: nn.Module, fn, storages, params: dict[str, nn.Parame
         for i in range(len(order)):
             for k in sched.done_at.get(i, ()):
                 sender.receive(k)
-    sender.drain()
-    box = [None]
-    if me == 0:
+
+    def closing():                         # what every rank takes from the first after the init
         cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        box = [(error, sender.unset, torch.random.get_rng_state(), cuda)]
-    dist.broadcast_object_list(box, group=group, group_src=0)
-    error, unset, cpu_state, cuda_state = box[0]
+        return error, sender.unset, torch.random.get_rng_state(), cuda
+    error, unset, cpu_state, cuda_state = sender.drain(closing if me == 0 else None)
     if me != 0:
         torch.random.set_rng_state(cpu_state)
         if cuda_state is not None:
@@ -283,89 +288,10 @@ class _Sender:
             st.write_chunk(st.shard)       # the master follows the received shard
         self._give_back(full)
 
-    def drain(self) -> None:
+    def drain(self, closing) -> tuple:
+        """Every send completed; then the first rank's `closing()` on every rank (a broadcast)."""
         while self.pending:
             self._wait()
-
-
-class _Pieces:
-    """On CPU: each rank's instructions for its chunk of a group, one object scatter per
-    group ([Note: each rank draws its part])."""
-
-    def __init__(self, storages, smesh, group, device):
-        self.storages, self.smesh, self.group, self.device = storages, smesh, group, device
-        self.full: dict[int, torch.Tensor] = {}
-        self.group_of: dict[int, int] = {}         # a buffer's storage -> its group
-        self.ops: dict[tuple[int, int], object] = {}    # (group, slot offset) -> Normal/Fill; None: values
-        self.unset: set[str] = set()
-        self.untouched = Untouched(starts=self._starts)
-        self._chunks: dict[int, list] = {}
-
-    def chunks(self, k: int) -> list[tuple[int, int]]:
-        """Every rank's params chunk of group k (start, length), by group rank."""
-        if k not in self._chunks:
-            st = self.storages[k]
-            self._chunks[k] = [RankPlan(self.smesh.mesh, st.plan.scopes, r).chunk("params", st.n)
-                               for r in range(self.smesh.mesh.world)]
-        return self._chunks[k]
-
-    def _parts(self, k: int, off: int, n: int):
-        """(rank, at in its chunk, a, b): the elements [a, b) of a slot at `off` each rank keeps."""
-        for r, (c, ln) in enumerate(self.chunks(k)):
-            x, y = max(off, c), min(off + n, c + ln)
-            if x < y:
-                yield r, x - c, x - off, y - off
-
-    def _starts(self, view: torch.Tensor) -> list[int]:
-        k = self.group_of[view.untyped_storage().data_ptr()]
-        return [bounds(a, b, view.numel())[0] for _, _, a, b in self._parts(k, view.storage_offset(), view.numel())]
-
-    def buffer(self, k: int) -> torch.Tensor:
-        """Group k's buffer: `empty`, its pages touched only where ops run on parameters."""
-        if k not in self.full:
-            st = self.storages[k]
-            self.full[k] = torch.empty(st.n, dtype=st.pdtype, device=self.device)
-            self.group_of[self.full[k].untyped_storage().data_ptr()] = k
-        return self.full[k]
-
-    def keep(self, value: torch.Tensor, k: int, slot, name: str) -> None:
-        """A parameter is final: its deferred op, or its values in the buffer."""
-        dst = self.buffer(k)[slot.offset:slot.offset + slot.numel]
-        op = None
-        if value.data_ptr() != dst.data_ptr() or value.dtype != dst.dtype:
-            self.untouched.forget(dst)
-            dst.copy_(value.detach().reshape(-1))
-        elif dst.is_floating_point() and self.untouched.pending(dst):
-            self.untouched.forget(dst)
-            op = Fill(float("nan"))           # no op touched it: NaN, unset
-            self.unset.add(name)
-        else:
-            op = self.untouched.settle(dst)
-        if op is None and dst.is_floating_point() and all_nan(dst):
-            self.unset.add(name)
-        self.ops[k, slot.offset] = op
-
-    def finish(self, k: int, ok: bool) -> None:
-        st = self.storages[k]
-        lists = [[] for _ in range(self.smesh.mesh.world)]
-        buf = self.full.pop(k, None)
-        if ok:
-            for s in st.layout.slots:
-                op = self.ops.pop((k, s.offset), None)
-                for r, at, a, b in self._parts(k, s.offset, s.numel):
-                    lists[r].append(op.piece(at, a, b) if op is not None else
-                                    ("copy", at, buf[s.offset + a:s.offset + b].clone()))
-        self._exchange(k, lists)
-
-    def receive(self, k: int) -> None:
-        self._exchange(k, None)
-
-    def _exchange(self, k: int, lists) -> None:
-        out = [None]
-        dist.scatter_object_list(out, lists, group=self.group, group_src=0)
-        st = self.storages[k]
-        apply_pieces(out[0], st.shard)
-        st.write_chunk(st.shard)           # the master follows the shard
-
-    def drain(self) -> None:
-        pass
+        box = [closing() if closing is not None else None]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        return box[0]

@@ -335,17 +335,18 @@ class ParamSet:
         return sg, plain, st, lo, hi
 
     # -- values ------------------------------------------------------------------------------
-    def require(self, what: str) -> None:
-        """`what` needs every parameter's (and buffer's) value: one sentence naming those
-        without one."""
-        if self.unset:
-            names = sorted(self.unset)
+    def require(self, what: str, names=None) -> None:
+        """`what` needs every parameter's (and buffer's) value, or those of `names` only (no
+        buffer): one sentence naming those without one."""
+        unset = self.unset if names is None else self.unset & set(names)
+        if unset:
+            names = sorted(unset)
             more = f" and {len(names) - 1} more" if len(names) > 1 else ""
             raise RuntimeUsageError(
                 f"{what} needs the parameters' values, but {names[0]!r}{more} never got one (the model was "
                 f"built on the meta device and neither init nor a load gave it values): pass shardc.compile "
                 f"init=fn, or load a checkpoint (DCP, sm.load_state_dict, shardc.load_safetensors) first")
-        if self.unset_buffers:
+        if self.unset_buffers and names is None:
             self.unset_buffers = {n: b for n, b in self.unset_buffers.items() if bool(torch.isnan(b).all())}
             if self.unset_buffers:
                 name = next(iter(self.unset_buffers))

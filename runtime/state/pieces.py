@@ -156,6 +156,7 @@ class _Flat(torch.Tensor):
         new = self.as_subclass(torch.Tensor).clone().as_subclass(_Flat)
         new._shardc_boxes, new._shardc_shape = list(self._shardc_boxes), self._shardc_shape
         new._shardc_spec, new._shardc_comm = self._shardc_spec, self._shardc_comm
+        new._shardc_values = getattr(self, "_shardc_values", None)
         memo[id(self)] = new
         return new
 
@@ -167,6 +168,9 @@ class _Flat(torch.Tensor):
         return [c for c, _, _ in self._chunks()]
 
     def __create_write_items__(self, fqn, obj):
+        values = getattr(self, "_shardc_values", None)    # a save (a load plans reads, not writes)
+        if values is not None:
+            values.require("dcp.save of state_dict()", (self._shardc_spec.name,))
         props = TensorProperties.create_from_tensor(self.as_subclass(torch.Tensor))
         return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=c, properties=props,
@@ -212,10 +216,12 @@ class ShardcPiece(DTensor):
         return DTensor.from_local(self.full_tensor(), mesh, list(placements), run_check=False)
 
 
-def wrap(local: torch.Tensor, spec: PieceSpec, device_mesh, comm) -> ShardcPiece:
+def wrap(local: torch.Tensor, spec: PieceSpec, device_mesh, comm, values=None) -> ShardcPiece:
     """`local` (this rank's piece: elements [spec.lo, spec.hi) of a tensor of the parameter's
     shape on this rank) as a `ShardcPiece` of the global shape; a DTensor parameter's local
-    shard is placed at its offset in the global tensor."""
+    shard is placed at its offset in the global tensor. `values`: the parameter set whose
+    `require` a save of the piece passes first (a parameter no init or load gave a value
+    holds garbage: its shard is allocated empty)."""
     flat = local.detach().reshape(-1)[:spec.hi - spec.lo].as_subclass(_Flat)
     lo = spec.lo
     bx = boxes(spec.shape, lo, lo + flat.numel())
@@ -224,7 +230,7 @@ def wrap(local: torch.Tensor, spec: PieceSpec, device_mesh, comm) -> ShardcPiece
     shape = spec.global_shape
     flat._shardc_boxes = [(o, s, a - lo, b - lo) for o, s, a, b in bx]
     flat._shardc_shape = torch.Size(shape)
-    flat._shardc_spec, flat._shardc_comm = spec, comm
+    flat._shardc_spec, flat._shardc_comm, flat._shardc_values = spec, comm, values
     stride = torch.empty(shape, device="meta").stride()
     dspec = DTensorSpec(device_mesh, (Replicate(),) * device_mesh.ndim,
                         tensor_meta=TensorMeta(torch.Size(shape), stride, local.dtype))

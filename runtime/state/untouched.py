@@ -24,9 +24,11 @@ saved are the NaN fills an overwrite would have replaced. Views are found by sto
 element range, so `.data` aliases (their own version counters) are seen too.
 
 [Note: deferred whole writes]
-With `starts` given (init_first.py), a whole `normal_` of a view (draws.py's conditions), a
-`fill_` of a number or a `zero_` is not run at all: the op is recorded (a `normal_` moves the
-generator past its draw, draws.py) and the parameter's buffer is never written, so the first
+With a `stream` given (init_first.py), a whole `normal_` or float32 `uniform_` of a view
+(draws.py's conditions; the default generator or a CPU one the init passes), a `fill_` of a
+number or a `zero_` is not run at all: the op is recorded (a draw is counted on the lagging
+generator, draws.py's [Note: a lagging generator]; any other op that draws from a generator
+catches that generator up first) and the parameter's buffer is never written, so the first
 rank holds no whole parameter. Each rank then runs the recorded op on its own part
 (draws.py's instructions, sent instead of values). An op that later reads or partly
 writes such a view first replays the recorded op into it (a draw from the state it started
@@ -35,11 +37,13 @@ overwrite replaces the record.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .draws import Normal, deferrable
+from .draws import Normal, Uniform, deferrable
 
 aten = torch.ops.aten
 OVERWRITES = {aten.normal_, aten.uniform_, aten.fill_, aten.zero_, aten.copy_, aten.random_,
@@ -52,6 +56,27 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
         return t.storage_offset(), t.storage_offset()
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return t.storage_offset(), t.storage_offset() + last + 1
+
+
+# ops that draw from a generator without a `generator` argument in their schema
+_RANDOM = {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "native_dropout",
+           "dropout", "feature_dropout", "alpha_dropout", "rrelu", "rrelu_with_noise", "multinomial", "poisson",
+           "bernoulli", "normal", "uniform", "random", "exponential", "cauchy", "log_normal", "geometric"}
+
+
+def drawn_from(func, kwargs):
+    """The generator `func` may draw from (its `generator=`, else the default one), or None."""
+    g = kwargs.get("generator")
+    if g is not None:
+        return g
+    return torch.default_generator if _random(func) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _random(func) -> bool:
+    """An op that draws: a random op, or one whose schema takes a generator (per op, once)."""
+    name = func.overloadpacket.__name__.rstrip("_")
+    return name in _RANDOM or any("Generator" in str(a.type) for a in func._schema.arguments)
 
 
 class Fill:
@@ -71,11 +96,11 @@ class Untouched(TorchDispatchMode):
     """The views not yet touched, and those whose only write was deferred, by their buffer's
     storage; see the module note and [Note: deferred whole writes]."""
 
-    def __init__(self, starts=None):
+    def __init__(self, stream=None):
         super().__init__()
         self.views: dict[int, dict[int, torch.Tensor]] = {}   # storage ptr -> {slot offset: view}
         self.deferred: dict[int, dict[int, tuple]] = {}       # storage ptr -> {slot offset: (view, op)}
-        self.starts = starts          # view -> the draw starts its ranks need (None: defer nothing)
+        self.stream = stream          # the lagging generator draws are counted on (None: defer nothing)
 
     def add(self, view: torch.Tensor) -> None:
         self.views.setdefault(view.untyped_storage().data_ptr(), {})[view.storage_offset()] = view
@@ -106,11 +131,14 @@ class Untouched(TorchDispatchMode):
             whole = None
             if func.overloadpacket in OVERWRITES and args and isinstance(args[0], torch.Tensor):
                 whole = args[0]
-                if self.starts is not None and self._defer(func, args, kwargs):
+                if self.stream is not None and self._defer(func, args, kwargs):
                     return whole
             for t in tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and not t.is_meta:
                     self._touch(t, t is whole)
+        g = drawn_from(func, kwargs) if self.stream is not None else None
+        if g is not None and g.device.type == "cpu":
+            self.stream.catch_up(g)            # it draws from the generator: where one process's would be
         return func(*args, **kwargs)
 
     def _exact(self, t: torch.Tensor):
@@ -127,8 +155,12 @@ class Untouched(TorchDispatchMode):
         """A whole `normal_` (draws.py's conditions), `fill_` of a number or `zero_` of a
         watched view: recorded, not run ([Note: deferred whole writes])."""
         t = args[0]
-        if func is aten.normal_.default and kwargs.get("generator") is None and deferrable(t):
+        g = kwargs.get("generator")
+        own = g is None or g.device.type == "cpu"          # a CPU generator: one kind, its state ours to count
+        if func is aten.normal_.default and own and deferrable(t):
             make = "normal"
+        elif func is aten.uniform_.default and own and deferrable(t):
+            make = "uniform"
         elif func is aten.fill_.Scalar or func is aten.zero_.default:
             make = "fill"
         else:
@@ -136,10 +168,11 @@ class Untouched(TorchDispatchMode):
         view = self._exact(t)
         if view is None:
             return False
-        if make == "normal":
-            mean = float(args[1]) if len(args) > 1 else float(kwargs.get("mean", 0.0))
-            std = float(args[2]) if len(args) > 2 else float(kwargs.get("std", 1.0))
-            op = Normal.drawn(view.numel(), mean, std, self.starts(view))
+        if make in ("normal", "uniform"):
+            first, second = (("mean", 0.0), ("std", 1.0)) if make == "normal" else (("from", 0.0), ("to", 1.0))
+            x = float(args[1]) if len(args) > 1 else float(kwargs.get(first[0], first[1]))
+            y = float(args[2]) if len(args) > 2 else float(kwargs.get(second[0], second[1]))
+            op = (Normal if make == "normal" else Uniform).drawn(self.stream, view.numel(), x, y, g)
         else:
             op = Fill(args[1] if func is aten.fill_.Scalar else 0)
         ptr, off = view.untyped_storage().data_ptr(), view.storage_offset()
