@@ -9,6 +9,7 @@ the docs' tables; no asserts).
         --out bench/results/simulate_DATE_neox.jsonl                                      # ZeRO-topo's 16 GCDs
     python bench/simulate_papers.py timing --out bench/results/simulate_DATE_timing.json  # planning vs world, compile vs depth
     python bench/simulate_papers.py table bench/results/simulate_DATE_{llama,neox}.jsonl --out OUT.md   # the tables
+    python bench/simulate_papers.py reexplain --out FILE.jsonl   # explain's peak again after a timeline change
 
 Settings: every named strategy (examples/strategies/*.shard) in the papers' precision —
 `dtype bf16` added to its params and grads lines (bf16 parameters, gradients and
@@ -79,9 +80,9 @@ def _ranks(name: str, mesh) -> list[int]:
     return [0, inner, last]
 
 
-def simulate_all(model: str, meshes: list[str], names: list[str], out: str) -> None:
+def simulate_all(model: str, meshes: list[str], names: list[str], out: str, first_only: bool = False) -> None:
     """Append one JSON line per simulated rank to `out` (a run that stopped resumes: the
-    ranks already there are skipped)."""
+    ranks already there are skipped). `first_only`: the first rank only (the peak's)."""
     import shardc
     from shardc.simulate import simulate_rank
     done = set()
@@ -93,7 +94,7 @@ def simulate_all(model: str, meshes: list[str], names: list[str], out: str) -> N
     for mesh in meshes:
         for name in names:
             s = shardc.load_strategy(bf16_text(name), mesh=mesh)
-            for r in _ranks(name, s.mesh):
+            for r in _ranks(name, s.mesh)[:1 if first_only else None]:
                 if (model, name, str(s.mesh), r) in done:
                     continue
                 if graph is None:
@@ -109,6 +110,42 @@ def simulate_all(model: str, meshes: list[str], names: list[str], out: str) -> N
                 print(f"{model} {name} {mesh} rank {r}: states {rep['memory']['total'] / 2**30:.2f} GiB "
                       f"peak {(rep['peak']['measured'] or 0) / 2**30:.2f} GiB equal {rep['memory_equal']}/"
                       f"{rep['ledger_equal']} {rep['wall']:.1f} s", flush=True)
+
+
+def reexplain(path: str) -> None:
+    """explain's peak fields of `path`'s measured ranks again, in place, from the current
+    timeline (the measured side is the runtime's and stays: use it after a change to
+    analysis/costmodel/timeline.py only). One trace per model."""
+    import shardc
+    from shardc.analysis.costmodel.report import explain, model_units
+    from shardc.simulate import _explain_phases, _phases_within, meta_model
+    from shardc.simulate import PEAK_TOLERANCE
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    graphs, units = {}, {}
+    for r in rows:
+        pk = r["peak"]
+        if pk["measured"] is None:
+            continue
+        model = r["model"]
+        factory = _factory(f"examples/{'gpt_neox' if 'neox' in model else 'llama'}.py:{model}")
+        s = shardc.load_strategy(bf16_text(r["strategy"]), mesh=r["mesh"])
+        if model not in graphs:
+            graphs[model] = _graph(s, factory)
+        key = (model, r["strategy"], r["mesh"])
+        if key not in units:
+            units[key] = model_units(s, meta_model(factory, ""))
+        e = explain(s, units[key], micro_batches=r["step"]["micro_batches"], optimizer=r["step"]["optimizer"],
+                    clip_grad_norm=r["step"]["clip"], graph=graphs[model]).peak
+        phases = _explain_phases(e["timeline"])
+        pk.update(explain=e["peak"] - e["overhead"], explain_phase=e["phase"], explain_buffers=e["buffers"],
+                  explain_timeline=e["timeline"], explain_phases=phases,
+                  phases_within=_phases_within(pk["phases"], phases),
+                  within=pk["measured"] <= (1 + PEAK_TOLERANCE) * (e["peak"] - e["overhead"]))
+        print(f"{model} {r['strategy']} {r['mesh']}: explain / measured {pk['explain'] / pk['measured']:.3f}",
+              flush=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 def timing(out: dict) -> None:
@@ -201,14 +238,18 @@ def _children_cpu() -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=("sweep", "neox", "timing", "table"))
+    p.add_argument("what", choices=("sweep", "neox", "timing", "table", "reexplain"))
     p.add_argument("inputs", nargs="*")
     p.add_argument("--models", default="llama_7b,llama_13b,llama_30b,llama_65b")
     p.add_argument("--nodes", default="8,128,16")
     p.add_argument("--meshes", default=NEOX_MESH, help="neox: meshes, ';'-separated")
     p.add_argument("--strategies", default=None)
+    p.add_argument("--first-only", action="store_true", help="sweep, neox: the first rank only (the peak's)")
     p.add_argument("--out", required=True, help="JSON lines (sweep, neox; appended) or JSON (timing); table: the markdown")
     a = p.parse_args()
+    if a.what == "reexplain":
+        reexplain(a.out)
+        return
     if a.what == "table":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from simulate_tables import render           # bench/simulate_tables.py
@@ -222,11 +263,11 @@ def main() -> None:
             json.dump(out, f, indent=1)
     elif a.what == "neox":
         names = a.strategies.split(",") if a.strategies else NAMED
-        simulate_all("neox_20b", a.meshes.split(";"), names, a.out)
+        simulate_all("neox_20b", a.meshes.split(";"), names, a.out, a.first_only)
     else:
         names = a.strategies.split(",") if a.strategies else [n for n in NAMED if n != "zero_topo"]
         for model in a.models.split(","):
-            simulate_all(model, [f"node({n}) > gpu(8)" for n in a.nodes.split(",")], names, a.out)
+            simulate_all(model, [f"node({n}) > gpu(8)" for n in a.nodes.split(",")], names, a.out, a.first_only)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,20 @@ runtime/groups/flat_group.py `issue_gather` allocates a unit's full buffer (runt
 `FlatStorage`), `release` frees it after the unit ran (the root stays gathered). Forward
 and backward walk the same window (memory.py [Note: transient window]).
 
+[Note: timeline: forward's end]
+runtime/eager/engine.py `finish_forward` releases a non-root unit as soon as its last module
+ran, the last unit too: the logits and the loss's log-softmax are made beside the root's
+buffer only (and the backward's first stage gathers the last unit again, [Note: timeline:
+loss gradient]). So the forward has a point as each unit has run, before its release: its window (itself,
+the root and the gathers issued ahead, their first stage buffers too) beside the
+activations made so far, its own included (the root's counted from the start: a bound by
+its head's saved tensors); the last unit's with every activation; and one at the end: the
+root alone with every activation and the loss's tensors. Counting the last unit's window
+beside the loss's tensors was over by one unit's parameters: MiCS on HF Llama at 8 ranks,
+explain's forward 1.047 of the measured one (5,893,856 B against 5,631,204); leaving out
+the point as a unit has run was under: MiCS on examples/gpt.py `small` at 4 ranks, the
+forward's peak as block 2 has run with block 3 gathered ahead (0.945).
+
 [Note: timeline: activations]
 At the end of the forward (with its loss) one micro-batch's saved tensors are all alive
 (activations.py [Note: activation peak]); the backward frees them unit by unit (the
@@ -130,7 +144,11 @@ After the optimizer's step every group with an update all-gather (OS∖P) issues
 (runtime/eager/step_ops.py `update`, runtime/groups/flat_group.py `update_issue`): each holds a clone of its OS
 chunk in the params dtype and its gather's first-stage buffer (staging.py) until waited
 (then, or, for the units the `defer_update` pass lists, before each is next needed in the
-next forward); the one waited holds its last stages.
+next forward); the one waited holds its last stages. The deferred ones are owed in the
+step's first forward only, which holds no grad shard (zero_grad() freed them); a later
+micro-batch's forward holds every shard and owes none, so a forward point is the larger
+of the two, not both (ZeRO-topo, 4 micro-batches, HF Llama at 8 gloo ranks: both counted
+put explain's forward at 1.033 of the measured one).
 
 [Note: timeline: optimizer step]
 In opt.step() (runtime/step/optimizer.py) the optimizer runs over one group's OS chunk at a
@@ -354,26 +372,47 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     deferred = set(plan.schedule.update_deferred)
     owed = {k: a for k, a, _ in z.update if k in deferred}     # waited where each unit is next needed
     last = 0
+
+    def owing(o: int) -> tuple:
+        """The states and the update gathers owed ([Note: timeline: update gathers]): owed in
+        the first micro-batch's forward only, which holds no grad shard; a later one holds
+        every shard and owes nothing."""
+        first = (("states", bare if RELEASE_GRADS else states), ("update gathers owed", o))
+        later = (("states", states), ("update gathers owed", 0))
+        return max(first, later, key=lambda b: b[0][1] + b[1][1]) if micro_batches > 1 else first
     for st in plan.schedule.forward:
         held |= {st.unit, *st.issue} if size[st.unit] else set(st.issue)
         last = sum(size[i] for i in held)
         if size[st.unit] and mesh is not None:
-            waits.append(Point("forward", (("states", fwd_states), ("gathered", last), ("activations so far", made),
+            waits.append(Point("forward", (*owing(sum(owed.values())), ("gathered", last),
+                                           ("activations so far", made),
                                            (f"gather staging of {units[st.unit].name}",
                                             z.ag_wait[Phase.FORWARD][st.unit]),
                                            ("gathers issued ahead", sum(z.ag_issued[Phase.FORWARD][k]
                                                                         for k in st.issue if k != st.unit)),
-                                           ("reduce workspace pool", pool),
-                                           ("update gathers owed", sum(owed.values())))))
+                                           ("reduce workspace pool", pool))))
         owed.pop(st.unit, None)
         if left is not None:
             made += left[st.unit]
+            # it ran: its saved tensors made beside its window and the gathers issued ahead
+            # ([Note: timeline: forward's end]), before its release
+            waits.append(Point("forward", (*owing(sum(owed.values())),
+                                           (f"gathered as {units[st.unit].name} ran", last),
+                                           ("activations so far", made),
+                                           ("gathers issued ahead", sum(z.ag_issued[Phase.FORWARD][k]
+                                                                        for k in st.issue if k != st.unit)),
+                                           ("reduce workspace pool", pool))))
         if st.unit != 0:
             held.discard(st.unit)
-    fwd = Point("forward", (("states", fwd_states), ("gathered at the forward's end", last),
+    # the last unit ran inside its window and was released ([Note: timeline: forward's end]),
+    # so the logits and the loss are made beside the root alone
+    end = sum(size[i] for i in held)
+    fwd = Point("forward", (("states", fwd_states), ("gathered at the forward's end", end),
                             ("activations", activations), ("logits and loss", LOSS_FORWARD * output),
                             ("reduce workspace pool", pool)))
-    fwd = max([fwd, *waits], key=lambda p: p.bytes)
+    ran = Point("forward", (("states", fwd_states), ("gathered as the last unit ran", last),
+                            ("activations", activations), ("reduce workspace pool", pool)))
+    fwd = max([fwd, ran, *waits], key=lambda p: p.bytes)
     kept = ("loss tensors", LOSS_KEPT * output)
     # backward: each unit's gradient made, its reduce issued once the previous unit's is waited
     alive = activations
