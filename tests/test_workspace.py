@@ -60,6 +60,24 @@ def _window(rank, world):
 
 
 @pytest.mark.distributed
+def test_chunks_pool_apart_from_flat_buffers():
+    """[Note: pools by role]: a first micro-batch that reduces into the grad shards leaves two
+    N-element buffers free (the flat input, gloo's receive block); the second micro-batch's
+    N/2 chunk must not be cut from one of them, or its receive block needs a third: the pool
+    would hold 3N elements where the plan says N + N/2 + N."""
+    from shardc.runtime.groups.workspace import Workspace
+    ws, f32, cpu, n = Workspace(), torch.float32, torch.device("cpu"), 1000
+    for mb in range(2):
+        flat = ws.take(n, f32, cpu)
+        chunk = ws.take(n // 2, f32, cpu, role="chunk") if mb else None
+        recv = ws.take(n, f32, cpu)
+        ws.give(recv)
+        if chunk is not None:
+            ws.give(chunk, role="chunk")
+        ws.give(flat)
+    assert ws.held_bytes() == (n + n // 2 + n) * 4 and ws.allocations == 3
+
+
 def test_reduce_buffers_reused_and_bounded():
     for r in dist_run(2, _window):
         a, held = r["allocs"], r["held"]

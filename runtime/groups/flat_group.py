@@ -189,7 +189,7 @@ class FlatGroup:
             flat = self.workspace.take(st.n, st.gdtype, dev).zero_()
         # the shard itself when it holds nothing yet (groups/storage.py [Note: reduce into the shard])
         direct = st.reduce_target() if not self.reducing else None
-        chunk = direct if direct is not None else self.workspace.take(st.grad_elems, st.gdtype, dev)
+        chunk = direct if direct is not None else self.workspace.take(st.grad_elems, st.gdtype, dev, role="chunk")
         row = self._row(Phase.BACKWARD, Op.ALL_TO_ALL) or self._row(Phase.BACKWARD, Op.REDUCE_SCATTER)
         work = self.comm.reduce_scatter(row, chunk, flat, scratch=self.workspace)
         self.reducing.append(ReduceInFlight(work, None if direct is not None else chunk, flat, pooled))
@@ -200,7 +200,7 @@ class FlatGroup:
             work.wait()
             if chunk is not None:               # else it landed in the shard itself
                 self.storage.accumulate(chunk)
-                self.workspace.give(chunk)
+                self.workspace.give(chunk, role="chunk")
             if pooled:
                 self.workspace.give(flat)
         self.reducing.clear()

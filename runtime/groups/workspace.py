@@ -26,6 +26,15 @@ of the largest unit plus one receive block (the in-flight bound above; a smaller
 tensor is dropped when a larger one is needed). The parameters'
 gathered full buffers are not pooled: their storage is freed on release, so the
 transient window stays what the plan says.
+
+[Note: pools by role]
+The reduce-scatters' output chunks (N/s_G) are pooled apart from the N-element buffers (the
+flat inputs and gloo's receive blocks): `take(..., role="chunk")`. In one pool, a step whose
+first micro-batch reduces into the grad shards (groups/storage.py [Note: reduce into the
+shard]) leaves only N-element buffers free, the second micro-batch's chunk is cut from one
+of them and the receive block then needs a new one: the pool grew to 3N where the plan
+says N + N/s_G + one receive block (measured on gloo ranks, HF GPT-2 at 4 ranks, PaRO-IIG:
+396,544 B over explain's peak; bench/peak_gloo.py).
 """
 from __future__ import annotations
 
@@ -39,9 +48,10 @@ class Workspace:
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self.allocations = 0            # tensors made so far (tests read it)
 
-    def take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """n uninitialised elements: a view of a free pooled tensor, or a new one."""
-        free = self._free.setdefault((dtype, device), [])
+    def take(self, n: int, dtype: torch.dtype, device: torch.device, role: str = "flat") -> torch.Tensor:
+        """n uninitialised elements: a view of a free pooled tensor of `role`, or a new one
+        ([Note: pools by role])."""
+        free = self._free.setdefault((role, dtype, device), [])
         for k, t in enumerate(free):
             if t.numel() >= n:
                 return free.pop(k)[:n]
@@ -50,10 +60,10 @@ class Workspace:
         self.allocations += 1
         return torch.empty(n, dtype=dtype, device=device)
 
-    def give(self, t: torch.Tensor) -> None:
-        """Hand back a tensor `take` returned (its collective has been waited)."""
+    def give(self, t: torch.Tensor, role: str = "flat") -> None:
+        """Hand back a tensor `take(..., role)` returned (its collective has been waited)."""
         base = t if t._base is None else t._base
-        self._free.setdefault((base.dtype, base.device), []).append(base)
+        self._free.setdefault((role, base.dtype, base.device), []).append(base)
 
     def held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
