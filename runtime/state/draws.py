@@ -122,6 +122,13 @@ class Stream:
     def state_at(self, at: tuple[int, int]) -> torch.Tensor:
         return advance(self.bases[at[0]], at[1])
 
+    def replay(self, at: tuple[int, int], draw) -> None:
+        """`draw()` on the default generator set to position `at`, its state put back after."""
+        cur = torch.random.get_rng_state()
+        torch.random.set_rng_state(self.state_at(at))
+        draw()
+        torch.random.set_rng_state(cur)
+
 
 @dataclass
 class Normal:
@@ -138,10 +145,7 @@ class Normal:
 
     def replay(self, view: torch.Tensor) -> None:
         """The whole draw into `view` (an op reads the parameter: it needs its values)."""
-        cur = torch.random.get_rng_state()
-        torch.random.set_rng_state(self.stream.state_at(self.at))
-        view.normal_(self.mean, self.std)
-        torch.random.set_rng_state(cur)
+        self.stream.replay(self.at, lambda: view.normal_(self.mean, self.std))
 
     def piece(self, at: int, a: int, b: int) -> tuple:
         """The instruction for elements [a, b) of the parameter, kept at `at` of a shard."""
@@ -163,10 +167,7 @@ class Uniform:
         return cls(n, lo, hi, stream.take(n, g), stream)
 
     def replay(self, view: torch.Tensor) -> None:
-        cur = torch.random.get_rng_state()
-        torch.random.set_rng_state(self.stream.state_at(self.at))
-        view.uniform_(self.lo, self.hi)
-        torch.random.set_rng_state(cur)
+        self.stream.replay(self.at, lambda: view.uniform_(self.lo, self.hi))
 
     def piece(self, at: int, a: int, b: int) -> tuple:
         return ("uniform", at, 0, b - a, b - a, (self.at[0], self.at[1] + a), self.lo, self.hi)
