@@ -13,6 +13,9 @@ Mersenne Twister]).
   and the pieces equal one whole call bit for bit; once caught up, the generator is where
   the whole call leaves it. The same with a generator of the caller's (`generator=g`). One
   process, no ranks.
+- Drawn in place: a piece's calls are a valid split of one call and all but under 64 of its
+  elements are drawn straight into the shard (no block-sized scratch); a bf16 shard gets
+  the draw cast.
 """
 from __future__ import annotations
 
@@ -83,3 +86,34 @@ def test_pieces_equal_the_whole_draw(kind, n, own, monkeypatch):
             apply([p], got[a:b])
         assert torch.equal(got, whole), (n, ranges)
         assert torch.equal(g.get_state(), after)   # apply puts the generator back
+
+
+@pytest.mark.parametrize("n", [16, 17, 31, 1003, 4096 + 7])
+def test_kept_elements_drawn_in_place(n):
+    """draws.py [Note: drawn in place]: a piece's calls are consecutive, start at multiples of
+    16 and end with one of at least 16; what is not drawn straight into the shard is under 64
+    elements, whatever the piece's size (no scratch of a block)."""
+    for ranges in _splits(n):
+        for a, b in ranges:
+            s, e = draws.bounds(a, b, n)
+            cs = draws.calls("normal", a - s, b - a, e - s)
+            assert cs[0][0] == 0 and cs[-1][1] == e - s and all(x[1] == y[0] for x, y in zip(cs, cs[1:]))
+            assert all(lo % 16 == 0 for lo, _, _ in cs) and cs[-1][1] - cs[-1][0] >= 16, (a, b, cs)
+            assert sum(hi - lo for lo, hi, whole in cs if not whole) < 64, (a, b, cs)
+
+
+def test_a_shard_of_another_dtype_gets_the_draw_cast(monkeypatch):
+    """A bf16 shard (cast on copy) is drawn through BLOCK-element calls: one call's values, cast."""
+    monkeypatch.setattr(draws, "BLOCK", 64)
+    n = 1003
+    torch.random.set_rng_state(_state())
+    whole = torch.empty(n).normal_(0.1, 0.02)
+    torch.random.set_rng_state(_state())
+    stream = Stream()
+    op = Normal.drawn(stream, n, 0.1, 0.02)
+    pieces = [op.piece(0, a, b) for a, b in [(0, 300), (300, n)]]
+    resolve(pieces, stream)
+    got = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+    for (a, b), p in zip([(0, 300), (300, n)], pieces):
+        apply([p], got[a:b])
+    assert torch.equal(got, whole.to(torch.bfloat16))

@@ -18,10 +18,18 @@ elements [s, e) with the generator advanced by s outputs gives exactly those ele
 the whole call when s is a multiple of 16 and either e is too and e <= N - 16 (e <= N when
 N % 16 == 0), or e = N and N - s >= 16 (the tail handled as the whole call handles it);
 the whole call consumes N outputs, plus 16 when N % 16 != 0. A rank keeping [a, b) draws
-the smallest such [s, e) around it and keeps its part, drawing it as consecutive calls of
-BLOCK elements (the last taking the rest), which the same argument makes equal to one call:
-a rank's scratch is 4 MiB, not its chunk of the largest parameter (62.5 MiB of a 32000 x
-2048 embedding at 4 ranks, measured as start-up peak above FSDP2's). `uniform_` of float32
+the smallest such [s, e) around it and keeps its part, as consecutive calls that the same
+argument makes equal to one call (each a multiple of 16 elements, the last one at least 16).
+[Note: drawn in place]
+The kept elements [a, b) are drawn straight into the rank's float32 shard, by one call from
+the first multiple of 16 in them to the last one that leaves the tail its 16 (`calls`); only
+the under-16 elements before and under-32 after are drawn into a tensor of their own and
+copied. So no rank holds a scratch for its draws: a scratch of its chunk of the largest
+parameter was 62.5 MiB of a 32000 x 2048 embedding at 4 ranks, measured as start-up peak
+above FSDP2's; a reused 4 MiB one (BLOCK elements) still left, with the polynomial jump's
+transforms, 8-28 MiB of freed heap the C allocator kept on each rank of the 836M Llama at 8
+ranks (measured by VmHWM; mt19937.py now transforms 4 bit planes at a time). A shard of
+another dtype (cast on copy) is still drawn through BLOCK-element calls. `uniform_` of float32
 (nn.Linear's `kaiming_uniform_`) takes one output per element, serially, so any [a, b)
 drawn from the state a outputs in equals those elements of the whole call; it consumes N.
 tests/test_init_split_draws.py checks both against one process's draws.
@@ -208,25 +216,36 @@ def resolve(pieces: list, stream: Stream) -> None:
         pieces[i] = p[:5] + (states[p[5]],) + p[6:]
 
 
+def calls(kind: str, skip: int, length: int, size: int) -> list[tuple[int, int, bool]]:
+    """A piece's draw [0, size) as consecutive calls equal to one (see Note), each (lo, hi,
+    kept whole): the kept elements [skip, skip + length) in one call drawn straight into the
+    shard, the few outside them (under 16 before, under 32 after) in calls of their own.
+    `uniform_` is one call (it keeps every element it draws)."""
+    if kind == "uniform":
+        return [(0, size, True)]
+    end, last = skip + length, size if size % 16 == 0 else (size - 16) // 16 * 16   # the last cut
+    cuts = sorted({0, size} | {c for c in (-(-skip // 16) * 16, min(end // 16 * 16, last)) if 0 < c <= last})
+    return [(lo, hi, skip <= lo and hi <= end) for lo, hi in zip(cuts, cuts[1:])]
+
+
 def apply(pieces, shard: torch.Tensor) -> None:
     """One rank's instructions into its shard: ("normal", at, skip, len, size, state, mean,
     std), ("uniform", at, 0, len, len, state, lo, hi), ("fill", at, len, value), ("copy", at,
-    values); a draw's state as `resolve` left it."""
+    values); a draw's state as `resolve` left it. [Note: drawn in place]"""
     if not pieces:
         return
     cur = torch.random.get_rng_state()
-    scratch = None                          # one block's room, reused (no heap left behind per block)
     for p in pieces:
         if p[0] in ("normal", "uniform"):
             kind, at, skip, length, size, state, u, v = p
             torch.random.set_rng_state(state)
-            for lo, hi in blocks(size):           # consecutive draws: the same values as one
-                if scratch is None or scratch.numel() < hi - lo:
-                    scratch = torch.empty(hi - lo, dtype=torch.float32)
-                part = scratch[:hi - lo]
+            place = shard.dtype == torch.float32
+            for lo, hi, whole in calls(kind, skip, length, size) if place else \
+                    [(lo, hi, False) for lo, hi in blocks(size)]:
+                part = shard[at + lo - skip:at + hi - skip] if whole else torch.empty(hi - lo)
                 drawn = part.normal_(u, v) if kind == "normal" else part.uniform_(u, v)
                 x, y = max(lo, skip), min(hi, skip + length)
-                if x < y:
+                if not whole and x < y:
                     shard[at + x - skip:at + y - skip].copy_(drawn[x - lo:y - lo])
         elif p[0] == "fill":
             shard[p[1]:p[1] + p[2]].fill_(p[3])
