@@ -130,6 +130,21 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it. torchrun starts each worker in a session
+    of its own (torch's elastic SubprocessHandler: `start_new_session=True`), so killing
+    torchrun's process group left its workers running (FSDP2's 8 held 15 GB for 1.5 min
+    after a stop): the tree is listed first, torchrun killed (it restarts nothing), then
+    each worker by its pid."""
+    import signal
+    tree = descendants(pid)
+    for p in [pid, *tree]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def rss_of(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -142,9 +157,8 @@ def rss_of(pid: int) -> int:
 
 
 def watch(proc, floor: int, seen: dict) -> None:
-    """Kill `proc`'s process group when MemAvailable falls below `floor` (before the
-    kernel's OOM killer, which might pick another job); record the ranks' RSS then."""
-    import signal
+    """Kill `proc` and its workers (`kill_tree`) when MemAvailable falls below `floor`
+    (before the kernel's OOM killer, which might pick another job); record the ranks' RSS then."""
     while proc.poll() is None:
         ranks = [rss_of(p) for p in descendants(proc.pid)]
         seen["max_sum_rss"] = max(seen.get("max_sum_rss", 0), sum(ranks))
@@ -152,7 +166,7 @@ def watch(proc, floor: int, seen: dict) -> None:
         seen["min_available"] = min(seen.get("min_available", have), have)
         if have < floor:
             seen["killed"] = dict(available=have, ranks_rss=ranks)
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             return
         time.sleep(0.05)
 
@@ -182,7 +196,7 @@ def run_system(system: str, args, need: int, save: bool) -> dict:
         try:
             rc = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+            kill_tree(proc.pid)
             raise BadInput(f"{system} ran past --timeout {args.timeout}s: see {log}") from None
     wall = time.perf_counter() - t0
     common = dict(system=system, torchrun_s=wall, mem_available_before=have, loadavg_before=load0,
