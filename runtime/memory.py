@@ -24,7 +24,7 @@ def held_tensors(engine, params=None) -> list[torch.Tensor]:
     out = []
     for u in engine.units:
         for st in (g.storage for g in u.groups):
-            out += [t for t in (st.full_data, st.shard, st.secondary) if t is not None]
+            out += [t for t in (st.full_made, st.shard, st.secondary) if t is not None]
             if st.trainable:
                 out += ([st.grad_shard] if st.grad_allocated else []) + ([st.master] if st.master_separate else [])
     if params is not None:

@@ -47,12 +47,17 @@ is written before anything reads it: every reader (the sync, the norms, opt.step
 the group's reduce-scatters first (`FlatGroup.finish_grads`).
 
 [Note: nothing whole at build]
-Building a storage writes only what it keeps: the params shard, the secondary, the master.
-The full buffer of a gathered group (s_P > 1) is allocated `empty` and its storage resized
-to 0 before the shard is made, so no page of it is ever touched (its first gather refills
-it). Zeroing it, as before, touched N elements per group and the freed pages stayed in the
-process's heap: building the 124.7M Llama's ZeRO-3 units on 4 ranks reached +323 MiB per
-rank for 119 MiB of shards (issue 54's "~120 MiB during compile").
+Building a storage allocates and writes only what it keeps: the params shard, the
+secondary, the master. The full buffer of a gathered group (s_P > 1) is not made at build:
+its first gather makes it (`alloc_full`: `empty`, N elements), as FSDP2 makes its unsharded
+parameter at its first all-gather; a reader before that (`full`, `full_data`) gets it made
+with its storage empty. Zeroing it at build, as before, touched N elements per group and the
+freed pages stayed in the process's heap: building the 124.7M Llama's ZeRO-3 units on 4
+ranks reached +323 MiB per rank for 119 MiB of shards (issue 54's "~120 MiB during
+compile"); allocating it `empty` and freeing it at once, as after that, touched no page but
+was an allocation of N elements all the same, which torch's MemTracker counts (and which a
+GPU's caching allocator would hold for a moment): each rank's tracked start-up was its
+shards plus the largest unit whole (tests/test_startup_peak.py).
 
 [Note: shards allocated empty]
 The params shard (s_P > 1) is allocated `empty`, and only the elements of its chunk that no
@@ -111,19 +116,17 @@ class FlatStorage:
         self._sizes = layout.split_sizes                     # made once (see Note)
         self._shapes = tuple(s.shape for s in layout.slots)
         self._stable_views: list[torch.Tensor] | None = None
-        # a gathered group's full buffer is never written before its first gather: allocated
-        # empty (untouched pages cost no memory) and freed at once ([Note: nothing whole at build])
-        make = torch.zeros if self.s_p == 1 else torch.empty
-        full = make(self.n, dtype=self.pdtype, device=device)
-        self.full = nn.Parameter(full) if self.trainable else full
-        self.full_data = self.full.data            # own version counter (see Note)
+        # a gathered group's full buffer is made at its first gather ([Note: nothing whole at build])
+        self._full_device = device
+        self._full = self._full_data = None
+        if self.s_p == 1:
+            self._make_full(torch.zeros)
         # the fp32 master is the params shard (shardc.lowering [Note: the master is the params shard])
         self.master_is_params = (master_is_params(sc.params.dtype, self.trainable, self.s_p, self.s_os)
                                  and plan.chunk("optim", self.n) == (self.p_start, self.p_len))
         if self.s_p == 1:
             self.shard = self.full_data
         else:
-            self.free_full()
             self.shard = torch.empty(self.p_len, dtype=torch.float32 if self.master_is_params else self.pdtype,
                                      device=device)       # [Note: shards allocated empty]
             self._zero_gaps()
@@ -238,13 +241,41 @@ class FlatStorage:
                 self.shard[a - self.p_start:b - self.p_start])
 
     # -- the full buffer ------------------------------------------------------------------
+    def _make_full(self, make) -> None:
+        full = make(self.n, dtype=self.pdtype, device=self._full_device)
+        self._full = nn.Parameter(full) if self.trainable else full
+        self._full_data = self._full.data          # own version counter (see Note)
+
+    @property
+    def full(self) -> torch.Tensor:
+        """The full buffer (N elements; its storage empty between gathers): made, empty, by a
+        reader before its first gather ([Note: nothing whole at build])."""
+        if self._full is None:
+            self._make_full(torch.empty)
+            self.free_full()
+        return self._full
+
+    @property
+    def full_data(self) -> torch.Tensor:
+        """`full.data`, kept (collectives write through it: see Note)."""
+        self.full
+        return self._full_data
+
+    @property
+    def full_made(self) -> torch.Tensor | None:
+        """`full_data` once anything made it, else None (asking makes nothing)."""
+        return self._full_data
+
     def alloc_full(self) -> None:
-        need = self.full_data.numel() * self.full_data.element_size()
-        if self.full_data.untyped_storage().size() != need:
-            self.full_data.untyped_storage().resize_(need)
+        if self._full is None:                     # the first gather: the one allocation
+            return self._make_full(torch.empty)
+        need = self._full_data.numel() * self._full_data.element_size()
+        if self._full_data.untyped_storage().size() != need:
+            self._full_data.untyped_storage().resize_(need)
 
     def free_full(self) -> None:
-        self.full_data.untyped_storage().resize_(0)
+        if self._full is not None:
+            self._full_data.untyped_storage().resize_(0)
 
     def keep_secondary(self) -> None:
         """After a forward gather: this rank's secondary chunk from the full buffer."""

@@ -165,6 +165,8 @@ def _run_first(model, fn, order, sched, storages, params, device, sender, state)
                         sender.keep(value, *slot_of[pid], names[pid])
                     for mod, attr, meta in holders.pop(pid):
                         mod._parameters[attr] = meta
+                    del value          # a view of its group's buffer: kept, it kept that buffer alive
+                    #                    beside the next group's (two units on the first rank, tracked)
             for k in sched.done_at.get(i, ()):
                 sender.finish(k, error is None)
     return error

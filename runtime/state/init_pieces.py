@@ -149,8 +149,11 @@ class Pieces:
                 mine[i] = found[at]
             every = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(every, mine, group=self.group)       # states are fixed-size: one collective
-            # each its own storage: torch's set_rng_state reads a state from its storage's start
-            states = {at: every[r][i].clone() for r in range(world) for i, at in enumerate(walks[r])}
+            # each its own storage (torch's set_rng_state reads a state from its storage's start),
+            # kept for this rank's draws only, the gathered block freed before any draw
+            need = {p[5] for _, p in self.draws}
+            states = {at: every[r][i].clone() for r in range(world) for i, at in enumerate(walks[r]) if at in need}
+            del every, mine, found
             for k, p in self.draws:
                 apply_pieces([p[:5] + (states[p[5]],) + p[6:]], self.storages[k].shard)
         for st in self.storages:
