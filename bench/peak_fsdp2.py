@@ -149,8 +149,22 @@ def build(system: str, x: torch.Tensor, layers: int = 0, phases: dict | None = N
     if tracker is not None and phases is not None:
         from torch.distributed._tools.mem_tracker import _TOTAL_KEY
         snap = tracker.__dict__.get("phases", {}).get("startup", {})
-        phases["startup"] = int(snap.get(_TOTAL_KEY, 0))
+        # the CPU's peak (shardc's placeholders are meta tensors, a device of their own that
+        # may come first in the tracker's snapshots)
+        phases["startup"] = int(tracker._peak_mem.get(torch.device("cpu"), snap.get(_TOTAL_KEY, 0)))
         phases["startup_kinds"] = {getattr(k, "value", str(k)): int(v) for k, v in snap.items()}
+        phases["startup_rss"] = proc_status()     # this process's VmHWM etc. since it began: start-up's
+    return out
+
+
+def proc_status() -> dict:
+    """VmHWM, VmRSS, RssAnon and RssFile of this process, in bytes (/proc/self/status)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(line.split()[1]) * 1024
     return out
 
 
@@ -172,7 +186,8 @@ def measure(system: str, x: torch.Tensor, layers: int = 0, warm: bool = True, lo
     model, opt, external, sync = build(system, x, layers, start, load)
     if load or not step:
         k = {getattr(k, "value", str(k)): int(v) for k, v in start["startup_kinds"].items()}
-        return {"states": 0, "peaks": {"startup": start["startup"]}, "peak": 0, "by_kind": {"startup": k}}
+        return {"states": 0, "peaks": {"startup": start["startup"]}, "peak": 0, "by_kind": {"startup": k},
+                "rss": start["startup_rss"]}
     if warm:
         loss_of(model, x).backward()            # a first step: the optimizer's states are made
         sync()
@@ -209,7 +224,7 @@ def measure(system: str, x: torch.Tensor, layers: int = 0, warm: bool = True, lo
     if "startup" in start:
         peaks["startup"], kinds["startup"] = start["startup"], start["startup_kinds"]
     return {"states": begin, "peaks": peaks, "peak": max(v for k, v in peaks.items() if k != "startup"),
-            "by_kind": kinds}
+            "by_kind": kinds, "rss": proc_status()}    # VmHWM: the process's peak, start-up and step
 
 
 def worker(out: str, layers: int = 0, warm: bool = True, systems=SYSTEMS, load: str | None = None,
@@ -242,6 +257,9 @@ def worker(out: str, layers: int = 0, warm: bool = True, systems=SYSTEMS, load: 
         results[system] = {"rank0": got[0], "max_over_ranks": {
             "states": max(g["states"] for g in got), "peak": max(g["peak"] for g in got),
             "peaks": {p: max(g["peaks"][p] for g in got) for p in phases}}}
+        if "rss" in got[0]:                 # every rank's tracker peaks and /proc figures
+            results[system]["ranks"] = [{"startup": g["peaks"].get("startup"), "peak": g["peak"], **g["rss"]}
+                                        for g in got]
         if rank == 0:                       # each system's figures kept as they come
             if layers:
                 meta = {"model": f"bench/bigmodel.py:llama_{layers} (TinyLlama's width, fp32)",

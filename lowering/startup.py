@@ -9,12 +9,15 @@ and `LOAD_BLOCK`, the bound on a load's cast staging.
 [Note: start-up peak]
 While a model is sharded (runtime/build.py) a rank holds its shards: params, the hpZ
 secondary and the fp32 master, all allocated before any value is given (a gathered group's
-full buffer is never touched: runtime/groups/storage.py [Note: nothing whole at build]); the grad
+full buffer is made at its first gather: runtime/groups/storage.py [Note: nothing whole at
+build]); the grad
 shards come at the first backward and the optimizer's moments at its first step. Beside
 them, the values being given, one source per start-up:
   * init on the meta device: the first rank runs it into one unit's padded buffer at a
     time and scatters it (runtime/state/init_first.py; the others hold nothing beside
-    their shards), or, where it cannot send (runtime/build.py), every rank holds one
+    their shards but the generator states their draws start from, 5 KB a draw: on CPU the
+    first rank's unit buffer is `empty`, touched only where an op other than a whole draw or
+    fill ran), or, where it cannot send (runtime/build.py), every rank holds one
     module's whole parameters at a time; scatter: one unit's buffer. All are bounded by
     the largest unit's whole parameters (params dtype, padded): `unit_values_bytes`;
   * a load (`shardc.load_safetensors`, runtime/state/checkpoint.py [Note: loads in place]):
