@@ -20,19 +20,21 @@ N % 16 == 0), or e = N and N - s >= 16 (the tail handled as the whole call handl
 the whole call consumes N outputs, plus 16 when N % 16 != 0. A rank keeping [a, b) draws
 the smallest such [s, e) around it and keeps its part, as consecutive calls that the same
 argument makes equal to one call (each a multiple of 16 elements, the last one at least 16).
+`uniform_` of float32 (nn.Linear's `kaiming_uniform_`) takes one output per element,
+serially, so any [a, b) drawn from the state a outputs in equals those elements of the
+whole call; it consumes N. tests/test_init_split_draws.py checks both against one
+process's draws.
+
 [Note: drawn in place]
 The kept elements [a, b) are drawn straight into the rank's float32 shard, by one call from
 the first multiple of 16 in them to the last one that leaves the tail its 16 (`calls`); only
-the under-16 elements before and under-32 after are drawn into a tensor of their own and
-copied. So no rank holds a scratch for its draws: a scratch of its chunk of the largest
+the elements around them (under 32 before, under 32 after) are drawn into a tensor of their
+own and copied. So no rank holds a scratch for its draws: a scratch of its chunk of the largest
 parameter was 62.5 MiB of a 32000 x 2048 embedding at 4 ranks, measured as start-up peak
 above FSDP2's; a reused 4 MiB one (BLOCK elements) still left, with the polynomial jump's
 transforms, 8-28 MiB of freed heap the C allocator kept on each rank of the 836M Llama at 8
 ranks (measured by VmHWM; mt19937.py now transforms 4 bit planes at a time). A shard of
-another dtype (cast on copy) is still drawn through BLOCK-element calls. `uniform_` of float32
-(nn.Linear's `kaiming_uniform_`) takes one output per element, serially, so any [a, b)
-drawn from the state a outputs in equals those elements of the whole call; it consumes N.
-tests/test_init_split_draws.py checks both against one process's draws.
+another dtype (cast on copy) is still drawn through BLOCK-element calls.
 
 [Note: a lagging generator]
 The first rank does not move torch's generator past a deferred draw: `Stream` counts the
@@ -219,7 +221,7 @@ def resolve(pieces: list, stream: Stream) -> None:
 def calls(kind: str, skip: int, length: int, size: int) -> list[tuple[int, int, bool]]:
     """A piece's draw [0, size) as consecutive calls equal to one (see Note), each (lo, hi,
     kept whole): the kept elements [skip, skip + length) in one call drawn straight into the
-    shard, the few outside them (under 16 before, under 32 after) in calls of their own.
+    shard, the few outside them (under 32 before, under 32 after) in calls of their own.
     `uniform_` is one call (it keeps every element it draws)."""
     if kind == "uniform":
         return [(0, size, True)]
