@@ -67,30 +67,19 @@ staging counted instead). Measured (HF GPT-2 at 4 ranks, after peak-runtime): dd
 the first point, zero3 at its gather's wait, zeropp at the issue (its qgZ codec). Under checkpointing all of them stay counted.
 
 [Note: timeline: loss gradient]
-The backward starts at the loss: cross entropy on the fp32 logits (shardc/simulate.py's
-step) makes gradients the logits' size (the trace's `output`) while the root's head runs
-its backward, beside every activation, the units gathered at the forward's end and the
-gathers the backward's first stage issued (measured on GPT tiny zero3 at 4 ranks: the
-last unit's gather is held at the loss).
-`LOSS_GRADIENTS` of them is measured, not derived: on GPT tiny at 4 ranks (ddp) the
-backward's peak is 65,544 bytes above states + activations, 4 x the 16,384-byte logits.
-
-[Note: timeline: loss tensors]
-The trace's activations are the units' saved tensors; the model's output (the logits) and
-the loss are the loop's (shardc/simulate.py's step: `out`, `logits`, cross entropy's saved
-log-softmax). At the forward's end `LOSS_FORWARD` tensors of the logits' size are alive
-beside the activations; from a unit's reduce on `LOSS_KEPT` (the loss's gradient of the
-logits too), until the loop drops them after `backward()`. Measured on HF GPT-2 at 4 ranks
-(bench/peak_probe.py): 2 and 3 x the logits, to 220 bytes, while the loop held `out`
-through the backward; it drops it before `backward()` since 2026-11-29 (shardc/simulate.py
-[Note: the loop drops the output before backward], as torchtitan's trainer and the FSDP2
-loops it is compared with do), one logits-sized tensor fewer: 2 (on the bf16 overrides
-case of tests/test_peak_bf16_overrides.py explain's peak went from 1.041 to 1.021 of the
-measured one with it; in bf16 the dropped `out` is half an fp32 logits, so the rule errs
-on the safe side there). The point while a unit's
-backward runs leaves them out: it already counts the unit's saved tensors whole (a bound),
-and on HF GPT-2 and Llama (ddp, lins_7b, PaRO at 4 ranks) it was 3 x the logits above the
-measured peak with them.
+The backward starts at the loss: cross entropy's backward makes its gradients (loss.py
+[Note: timeline: loss tensors] has the rule, by the logits' dtype) while only the root is
+gathered: the backward's first stage (the last unit's re-gather and the gathers ahead) is
+issued by the multi-grad hook on the last unit's outputs (runtime/eager/engine.py [Note:
+schedule]), after the head's backward. Measured with bench/peak_probe.py on a 2-block Llama
+in bf16 (zero3, 4 ranks): the backward's peak at the loss is the root's buffer, not the
+two blocks' beside it (164,260 B over with them, 2 x 82,176); LLaMA-7B zero3 at 64 GPUs
+was 1.019 of the measured peak with them. From the head's backward on, the head's gradients
+stay (`kept`) until the root's own points, which count them in its autograd gradient. The
+point while a unit's backward runs leaves them out: it counts the unit's saved tensors and
+its gradient whole, where autograd frees the one as it makes the other, a bound by more than
+the head's gradients (with them: examples/gpt.py `small` zero3 at 2 gloo ranks 1.033 of the
+measured backward; LLaMA-7B zero3 at 64 GPUs 1.017, without 1.000).
 
 [Note: timeline: autograd gradient]
 In the backward autograd makes the unit's gradients, full size N in the grad dtype, before
@@ -186,10 +175,9 @@ chunk is copied into the OS slice and its all-reduce over the replicas goes out,
 that all-reduce's staging until opt.step() waits it; a sync with no all-reduce stays in
 its reduce-scatter stage until then. A sync with no reduce-scatter stage issues its
 all-reduce at once. So at the backward's end ("sync") and at the start of opt.step()
-("step") the early syncs' buffers and the bounded ones are alive; the loss's tensors
-(`LOSS_KEPT` x the logits: cross entropy's saved log-softmax and the loss's gradient,
-freed when the loop drops the loss after `backward()`) and the reduce workspace
-are still held at the backward's end. The simulated step measures "sync" inside its backward phase (`MEASURED`).
+("step") the early syncs' buffers and the bounded ones are alive, and the reduce workspace
+is still held at the backward's end (the loss's tensors are not: the head's gradients went
+with the root's reduce, loss.py). The simulated step measures "sync" inside its backward phase (`MEASURED`).
 
 """
 from __future__ import annotations
@@ -199,6 +187,7 @@ from dataclasses import dataclass
 from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Op, Phase, master_is_params
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, step_temporary_bytes
 
+from .loss import loss_tensors
 from .staging import all_gather_bytes, all_reduce_bytes, reduce_codec_bytes, reduce_scatter_bytes
 
 # The backward walk in `timeline` keeps one earlier unit's reduce-scatter in flight (`prev`):
@@ -206,14 +195,6 @@ from .staging import all_gather_bytes, all_reduce_bytes, reduce_codec_bytes, red
 # so a larger bound fails at import instead of mispredicting the peak.
 if REDUCE_IN_FLIGHT != 1:
     raise ImportError(f"timeline models one reduce-scatter in flight, the runtime allows {REDUCE_IN_FLIGHT}")
-
-# Gradients the loss's backward makes, each the size of the fp32 logits ([Note: timeline: loss gradient]).
-LOSS_GRADIENTS = 4
-# Tensors of the logits' size the loop holds: at the forward's end (the logits, cross entropy's
-# log-softmax) and through the backward (those and the loss's gradient of the logits)
-# ([Note: timeline: loss tensors]).
-LOSS_FORWARD = 2
-LOSS_KEPT = 2
 
 PHASES = ("startup", "forward", "backward", "sync", "step")
 # The timeline's points each phase of `shardc simulate`'s measured step spans: the sync is
@@ -343,17 +324,21 @@ class _Sizes:
 def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None = None,
              output: int = 0, micro_batches: int = 1, mesh=None, algo=None,
              optimizer: str = DEFAULT_OPTIMIZER, optimizer_kwargs: dict | None = None,
-             a2a: bool = False) -> Timeline:
+             a2a: bool = False, logits: int = 0, head: int = 0) -> Timeline:
     """The phases' peaks of one step ([Note]s above), from the plan and the states.
     `saved`: each unit's saved activation bytes (the trace's, unit order; None or under
     checkpointing: `activations` stays alive through the whole backward). `mesh`, `algo`:
     the strategy's mesh and its resolved collective algorithm, for the collectives' own
     buffers (None: not counted). `optimizer`, `optimizer_kwargs`: the step's optimizer, for its
     temporaries ([Note: timeline: optimizer step]). `a2a`: the backend reduce-scatters by
-    all-to-all (gloo), so its receive blocks count (staging.py [Note: staging: receive blocks])."""
+    all-to-all (gloo), so its receive blocks count (staging.py [Note: staging: receive blocks]).
+    `output`, `logits`, `head`: the trace's fp32 logits, its logits in their own dtype and the
+    head's parameter elements, for the loss's tensors (loss.py)."""
     units = plan.units
     z = _Sizes(plan, mesh, algo, a2a)
     size = z.gathered
+    root_e = max((_grad_full(units[0], g) // max(g.n, 1) for g in units[0].groups if g.trainable), default=0)
+    loss = loss_tensors(output, logits, head * root_e)
     grads = int(memory["grads"])
     # the model states without the grad shards: zero_grad() freed them ([Note: timeline: grad shards])
     bare = int(memory["total"]) - (grads if RELEASE_GRADS else 0)
@@ -408,21 +393,18 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     # so the logits and the loss are made beside the root alone
     end = sum(size[i] for i in held)
     fwd = Point("forward", (("states", fwd_states), ("gathered at the forward's end", end),
-                            ("activations", activations), ("logits and loss", LOSS_FORWARD * output),
+                            ("activations", activations), ("logits and loss", loss.forward),
                             ("reduce workspace pool", pool)))
     ran = Point("forward", (("states", fwd_states), ("gathered as the last unit ran", last),
                             ("activations", activations), ("reduce workspace pool", pool)))
     fwd = max([fwd, ran, *waits], key=lambda p: p.bytes)
-    kept = ("loss tensors", LOSS_KEPT * output)
     # backward: each unit's gradient made, its reduce issued once the previous unit's is waited
     alive = activations
-    # at the loss: the backward's first stage has issued its gathers (the engine's backward
-    # pre-hook on the output, [Note: timeline: loss gradient])
-    first = plan.schedule.backward[0] if plan.schedule.backward else None
-    at_loss = held | ({first.unit, *first.issue} if first is not None and size[first.unit] else
-                      set(first.issue) if first is not None else set())
-    bwd = Point("backward", (("states", fwd_states), ("gathered at the loss", sum(size[k] for k in at_loss)),
-                             ("activations", activations), ("loss gradients", LOSS_GRADIENTS * output),
+    # at the loss the root alone is gathered: the backward's first stage is issued by the
+    # multi-grad hook on the last unit's outputs, after the head's backward ([Note: timeline:
+    # loss gradient])
+    bwd = Point("backward", (("states", fwd_states), ("gathered at the loss", end),
+                             ("activations", activations), ("loss gradients", loss.at_loss),
                              ("reduce workspace pool", pool)))
     stages = {st.unit: st for st in plan.schedule.backward}
     early = set(plan.schedule.sync_early)
@@ -433,6 +415,8 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     synced: list[int] = []
     order = [i for i in range(len(units) - 1, 0, -1)] + [0]
     for i in order:
+        # the head's gradients until the root's own points count them in its gradient
+        kept = ("the head's gradients", loss.kept if i != 0 else 0)
         st = stages.get(i)
         issue = set(st.issue) if st is not None else set()
         held |= issue | ({i} if size[i] and st is not None else set())
@@ -499,7 +483,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     pts = [
         Point("startup", (("shards and the largest unit's whole parameters", int(memory["startup"])),)),
         fwd, bwd,
-        Point("sync", (("states", states), kept, ("reduce workspace", ws), *sync_buffers)),
+        Point("sync", (("states", states), ("reduce workspace", ws), *sync_buffers)),
         max(Point("step", (("states", states), *sync_buffers)),
             Point("step", (("states", states), fp32_grads,
                            ("the update's clone of the chunk", chunk),
