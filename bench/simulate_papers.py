@@ -118,8 +118,7 @@ def reexplain(path: str) -> None:
     analysis/costmodel/timeline.py only). One trace per model."""
     import shardc
     from shardc.analysis.costmodel.report import explain, model_units
-    from shardc.simulate import _explain_phases, _phases_within, meta_model
-    from shardc.simulate import PEAK_TOLERANCE
+    from shardc.simulate import _explain_phases, _phases_within, meta_model, peak_within
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     graphs, units = {}, {}
@@ -141,7 +140,7 @@ def reexplain(path: str) -> None:
         pk.update(explain=e["peak"] - e["overhead"], explain_phase=e["phase"], explain_buffers=e["buffers"],
                   explain_timeline=e["timeline"], explain_phases=phases,
                   phases_within=_phases_within(pk["phases"], phases),
-                  within=pk["measured"] <= (1 + PEAK_TOLERANCE) * (e["peak"] - e["overhead"]))
+                  within=peak_within(pk["measured"], e["peak"] - e["overhead"]))
         print(f"{model} {r['strategy']} {r['mesh']}: explain / measured {pk['explain'] / pk['measured']:.3f}",
               flush=True)
     with open(path, "w") as f:
