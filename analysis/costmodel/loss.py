@@ -19,7 +19,12 @@ logits (`output`):
   gradients (`head` elements in the root's grad dtype) beside the logits' gradient (bL);
 - from there to the root unit's reduce: the head's gradients only (every logits-sized tensor
   is freed once the head's backward ran); at the root's own points they are its autograd
-  gradient already (timeline.py counts the unit's whole gradient there).
+  gradient already (timeline.py counts the unit's whole gradient there);
+- where the root uses no parameter after its last unit (the head is a unit of its own), the
+  logits' gradient (bL) goes into that unit's backward and is alive at all its points, to its
+  reduce: bench/llama_zero3_units.shard on bench/peak_fsdp2.py's small HF Llama (vocab 8192,
+  2 x 64 tokens, rank 0 of 8), 4,194,304 B of it beside the head's 8,388,608-byte gradient,
+  explain 0.908 of the measured backward without it.
 Measured with bench/peak_probe.py on a Llama of examples/llama.py's shape (dim 64, 2 blocks,
 vocab 4096, 512 tokens; zero3, node(2) > gpu(2)), the live bytes by allocation site through
 the backward, in bf16 and fp32: the loss's backward peaks at 3 x output exactly (25,165,824
@@ -42,6 +47,7 @@ class LossTensors:
     forward: int     # at the forward's end: the logits, their fp32 copy, the log-softmax
     at_loss: int     # the backward's start: the loss's gradients beside the saved log-softmax
     kept: int        # from the head's backward to the root's reduce: the head's gradients
+    last_unit: int   # through the last unit's backward where it makes the logits: their gradient
 
 
 def loss_tensors(output: int, logits: int = 0, head_grad: int = 0) -> LossTensors:
@@ -52,4 +58,4 @@ def loss_tensors(output: int, logits: int = 0, head_grad: int = 0) -> LossTensor
     copy = output if logits != output else 0
     return LossTensors(forward=logits + copy + output,
                        at_loss=max(3 * output, logits + head_grad),
-                       kept=head_grad)
+                       kept=head_grad, last_unit=0 if head_grad else logits)

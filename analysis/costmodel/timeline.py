@@ -417,6 +417,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     for i in order:
         # the head's gradients until the root's own points count them in its gradient
         kept = ("the head's gradients", loss.kept if i != 0 else 0)
+        lg = ("the logits' gradient", loss.last_unit if i == order[0] != 0 else 0)
         st = stages.get(i)
         issue = set(st.issue) if st is not None else set()
         held |= issue | ({i} if size[i] and st is not None else set())
@@ -426,13 +427,13 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         gathered = sum(size[k] for k in held)
         # while its backward runs: its saved tensors and its gradient, the previous reduce in flight
         pts = [Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
-                                  ("activations left", alive),
+                                  ("activations left", alive), lg,
                                   (f"autograd's gradient of {units[i].name}", z.grad[i]),
                                   ("reduce workspace", ws), ("reduce-scatter staging", in_flight),
                                   ("gathers issued ahead", ahead), ("early syncs", early_bytes)))]
         if st is not None and size[i]:
             pts.append(Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
-                                          ("activations left", alive), kept,
+                                          ("activations left", alive), kept, lg,
                                           ("reduce workspace", ws), ("reduce-scatter staging", in_flight),
                                           (f"gather staging of {units[i].name}", z.ag_wait[Phase.BACKWARD][i]),
                                           ("gathers issued ahead", ahead), ("early syncs", early_bytes))))
@@ -450,7 +451,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
             # reduce-scatter stage (runtime/step/boundary.py `sync_early` advances it right after)
             issuing = sum(z.synced_early(k, n + 2 < len(synced)) for n, k in enumerate(synced))
             pts.append(Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
-                                          ("activations left", alive - (left[i] if left is not None else 0)), kept,
+                                          ("activations left", alive - (left[i] if left is not None else 0)), kept, lg,
                                           (f"autograd's gradient of {units[i].name}", z.grad[i]),
                                           ("reduce workspace", ws), ("reduce-scatter staging", in_flight),
                                           ("gathers issued ahead", ahead), ("early syncs", issuing))))
@@ -463,7 +464,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         # its gradients copied and its reduce issued (autograd's gradient freed only when its
         # views' backward returns, after the issue): the reduce-scatter's staging and codec
         pts.append(Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
-                                      ("activations left", done), kept,
+                                      ("activations left", done), kept, lg,
                                       (f"autograd's gradient of {units[i].name}", z.grad[i]),
                                       ("reduce workspace", ws),
                                       ("reduce-scatter staging", z.rs_staging[i]), ("reduce codec", z.rs_codec[i]),
