@@ -56,7 +56,7 @@ def test_loss_phases_within_three_percent(tmp_path, dtype):
 def test_the_old_constants_miss(tmp_path, monkeypatch):
     from shardc.analysis.costmodel import timeline
     from shardc.analysis.costmodel.loss import LossTensors
-    monkeypatch.setattr(timeline, "loss_tensors", lambda out, logits=0, head=0: LossTensors(2 * out, 4 * out, 2 * out))
+    monkeypatch.setattr(timeline, "loss_tensors", lambda out, logits=0, head=0: LossTensors(2 * out, 4 * out, 2 * out, 0))
     rc, peak = _simulate(tmp_path, "bf16")
     assert rc == 1 and peak["within"] is False
     assert peak["explain_phases"]["backward"] > (1 + TOLERANCE) * peak["phases"]["backward"]
