@@ -45,7 +45,7 @@ once the loss is computed, before `loss.backward()`, as torchtitan's trainer doe
 (`del pred` before the backward, "to avoid peaking memory") and as the FSDP2 loops this
 runtime is compared with (bench/peak_fsdp2.py) do. Only autograd's saved tensors of the
 loss (cross entropy's log-softmax) then outlive the forward; explain's timeline counts
-what that leaves (analysis/costmodel/timeline.py `LOSS_KEPT`).
+what that leaves (analysis/costmodel/loss.py [Note: timeline: loss tensors]).
 """
 from __future__ import annotations
 

@@ -58,9 +58,9 @@ def test_each_phase_within_three_percent(name):
 
 def test_a_transient_left_out_is_a_miss(monkeypatch):
     pytest.importorskip("transformers", reason="the HF GPT-2 factory needs transformers (a test extra)")
-    from shardc.analysis.costmodel import timeline
+    from shardc.analysis.costmodel import unit_buffers
 
-    monkeypatch.setattr(timeline, "reduce_scatter_bytes", lambda *a, **k: 0)
+    monkeypatch.setattr(unit_buffers, "reduce_scatter_bytes", lambda *a, **k: 0)
     rc, peak = _simulate("zero3")
     assert rc == 1 and peak["within"] is False and peak["phases_within"]["backward"] is False
     assert peak["measured"] > (1 + TOLERANCE) * peak["explain"], peak
@@ -68,11 +68,11 @@ def test_a_transient_left_out_is_a_miss(monkeypatch):
 
 def test_an_over_prediction_is_a_miss_too(monkeypatch):
     pytest.importorskip("transformers", reason="the HF GPT-2 factory needs transformers (a test extra)")
-    from shardc.analysis.costmodel import timeline
+    from shardc.analysis.costmodel import unit_buffers
     from shardc.cli import main
 
-    once = timeline.reduce_scatter_bytes
-    monkeypatch.setattr(timeline, "reduce_scatter_bytes", lambda *a, **k: 2 * once(*a, **k))
+    once = unit_buffers.reduce_scatter_bytes
+    monkeypatch.setattr(unit_buffers, "reduce_scatter_bytes", lambda *a, **k: 2 * once(*a, **k))
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = main(["simulate", _shard("zero3"), *ARGS])

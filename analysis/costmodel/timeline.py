@@ -1,4 +1,4 @@
-"""The memory timeline per rank — every buffer-lifetime rule of the peak, in one place.
+"""The memory timeline per rank — when each buffer of the peak is alive, phase by phase.
 
 Input: the lowered plan (`shardc.lowering.Lowering`: its units' groups, their factors and
 the forward schedule), `memory_of`'s model states and gathered window (memory.py) and one
@@ -7,7 +7,12 @@ micro-batch's activations (activations.py). Output: a `Timeline`, one `Point` pe
 peak; its maximum is explain's peak (the framework overhead is added apart, a named
 constant: activations.py [Note: framework overhead]).
 
-Each buffer kind has a [Note] naming the runtime site that allocates and frees it; the
+This file walks the step (the phases' points and the lifetimes between them); the bytes each
+unit's buffers hold are unit_buffers.py's (`UnitBuffers`: gathered, autograd's gradient,
+reduce workspace, collective staging, syncs, update gathers), the loss's tensors loss.py's.
+
+Each buffer kind has a [Note] (here, or in unit_buffers.py and loss.py where its size is
+the point) naming the runtime site that allocates and frees it; the
 bounds the runtime obeys are read from the lowering (lowering/transients.py:
 REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, STAGING_BYTES; lowering/peak_facts.py:
 CODEC_ROWS), never restated here. The model states (params, hpZ secondary, optimizer
@@ -81,23 +86,6 @@ its gradient whole, where autograd frees the one as it makes the other, a bound 
 the head's gradients (with them: examples/gpt.py `small` zero3 at 2 gloo ranks 1.033 of the
 measured backward; LLaMA-7B zero3 at 64 GPUs 1.017, without 1.000).
 
-[Note: timeline: autograd gradient]
-In the backward autograd makes the unit's gradients, full size N in the grad dtype, before
-the unit's hook lays them out flat (runtime/groups/flat_group.py `reduce_slot_grads`); they are
-freed when the unit's views' backward returns (shardc.lowering [Note: reductions in
-flight]), after `reduce_grad` has copied them (s_G > 1) or added them in (s_G = 1) and
-issued the reduce: so they count beside the reduce's staging and codec at its issue
-(measured: zeropp's qgZ issue on HF GPT-2 at 4 ranks, 1.005 with them, 0.945 without).
-
-[Note: timeline: whole gradients]
-A group whose one parameter's gradient is its layout already (lowering `GroupPlan.whole_grad`:
-one tensor, no padding, grads in the params dtype; runtime/groups/storage.py `whole_grad`:
-an embedding's or a head's unit) has no flat input in the workspace: its reduce-scatter
-reads autograd's gradient, which the reduce in flight keeps alive until the next unit's
-gradients arrive and it is waited (counted there with "reduce-scatter staging"). Counted
-in the workspace before, the head's gradient stayed in the pool's high-water mark for the
-whole backward: explain 1.085x the measured backward on the 836M model's width at 2 layers.
-
 [Note: timeline: reduce workspace]
 runtime/groups/workspace.py [Note: reduce workspace], shardc.lowering [Note: reductions in
 flight] (REDUCE_IN_FLIGHT = 1): with s_G > 1 a unit's reduce-scatter holds its flat input
@@ -112,18 +100,6 @@ device backend, a simulated rank). Measured on 4 gloo ranks (bench/peak_gloo.py)
 on HF GPT-2 (4 micro-batches) 0.937 of the backward's peak with the blocks in the staging
 only, where the pool does not keep them. With more than one micro-batch the pool keeps it between micro-batches, so
 every later forward and backward holds the largest unit's worth from its start.
-
-[Note: timeline: sync chunk]
-runtime/groups/flat_group.py `sync_issue`: where the step-end sync has a reduce-scatter stage
-(OS∖G), every unit's sync is issued at the end of the backward and each holds its output
-chunk (N/s_OS, grad dtype) until `sync_advance` copies it into the OS slice.
-
-[Note: timeline: gather cast]
-Where the fp32 master is the params shard (shardc.lowering [Note: the master is the params
-shard]), runtime/groups/storage.py `gather_input` casts it to the params dtype for each all-gather
-(N/s_P elements, the params dtype): counted with the gathers issued ahead, the cast's
-output being the gather's input while it is in flight (a bound: a simulated rank's fake
-collectives drop it at once). A backward re-gather from an hpZ secondary casts nothing.
 
 [Note: timeline: start-up]
 memory.py [Note: start-up peak]: the shards plus the largest unit's whole parameters.
@@ -151,15 +127,6 @@ implementation torch runs on a GPU. Measured with the step phase of `shardc simu
 (AdamW): 2.0x the largest chunk for zero3, 0.67x for ddp, on GPT tiny and small at 4 ranks,
 so AdamW's rule (1x + the clone) is a bound there.
 
-[Note: timeline: collective staging]
-A multi-stage collective (hierarchical, ho-ring over two or more levels), a cast to another
-comm dtype and a quantized one hold buffers of their own while in flight (staging.py has
-the rules, each naming its site in runtime/eager/collectives.py). The backward counts, beside
-the reduce in flight, its reduce-scatter's staging; the gather waited for the unit
-(`at its wait`: its last two stage buffers) and, at that wait too, the gathers issued
-ahead of it (their first stage's buffer; measured: zero3 on HF GPT-2 at 4 ranks, 0.997
-with them at the wait, 0.963 without).
-
 [Note: timeline: step-end sync]
 An early sync with an all-reduce stage is advanced (its chunk copied into the OS slice and
 freed) right after the next unit's is issued, so at that issue two syncs are in their
@@ -184,11 +151,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Op, Phase, master_is_params
+from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Phase
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, step_temporary_bytes
 
 from .loss import loss_tensors
-from .staging import all_gather_bytes, all_reduce_bytes, reduce_codec_bytes, reduce_scatter_bytes
+from .unit_buffers import UnitBuffers, grad_full
 
 # The backward walk in `timeline` keeps one earlier unit's reduce-scatter in flight (`prev`):
 # the runtime's bound REDUCE_IN_FLIGHT (runtime/eager/engine.py `_bound_reductions`) read here,
@@ -232,95 +199,6 @@ class Timeline:
         return [{"phase": p.phase, "bytes": p.bytes, "buffers": dict(p.buffers)} for p in self.points]
 
 
-def _grad_full(u, g) -> int:
-    """A group's whole local gradient, grad dtype (its shard times s_G)."""
-    return g.grads_bytes * g.factors.g if g.trainable else 0
-
-
-class _Sizes:
-    """Per unit: the bytes each buffer kind of the [Note]s holds (staging.py for the collectives')."""
-
-    def __init__(self, plan: Lowering, mesh, algo, a2a: bool = False):
-        units = plan.units
-        self.gathered = [sum(g.gathered_bytes for g in u.groups) for u in units]
-        self.grad = [sum(_grad_full(u, g) for g in u.groups) for u in units]
-        # the grad shard's bytes ([Note: timeline: grad shards]): from its gradients' arrival
-        # (s_G = 1), from its reduce-scatter's issue (s_G > 1)
-        self.shard_on_arrival = [sum(g.grads_bytes for g in u.groups if g.trainable and g.factors.g == 1)
-                                 for u in units]
-        self.shard_on_wait = [sum(g.grads_bytes for g in u.groups if g.trainable and g.factors.g > 1)
-                              for u in units]
-        self.reduce, self.rs_staging, self.rs_codec, self.sync, self.sync_ar = ([] for _ in range(5))
-        # the gloo all-to-all's receive blocks (staging.py [Note: staging: receive blocks]; none on
-        # a native reduce-scatter): a backward reduce's come from the reduce workspace, which
-        # keeps them ([Note: timeline: reduce workspace]), per unit; the syncs' in their staging
-        self.recv: list[int] = []
-        self.has_ar: list[bool] = []
-        self.update: list[tuple[int, int, int]] = []  # per group with an update gather: (unit, issued, more at its wait)
-        # per phase (forward, backward): a gather issued ahead, and at its wait (codec included)
-        self.ag_issued = {Phase.FORWARD: [], Phase.BACKWARD: []}
-        self.ag_wait = {Phase.FORWARD: [], Phase.BACKWARD: []}
-        self.kept_grad: list[int] = []       # a whole gradient held by its reduce-scatter in flight
-        for u in units:
-            red = rs = rc = syn = ar = recv = kept = 0
-            has_ar = False
-            ag = {ph: [0, 0] for ph in self.ag_wait}
-            for g in u.groups:
-                f = g.factors
-                cast = (g.gathered_bytes // f.p
-                        if master_is_params(u.scopes.params.dtype, g.trainable, f.p, f.os) else 0)
-                if g.gathered_bytes and mesh is not None:
-                    for ph in ag:
-                        row = g.row(ph, Op.ALL_GATHER) or g.row(Phase.FORWARD, Op.ALL_GATHER)
-                        a, b = all_gather_bytes(mesh, algo, row, g.n, g.gathered_bytes // max(g.n, 1))
-                        # the master cast for the gather ([Note: timeline: gather cast])
-                        ag[ph][0] += a + (cast if ph is Phase.FORWARD or not g.secondary_bytes else 0)
-                        ag[ph][1] += b
-                if not g.trainable:
-                    continue
-                e = _grad_full(u, g) // max(g.n, 1)
-                if f.g > 1:
-                    # the flat input (none where the gradient is reduced as autograd made it:
-                    # that one stays alive in flight instead, [Note: timeline: whole gradients])
-                    red += (0 if g.whole_grad else _grad_full(u, g)) + g.grads_bytes
-                    kept += _grad_full(u, g) if g.whole_grad else 0
-                    if mesh is not None:
-                        row = g.row(Phase.BACKWARD, Op.ALL_TO_ALL) or g.row(Phase.BACKWARD, Op.REDUCE_SCATTER)
-                        rs += reduce_scatter_bytes(mesh, algo, row, g.n, e)
-                        recv += reduce_scatter_bytes(mesh, algo, row, g.n, e, a2a) - reduce_scatter_bytes(
-                            mesh, algo, row, g.n, e)
-                        rc = max(rc, reduce_codec_bytes(mesh, row, g.n, e))
-                up = g.row(Phase.UPDATE, Op.ALL_GATHER)
-                if up is not None and mesh is not None:
-                    pe = g.params_bytes * f.p // max(g.n, 1)
-                    a, b = all_gather_bytes(mesh, algo, up, g.n // max(f.p, 1), pe)
-                    self.update.append((len(self.reduce), g.optim_elems * pe + a, b - a))
-                rs_row, ar_row = g.row(Phase.SYNC, Op.REDUCE_SCATTER), g.row(Phase.SYNC, Op.ALL_REDUCE)
-                if rs_row is not None:
-                    syn += g.optim_elems * e + (reduce_scatter_bytes(mesh, algo, rs_row, g.n // f.g, e, a2a)
-                                                if mesh is not None else 0)
-                if ar_row is not None:
-                    has_ar = True
-                if ar_row is not None and mesh is not None:
-                    ar += all_reduce_bytes(mesh, algo, ar_row, g.optim_elems, e, a2a)
-            for lst, v in ((self.reduce, red), (self.rs_staging, rs), (self.rs_codec, rc), (self.sync, syn),
-                           (self.sync_ar, ar), (self.recv, recv), (self.kept_grad, kept)):
-                lst.append(v)
-            self.has_ar.append(has_ar)
-            for ph, (a, b) in ag.items():
-                self.ag_issued[ph].append(a)
-                self.ag_wait[ph].append(b)
-
-    def synced_early(self, i: int, advanced: bool) -> int:
-        """Unit i's early sync: in its reduce-scatter stage (its chunk and staging), or advanced
-        to its all-reduce (its chunk copied into the OS slice and freed: the all-reduce's
-        staging only); a sync with no all-reduce stays in its reduce-scatter stage, one with
-        no reduce-scatter is in its all-reduce from its issue."""
-        if advanced and self.has_ar[i]:
-            return self.sync_ar[i]
-        return self.sync[i] if self.sync[i] else self.sync_ar[i]
-
-
 def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None = None,
              output: int = 0, micro_batches: int = 1, mesh=None, algo=None,
              optimizer: str = DEFAULT_OPTIMIZER, optimizer_kwargs: dict | None = None,
@@ -335,9 +213,9 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     `output`, `logits`, `head`: the trace's fp32 logits, its logits in their own dtype and the
     head's parameter elements, for the loss's tensors (loss.py)."""
     units = plan.units
-    z = _Sizes(plan, mesh, algo, a2a)
+    z = UnitBuffers(plan, mesh, algo, a2a)
     size = z.gathered
-    root_e = max((_grad_full(units[0], g) // max(g.n, 1) for g in units[0].groups if g.trainable), default=0)
+    root_e = max((grad_full(units[0], g) // max(g.n, 1) for g in units[0].groups if g.trainable), default=0)
     loss = loss_tensors(output, logits, head * root_e)
     grads = int(memory["grads"])
     # the model states without the grad shards: zero_grad() freed them ([Note: timeline: grad shards])
@@ -480,7 +358,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     sync_buffers = (("early syncs", early_bytes), ("syncs in flight", sum(rest[:SYNC_IN_FLIGHT])))
     chunk = max((g.optim_elems * 4 for u in units for g in u.groups if g.trainable), default=0)
     fp32_grads = ("fp32 gradients", sum(g.optim_elems * 4 for u in units for g in u.groups
-                                        if g.trainable and _grad_full(u, g) != 4 * g.n))
+                                        if g.trainable and grad_full(u, g) != 4 * g.n))
     pts = [
         Point("startup", (("shards and the largest unit's whole parameters", int(memory["startup"])),)),
         fwd, bwd,
