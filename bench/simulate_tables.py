@@ -37,11 +37,14 @@ TITLES = {"llama_7b": "LLaMA-7B", "llama_13b": "LLaMA-13B", "llama_30b": "LLaMA-
 
 
 def load(paths) -> list[dict]:
-    out = []
+    """Every file's ranks; a rank in a later file replaces the same rank (model, strategy,
+    mesh, rank) in an earlier one: a re-run after a runtime change is given last."""
+    out: dict = {}
     for p in paths:
         with open(p) as f:
-            out += [json.loads(line) for line in f if line.strip()]
-    return out
+            for r in (json.loads(line) for line in f if line.strip()):
+                out[(r["model"], r["strategy"], r["mesh"], r["rank"])] = r
+    return list(out.values())
 
 
 def _g(b: float) -> str:

@@ -129,6 +129,12 @@ def llama_tiny() -> Llama:
     return _build(LlamaConfig(dim=18, n_layers=2, n_heads=3, ffn_dim=37, vocab=101, max_seq=32))
 
 
+def llama_logits() -> Llama:
+    """A small Llama whose loss dominates its peak (vocab 4096 over dim 64, two blocks): the
+    loss's tensors in explain's timeline (tests/test_peak_loss.py)."""
+    return _build(LlamaConfig(dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab=4096, max_seq=512))
+
+
 def llama_65b() -> Llama:
     return _build(LlamaConfig(dim=8192, n_layers=80, n_heads=64, ffn_dim=22016))
 

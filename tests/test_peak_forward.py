@@ -16,7 +16,11 @@ first forward only, which holds no grad shard.
   the owed update gathers counted beside every grad shard it was 1.034.
 
 Each fails if its part of the rule is undone: explain's forward must be within 3 % of the
-measured forward, both ways.
+measured forward, both ways. The states and the ledger equal explain's and the peak is not
+under it; the peak is not asserted within 3 % both ways here: MiCS on examples/gpt.py `small`
+is 1.031 over at the backward (the point while a unit's backward runs counts its saved
+tensors and its gradient whole, a bound, docs/explain.md), which simulate's two-sided check
+reports with exit status 1.
 """
 from __future__ import annotations
 
@@ -44,11 +48,13 @@ def test_forward_within_three_percent(case):
         pytest.importorskip("transformers", reason="the HF Llama factory needs transformers (a test extra)")
     from shardc.cli import main
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         rc = main(["simulate", os.path.join(ROOT, "examples", "strategies", f"{name}.shard"), "--model", model,
                    "--world", world, "--mesh", mesh, "--rank", "0", "--micro-batches", micro_batches,
                    "--tokens", "64", "--json"])
-    peak = json.loads(out.getvalue())[0]["peak"]
-    assert rc == 0
+    rep = json.loads(out.getvalue())[0]
+    peak = rep["peak"]
+    assert rep["memory_equal"] and rep["ledger_equal"] and peak["measured"] <= (1 + TOLERANCE) * peak["explain"]
+    assert rc == (0 if peak["within"] else 1)
     measured, explained = peak["phases"]["forward"], peak["explain_phases"]["forward"]
     assert abs(explained - measured) <= TOLERANCE * measured, (case, explained, measured)

@@ -14,7 +14,7 @@ under torch's fake process group, torch's MemTracker per phase.
   backward is above FSDP2's.
 - explain's backward is within 3 % of the measured one (`shardc simulate`); the head's
   gradient counted in the reduce workspace for the whole backward (it is reduced as
-  autograd made it and freed at the next unit's wait: analysis/costmodel/timeline.py
+  autograd made it and freed at the next unit's wait: analysis/costmodel/unit_buffers.py
   [Note: timeline: whole gradients]) puts it 7 % above.
 """
 from __future__ import annotations

@@ -7,7 +7,9 @@ micro-batch of 64 tokens.
   and qgZ reduce-scatters with their codecs): explain's forward, backward and step are each
   within 3 % of the measured phase.
 - a transient left out of the timeline (the reduce-scatter's staging, 10 % of zero3's
-  peak here) makes simulate report the miss and exit 1.
+  peak here) makes simulate report the miss and exit 1; so does one counted twice (an
+  over-prediction: the peak misses either way), in one sentence naming the phases and both
+  figures.
 """
 from __future__ import annotations
 
@@ -56,12 +58,31 @@ def test_each_phase_within_three_percent(name):
 
 def test_a_transient_left_out_is_a_miss(monkeypatch):
     pytest.importorskip("transformers", reason="the HF GPT-2 factory needs transformers (a test extra)")
-    from shardc.analysis.costmodel import timeline
+    from shardc.analysis.costmodel import unit_buffers
 
-    monkeypatch.setattr(timeline, "reduce_scatter_bytes", lambda *a, **k: 0)
+    monkeypatch.setattr(unit_buffers, "reduce_scatter_bytes", lambda *a, **k: 0)
     rc, peak = _simulate("zero3")
     assert rc == 1 and peak["within"] is False and peak["phases_within"]["backward"] is False
     assert peak["measured"] > (1 + TOLERANCE) * peak["explain"], peak
+
+
+def test_an_over_prediction_is_a_miss_too(monkeypatch):
+    pytest.importorskip("transformers", reason="the HF GPT-2 factory needs transformers (a test extra)")
+    from shardc.analysis.costmodel import unit_buffers
+    from shardc.cli import main
+
+    once = unit_buffers.reduce_scatter_bytes
+    monkeypatch.setattr(unit_buffers, "reduce_scatter_bytes", lambda *a, **k: 2 * once(*a, **k))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["simulate", _shard("zero3"), *ARGS])
+    peak = json.loads(out.getvalue())[0]["peak"]
+    assert rc == 1 and peak["within"] is False
+    assert peak["explain"] > (1 + TOLERANCE) * peak["measured"], peak
+    m, e = peak["measured"], peak["explain"]
+    assert err.getvalue() == (f"error: rank 0: the measured peak, {m:,} B in the {peak['phase']}, is "
+                              f"{(e - m) / e:.1%} below explain's {e:,} B at the {peak['explain_phase']} "
+                              f"(the tolerance is 3% either way)\n")
 
 
 def test_codec_batch_has_one_value():

@@ -57,7 +57,8 @@ def peak_memory(memory: dict, graph=None, checkpoint: bool = False, overhead: in
         dominant = max(parts, key=parts.get)
         return {**parts, "peak": sum(parts.values()), "dominant": dominant}
     tl = timeline(plan, memory, parts["activations"], None if checkpoint else tuple(graph.saved),
-                  graph.output, micro_batches, mesh, algo, optimizer, optimizer_kwargs, a2a)
+                  graph.output, micro_batches, mesh, algo, optimizer, optimizer_kwargs, a2a,
+                  logits=graph.logits, head=graph.head)
     at = tl.peak
     dominant = max(dict(at.buffers), key=dict(at.buffers).get)
     return {**parts, "peak": at.bytes + parts["overhead"], "dominant": dominant, "phase": at.phase,

@@ -51,6 +51,8 @@ class GraphCost:
     inputs: tuple                 # per unit: bytes of its forward input (0 for the root)
     tokens: int
     output: int = 0               # fp32 bytes of the model's output (the logits the loss reads)
+    logits: int = 0               # the model's output in its own dtype (bf16 logits: half `output`)
+    head: int = 0                 # elements of the root's parameters the forward uses after its last unit
 
     @property
     def model_flops(self) -> float:
@@ -169,6 +171,15 @@ def trace(model, units, *, batch: int, seq: int, dtype="bf16") -> GraphCost:
             handles.append(mods[name].register_forward_hook(_leave(i, current, counter, fwd)))
     # after the unit hooks, prepended: a unit's input is counted as it arrives, cast
     handles += install_boundary_casts(m, units, dts)
+    # the root's parameters used after the last unit ran: the head's, whose gradients the
+    # loss's backward makes first (loss.py [Note: timeline: loss tensors])
+    order: list = []
+    for name, mod in mods.items():
+        if any(name in u.modules for u in units[1:]):
+            handles.append(mod.register_forward_hook(lambda *_: order.append(None)))
+        elif any(p.requires_grad for p in mod.parameters(recurse=False)):
+            handles.append(mod.register_forward_hook(
+                lambda mod, *_: order.append(tuple(mod.parameters(recurse=False))) if current[-1] == 0 else None))
     x = sample_input(m, batch, seq)
     try:
         with meta_grouped_mm(), counter, flash_sdpa_mode(), \
@@ -184,8 +195,10 @@ def trace(model, units, *, batch: int, seq: int, dtype="bf16") -> GraphCost:
         for h in handles:
             h.remove()
     fwd[0] = forward - sum(fwd[1:])
-    return GraphCost(float(forward), float(backward), tuple(fwd),
-                     tuple(saved), tuple(inputs), batch * seq, logits.numel() * 4)
+    last = max((k for k, e in enumerate(order) if e is None), default=-1)
+    head = {id(p): p.numel() for e in order[last + 1:] for p in e if p.requires_grad}
+    return GraphCost(float(forward), float(backward), tuple(fwd), tuple(saved), tuple(inputs), batch * seq,
+                     logits.numel() * 4, logits.numel() * logits.element_size(), sum(head.values()))
 
 
 def _enter(i, current, inputs, counter, fwd):

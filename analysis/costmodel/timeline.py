@@ -1,4 +1,4 @@
-"""The memory timeline per rank — every buffer-lifetime rule of the peak, in one place.
+"""The memory timeline per rank — when each buffer of the peak is alive, phase by phase.
 
 Input: the lowered plan (`shardc.lowering.Lowering`: its units' groups, their factors and
 the forward schedule), `memory_of`'s model states and gathered window (memory.py) and one
@@ -7,7 +7,12 @@ micro-batch's activations (activations.py). Output: a `Timeline`, one `Point` pe
 peak; its maximum is explain's peak (the framework overhead is added apart, a named
 constant: activations.py [Note: framework overhead]).
 
-Each buffer kind has a [Note] naming the runtime site that allocates and frees it; the
+This file walks the step (the phases' points and the lifetimes between them); the bytes each
+unit's buffers hold are unit_buffers.py's (`UnitBuffers`: gathered, autograd's gradient,
+reduce workspace, collective staging, syncs, update gathers), the loss's tensors loss.py's.
+
+Each buffer kind has a [Note] (here, or in unit_buffers.py and loss.py where its size is
+the point) naming the runtime site that allocates and frees it; the
 bounds the runtime obeys are read from the lowering (lowering/transients.py:
 REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, STAGING_BYTES; lowering/peak_facts.py:
 CODEC_ROWS), never restated here. The model states (params, hpZ secondary, optimizer
@@ -67,47 +72,19 @@ staging counted instead). Measured (HF GPT-2 at 4 ranks, after peak-runtime): dd
 the first point, zero3 at its gather's wait, zeropp at the issue (its qgZ codec). Under checkpointing all of them stay counted.
 
 [Note: timeline: loss gradient]
-The backward starts at the loss: cross entropy on the fp32 logits (shardc/simulate.py's
-step) makes gradients the logits' size (the trace's `output`) while the root's head runs
-its backward, beside every activation, the units gathered at the forward's end and the
-gathers the backward's first stage issued (measured on GPT tiny zero3 at 4 ranks: the
-last unit's gather is held at the loss).
-`LOSS_GRADIENTS` of them is measured, not derived: on GPT tiny at 4 ranks (ddp) the
-backward's peak is 65,544 bytes above states + activations, 4 x the 16,384-byte logits.
-
-[Note: timeline: loss tensors]
-The trace's activations are the units' saved tensors; the model's output (the logits) and
-the loss are the loop's (shardc/simulate.py's step: `out`, `logits`, cross entropy's saved
-log-softmax). At the forward's end `LOSS_FORWARD` tensors of the logits' size are alive
-beside the activations; from a unit's reduce on `LOSS_KEPT` (the loss's gradient of the
-logits too), until the loop drops them after `backward()`. Measured on HF GPT-2 at 4 ranks
-(bench/peak_probe.py): 2 and 3 x the logits, to 220 bytes, while the loop held `out`
-through the backward; it drops it before `backward()` since 2026-11-29 (shardc/simulate.py
-[Note: the loop drops the output before backward], as torchtitan's trainer and the FSDP2
-loops it is compared with do), one logits-sized tensor fewer: 2 (on the bf16 overrides
-case of tests/test_peak_bf16_overrides.py explain's peak went from 1.041 to 1.021 of the
-measured one with it; in bf16 the dropped `out` is half an fp32 logits, so the rule errs
-on the safe side there). The point while a unit's
-backward runs leaves them out: it already counts the unit's saved tensors whole (a bound),
-and on HF GPT-2 and Llama (ddp, lins_7b, PaRO at 4 ranks) it was 3 x the logits above the
-measured peak with them.
-
-[Note: timeline: autograd gradient]
-In the backward autograd makes the unit's gradients, full size N in the grad dtype, before
-the unit's hook lays them out flat (runtime/groups/flat_group.py `reduce_slot_grads`); they are
-freed when the unit's views' backward returns (shardc.lowering [Note: reductions in
-flight]), after `reduce_grad` has copied them (s_G > 1) or added them in (s_G = 1) and
-issued the reduce: so they count beside the reduce's staging and codec at its issue
-(measured: zeropp's qgZ issue on HF GPT-2 at 4 ranks, 1.005 with them, 0.945 without).
-
-[Note: timeline: whole gradients]
-A group whose one parameter's gradient is its layout already (lowering `GroupPlan.whole_grad`:
-one tensor, no padding, grads in the params dtype; runtime/groups/storage.py `whole_grad`:
-an embedding's or a head's unit) has no flat input in the workspace: its reduce-scatter
-reads autograd's gradient, which the reduce in flight keeps alive until the next unit's
-gradients arrive and it is waited (counted there with "reduce-scatter staging"). Counted
-in the workspace before, the head's gradient stayed in the pool's high-water mark for the
-whole backward: explain 1.085x the measured backward on the 836M model's width at 2 layers.
+The backward starts at the loss: cross entropy's backward makes its gradients (loss.py
+[Note: timeline: loss tensors] has the rule, by the logits' dtype) while only the root is
+gathered: the backward's first stage (the last unit's re-gather and the gathers ahead) is
+issued by the multi-grad hook on the last unit's outputs (runtime/eager/engine.py [Note:
+schedule]), after the head's backward. Measured with bench/peak_probe.py on a 2-block Llama
+in bf16 (zero3, 4 ranks): the backward's peak at the loss is the root's buffer, not the
+two blocks' beside it (164,260 B over with them, 2 x 82,176); LLaMA-7B zero3 at 64 GPUs
+was 1.019 of the measured peak with them. From the head's backward on, the head's gradients
+stay (`kept`) until the root's own points, which count them in its autograd gradient. The
+point while a unit's backward runs leaves them out: it counts the unit's saved tensors and
+its gradient whole, where autograd frees the one as it makes the other, a bound by more than
+the head's gradients (with them: examples/gpt.py `small` zero3 at 2 gloo ranks 1.033 of the
+measured backward; LLaMA-7B zero3 at 64 GPUs 1.017, without 1.000).
 
 [Note: timeline: reduce workspace]
 runtime/groups/workspace.py [Note: reduce workspace], shardc.lowering [Note: reductions in
@@ -123,18 +100,6 @@ device backend, a simulated rank). Measured on 4 gloo ranks (bench/peak_gloo.py)
 on HF GPT-2 (4 micro-batches) 0.937 of the backward's peak with the blocks in the staging
 only, where the pool does not keep them. With more than one micro-batch the pool keeps it between micro-batches, so
 every later forward and backward holds the largest unit's worth from its start.
-
-[Note: timeline: sync chunk]
-runtime/groups/flat_group.py `sync_issue`: where the step-end sync has a reduce-scatter stage
-(OS∖G), every unit's sync is issued at the end of the backward and each holds its output
-chunk (N/s_OS, grad dtype) until `sync_advance` copies it into the OS slice.
-
-[Note: timeline: gather cast]
-Where the fp32 master is the params shard (shardc.lowering [Note: the master is the params
-shard]), runtime/groups/storage.py `gather_input` casts it to the params dtype for each all-gather
-(N/s_P elements, the params dtype): counted with the gathers issued ahead, the cast's
-output being the gather's input while it is in flight (a bound: a simulated rank's fake
-collectives drop it at once). A backward re-gather from an hpZ secondary casts nothing.
 
 [Note: timeline: start-up]
 memory.py [Note: start-up peak]: the shards plus the largest unit's whole parameters.
@@ -162,15 +127,6 @@ implementation torch runs on a GPU. Measured with the step phase of `shardc simu
 (AdamW): 2.0x the largest chunk for zero3, 0.67x for ddp, on GPT tiny and small at 4 ranks,
 so AdamW's rule (1x + the clone) is a bound there.
 
-[Note: timeline: collective staging]
-A multi-stage collective (hierarchical, ho-ring over two or more levels), a cast to another
-comm dtype and a quantized one hold buffers of their own while in flight (staging.py has
-the rules, each naming its site in runtime/eager/collectives.py). The backward counts, beside
-the reduce in flight, its reduce-scatter's staging; the gather waited for the unit
-(`at its wait`: its last two stage buffers) and, at that wait too, the gathers issued
-ahead of it (their first stage's buffer; measured: zero3 on HF GPT-2 at 4 ranks, 0.997
-with them at the wait, 0.963 without).
-
 [Note: timeline: step-end sync]
 An early sync with an all-reduce stage is advanced (its chunk copied into the OS slice and
 freed) right after the next unit's is issued, so at that issue two syncs are in their
@@ -186,34 +142,26 @@ chunk is copied into the OS slice and its all-reduce over the replicas goes out,
 that all-reduce's staging until opt.step() waits it; a sync with no all-reduce stays in
 its reduce-scatter stage until then. A sync with no reduce-scatter stage issues its
 all-reduce at once. So at the backward's end ("sync") and at the start of opt.step()
-("step") the early syncs' buffers and the bounded ones are alive; the loss's tensors
-(`LOSS_KEPT` x the logits: cross entropy's saved log-softmax and the loss's gradient,
-freed when the loop drops the loss after `backward()`) and the reduce workspace
-are still held at the backward's end. The simulated step measures "sync" inside its backward phase (`MEASURED`).
+("step") the early syncs' buffers and the bounded ones are alive, and the reduce workspace
+is still held at the backward's end (the loss's tensors are not: the head's gradients went
+with the root's reduce, loss.py). The simulated step measures "sync" inside its backward phase (`MEASURED`).
 
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Op, Phase, master_is_params
+from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Phase
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, step_temporary_bytes
 
-from .staging import all_gather_bytes, all_reduce_bytes, reduce_codec_bytes, reduce_scatter_bytes
+from .loss import loss_tensors
+from .unit_buffers import UnitBuffers, grad_full
 
 # The backward walk in `timeline` keeps one earlier unit's reduce-scatter in flight (`prev`):
 # the runtime's bound REDUCE_IN_FLIGHT (runtime/eager/engine.py `_bound_reductions`) read here,
 # so a larger bound fails at import instead of mispredicting the peak.
 if REDUCE_IN_FLIGHT != 1:
     raise ImportError(f"timeline models one reduce-scatter in flight, the runtime allows {REDUCE_IN_FLIGHT}")
-
-# Gradients the loss's backward makes, each the size of the fp32 logits ([Note: timeline: loss gradient]).
-LOSS_GRADIENTS = 4
-# Tensors of the logits' size the loop holds: at the forward's end (the logits, cross entropy's
-# log-softmax) and through the backward (those and the loss's gradient of the logits)
-# ([Note: timeline: loss tensors]).
-LOSS_FORWARD = 2
-LOSS_KEPT = 2
 
 PHASES = ("startup", "forward", "backward", "sync", "step")
 # The timeline's points each phase of `shardc simulate`'s measured step spans: the sync is
@@ -251,109 +199,24 @@ class Timeline:
         return [{"phase": p.phase, "bytes": p.bytes, "buffers": dict(p.buffers)} for p in self.points]
 
 
-def _grad_full(u, g) -> int:
-    """A group's whole local gradient, grad dtype (its shard times s_G)."""
-    return g.grads_bytes * g.factors.g if g.trainable else 0
-
-
-class _Sizes:
-    """Per unit: the bytes each buffer kind of the [Note]s holds (staging.py for the collectives')."""
-
-    def __init__(self, plan: Lowering, mesh, algo, a2a: bool = False):
-        units = plan.units
-        self.gathered = [sum(g.gathered_bytes for g in u.groups) for u in units]
-        self.grad = [sum(_grad_full(u, g) for g in u.groups) for u in units]
-        # the grad shard's bytes ([Note: timeline: grad shards]): from its gradients' arrival
-        # (s_G = 1), from its reduce-scatter's issue (s_G > 1)
-        self.shard_on_arrival = [sum(g.grads_bytes for g in u.groups if g.trainable and g.factors.g == 1)
-                                 for u in units]
-        self.shard_on_wait = [sum(g.grads_bytes for g in u.groups if g.trainable and g.factors.g > 1)
-                              for u in units]
-        self.reduce, self.rs_staging, self.rs_codec, self.sync, self.sync_ar = ([] for _ in range(5))
-        # the gloo all-to-all's receive blocks (staging.py [Note: staging: receive blocks]; none on
-        # a native reduce-scatter): a backward reduce's come from the reduce workspace, which
-        # keeps them ([Note: timeline: reduce workspace]), per unit; the syncs' in their staging
-        self.recv: list[int] = []
-        self.has_ar: list[bool] = []
-        self.update: list[tuple[int, int, int]] = []  # per group with an update gather: (unit, issued, more at its wait)
-        # per phase (forward, backward): a gather issued ahead, and at its wait (codec included)
-        self.ag_issued = {Phase.FORWARD: [], Phase.BACKWARD: []}
-        self.ag_wait = {Phase.FORWARD: [], Phase.BACKWARD: []}
-        self.kept_grad: list[int] = []       # a whole gradient held by its reduce-scatter in flight
-        for u in units:
-            red = rs = rc = syn = ar = recv = kept = 0
-            has_ar = False
-            ag = {ph: [0, 0] for ph in self.ag_wait}
-            for g in u.groups:
-                f = g.factors
-                cast = (g.gathered_bytes // f.p
-                        if master_is_params(u.scopes.params.dtype, g.trainable, f.p, f.os) else 0)
-                if g.gathered_bytes and mesh is not None:
-                    for ph in ag:
-                        row = g.row(ph, Op.ALL_GATHER) or g.row(Phase.FORWARD, Op.ALL_GATHER)
-                        a, b = all_gather_bytes(mesh, algo, row, g.n, g.gathered_bytes // max(g.n, 1))
-                        # the master cast for the gather ([Note: timeline: gather cast])
-                        ag[ph][0] += a + (cast if ph is Phase.FORWARD or not g.secondary_bytes else 0)
-                        ag[ph][1] += b
-                if not g.trainable:
-                    continue
-                e = _grad_full(u, g) // max(g.n, 1)
-                if f.g > 1:
-                    # the flat input (none where the gradient is reduced as autograd made it:
-                    # that one stays alive in flight instead, [Note: timeline: whole gradients])
-                    red += (0 if g.whole_grad else _grad_full(u, g)) + g.grads_bytes
-                    kept += _grad_full(u, g) if g.whole_grad else 0
-                    if mesh is not None:
-                        row = g.row(Phase.BACKWARD, Op.ALL_TO_ALL) or g.row(Phase.BACKWARD, Op.REDUCE_SCATTER)
-                        rs += reduce_scatter_bytes(mesh, algo, row, g.n, e)
-                        recv += reduce_scatter_bytes(mesh, algo, row, g.n, e, a2a) - reduce_scatter_bytes(
-                            mesh, algo, row, g.n, e)
-                        rc = max(rc, reduce_codec_bytes(mesh, row, g.n, e))
-                up = g.row(Phase.UPDATE, Op.ALL_GATHER)
-                if up is not None and mesh is not None:
-                    pe = g.params_bytes * f.p // max(g.n, 1)
-                    a, b = all_gather_bytes(mesh, algo, up, g.n // max(f.p, 1), pe)
-                    self.update.append((len(self.reduce), g.optim_elems * pe + a, b - a))
-                rs_row, ar_row = g.row(Phase.SYNC, Op.REDUCE_SCATTER), g.row(Phase.SYNC, Op.ALL_REDUCE)
-                if rs_row is not None:
-                    syn += g.optim_elems * e + (reduce_scatter_bytes(mesh, algo, rs_row, g.n // f.g, e, a2a)
-                                                if mesh is not None else 0)
-                if ar_row is not None:
-                    has_ar = True
-                if ar_row is not None and mesh is not None:
-                    ar += all_reduce_bytes(mesh, algo, ar_row, g.optim_elems, e, a2a)
-            for lst, v in ((self.reduce, red), (self.rs_staging, rs), (self.rs_codec, rc), (self.sync, syn),
-                           (self.sync_ar, ar), (self.recv, recv), (self.kept_grad, kept)):
-                lst.append(v)
-            self.has_ar.append(has_ar)
-            for ph, (a, b) in ag.items():
-                self.ag_issued[ph].append(a)
-                self.ag_wait[ph].append(b)
-
-    def synced_early(self, i: int, advanced: bool) -> int:
-        """Unit i's early sync: in its reduce-scatter stage (its chunk and staging), or advanced
-        to its all-reduce (its chunk copied into the OS slice and freed: the all-reduce's
-        staging only); a sync with no all-reduce stays in its reduce-scatter stage, one with
-        no reduce-scatter is in its all-reduce from its issue."""
-        if advanced and self.has_ar[i]:
-            return self.sync_ar[i]
-        return self.sync[i] if self.sync[i] else self.sync_ar[i]
-
-
 def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None = None,
              output: int = 0, micro_batches: int = 1, mesh=None, algo=None,
              optimizer: str = DEFAULT_OPTIMIZER, optimizer_kwargs: dict | None = None,
-             a2a: bool = False) -> Timeline:
+             a2a: bool = False, logits: int = 0, head: int = 0) -> Timeline:
     """The phases' peaks of one step ([Note]s above), from the plan and the states.
     `saved`: each unit's saved activation bytes (the trace's, unit order; None or under
     checkpointing: `activations` stays alive through the whole backward). `mesh`, `algo`:
     the strategy's mesh and its resolved collective algorithm, for the collectives' own
     buffers (None: not counted). `optimizer`, `optimizer_kwargs`: the step's optimizer, for its
     temporaries ([Note: timeline: optimizer step]). `a2a`: the backend reduce-scatters by
-    all-to-all (gloo), so its receive blocks count (staging.py [Note: staging: receive blocks])."""
+    all-to-all (gloo), so its receive blocks count (staging.py [Note: staging: receive blocks]).
+    `output`, `logits`, `head`: the trace's fp32 logits, its logits in their own dtype and the
+    head's parameter elements, for the loss's tensors (loss.py)."""
     units = plan.units
-    z = _Sizes(plan, mesh, algo, a2a)
+    z = UnitBuffers(plan, mesh, algo, a2a)
     size = z.gathered
+    root_e = max((grad_full(units[0], g) // max(g.n, 1) for g in units[0].groups if g.trainable), default=0)
+    loss = loss_tensors(output, logits, head * root_e)
     grads = int(memory["grads"])
     # the model states without the grad shards: zero_grad() freed them ([Note: timeline: grad shards])
     bare = int(memory["total"]) - (grads if RELEASE_GRADS else 0)
@@ -408,21 +271,18 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     # so the logits and the loss are made beside the root alone
     end = sum(size[i] for i in held)
     fwd = Point("forward", (("states", fwd_states), ("gathered at the forward's end", end),
-                            ("activations", activations), ("logits and loss", LOSS_FORWARD * output),
+                            ("activations", activations), ("logits and loss", loss.forward),
                             ("reduce workspace pool", pool)))
     ran = Point("forward", (("states", fwd_states), ("gathered as the last unit ran", last),
                             ("activations", activations), ("reduce workspace pool", pool)))
     fwd = max([fwd, ran, *waits], key=lambda p: p.bytes)
-    kept = ("loss tensors", LOSS_KEPT * output)
     # backward: each unit's gradient made, its reduce issued once the previous unit's is waited
     alive = activations
-    # at the loss: the backward's first stage has issued its gathers (the engine's backward
-    # pre-hook on the output, [Note: timeline: loss gradient])
-    first = plan.schedule.backward[0] if plan.schedule.backward else None
-    at_loss = held | ({first.unit, *first.issue} if first is not None and size[first.unit] else
-                      set(first.issue) if first is not None else set())
-    bwd = Point("backward", (("states", fwd_states), ("gathered at the loss", sum(size[k] for k in at_loss)),
-                             ("activations", activations), ("loss gradients", LOSS_GRADIENTS * output),
+    # at the loss the root alone is gathered: the backward's first stage is issued by the
+    # multi-grad hook on the last unit's outputs, after the head's backward ([Note: timeline:
+    # loss gradient])
+    bwd = Point("backward", (("states", fwd_states), ("gathered at the loss", end),
+                             ("activations", activations), ("loss gradients", loss.at_loss),
                              ("reduce workspace pool", pool)))
     stages = {st.unit: st for st in plan.schedule.backward}
     early = set(plan.schedule.sync_early)
@@ -433,6 +293,9 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     synced: list[int] = []
     order = [i for i in range(len(units) - 1, 0, -1)] + [0]
     for i in order:
+        # the head's gradients until the root's own points count them in its gradient
+        kept = ("the head's gradients", loss.kept if i != 0 else 0)
+        lg = ("the logits' gradient", loss.last_unit if i == order[0] != 0 else 0)
         st = stages.get(i)
         issue = set(st.issue) if st is not None else set()
         held |= issue | ({i} if size[i] and st is not None else set())
@@ -442,13 +305,13 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         gathered = sum(size[k] for k in held)
         # while its backward runs: its saved tensors and its gradient, the previous reduce in flight
         pts = [Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
-                                  ("activations left", alive),
+                                  ("activations left", alive), lg,
                                   (f"autograd's gradient of {units[i].name}", z.grad[i]),
                                   ("reduce workspace", ws), ("reduce-scatter staging", in_flight),
                                   ("gathers issued ahead", ahead), ("early syncs", early_bytes)))]
         if st is not None and size[i]:
             pts.append(Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
-                                          ("activations left", alive), kept,
+                                          ("activations left", alive), kept, lg,
                                           ("reduce workspace", ws), ("reduce-scatter staging", in_flight),
                                           (f"gather staging of {units[i].name}", z.ag_wait[Phase.BACKWARD][i]),
                                           ("gathers issued ahead", ahead), ("early syncs", early_bytes))))
@@ -466,7 +329,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
             # reduce-scatter stage (runtime/step/boundary.py `sync_early` advances it right after)
             issuing = sum(z.synced_early(k, n + 2 < len(synced)) for n, k in enumerate(synced))
             pts.append(Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
-                                          ("activations left", alive - (left[i] if left is not None else 0)), kept,
+                                          ("activations left", alive - (left[i] if left is not None else 0)), kept, lg,
                                           (f"autograd's gradient of {units[i].name}", z.grad[i]),
                                           ("reduce workspace", ws), ("reduce-scatter staging", in_flight),
                                           ("gathers issued ahead", ahead), ("early syncs", issuing))))
@@ -479,7 +342,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         # its gradients copied and its reduce issued (autograd's gradient freed only when its
         # views' backward returns, after the issue): the reduce-scatter's staging and codec
         pts.append(Point("backward", (("states", bare), ("grad shards", shards), ("gathered", gathered),
-                                      ("activations left", done), kept,
+                                      ("activations left", done), kept, lg,
                                       (f"autograd's gradient of {units[i].name}", z.grad[i]),
                                       ("reduce workspace", ws),
                                       ("reduce-scatter staging", z.rs_staging[i]), ("reduce codec", z.rs_codec[i]),
@@ -495,11 +358,11 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     sync_buffers = (("early syncs", early_bytes), ("syncs in flight", sum(rest[:SYNC_IN_FLIGHT])))
     chunk = max((g.optim_elems * 4 for u in units for g in u.groups if g.trainable), default=0)
     fp32_grads = ("fp32 gradients", sum(g.optim_elems * 4 for u in units for g in u.groups
-                                        if g.trainable and _grad_full(u, g) != 4 * g.n))
+                                        if g.trainable and grad_full(u, g) != 4 * g.n))
     pts = [
         Point("startup", (("shards and the largest unit's whole parameters", int(memory["startup"])),)),
         fwd, bwd,
-        Point("sync", (("states", states), kept, ("reduce workspace", ws), *sync_buffers)),
+        Point("sync", (("states", states), ("reduce workspace", ws), *sync_buffers)),
         max(Point("step", (("states", states), *sync_buffers)),
             Point("step", (("states", states), fp32_grads,
                            ("the update's clone of the chunk", chunk),

@@ -8,7 +8,9 @@ model-state memory by state and the step's ledger beside explain's (equal or not
 ledger's bytes by mesh level set, the step's peak (torch's MemTracker) beside explain's
 peak less the framework overhead, and the seconds spent building groups, lowering,
 compiling and stepping; or `--json` (a list, one object per rank). Exit status 1 when
-a rank's states or ledger differ from explain's.
+a rank's states or ledger differ from explain's, or its peak misses explain's by more than
+3 % either way (shardc/simulate.py PEAK_TOLERANCE; one sentence on stderr names the phases
+and both figures).
 
 The ranks run one after the other in this process, each on a fake default group of its
 own (made and destroyed by `simulate_rank`), so this command must be the process's only
@@ -18,6 +20,7 @@ user of torch.distributed. The model's graph is traced once, for explain's peak
 from __future__ import annotations
 
 import json
+import sys
 
 from shardc.cli import predict_args
 from shardc.cli.argtypes import positive_int
@@ -64,7 +67,7 @@ def run(args) -> int:
     from shardc.cli.cmd_explain import load
     from shardc.cli.loader import load_factory
     from shardc.lowering.passes import parse_passes
-    from shardc.simulate import meta_model
+    from shardc.simulate import meta_model, peak_miss
 
     strategy = load(args.file, args.world, args.mesh, args.ep)
     ranks = ranks_of(args.rank, strategy.mesh.world)
@@ -85,6 +88,9 @@ def run(args) -> int:
     else:
         for rep in reports:
             render(rep)
+    for r in reports:                   # a peak that misses: one sentence each, on stderr
+        if (miss := peak_miss(r)) is not None:
+            print(f"error: {miss}", file=sys.stderr)
     return 0 if all(r["memory_equal"] and r["ledger_equal"] and r["peak"]["within"] is not False
                     for r in reports) else 1
 
