@@ -143,14 +143,18 @@ def __getattr__(name: str):
 
 # ---------------------------------------------------------------------------- measuring
 
+STATUS_KEYS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
+
+
 def proc_status() -> dict[str, int]:
-    """VmHWM and VmRSS of this process, in bytes."""
+    """VmHWM, VmRSS, RssAnon and RssFile of this process, in bytes (/proc/self/status): the
+    bench's one reader of them (peak_fsdp2.py, startup_rss.py, load_peak.py read it here)."""
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith(("VmHWM:", "VmRSS:")):
-                key, val = line.split(":")
-                out[key] = int(val.split()[0]) * 1024
+            key = line.split(":")[0]
+            if key in STATUS_KEYS:
+                out[key] = int(line.split()[1]) * 1024
     return out
 
 

@@ -42,12 +42,8 @@ if os.environ.get("LOAD_PEAK_BIG"):                 # bench/bigmodel.py's 836M m
 
 
 def _status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmHWM:", "VmRSS:")):
-                out[line.split(":")[0]] = int(line.split()[1]) * 1024
-    return out
+    from bigmodel import proc_status     # bench/ is on the path (the script's own folder)
+    return proc_status()
 
 
 def _compiled(name, mesh):

@@ -153,18 +153,7 @@ def build(system: str, x: torch.Tensor, layers: int = 0, phases: dict | None = N
         # may come first in the tracker's snapshots)
         phases["startup"] = int(tracker._peak_mem.get(torch.device("cpu"), snap.get(_TOTAL_KEY, 0)))
         phases["startup_kinds"] = {getattr(k, "value", str(k)): int(v) for k, v in snap.items()}
-        phases["startup_rss"] = proc_status()     # this process's VmHWM etc. since it began: start-up's
-    return out
-
-
-def proc_status() -> dict:
-    """VmHWM, VmRSS, RssAnon and RssFile of this process, in bytes (/proc/self/status)."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key = line.split(":")[0]
-            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                out[key] = int(line.split()[1]) * 1024
+        phases["startup_rss"] = bigmodel.proc_status()     # this process's VmHWM etc. since it began: start-up's
     return out
 
 
@@ -182,6 +171,8 @@ def measure(system: str, x: torch.Tensor, layers: int = 0, warm: bool = True, lo
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
     from shardc.simulate import _step_tracker
+    sys.path.insert(0, HERE)
+    from bigmodel import proc_status
     start: dict = {}
     model, opt, external, sync = build(system, x, layers, start, load)
     if load or not step:

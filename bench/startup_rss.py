@@ -28,17 +28,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 LOG: list = []
-KEYS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
 
 
 def status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key = line.split(":")[0]
-            if key in KEYS:
-                out[key] = int(line.split()[1]) // 1024
-    return out
+    """bigmodel.py's `proc_status` in MiB."""
+    from bigmodel import proc_status
+    return {k: v >> 20 for k, v in proc_status().items()}
 
 
 def mark(what: str) -> None:
@@ -116,7 +111,7 @@ def main() -> None:
         for r in (0, 1):
             print(f"--- rank {r} (MiB)")
             for what, s in every[r]:
-                print(f"{what:18s} " + " ".join(f"{k} {s[k]:6d}" for k in KEYS))
+                print(f"{what:18s} " + " ".join(f"{k} {s[k]:6d}" for k in s))
         for k in ("VmHWM", "RssAnon", "RssFile"):
             print(f"{k} at ready per rank:", [log[-1][1][k] for log in every])
     dist.barrier()
