@@ -14,10 +14,10 @@ build]); the grad
 shards come at the first backward and the optimizer's moments at its first step. Beside
 them, the values being given, one source per start-up:
   * init on the meta device: the first rank runs it into one unit's padded buffer at a
-    time and scatters it (runtime/state/init_first.py; the others hold nothing beside
-    their shards but the generator states their draws start from, 5 KB a draw: on CPU the
-    first rank's unit buffer is `empty`, touched only where an op other than a whole draw or
-    fill ran), or, where it cannot send (runtime/build.py), every rank holds one
+    time and scatters it (runtime/state/init_first.py; on CPU no rank holds more than its
+    shards and a round of the generator states its draws start from, 5 KB each, world + 3
+    of them, but on the first rank the parameters an op other than a whole draw or fill
+    read, until their group is sent), or, where it cannot send (runtime/build.py), every rank holds one
     module's whole parameters at a time; scatter: one unit's buffer. All are bounded by
     the largest unit's whole parameters (params dtype, padded): `unit_values_bytes`;
   * a load (`shardc.load_safetensors`, runtime/state/checkpoint.py [Note: loads in place]):

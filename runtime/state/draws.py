@@ -195,18 +195,23 @@ def segments(positions, lengths, world: int) -> list[list]:
     return out
 
 
-def walk_to(positions, bases) -> dict:
-    """The generator state at each position (in stream order): a jump to the first, then the
-    walk from each to the next (see [Note: a lagging generator])."""
-    found, state, where = {}, None, None
+def walk(positions, bases):
+    """The generator state at each position, in stream order, one at a time (a generator of
+    states: only the last is held): a jump to the first, then the walk from each to the next
+    (see [Note: a lagging generator])."""
+    state, where = None, None
     for run, off in positions:
         if where is not None and where[0] == run and where[1] <= off:
             state = advance(state, off - where[1])
         else:
             state = advance(bases[run], off)
         where = (run, off)
-        found[(run, off)] = state
-    return found
+        yield state
+
+
+def walk_to(positions, bases) -> dict:
+    """Every position's state (`walk`, kept): {position: state}."""
+    return dict(zip(positions, walk(positions, bases)))
 
 
 def resolve(pieces: list, stream: Stream) -> None:

@@ -54,16 +54,20 @@ jump to its start), and the closing box below (the first rank's RNG state, `unse
 error); one all-gather of the walked states (fixed-size tensors) gives every rank the
 states its draws start from. Each
 rank writes the pieces into its shard (padding stays the zeros its allocation gave it). So
-no whole parameter is drawn or sent: the buffer a parameter is a view of is `empty`, and its
-pages are touched only where an op other than those ran; no rank moves the generator past
-another rank's part; and where the init only draws and fills, the values take one object
-scatter and one all-gather (then the buffers' broadcast), not a scatter per group: under
-load each collective waits for every rank to be scheduled. Values as
-before: one process's. Elsewhere (CUDA parameters) the buffer is scattered (`_Sender`).
-Memory: a rank other than the first holds its shards only; the first, beyond them, the
-buffer being filled (its parameters are views of it: a parameter of another dtype is
-one more tensor while its module runs) and `SENDS_IN_FLIGHT` sent ones
-(lowering/startup.py's `unit_values_bytes` is one buffer).
+no whole parameter is drawn or sent: on this path a parameter is not a view of a group
+buffer but a tensor of its own whose storage gets its bytes at the first op other than
+those (untouched.py's [Note: storage at the first real op]), kept until its group is sent;
+no rank moves the generator past another rank's part; and where the init only draws and
+fills, the values take one object scatter, one broadcast and a round of all-gathers of
+states (init_pieces.py's [Note: states a round at a time]; then the buffers' broadcast),
+not a scatter per group: under load each collective waits for every rank to be scheduled.
+Values as before: one process's. Elsewhere (CUDA parameters) the buffer is scattered
+(`_Sender`).
+Memory: a rank other than the first holds its shards and a round's generator states; the
+first, beyond them, the parameters an op read (their values until their group is sent) and
+a parameter of another dtype while its module runs; on the scatter path the buffer being
+filled and `SENDS_IN_FLIGHT` sent ones (lowering/startup.py's `unit_values_bytes` is one
+buffer, the bound for both).
 Used where the data-parallel group is the whole world and no parameter is a DTensor
 (runtime/build.py); else every rank runs the init (init.py).
 """
@@ -185,7 +189,7 @@ def _materialize(m: nn.Module, device, real: dict, holders: dict, slot_of: dict,
             if st is None or isinstance(p, DTensor) or p.dtype != st.pdtype or not p.is_contiguous():
                 continue                   # made below, as init.py does
             s = where[1]
-            view = sender.buffer(where[0])[s.offset:s.offset + s.numel].view(p.shape)
+            view = sender.slot(where[0], s, p.shape)
             sender.untouched.add(view)     # NaN once an op could read it ([Note: NaN only where it can be seen])
             real[key] = nn.Parameter(view, requires_grad=p.requires_grad)
             holders[key] = []
@@ -204,6 +208,10 @@ class _Sender:
         self.pending: list = []            # (work, storage) in send order
         self.unset: set[str] = set()
         self.untouched = Untouched()       # the views not yet written (untouched.py)
+
+    def slot(self, k: int, s, shape) -> torch.Tensor:
+        """The parameter at slot s of group k: a view of the group's buffer."""
+        return self.buffer(k)[s.offset:s.offset + s.numel].view(shape)
 
     def buffer(self, k: int) -> torch.Tensor:
         """Group k's padded buffer (taken at its first use, the padding zero): the front of a

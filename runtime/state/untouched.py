@@ -29,11 +29,21 @@ With a `stream` given (init_first.py), a whole `normal_` or float32 `uniform_` o
 number or a `zero_` is not run at all: the op is recorded (a draw is counted on the lagging
 generator, draws.py's [Note: a lagging generator]; any other op that draws from a generator
 catches that generator up first) and the parameter's buffer is never written, so the first
-rank holds no whole parameter. Each rank then runs the recorded op on its own part
+rank holds no whole parameter (see the next Note). Each rank then runs the recorded op on its own part
 (draws.py's instructions, sent instead of values). An op that later reads or partly
 writes such a view first replays the recorded op into it (a draw from the state it started
 at, the generator put back), so it sees the values one process would have; a later whole
 overwrite replaces the record.
+
+[Note: storage at the first real op]
+On that path (init_pieces.py) the first rank's parameters are made by `lazy`: a tensor of the
+parameter's shape whose storage has no byte (an alias of an empty tensor, so no allocation
+is made and torch's MemTracker counts none). A deferred op never reads or writes it; any
+other op with such a tensor among its arguments (a view of it too: torch checks a view's
+bounds against its storage) first gives the storage its full size (`resize_`, which the
+tracker counts), as does `settle` for a view whose values are read next. So a parameter
+whose init only draws, fills or zeroes it whole never holds memory on the first rank, as on
+the others; one an op reads holds it from that op until it is sent.
 """
 from __future__ import annotations
 
@@ -94,35 +104,52 @@ class Fill:
 
 class Untouched(TorchDispatchMode):
     """The views not yet touched, and those whose only write was deferred, by their buffer's
-    storage; see the module note and [Note: deferred whole writes]."""
+    storage (its `_cdata`: the same object whatever its size); see the module note and
+    [Note: deferred whole writes]."""
 
     def __init__(self, stream=None):
         super().__init__()
-        self.views: dict[int, dict[int, torch.Tensor]] = {}   # storage ptr -> {slot offset: view}
-        self.deferred: dict[int, dict[int, tuple]] = {}       # storage ptr -> {slot offset: (view, op)}
+        self.views: dict[int, dict[int, torch.Tensor]] = {}   # storage -> {slot offset: view}
+        self.deferred: dict[int, dict[int, tuple]] = {}       # storage -> {slot offset: (view, op)}
         self.stream = stream          # the lagging generator draws are counted on (None: defer nothing)
+        self.short: dict[int, torch.Tensor] = {}               # storage -> the `lazy` tensor, not yet given bytes
+
+    def lazy(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A contiguous tensor of `shape` whose storage holds no byte until an op other than a
+        deferred whole write touches it ([Note: storage at the first real op])."""
+        stride = torch.empty(shape, device="meta").stride()
+        t = torch.ops.aten._reshape_alias(torch.empty(0, dtype=dtype, device=device), shape, stride)
+        self.short[t.untyped_storage()._cdata] = t       # held: its storage's key is not reused while listed
+        return t
+
+    def _real(self, t: torch.Tensor) -> None:
+        """t's storage its full size, if it was made by `lazy` and has not been given it yet."""
+        made = self.short.pop(t.untyped_storage()._cdata, None)
+        if made is not None:
+            t.untyped_storage().resize_(made.numel() * made.element_size())
 
     def add(self, view: torch.Tensor) -> None:
-        self.views.setdefault(view.untyped_storage().data_ptr(), {})[view.storage_offset()] = view
+        self.views.setdefault(view.untyped_storage()._cdata, {})[view.storage_offset()] = view
 
     def settle(self, view: torch.Tensor):
         """View done: its deferred op (Normal, Fill), or None after NaN where no op touched it
         (floating; as init.py materialized it), or None where ops ran on it."""
-        op = self.deferred.get(view.untyped_storage().data_ptr(), {}).pop(view.storage_offset(), (None, None))[1]
+        op = self.deferred.get(view.untyped_storage()._cdata, {}).pop(view.storage_offset(), (None, None))[1]
         if op is not None:
             return op
+        self._real(view)              # its values are read next
         if self.forget(view) and view.is_floating_point():
             view.fill_(float("nan"))
         return None
 
     def pending(self, view: torch.Tensor) -> bool:
         """No op has touched `view` yet."""
-        return view.storage_offset() in self.views.get(view.untyped_storage().data_ptr(), {})
+        return view.storage_offset() in self.views.get(view.untyped_storage()._cdata, {})
 
     def forget(self, view: torch.Tensor) -> bool:
         """Stop watching `view` (its value comes from elsewhere); True if it was untouched."""
-        self.deferred.get(view.untyped_storage().data_ptr(), {}).pop(view.storage_offset(), None)
-        mine = self.views.get(view.untyped_storage().data_ptr(), {})
+        self.deferred.get(view.untyped_storage()._cdata, {}).pop(view.storage_offset(), None)
+        mine = self.views.get(view.untyped_storage()._cdata, {})
         return mine.pop(view.storage_offset(), None) is not None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -135,6 +162,8 @@ class Untouched(TorchDispatchMode):
                     return whole
             for t in tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and not t.is_meta:
+                    if self.short:
+                        self._real(t)      # before any op, a view's too, reads its storage's size
                     self._touch(t, t is whole)
         g = drawn_from(func, kwargs) if self.stream is not None else None
         if g is not None and g.device.type == "cpu":
@@ -143,7 +172,7 @@ class Untouched(TorchDispatchMode):
 
     def _exact(self, t: torch.Tensor):
         """The watched view t covers exactly (untouched or deferred), else None."""
-        ptr, off = t.untyped_storage().data_ptr(), t.storage_offset()
+        ptr, off = t.untyped_storage()._cdata, t.storage_offset()
         view = self.views.get(ptr, {}).get(off)
         if view is None:
             view = self.deferred.get(ptr, {}).get(off, (None,))[0]
@@ -175,13 +204,13 @@ class Untouched(TorchDispatchMode):
             op = (Normal if make == "normal" else Uniform).drawn(self.stream, view.numel(), x, y, g)
         else:
             op = Fill(args[1] if func is aten.fill_.Scalar else 0)
-        ptr, off = view.untyped_storage().data_ptr(), view.storage_offset()
+        ptr, off = view.untyped_storage()._cdata, view.storage_offset()
         self.views.get(ptr, {}).pop(off, None)
         self.deferred.setdefault(ptr, {})[off] = (view, op)
         return True
 
     def _touch(self, t: torch.Tensor, overwrite: bool) -> None:
-        ptr = t.untyped_storage().data_ptr()
+        ptr = t.untyped_storage()._cdata
         mine, later = self.views.get(ptr), self.deferred.get(ptr)
         if not mine and not later:
             return
