@@ -68,9 +68,10 @@ def job(rank: int, world: int, system: str, layers: int, hidden: int) -> dict:
     clock: dict = {}
     if system == "shardc":
         import shardc.runtime.state.init_first as first
+        import shardc.runtime.state.draws as draws
         import shardc.runtime.state.init_pieces as pieces
         for obj, name in ((first, "_run_first"), (first, "broadcast"), (pieces.Pieces, "_receive"),
-                          (pieces, "walk_to"), (pieces.dist, "all_gather"), (pieces, "apply_pieces")):
+                          (draws, "advance"), (pieces.dist, "all_gather_single"), (pieces, "apply_pieces")):
             _timed(clock, obj, name)
     dist.barrier()
     c, w = time.process_time(), time.perf_counter()

@@ -10,7 +10,7 @@ STRATEGY, default bench/llama_zero3_units.shard; `fsdp2`: `start_fsdp2("init", .
 `fully_shard` per unit), the depth (16: the 836M model). Output, printed by rank 0: ranks 0
 and 1's /proc/self/status figures (MiB) at each marked point — for shardc the plan's
 hand-off (`job_plan`, rank 0's capture), the emitted module's load, the storages' build
-(`_units`), the values (`_values`, and inside it init_pieces.py's `drain` and `walk_to`),
+(`_units`), the values (`_values`, and inside it init_pieces.py's `drain` and `_draw`),
 the buffers' broadcast —, every rank's VmHWM, RssAnon and RssFile once values are ready,
 and with `--files` rank 1's resident KiB per mapped file (a JSON beside the printout,
 `startup_rss_SYSTEM_files.json` in the working directory) to diff between systems: RssFile
@@ -62,7 +62,7 @@ def instrument() -> None:
     _wrap(build, "_units")
     _wrap(build, "_values")
     _wrap(first, "broadcast")
-    _wrap(pieces, "walk_to")
+    _wrap(pieces.Pieces, "_draw")
     _wrap(pieces.Pieces, "drain")
 
 

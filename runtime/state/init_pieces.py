@@ -188,7 +188,7 @@ class Pieces:
             mine = next(states) if i < len(walks[me]) else torch.zeros_like(bases[0])
             n = mine.numel()
             every = mine.new_empty(world * n)
-            dist.all_gather_into_tensor(every, mine, group=self.group)   # fixed-size states: one collective
+            dist.all_gather_single(every, mine, group=self.group)   # fixed-size states: one collective
             del mine
             for r in range(world):
                 for k, p in todo.pop(walks[r][i], ()) if i < len(walks[r]) else ():
