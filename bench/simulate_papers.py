@@ -125,7 +125,7 @@ def reexplain(path: str) -> None:
     analysis/costmodel/timeline.py only). One trace per model and unit split."""
     import shardc
     from shardc.analysis.costmodel.report import explain, model_units
-    from shardc.simulate import _explain_phases, _phases_within, meta_model, peak_within
+    from shardc.simulate import DEVICE, _explain_phases, _phases_within, meta_model, peak_within
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     graphs, units = {}, {}
@@ -140,7 +140,7 @@ def reexplain(path: str) -> None:
         if key not in units:
             units[key] = model_units(s, meta_model(factory, ""))
         e = explain(s, units[key], micro_batches=r["step"]["micro_batches"], optimizer=r["step"]["optimizer"],
-                    clip_grad_norm=r["step"]["clip"], graph=_graph(s, factory, graphs, model)).peak
+                    clip_grad_norm=r["step"]["clip"], graph=_graph(s, factory, graphs, model), device=DEVICE).peak
         phases = _explain_phases(e["timeline"])
         pk.update(explain=e["peak"] - e["overhead"], explain_phase=e["phase"], explain_buffers=e["buffers"],
                   explain_timeline=e["timeline"], explain_phases=phases,

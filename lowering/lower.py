@@ -35,6 +35,7 @@ class UnitSize:
     root: bool = False
     placed: tuple[tuple[PlacementKind, int, int], ...] = ()
     single: bool = False              # its dense trainable elements are one tensor (GroupPlan.whole_grad)
+    largest: int = 0                  # its largest dense trainable tensor's elements (0: not known)
 
     def counts(self, over: Over) -> tuple[int, int]:
         """(trainable, frozen) elements placed by kind `over`."""
@@ -58,17 +59,18 @@ def unit_sizes(params, units, kinds=None) -> list[UnitSize]:
         dense = of(None)
         placed = tuple((k, count(of(k), True), count(of(k), False)) for k in kinds if of(k))
         single = sum(1 for n in dense if params[n].requires_grad) == 1
+        largest = max((params[n].numel() for n in dense if params[n].requires_grad), default=0)
         out.append(UnitSize(u.name, count(dense, True), count(dense, False), u.scopes, root=(i == 0),
-                            placed=placed, single=single))
+                            placed=placed, single=single, largest=largest))
     return out
 
 
-def _groups(pl: Placement, counts, root: bool, single: bool = False):
+def _groups(pl: Placement, counts, root: bool, single: bool = False, largest: int = 0):
     out = []
     for phi, trainable in counts:
         if phi:
             n = padded(phi, pad_multiple(pl.factors, trainable))
-            out.append(group_plan(pl, phi, n, trainable, root, single and trainable))
+            out.append(group_plan(pl, phi, n, trainable, root, single and trainable, largest if trainable else 0))
     return out
 
 
@@ -76,7 +78,7 @@ def lower_unit(mesh: Mesh, u: UnitSize) -> UnitPlan:
     """Unit `u`'s groups: its own parameters' on `mesh` with its scopes, then each kind's with
     that kind's placement (lowering/placements.py [Note: placement kinds])."""
     dense = placement(Over.DENSE, mesh, u.scopes)
-    groups = _groups(dense, ((u.trainable, True), (u.frozen, False)), u.root, u.single)
+    groups = _groups(dense, ((u.trainable, True), (u.frozen, False)), u.root, u.single, u.largest)
     for k, trainable, frozen in u.placed:
         groups += _groups(k.placement(mesh, u.scopes), ((trainable, True), (frozen, False)), u.root)
     return UnitPlan(u.name, u.scopes, dense.factors, tuple(groups), u.root)

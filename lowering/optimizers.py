@@ -83,6 +83,11 @@ def optimizer_kind(name: str) -> OptimizerKind | None:
     return _BY_LOWER.get(name.lower())
 
 
+# the device a job's tensors are on, by its process groups' backend: what torch picks an
+# optimizer's implementation by (explain knows the backend, not the device)
+BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
+
+
 def step_impl(kw: dict | None = None, device: str = "cuda") -> str:
     """The `opt.step()` implementation torch runs for these kwargs on `device`: "fused",
     "foreach" or "loop" ([Note: step temporaries])."""

@@ -124,8 +124,10 @@ def master_is_params(params_dtype: DType, trainable: bool, s_p: int, s_os: int) 
     return trainable and params_dtype is not DType.FP32 and s_p > 1 and s_p == s_os
 
 
-def group_plan(pl: Placement, phi: int, n: int, trainable: bool, root: bool, single: bool = False) -> GroupPlan:
-    """`single`: its trainable elements are one tensor (whole_grad when unpadded, grads in the params dtype)."""
+def group_plan(pl: Placement, phi: int, n: int, trainable: bool, root: bool, single: bool = False,
+               largest: int = 0) -> GroupPlan:
+    """`single`: its trainable elements are one tensor (whole_grad when unpadded, grads in the
+    params dtype); `largest`: its largest trainable tensor's elements (0: not known)."""
     sc, f, mesh = pl.scopes, pl.factors, pl.mesh
     rows = tuple(_gathers(sc, f, mesh, n, root)) + (tuple(_gradients(sc, f, mesh, n)) if trainable else ())
     if pl.over != Over.DENSE:
@@ -140,7 +142,8 @@ def group_plan(pl: Placement, phi: int, n: int, trainable: bool, root: bool, sin
         optim_elems=n // f.os if trainable else 0,
         master_bytes=n // f.os * 4 if trainable and sc.params.dtype is not DType.FP32 and not one else 0,
         gathered_bytes=n * pb if f.p > 1 else 0,
-        whole_grad=single and trainable and phi == n and sc.params.dtype is sc.grads.dtype)
+        whole_grad=single and trainable and phi == n and sc.params.dtype is sc.grads.dtype,
+        largest=largest)
 
 
 def clip_rows(mesh: Mesh, optim_levels) -> tuple[Row, ...]:

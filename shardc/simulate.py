@@ -63,6 +63,10 @@ STATE_KEYS = ("params", "params_secondary", "grads", "optim", "total")
 # in the backward
 KINDS = {"Other": "held by the runtime", "Activation": "forward", "Temp": "backward", "Optstate": "optimizer states",
          "Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients"}
+# the simulated rank's tensors: its step runs torch's optimizers on meta tensors, where they take
+# their per-tensor loop, so explain's step temporaries are taken by that rule, what is measured
+# (lowering/optimizers.py `step_impl`); a GPU run takes foreach (`shardc explain`)
+DEVICE = "meta"
 FACTORY_NOT_META = ("the model factory {spec} cannot build the model on the meta device ({why}); a simulated "
                     "rank builds it there (`with torch.device('meta'): model = factory()`), so create every "
                     "parameter without an explicit device and without reading values")
@@ -151,7 +155,7 @@ def simulate_rank(strategy, factory, rank: int, *, spec: str = "the model factor
     clock = _Clock()
     units = model_units(strategy, meta_model(factory, spec))   # what explain sizes
     predicted = explain(strategy, units, micro_batches=m, optimizer=optimizer, clip_grad_norm=clip,
-                        graph=graph, passes=passes)
+                        graph=graph, passes=passes, device=DEVICE)
     init_fake(rank, world)
     try:
         with clock("groups"):

@@ -6,9 +6,11 @@ group never allocates; `explain(..., backend="gloo")` counts them (analysis/cost
 examples/gpt.py `small` under zero3 on 2 gloo ranks, one micro-batch of 64 tokens, AdamW:
 one step to make the optimizer's states, then one under the MemTracker subclass `shardc
 simulate` uses (shardc/simulate.py `_step_tracker`, the same phases). explain's forward,
-and backward (gloo) are each within 3 % of the measured phase (the max over ranks), and the
-step's no more than 3 % under it (its optimizer temporaries are a bound, analysis/costmodel/
-timeline.py [Note: timeline: optimizer step]: 1.037 of the measured step here);
+backward and step (gloo) are each within 3 % of the measured phase (the max over ranks):
+0.992, 1.021 and 1.000 here. The step holds torch's per-tensor loop's temporaries (a CPU
+job, 2x the largest parameter's piece) and no update's clone (zero3 has no update
+all-gather; analysis/costmodel/timeline.py [Note: timeline: optimizer step]): with a GPU's
+foreach rule and the clone it was 1.037;
 explain with the receive blocks left out (NCCL's native reduce-scatter) is more than 3 %
 under the measured backward, so the test fails if the timeline drops them.
 """
@@ -86,9 +88,8 @@ def test_explain_on_gloo_is_the_measured_peak_per_phase():
     ranks = dist_run(2, _tracked_step)
     measured = {ph: max(r[ph] for r in ranks) for ph in ranks[0]}
     gloo, native = _explained("gloo", "nccl")
-    for ph in ("forward", "backward"):
+    for ph in ("forward", "backward", "step"):
         assert abs(gloo[ph] - measured[ph]) <= TOLERANCE * measured[ph], (ph, gloo[ph], measured[ph])
-    assert measured["step"] <= (1 + TOLERANCE) * gloo["step"], (gloo["step"], measured["step"])
     # the receive blocks left out: explain misses the backward by more than the tolerance
     assert native["backward"] < (1 - TOLERANCE) * measured["backward"], (native["backward"], measured["backward"])
     assert native["forward"] == gloo["forward"]      # the forward reduces nothing

@@ -54,6 +54,8 @@ def test_torch_runs_foreach_on_gpus_and_the_loop_on_cpu_and_meta():
 
 
 def test_explain_step_holds_the_optimizers_temporaries():
+    """The step point: the rule's bytes for the optimizer and the device, and no update's
+    clone where there is no update all-gather (zero3: P sharded as OS is)."""
     from shardc.analysis.costmodel.bucketing import resolve_bucket
     from shardc.analysis.costmodel.flops import trace
     from shardc.analysis.costmodel.report import explain, model_units
@@ -61,20 +63,30 @@ def test_explain_step_holds_the_optimizers_temporaries():
     from shardc.dsl import load_strategy
     from shardc.units import find_units
 
-    s = load_strategy(os.path.join(ROOT, "examples", "strategies", "zero3.shard"), mesh="node(1) > gpu(4)")
     model = build_model(os.path.join(ROOT, "examples", "gpt.py") + ":tiny", device="meta")
-    graph = trace(model, find_units(model, resolve_bucket(model, s)), batch=1, seq=16)
-    units = model_units(s, model)
+    named = dict(model.named_parameters())
 
-    def step(optimizer, kw=None):
-        e = explain(s, units, micro_batches=1, optimizer=optimizer, optimizer_kwargs=kw, graph=graph)
+    def step(strategy, optimizer, kw=None, backend="nccl"):
+        s = load_strategy(os.path.join(ROOT, "examples", "strategies", f"{strategy}.shard"), mesh="node(1) > gpu(2)")
+        graph = trace(model, find_units(model, resolve_bucket(model, s)), batch=1, seq=16)
+        units = find_units(model, resolve_bucket(model, s))
+        e = explain(s, model_units(s, model), micro_batches=1, optimizer=optimizer, optimizer_kwargs=kw,
+                    graph=graph, backend=backend)
         points = [p for p in e.peak["timeline"] if p["phase"] == "step"]
         assert len(points) == 1
-        return points[0]["buffers"]
+        # the largest optimizer chunk and the largest parameter piece of one (fp32 bytes), by
+        # hand: a unit's trainable elements padded to a multiple of the 2 ranks, over 2 (a
+        # block's 6,304, its largest parameter 4,096)
+        sizes = [sum(named[n].numel() for n in u.params if named[n].requires_grad) for u in units]
+        chunk = max(-(-n // 2) for n in sizes) * 4
+        piece = max(min(max(named[n].numel() for n in u.params), -(-n // 2)) for u, n in zip(units, sizes) if n) * 4
+        return points[0]["buffers"], chunk, piece
 
-    adamw, fused, sgd = step("adamw"), step("adamw", {"fused": True}), step("sgd", {"momentum": 0.9})
-    chunk = adamw["the update's clone of the chunk"]
-    assert chunk > 0
-    assert adamw["optimizer step temporaries"] == chunk            # AdamW foreach: 1x the stepped bytes
-    assert "optimizer step temporaries" not in fused or fused["optimizer step temporaries"] == 0
-    assert "optimizer step temporaries" not in sgd or sgd["optimizer step temporaries"] == 0
+    adamw, chunk, piece = step("zero3", "adamw")
+    assert adamw["optimizer step temporaries"] == chunk            # AdamW foreach (a GPU): 1x the stepped bytes
+    assert adamw["the update's clone of the chunk"] == 0           # P sharded as OS is: no update all-gather
+    cpu, _, _ = step("zero3", "adamw", backend="gloo")
+    assert cpu["optimizer step temporaries"] == 2 * piece < 2 * chunk   # the per-tensor loop (CPU): 2x the largest piece
+    fused, _, _ = step("zero3", "adamw", {"fused": True})
+    sgd, _, _ = step("zero3", "sgd", {"momentum": 0.9})
+    assert fused.get("optimizer step temporaries", 0) == 0 and sgd.get("optimizer step temporaries", 0) == 0

@@ -41,13 +41,14 @@ def activation_bytes(graph, checkpoint: bool = False) -> int:
 
 def peak_memory(memory: dict, graph=None, checkpoint: bool = False, overhead: int = FRAMEWORK_OVERHEAD,
                 plan=None, micro_batches: int = 1, mesh=None, algo=None, optimizer: str = DEFAULT_OPTIMIZER,
-                optimizer_kwargs: dict | None = None, a2a: bool = False) -> dict:
+                optimizer_kwargs: dict | None = None, a2a: bool = False, device: str = "cuda") -> dict:
     """The peak per rank and what dominates it. Without a graph the activations are unknown,
     and so are the peak and what dominates it (None): a sum that left them out is no peak,
     and nothing prints it or filters by it. `mesh`, `algo`: the strategy's mesh and resolved
     collective algorithm, for the collectives' own buffers (timeline.py); `optimizer`,
     `optimizer_kwargs`: the step's optimizer, for its temporaries (timeline.py); `a2a`: the
-    backend reduce-scatters by all-to-all (gloo: its receive blocks count)."""
+    backend reduce-scatters by all-to-all (gloo: its receive blocks count); `device`: where the
+    tensors are, for the optimizer's implementation (lowering/optimizers.py `step_impl`)."""
     parts = {"states": int(memory["total"]), "gathered": int(memory["transient"]),
              "activations": activation_bytes(graph, checkpoint) if graph is not None else None,
              "overhead": int(overhead)}
@@ -58,7 +59,7 @@ def peak_memory(memory: dict, graph=None, checkpoint: bool = False, overhead: in
         return {**parts, "peak": sum(parts.values()), "dominant": dominant}
     tl = timeline(plan, memory, parts["activations"], None if checkpoint else tuple(graph.saved),
                   graph.output, micro_batches, mesh, algo, optimizer, optimizer_kwargs, a2a,
-                  logits=graph.logits, head=graph.head)
+                  logits=graph.logits, head=graph.head, device=device)
     at = tl.peak
     dominant = max(dict(at.buffers), key=dict(at.buffers).get)
     return {**parts, "peak": at.bytes + parts["overhead"], "dominant": dominant, "phase": at.phase,

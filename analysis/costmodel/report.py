@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from shardc.dsl.errors import ShardcError
 from shardc.dsl.ir import Collectives, Strategy
 from shardc.lowering import A2A_RS_BACKENDS, Lowering, Over, kinds_of, lower, placement_meshes
-from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
+from shardc.lowering.optimizers import BACKEND_DEVICE, DEFAULT_OPTIMIZER
 
 from shardc.analysis.costmodel.activations import FRAMEWORK_OVERHEAD, peak_memory
 from shardc.analysis.costmodel.ledger import ledger_dicts, ledger_of
@@ -54,12 +54,13 @@ def explain(strategy: Strategy, units, *, micro_batches: int | None = None, opti
             optimizer_kwargs: dict | None = None, clip_grad_norm: bool = False, bandwidth=None,
             tokens: int = 4096, flops: float = 150e12, graph=None, checkpoint: bool = False,
             peak_flops: float = 312e12, overhead: int | None = None, passes=None,
-            backend: str = "nccl") -> Explained:
+            backend: str = "nccl", device: str | None = None) -> Explained:
     """Everything `shardc explain` prints, for one strategy on one model. `graph`: the
     model's `flops.GraphCost` (FLOPs and activations per micro-batch), when traced;
     `passes`: the plan passes the run uses (None: all, as `shardc compile` runs them);
     `backend`: the process groups' backend (gloo's reduce-scatters hold receive blocks:
-    shardc.lowering A2A_RS_BACKENDS)."""
+    shardc.lowering A2A_RS_BACKENDS); `device`: where the step's tensors are, for the
+    optimizer's implementation (None: the backend's, lowering/optimizers.py `BACKEND_DEVICE`)."""
     m = strategy.accumulate if micro_batches is None else micro_batches
     if m < 1:
         raise ShardcError(f"--micro-batches must be at least 1, got {m}")
@@ -83,7 +84,7 @@ def explain(strategy: Strategy, units, *, micro_batches: int | None = None, opti
     return Explained(strategy, units, m, memory, tuple(records), algo, links, inter, intra, t,
                      peak_memory(memory, graph, checkpoint, FRAMEWORK_OVERHEAD if overhead is None else overhead, plan, m,
                                  strategy.mesh, algo, optimizer, optimizer_kwargs,
-                                 backend in A2A_RS_BACKENDS), rates,
+                                 backend in A2A_RS_BACKENDS, device or BACKEND_DEVICE.get(backend, "cuda")), rates,
                      shared_links(bw, strategy.mesh), plan)
 
 

@@ -118,14 +118,21 @@ put explain's forward at 1.033 of the measured one).
 [Note: timeline: optimizer step]
 In opt.step() (runtime/step/optimizer.py) the optimizer runs over one group's OS chunk at a
 time and the update all-gather sends a copy of it (runtime/groups/flat_group.py
-`update_issue`, `mine.clone()`): the clone (1x the largest chunk, fp32) and the optimizer's
+`update_issue`, `mine.clone()`): the clone (1x the largest chunk with an update all-gather,
+fp32; none where P is sharded as OS is) and the optimizer's
 own temporaries for the optimizer the user gives, shardc.lowering.optimizers
 `step_temporary_bytes` ([Note: step temporaries]: AdamW foreach 1x the stepped bytes, fused
 none, the per-tensor loop 2x the largest tensor; SGD none without weight decay), taken with
-the largest chunk as the stepped bytes and as its largest tensor (a bound), for the
-implementation torch runs on a GPU. Measured with the step phase of `shardc simulate`
-(AdamW): 2.0x the largest chunk for zero3, 0.67x for ddp, on GPT tiny and small at 4 ranks,
-so AdamW's rule (1x + the clone) is a bound there.
+the largest chunk as the stepped bytes (a bound) and, as its largest tensor, the largest
+parameter's piece of a chunk (`GroupPlan.stepped_tensor`: the group's largest parameter or
+its chunk, whichever is smaller; the chunk where the sizes came without parameters), for the
+implementation torch runs on the job's device (`device`: explain's `--backend gloo` is a CPU
+job, torch's per-tensor loop; else a GPU, foreach). Measured with the step phase of `shardc
+simulate` (AdamW): 2.0x the largest chunk for zero3, 0.67x for ddp, on GPT tiny and small at
+4 ranks, so AdamW's foreach rule (1x + the clone) is a bound there; on 4 gloo ranks (HF GPT-2,
+MiCS, the step's own point) the foreach rule put explain's step at 1.035x the measured one,
+with no clone (MiCS has no update all-gather) and the loop's rule (2x the largest piece)
+within 0.1 %.
 
 [Note: timeline: step-end sync]
 An early sync with an all-reduce stage is advanced (its chunk copied into the OS slice and
@@ -151,7 +158,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Phase
+from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Op, Phase
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, step_temporary_bytes
 
 from .loss import loss_tensors
@@ -202,7 +209,7 @@ class Timeline:
 def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None = None,
              output: int = 0, micro_batches: int = 1, mesh=None, algo=None,
              optimizer: str = DEFAULT_OPTIMIZER, optimizer_kwargs: dict | None = None,
-             a2a: bool = False, logits: int = 0, head: int = 0) -> Timeline:
+             a2a: bool = False, logits: int = 0, head: int = 0, device: str = "cuda") -> Timeline:
     """The phases' peaks of one step ([Note]s above), from the plan and the states.
     `saved`: each unit's saved activation bytes (the trace's, unit order; None or under
     checkpointing: `activations` stays alive through the whole backward). `mesh`, `algo`:
@@ -211,7 +218,8 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     temporaries ([Note: timeline: optimizer step]). `a2a`: the backend reduce-scatters by
     all-to-all (gloo), so its receive blocks count (staging.py [Note: staging: receive blocks]).
     `output`, `logits`, `head`: the trace's fp32 logits, its logits in their own dtype and the
-    head's parameter elements, for the loss's tensors (loss.py)."""
+    head's parameter elements, for the loss's tensors (loss.py). `device`: where the tensors
+    are, for the optimizer's implementation ([Note: timeline: optimizer step])."""
     units = plan.units
     z = UnitBuffers(plan, mesh, algo, a2a)
     size = z.gathered
@@ -357,6 +365,9 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
     sync_buffers = (("early syncs", early_bytes), ("syncs in flight", sum(rest[:SYNC_IN_FLIGHT])))
     chunk = max((g.optim_elems * 4 for u in units for g in u.groups if g.trainable), default=0)
+    tensor = max((g.stepped_tensor * 4 for u in units for g in u.groups if g.trainable), default=0)
+    clone = max((g.optim_elems * 4 for u in units for g in u.groups
+                 if g.trainable and g.row(Phase.UPDATE, Op.ALL_GATHER) is not None), default=0)
     fp32_grads = ("fp32 gradients", sum(g.optim_elems * 4 for u in units for g in u.groups
                                         if g.trainable and grad_full(u, g) != 4 * g.n))
     pts = [
@@ -365,9 +376,9 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         Point("sync", (("states", states), ("reduce workspace", ws), *sync_buffers)),
         max(Point("step", (("states", states), *sync_buffers)),
             Point("step", (("states", states), fp32_grads,
-                           ("the update's clone of the chunk", chunk),
+                           ("the update's clone of the chunk", clone),
                            ("optimizer step temporaries",
-                            step_temporary_bytes(optimizer, optimizer_kwargs, chunk, chunk)))),
+                            step_temporary_bytes(optimizer, optimizer_kwargs, chunk, tensor, device)))),
             Point("step", (("states", states), fp32_grads, ("update gathers in flight", sum(a for _, a, _ in z.update)),
                            ("update gather staging at its wait",
                             max((b for k, _, b in z.update if k not in deferred), default=0)))),
