@@ -141,7 +141,9 @@ class GroupPlan:
     # its one parameter's gradient is reduce-scattered as autograd made it, with no flat copy
     # (runtime/groups/storage.py `whole_grad`: one tensor, no padding, grads in the params dtype)
     whole_grad: bool = False
-    largest: int = 0                  # its largest trainable tensor's elements (0: not known)
+    # its trainable tensors in layout order, each (its index in the model's parameter order,
+    # its elements): the optimizer's pieces ((): not known, sizes given without parameters)
+    tensors: tuple[tuple[int, int], ...] = ()
 
     @property
     def key(self) -> tuple[bool, Placement]:
@@ -153,13 +155,6 @@ class GroupPlan:
 
     def row(self, phase: Phase, op: Op | None = None) -> Row | None:
         return next((r for r in self.rows if r.phase is phase and (op is None or r.op is op)), None)
-
-    @property
-    def stepped_tensor(self) -> int:
-        """Elements of the largest tensor opt.step() steps on a rank: a parameter's piece of the
-        OS chunk, at most its largest parameter (the chunk where that is not known)."""
-        return min(self.largest, self.optim_elems) if self.largest else self.optim_elems
-
 
 @dataclass(frozen=True, slots=True)
 class UnitPlan:

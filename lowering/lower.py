@@ -35,7 +35,9 @@ class UnitSize:
     root: bool = False
     placed: tuple[tuple[PlacementKind, int, int], ...] = ()
     single: bool = False              # its dense trainable elements are one tensor (GroupPlan.whole_grad)
-    largest: int = 0                  # its largest dense trainable tensor's elements (0: not known)
+    # its dense trainable tensors in layout order, each (its index in the model's parameter
+    # order, its elements); () where not known (sizes given without parameters)
+    tensors: tuple[tuple[int, int], ...] = ()
 
     def counts(self, over: Over) -> tuple[int, int]:
         """(trainable, frozen) elements placed by kind `over`."""
@@ -51,6 +53,7 @@ def unit_sizes(params, units, kinds=None) -> list[UnitSize]:
     unit's own, in precedence order (lowering/scopes.py `kinds_of(strategy)`; None: the
     registered ones)."""
     kinds = registered_kinds() if kinds is None else tuple(kinds)
+    order = {n: k for k, n in enumerate(params)}       # the model's parameter order (the optimizer's)
     out = []
     for i, u in enumerate(units):
         kind = {n: kind_for(kinds, n, params[n]) for n in u.params}
@@ -59,18 +62,18 @@ def unit_sizes(params, units, kinds=None) -> list[UnitSize]:
         dense = of(None)
         placed = tuple((k, count(of(k), True), count(of(k), False)) for k in kinds if of(k))
         single = sum(1 for n in dense if params[n].requires_grad) == 1
-        largest = max((params[n].numel() for n in dense if params[n].requires_grad), default=0)
+        tensors = tuple((order[n], params[n].numel()) for n in dense if params[n].requires_grad)
         out.append(UnitSize(u.name, count(dense, True), count(dense, False), u.scopes, root=(i == 0),
-                            placed=placed, single=single, largest=largest))
+                            placed=placed, single=single, tensors=tensors))
     return out
 
 
-def _groups(pl: Placement, counts, root: bool, single: bool = False, largest: int = 0):
+def _groups(pl: Placement, counts, root: bool, single: bool = False, tensors=()):
     out = []
     for phi, trainable in counts:
         if phi:
             n = padded(phi, pad_multiple(pl.factors, trainable))
-            out.append(group_plan(pl, phi, n, trainable, root, single and trainable, largest if trainable else 0))
+            out.append(group_plan(pl, phi, n, trainable, root, single and trainable, tensors if trainable else ()))
     return out
 
 
@@ -78,7 +81,7 @@ def lower_unit(mesh: Mesh, u: UnitSize) -> UnitPlan:
     """Unit `u`'s groups: its own parameters' on `mesh` with its scopes, then each kind's with
     that kind's placement (lowering/placements.py [Note: placement kinds])."""
     dense = placement(Over.DENSE, mesh, u.scopes)
-    groups = _groups(dense, ((u.trainable, True), (u.frozen, False)), u.root, u.single, u.largest)
+    groups = _groups(dense, ((u.trainable, True), (u.frozen, False)), u.root, u.single, u.tensors)
     for k, trainable, frozen in u.placed:
         groups += _groups(k.placement(mesh, u.scopes), ((trainable, True), (frozen, False)), u.root)
     return UnitPlan(u.name, u.scopes, dense.factors, tuple(groups), u.root)

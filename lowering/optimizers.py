@@ -25,9 +25,11 @@ factors are `OptimizerKind.temps`, measured once with torch's MemTracker around
 tests/test_step_temporaries.py measures them again): `foreach` holds `temps[0]` x the
 stepped tensors' bytes at once (AdamW, Adam: 1.00, the `_foreach_sqrt` of every exp_avg_sq;
 SGD: 0, with momentum or not, 1.00 with weight_decay: the `_foreach_add` of the grads),
-the loop `temps[1]` x the largest stepped tensor (AdamW, Adam: 2.00; SGD 0, with
-weight_decay 1.00), `fused` none. A kind not measured (`temps` None) gets AdamW's, a bound
-for every element-wise kind torch ships.
+the loop `temps[1]` x the tensor it steps plus `temps[2]` x the one before it, at most
+over the tensors in step order (AdamW, Adam: 2.00 and 1.00: `denom`'s sqrt and quotient,
+while the previous tensor's `denom` is still bound; SGD 0, with weight_decay 1.00 and 0:
+its `grad` is rebound first), `fused` none. A kind not measured (`temps` None) gets
+AdamW's, a bound for every element-wise kind torch ships.
 """
 from __future__ import annotations
 
@@ -46,10 +48,10 @@ class OptimizerKind:
     elementwise: bool = True                   # each element's update reads only its own grad and state
     state_bytes: int | None = None             # K_state with default kwargs; None: not predicted
     flags: tuple[tuple[str, int], ...] = ()    # (kwarg, bytes per element it adds when set)
-    # [Note: step temporaries]: (foreach x the stepped bytes, loop x the largest tensor), and
-    # the same with weight_decay set; None: not measured
-    temps: tuple[float, float] | None = None
-    temps_decay: tuple[float, float] | None = None
+    # [Note: step temporaries]: (foreach x the stepped bytes, loop x a tensor, loop x the one
+    # before it), and the same with weight_decay set; None: not measured
+    temps: tuple[float, float, float] | None = None
+    temps_decay: tuple[float, float, float] | None = None
 
     def k_state(self, **kw) -> int | None:
         """K_state for these kwargs ([Note: K_state]); None when not predicted."""
@@ -60,9 +62,10 @@ class OptimizerKind:
 
 # The cost model's kinds first, in the order its option lists them.
 OPTIMIZER_KINDS = {k.name: k for k in (
-    OptimizerKind("AdamW", state_bytes=8, flags=(("amsgrad", 4),), temps=(1.0, 2.0)),
-    OptimizerKind("Adam", state_bytes=8, flags=(("amsgrad", 4),), temps=(1.0, 2.0)),
-    OptimizerKind("SGD", state_bytes=0, flags=(("momentum", 4),), temps=(0.0, 0.0), temps_decay=(1.0, 1.0)),
+    OptimizerKind("AdamW", state_bytes=8, flags=(("amsgrad", 4),), temps=(1.0, 2.0, 1.0)),
+    OptimizerKind("Adam", state_bytes=8, flags=(("amsgrad", 4),), temps=(1.0, 2.0, 1.0)),
+    OptimizerKind("SGD", state_bytes=0, flags=(("momentum", 4),), temps=(0.0, 0.0, 0.0),
+                  temps_decay=(1.0, 1.0, 0.0)),
     OptimizerKind("Adagrad", state_bytes=4),
     OptimizerKind("RMSprop", state_bytes=4, flags=(("momentum", 4), ("centered", 4))),
     OptimizerKind("Adamax"),
@@ -99,14 +102,19 @@ def step_impl(kw: dict | None = None, device: str = "cuda") -> str:
     return "foreach" if device in ("cuda", "xpu") else "loop"
 
 
-def step_temporary_bytes(name: str, kw: dict | None, stepped: int, largest: int, device: str = "cuda") -> int:
+def step_temporary_bytes(name: str, kw: dict | None, stepped: int, tensors, device: str = "cuda") -> int:
     """Bytes `opt.step()` of `name` (with `kw`) allocates stepping tensors of `stepped` fp32
-    bytes at once whose largest is `largest` bytes ([Note: step temporaries])."""
+    bytes at once, `tensors` their bytes in the order it steps them (one rank's: the loop's
+    rule reads consecutive pairs; a bound where not known: the largest, alone) ([Note: step
+    temporaries])."""
     impl = step_impl(kw, device)
     if impl == "fused":
         return 0
     kind = optimizer_kind(name)
     temps = None if kind is None else (kind.temps_decay if (kw or {}).get("weight_decay") and kind.temps_decay
                                        else kind.temps)
-    foreach, loop = temps or OPTIMIZER_KINDS["AdamW"].temps
-    return int(foreach * stepped) if impl == "foreach" else int(loop * largest)
+    foreach, loop, carry = temps or OPTIMIZER_KINDS["AdamW"].temps
+    if impl == "foreach":
+        return int(foreach * stepped)
+    tensors = list(tensors)
+    return int(max((loop * t + carry * prev for prev, t in zip([0] + tensors, tensors)), default=0))

@@ -125,9 +125,9 @@ def master_is_params(params_dtype: DType, trainable: bool, s_p: int, s_os: int) 
 
 
 def group_plan(pl: Placement, phi: int, n: int, trainable: bool, root: bool, single: bool = False,
-               largest: int = 0) -> GroupPlan:
+               tensors=()) -> GroupPlan:
     """`single`: its trainable elements are one tensor (whole_grad when unpadded, grads in the
-    params dtype); `largest`: its largest trainable tensor's elements (0: not known)."""
+    params dtype); `tensors`: its trainable tensors, (model order, elements) in layout order."""
     sc, f, mesh = pl.scopes, pl.factors, pl.mesh
     rows = tuple(_gathers(sc, f, mesh, n, root)) + (tuple(_gradients(sc, f, mesh, n)) if trainable else ())
     if pl.over != Over.DENSE:
@@ -143,7 +143,7 @@ def group_plan(pl: Placement, phi: int, n: int, trainable: bool, root: bool, sin
         master_bytes=n // f.os * 4 if trainable and sc.params.dtype is not DType.FP32 and not one else 0,
         gathered_bytes=n * pb if f.p > 1 else 0,
         whole_grad=single and trainable and phi == n and sc.params.dtype is sc.grads.dtype,
-        largest=largest)
+        tensors=tuple(tensors))
 
 
 def clip_rows(mesh: Mesh, optim_levels) -> tuple[Row, ...]:

@@ -123,16 +123,17 @@ fp32; none where P is sharded as OS is) and the optimizer's
 own temporaries for the optimizer the user gives, shardc.lowering.optimizers
 `step_temporary_bytes` ([Note: step temporaries]: AdamW foreach 1x the stepped bytes, fused
 none, the per-tensor loop 2x the largest tensor; SGD none without weight decay), taken with
-the largest chunk as the stepped bytes (a bound) and, as its largest tensor, the largest
-parameter's piece of a chunk (`GroupPlan.stepped_tensor`: the group's largest parameter or
-its chunk, whichever is smaller; the chunk where the sizes came without parameters), for the
-implementation torch runs on the job's device (`device`: explain's `--backend gloo` is a CPU
-job, torch's per-tensor loop; else a GPU, foreach). Measured with the step phase of `shardc
+the largest chunk as the stepped bytes (a bound) and, for the per-tensor loop, each rank's
+pieces in the order it steps them (step_pieces.py [Note: a rank's pieces in step order]),
+for the implementation torch runs on the job's device (`device`: explain's `--backend gloo`
+is a CPU job, torch's per-tensor loop; a simulated rank's meta tensors too; else a GPU,
+foreach). Measured with the step phase of `shardc
 simulate` (AdamW): 2.0x the largest chunk for zero3, 0.67x for ddp, on GPT tiny and small at
 4 ranks, so AdamW's foreach rule (1x + the clone) is a bound there; on 4 gloo ranks (HF GPT-2,
 MiCS, the step's own point) the foreach rule put explain's step at 1.035x the measured one,
-with no clone (MiCS has no update all-gather) and the loop's rule (2x the largest piece)
-within 0.1 %.
+with no clone (MiCS has no update all-gather) and the loop's rule within 0.1 %;
+HF Llama under zero3 at 8 gloo ranks, 0.970 with 2x the largest piece, 1.000 with the pieces
+in step order (the embedding's piece, then the first block's q_proj's: 1x + 2x).
 
 [Note: timeline: step-end sync]
 An early sync with an all-reduce stage is advanced (its chunk copied into the OS slice and
@@ -159,9 +160,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Op, Phase
-from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, step_temporary_bytes
+from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, step_impl, step_temporary_bytes
 
 from .loss import loss_tensors
+from .step_pieces import loop_step_bytes
 from .unit_buffers import UnitBuffers, grad_full
 
 # The backward walk in `timeline` keeps one earlier unit's reduce-scatter in flight (`prev`):
@@ -204,6 +206,13 @@ class Timeline:
 
     def to_json(self) -> list[dict]:
         return [{"phase": p.phase, "bytes": p.bytes, "buffers": dict(p.buffers)} for p in self.points]
+
+
+def _step_bytes(plan: Lowering, optimizer: str, kw: dict | None, chunk: int, device: str) -> int:
+    """The optimizer's step temporaries ([Note: timeline: optimizer step])."""
+    if step_impl(kw, device) == "loop":
+        return loop_step_bytes(plan, optimizer, kw, chunk, device)
+    return step_temporary_bytes(optimizer, kw, chunk, (), device)
 
 
 def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None = None,
@@ -365,7 +374,6 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
     sync_buffers = (("early syncs", early_bytes), ("syncs in flight", sum(rest[:SYNC_IN_FLIGHT])))
     chunk = max((g.optim_elems * 4 for u in units for g in u.groups if g.trainable), default=0)
-    tensor = max((g.stepped_tensor * 4 for u in units for g in u.groups if g.trainable), default=0)
     clone = max((g.optim_elems * 4 for u in units for g in u.groups
                  if g.trainable and g.row(Phase.UPDATE, Op.ALL_GATHER) is not None), default=0)
     fp32_grads = ("fp32 gradients", sum(g.optim_elems * 4 for u in units for g in u.groups
@@ -378,7 +386,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
             Point("step", (("states", states), fp32_grads,
                            ("the update's clone of the chunk", clone),
                            ("optimizer step temporaries",
-                            step_temporary_bytes(optimizer, optimizer_kwargs, chunk, tensor, device)))),
+                            _step_bytes(plan, optimizer, optimizer_kwargs, chunk, device)))),
             Point("step", (("states", states), fp32_grads, ("update gathers in flight", sum(a for _, a, _ in z.update)),
                            ("update gather staging at its wait",
                             max((b for k, _, b in z.update if k not in deferred), default=0)))),
