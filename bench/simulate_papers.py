@@ -10,6 +10,8 @@ the docs' tables; no asserts).
     python bench/simulate_papers.py timing --out bench/results/simulate_DATE_timing.json  # planning vs world, compile vs depth
     python bench/simulate_papers.py table bench/results/simulate_DATE_{llama,neox}.jsonl --out OUT.md   # the tables
     python bench/simulate_papers.py reexplain --out FILE.jsonl   # explain's peak again after a timeline change
+    python bench/simulate_papers.py sweep --models llama_7b --nodes 8 --skip-first --peak-all \
+        --out bench/results/simulate_DATE_last-ranks.jsonl                               # other ranks' peaks
 
 Settings: every named strategy (examples/strategies/*.shard) in the papers' precision —
 `dtype bf16` added to its params and grads lines (bf16 parameters, gradients and
@@ -19,7 +21,8 @@ AdamW, no clipping. LLaMA-7B/13B/30B/65B on `node(N) > gpu(8)` (every named stra
 zero_topo, whose mesh is Frontier's); GPT-NeoX-20B on ZeRO-topo's node(48) > gpu(4) >
 gcd(2) (every named strategy). Ranks: the first and the last, and for PaRO-IGG one inside
 its gpu-major chunk order (node N/2, gpu 3); the peak (two steps, the second tracked) on
-the first rank, states and ledger (one step) on every rank. Each model's graph is traced
+the first rank (`--peak-all`: on every rank simulated), states and ledger (one step) on every
+rank. Each model's graph is traced
 once per unit split (bf16, 1 x 2048; `bucket auto` merges blocks at 1024 ranks) for
 explain's peak. One process runs a model's simulations one after
 another.
@@ -88,9 +91,12 @@ def _ranks(name: str, mesh) -> list[int]:
     return [0, inner, last]
 
 
-def simulate_all(model: str, meshes: list[str], names: list[str], out: str, first_only: bool = False) -> None:
+def simulate_all(model: str, meshes: list[str], names: list[str], out: str, first_only: bool = False,
+                 peak_all: bool = False, skip_first: bool = False) -> None:
     """Append one JSON line per simulated rank to `out` (a run that stopped resumes: the
-    ranks already there are skipped). `first_only`: the first rank only (the peak's)."""
+    ranks already there are skipped). `first_only`: the first rank only (the peak's);
+    `peak_all`: the peak on every rank simulated, not on the first only; `skip_first`: the
+    ranks but the first (a run of other ranks' peaks beside one that has the first's)."""
     import shardc
     from shardc.simulate import simulate_rank
     done = set()
@@ -102,13 +108,13 @@ def simulate_all(model: str, meshes: list[str], names: list[str], out: str, firs
     for mesh in meshes:
         for name in names:
             s = shardc.load_strategy(bf16_text(name), mesh=mesh)
-            for r in _ranks(name, s.mesh)[:1 if first_only else None]:
+            for r in _ranks(name, s.mesh)[1 if skip_first else 0:1 if first_only else None]:
                 if (model, name, str(s.mesh), r) in done:
                     continue
                 graph = _graph(s, factory, graphs, model)
                 t = time.perf_counter()
                 rep = simulate_rank(s, factory, r, spec=model, micro_batches=1, batch=1, seq=SEQ, graph=graph,
-                                    peak=r == 0)       # the peak is every rank's: measured on the first
+                                    peak=r == 0 or peak_all)   # the peak: measured on the first (see main)
                 rep["model"] = model
                 rep.pop("explain_ledger")
                 rep["wall"] = time.perf_counter() - t
@@ -249,6 +255,8 @@ def main() -> None:
     p.add_argument("--meshes", default=NEOX_MESH, help="neox: meshes, ';'-separated")
     p.add_argument("--strategies", default=None)
     p.add_argument("--first-only", action="store_true", help="sweep, neox: the first rank only (the peak's)")
+    p.add_argument("--peak-all", action="store_true", help="sweep, neox: the peak on every rank simulated")
+    p.add_argument("--skip-first", action="store_true", help="sweep, neox: every rank simulated but the first")
     p.add_argument("--out", required=True, help="JSON lines (sweep, neox; appended) or JSON (timing); table: the markdown")
     a = p.parse_args()
     if a.what == "reexplain":
@@ -267,11 +275,12 @@ def main() -> None:
             json.dump(out, f, indent=1)
     elif a.what == "neox":
         names = a.strategies.split(",") if a.strategies else NAMED
-        simulate_all("neox_20b", a.meshes.split(";"), names, a.out, a.first_only)
+        simulate_all("neox_20b", a.meshes.split(";"), names, a.out, a.first_only, a.peak_all, a.skip_first)
     else:
         names = a.strategies.split(",") if a.strategies else [n for n in NAMED if n != "zero_topo"]
         for model in a.models.split(","):
-            simulate_all(model, [f"node({n}) > gpu(8)" for n in a.nodes.split(",")], names, a.out, a.first_only)
+            simulate_all(model, [f"node({n}) > gpu(8)" for n in a.nodes.split(",")], names, a.out, a.first_only,
+                         a.peak_all, a.skip_first)
 
 
 if __name__ == "__main__":

@@ -116,24 +116,24 @@ of the two, not both (ZeRO-topo, 4 micro-batches, HF Llama at 8 gloo ranks: both
 put explain's forward at 1.033 of the measured one).
 
 [Note: timeline: optimizer step]
-In opt.step() (runtime/step/optimizer.py) the optimizer runs over one group's OS chunk at a
-time and the update all-gather sends a copy of it (runtime/groups/flat_group.py
-`update_issue`, `mine.clone()`): the clone (1x the largest chunk with an update all-gather,
-fp32; none where P is sharded as OS is) and the optimizer's
-own temporaries for the optimizer the user gives, shardc.lowering.optimizers
-`step_temporary_bytes` ([Note: step temporaries]: AdamW foreach 1x the stepped bytes, fused
-none, the per-tensor loop 2x the largest tensor; SGD none without weight decay), taken with
-the largest chunk as the stepped bytes (a bound) and, for the per-tensor loop, each rank's
-pieces in the order it steps them (step_pieces.py [Note: a rank's pieces in step order]),
-for the implementation torch runs on the job's device (`device`: explain's `--backend gloo`
-is a CPU job, torch's per-tensor loop; a simulated rank's meta tensors too; else a GPU,
-foreach). Measured with the step phase of `shardc
-simulate` (AdamW): 2.0x the largest chunk for zero3, 0.67x for ddp, on GPT tiny and small at
-4 ranks, so AdamW's foreach rule (1x + the clone) is a bound there; on 4 gloo ranks (HF GPT-2,
-MiCS, the step's own point) the foreach rule put explain's step at 1.035x the measured one,
-with no clone (MiCS has no update all-gather) and the loop's rule within 0.1 %;
-HF Llama under zero3 at 8 gloo ranks, 0.970 with 2x the largest piece, 1.000 with the pieces
-in step order (the embedding's piece, then the first block's q_proj's: 1x + 2x).
+opt.step() (runtime/step/optimizer.py) runs the optimizer over every group's OS chunk,
+holding the optimizer's own temporaries for the optimizer the user gives,
+shardc.lowering.optimizers `step_temporary_bytes` ([Note: step temporaries]: AdamW foreach
+1x the stepped bytes, fused none, the per-tensor loop 2x the piece it steps and 1x the one
+before it; SGD none without weight decay), for the implementation torch runs on the job's
+device (`device`: explain's `--backend gloo` is a CPU job, torch's per-tensor loop, and so
+are a simulated rank's meta tensors; else a GPU, foreach), with the largest chunk as
+foreach's stepped bytes (a bound) and, for the loop, each rank's pieces in the order it
+steps them (step_pieces.py [Note: a rank's pieces in step order]). The update all-gathers'
+clones of their OS chunks (runtime/groups/flat_group.py `update_issue`, `mine.clone()`)
+are made after opt.step() returns (its post-hook, runtime/step/boundary.py
+`optimizer_stepped`), when the temporaries are gone: they are the update gathers' point
+([Note: timeline: update gathers]), not this one. Measured: on 4 gloo ranks (HF GPT-2,
+MiCS) the foreach rule with a clone put explain's step at 1.035x the measured one, the
+loop's rule within 0.1 %; HF Llama under zero3 at 8 gloo ranks, 0.970 with 2x the largest
+piece, 1.000 with the pieces in step order (the embedding's piece, then the first block's
+q_proj's: 1x + 2x); a 3-level bf16 strategy with overrides under `shardc simulate`
+(tests/test_peak_bf16_overrides.py), 1.037 with the clone beside the temporaries.
 
 [Note: timeline: step-end sync]
 An early sync with an all-reduce stage is advanced (its chunk copied into the OS slice and
@@ -159,7 +159,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Op, Phase
+from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Phase
 from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, step_impl, step_temporary_bytes
 
 from .loss import loss_tensors
@@ -374,8 +374,6 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
     early_bytes = sum(z.synced_early(k, n + 1 < len(synced)) for n, k in enumerate(synced))
     sync_buffers = (("early syncs", early_bytes), ("syncs in flight", sum(rest[:SYNC_IN_FLIGHT])))
     chunk = max((g.optim_elems * 4 for u in units for g in u.groups if g.trainable), default=0)
-    clone = max((g.optim_elems * 4 for u in units for g in u.groups
-                 if g.trainable and g.row(Phase.UPDATE, Op.ALL_GATHER) is not None), default=0)
     fp32_grads = ("fp32 gradients", sum(g.optim_elems * 4 for u in units for g in u.groups
                                         if g.trainable and grad_full(u, g) != 4 * g.n))
     pts = [
@@ -384,7 +382,6 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         Point("sync", (("states", states), ("reduce workspace", ws), *sync_buffers)),
         max(Point("step", (("states", states), *sync_buffers)),
             Point("step", (("states", states), fp32_grads,
-                           ("the update's clone of the chunk", clone),
                            ("optimizer step temporaries",
                             _step_bytes(plan, optimizer, optimizer_kwargs, chunk, device)))),
             Point("step", (("states", states), fp32_grads, ("update gathers in flight", sum(a for _, a, _ in z.update)),
