@@ -70,6 +70,10 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, conn, path: list[str]) -> None:
     """One rank: join the gloo world, then run jobs until told to stop (None)."""
     sys.path[:0] = [p for p in path if p not in sys.path]
+    # the forkserver's environment is the pytest process's when the first pool started: a
+    # test that had set LOCAL_WORLD_SIZE then (monkeypatch) would leak it into every rank
+    # after (`gpu(local)` meshes; found running the suite under pytest-xdist)
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
