@@ -15,7 +15,7 @@ shards come at the first backward and the optimizer's moments at its first step.
 them, the values being given, one source per start-up:
   * init on the meta device: the first rank runs it into one unit's padded buffer at a
     time and scatters it (runtime/state/init_first.py; on CPU no rank holds more than its
-    shards and a round of the generator states its draws start from, 5 KB each, world + 3
+    shards and a round of the generator states its draws start from, 5 KB each, world + 4
     of them, but on the first rank the parameters an op other than a whole draw or fill
     read, until their group is sent), or, where it cannot send (runtime/build.py), every rank holds one
     module's whole parameters at a time; scatter: one unit's buffer. All are bounded by

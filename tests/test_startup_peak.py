@@ -11,10 +11,10 @@ peak read on every rank.
   mesh of 4 and on the (replicate 2, shard 2) mesh.
 - Every rank, the first too, holds at its start-up peak no more than FSDP2's plus the
   generator states its init's draws start from (runtime/state/init_pieces.py [Note: states a
-  round at a time]): a round's world gathered states, the walk's, a draw's and its saved
-  state (world + 3), and those kept across rounds (the stream's runs and the closing box's
-  state on every rank; the first rank's stream and box): at most 2 x world + 6 states,
-  70.8 KB at 4 ranks. Gathered at once (the way before) they were (world + 1) x draws states
+  round at a time]): the rounds' world gathered states, the walk's, the one sent, a draw's
+  copy and its saved state (world + 4), and those kept across rounds (the stream's runs and
+  the closing box's state on every rank; the first rank's stream and box): at most 2 x
+  world + 6 states, 70.8 KB at 4 ranks (measured 40-50 KB over FSDP2's). Gathered at once (the way before) they were (world + 1) x draws states
   on every rank, 0.34-0.38 MB over FSDP2 here. Before runtime/groups/storage.py [Note:
   nothing whole at build], each group's full buffer was allocated empty and freed at once at
   build, which the tracker counts: with that put back shardc is over by about the largest unit.

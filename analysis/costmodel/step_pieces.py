@@ -4,8 +4,9 @@ temporaries (timeline.py [Note: timeline: optimizer step]).
 
 Input: the plan (each trainable group's `tensors`: its parameters as (index in the model's
 parameter order, elements), in layout order, and its padded size) and the optimizer with
-its kwargs and device. Output: `loop_step_bytes`, the largest over the ranks of
-lowering/optimizers.py `step_temporary_bytes` for that rank's pieces.
+its kwargs and device. Output: `step_bytes`, lowering/optimizers.py `step_temporary_bytes`
+for the implementation torch runs there: for the per-tensor loop the largest over the ranks
+of it for that rank's pieces (foreach and fused read only the stepped bytes).
 
 [Note: a rank's pieces in step order]
 An optimizer over a ShardedModule steps its parameters in the model's order
@@ -25,7 +26,7 @@ walked once.
 from __future__ import annotations
 
 from shardc.lowering import Lowering, RankPlan
-from shardc.lowering.optimizers import step_temporary_bytes
+from shardc.lowering.optimizers import step_impl, step_temporary_bytes
 
 BYTES = 4                       # the optimizer steps fp32 pieces (the master where params are not fp32)
 
@@ -62,10 +63,10 @@ def pieces(groups: list, starts: tuple[int, ...]) -> list[int]:
     return [b for _, b in sorted(known)] + unknown
 
 
-def loop_step_bytes(plan: Lowering, optimizer: str, kw: dict | None, stepped: int, device: str) -> int:
+def step_bytes(plan: Lowering, optimizer: str, kw: dict | None, stepped: int, device: str) -> int:
     """The optimizer's step temporaries on its worst rank: `step_temporary_bytes` over each
-    rank set's pieces (the per-tensor loop reads them; foreach and fused only `stepped`)."""
+    rank set's pieces where torch runs the per-tensor loop, else over `stepped` alone."""
     groups = [g for u in plan.units for g in u.groups if g.trainable]
-    if not groups:
-        return 0
+    if step_impl(kw, device) != "loop" or not groups:
+        return step_temporary_bytes(optimizer, kw, stepped, (), device)
     return max(step_temporary_bytes(optimizer, kw, stepped, pieces(groups, s), device) for s in _starts(plan, groups))

@@ -160,10 +160,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardc.lowering import REDUCE_IN_FLIGHT, RELEASE_GRADS, SYNC_IN_FLIGHT, Lowering, Phase
-from shardc.lowering.optimizers import DEFAULT_OPTIMIZER, step_impl, step_temporary_bytes
+from shardc.lowering.optimizers import DEFAULT_OPTIMIZER
 
 from .loss import loss_tensors
-from .step_pieces import loop_step_bytes
+from .step_pieces import step_bytes
 from .unit_buffers import UnitBuffers, grad_full
 
 # The backward walk in `timeline` keeps one earlier unit's reduce-scatter in flight (`prev`):
@@ -206,13 +206,6 @@ class Timeline:
 
     def to_json(self) -> list[dict]:
         return [{"phase": p.phase, "bytes": p.bytes, "buffers": dict(p.buffers)} for p in self.points]
-
-
-def _step_bytes(plan: Lowering, optimizer: str, kw: dict | None, chunk: int, device: str) -> int:
-    """The optimizer's step temporaries ([Note: timeline: optimizer step])."""
-    if step_impl(kw, device) == "loop":
-        return loop_step_bytes(plan, optimizer, kw, chunk, device)
-    return step_temporary_bytes(optimizer, kw, chunk, (), device)
 
 
 def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None = None,
@@ -383,7 +376,7 @@ def timeline(plan: Lowering, memory: dict, activations: int, saved: tuple | None
         max(Point("step", (("states", states), *sync_buffers)),
             Point("step", (("states", states), fp32_grads,
                            ("optimizer step temporaries",
-                            _step_bytes(plan, optimizer, optimizer_kwargs, chunk, device)))),
+                            step_bytes(plan, optimizer, optimizer_kwargs, chunk, device)))),
             Point("step", (("states", states), fp32_grads, ("update gathers in flight", sum(a for _, a, _ in z.update)),
                            ("update gather staging at its wait",
                             max((b for k, _, b in z.update if k not in deferred), default=0)))),

@@ -48,11 +48,11 @@ not drawn, and its start kept as a stream position (draws.py's [Notes: a draw sp
 a lagging generator]). When a group is final, each rank's pieces of it are queued:
 ("normal"/"uniform", position, ...), ("fill", value), or ("copy", values) for a parameter
 ops ran on. The queue is sent (one object scatter, each rank its own list) after a group
-with values, so at most one group's are held, and at the end; the last send also carries
-the generator's runs, every rank's segment of the positions, which each rank walks (one
-jump to its start), and the closing box below (the first rank's RNG state, `unset`, an
-error); one all-gather of the walked states (fixed-size tensors) gives every rank the
-states its draws start from. Each
+with values, so at most one group's are held, and at the end; after the last send one
+broadcast carries the generator's runs, every rank's segment of the positions, which each
+rank walks (one jump to its start), and the closing box below (the first rank's RNG state,
+`unset`, an error); all-gathers of the walked states (fixed-size tensors), a round at a
+time, give every rank the states its draws start from. Each
 rank writes the pieces into its shard (padding stays the zeros its allocation gave it). So
 no whole parameter is drawn or sent: on this path a parameter is not a view of a group
 buffer but a tensor of its own whose storage gets its bytes at the first op other than

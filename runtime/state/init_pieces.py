@@ -18,14 +18,14 @@ from shardc.lowering import RankPlan
 from .draws import Stream, segments, walk
 from .draws import apply as apply_pieces
 from .init import all_nan
-from .untouched import Fill, Untouched
+from .untouched import Fill, Untouched, storage_key
 
 DRAWS = ("normal", "uniform")  # the pieces drawn by the rank keeping them (draws.py)
 
 
 def _same(value: torch.Tensor, made: torch.Tensor) -> bool:
     """`value` is still the tensor `slot` made (its storage, place, shape and dtype)."""
-    return (value.untyped_storage()._cdata == made.untyped_storage()._cdata and value.dtype == made.dtype
+    return (storage_key(value) == storage_key(made) and value.dtype == made.dtype
             and value.storage_offset() == made.storage_offset() and value.shape == made.shape)
 
 
@@ -129,8 +129,7 @@ class Pieces:
             self.stream.catch_up_all()     # the first rank's generators where one process's are
             walks = segments(self.positions, self.stream.lengths, self.smesh.mesh.world)
             box = [{"bases": self.stream.bases, "walks": walks, "closing": closing()}]
-        if self.group is not None:
-            dist.broadcast_object_list(box, group=self.group, group_src=0)
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]
 
     def _receive(self, msgs=None) -> dict:
@@ -173,8 +172,10 @@ class Pieces:
         every parameter it keeps part of: gathered at once (one all-gather of every walked
         state) a rank held all of them, its walk's and the world's, beside its shards at
         start-up's peak: +1.3-2.0 MB on each rank of the 836M Llama at 8 ranks, tracked above
-        FSDP2's. A round holds its walk's current state, the one it sends and the world's
-        gathered (world + 2 states) and a draw's saved state: 51 KB at 8 ranks. Rounds: the
+        FSDP2's. The rounds hold the walk's current state, one send and one receive buffer for
+        all of them (a fresh pair each round could meet the last round's still held by gloo:
+        4 gloo ranks measured world states more on some runs), a draw's copy of its state and
+        the generator state `apply` saves: world + 4 states, 61 KB at 8 ranks. Rounds: the
         longest segment's positions (the draws per rank, about one per parameter drawn)."""
         me, world = self.smesh.rank, self.smesh.mesh.world
         size = max(len(w) for w in walks)
@@ -184,16 +185,16 @@ class Pieces:
         for k, p in self.draws:
             todo.setdefault(p[5], []).append((k, p))
         states = walk(walks[me], bases)
+        n = bases[0].numel()
+        mine, every = torch.zeros_like(bases[0]), bases[0].new_empty(world * n)   # one pair for every round
         for i in range(size):
-            mine = next(states) if i < len(walks[me]) else torch.zeros_like(bases[0])
-            n = mine.numel()
-            every = mine.new_empty(world * n)
+            if i < len(walks[me]):
+                mine.copy_(next(states))
             dist.all_gather_single(every, mine, group=self.group)   # fixed-size states: one collective
-            del mine
             for r in range(world):
                 for k, p in todo.pop(walks[r][i], ()) if i < len(walks[r]) else ():
                     state = every[r * n:(r + 1) * n].clone()   # its own storage: torch's set_rng_state reads from its start
                     apply_pieces([p[:5] + (state,) + p[6:]], self.storages[k].shard)
                     del state
-            del every
+        del mine, every
         assert not todo, f"draws at positions no rank walked: {sorted(todo)[:3]}"     # segments cover every position

@@ -60,6 +60,11 @@ OVERWRITES = {aten.normal_, aten.uniform_, aten.fill_, aten.zero_, aten.copy_, a
               aten.exponential_, aten.log_normal_, aten.cauchy_, aten.geometric_, aten.bernoulli_}
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """t's storage, the same object whatever its size (a view's and a `.data` alias' too)."""
+    return t.untyped_storage()._cdata
+
+
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """The element range [a, b) of t's storage that t can address."""
     if t.numel() == 0:
@@ -119,22 +124,22 @@ class Untouched(TorchDispatchMode):
         deferred whole write touches it ([Note: storage at the first real op])."""
         stride = torch.empty(shape, device="meta").stride()
         t = torch.ops.aten._reshape_alias(torch.empty(0, dtype=dtype, device=device), shape, stride)
-        self.short[t.untyped_storage()._cdata] = t       # held: its storage's key is not reused while listed
+        self.short[storage_key(t)] = t       # held: its storage's key is not reused while listed
         return t
 
     def _real(self, t: torch.Tensor) -> None:
         """t's storage its full size, if it was made by `lazy` and has not been given it yet."""
-        made = self.short.pop(t.untyped_storage()._cdata, None)
+        made = self.short.pop(storage_key(t), None)
         if made is not None:
             t.untyped_storage().resize_(made.numel() * made.element_size())
 
     def add(self, view: torch.Tensor) -> None:
-        self.views.setdefault(view.untyped_storage()._cdata, {})[view.storage_offset()] = view
+        self.views.setdefault(storage_key(view), {})[view.storage_offset()] = view
 
     def settle(self, view: torch.Tensor):
         """View done: its deferred op (Normal, Fill), or None after NaN where no op touched it
         (floating; as init.py materialized it), or None where ops ran on it."""
-        op = self.deferred.get(view.untyped_storage()._cdata, {}).pop(view.storage_offset(), (None, None))[1]
+        op = self.deferred.get(storage_key(view), {}).pop(view.storage_offset(), (None, None))[1]
         if op is not None:
             return op
         self._real(view)              # its values are read next
@@ -144,12 +149,12 @@ class Untouched(TorchDispatchMode):
 
     def pending(self, view: torch.Tensor) -> bool:
         """No op has touched `view` yet."""
-        return view.storage_offset() in self.views.get(view.untyped_storage()._cdata, {})
+        return view.storage_offset() in self.views.get(storage_key(view), {})
 
     def forget(self, view: torch.Tensor) -> bool:
         """Stop watching `view` (its value comes from elsewhere); True if it was untouched."""
-        self.deferred.get(view.untyped_storage()._cdata, {}).pop(view.storage_offset(), None)
-        mine = self.views.get(view.untyped_storage()._cdata, {})
+        self.deferred.get(storage_key(view), {}).pop(view.storage_offset(), None)
+        mine = self.views.get(storage_key(view), {})
         return mine.pop(view.storage_offset(), None) is not None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -172,7 +177,7 @@ class Untouched(TorchDispatchMode):
 
     def _exact(self, t: torch.Tensor):
         """The watched view t covers exactly (untouched or deferred), else None."""
-        ptr, off = t.untyped_storage()._cdata, t.storage_offset()
+        ptr, off = storage_key(t), t.storage_offset()
         view = self.views.get(ptr, {}).get(off)
         if view is None:
             view = self.deferred.get(ptr, {}).get(off, (None,))[0]
@@ -204,13 +209,13 @@ class Untouched(TorchDispatchMode):
             op = (Normal if make == "normal" else Uniform).drawn(self.stream, view.numel(), x, y, g)
         else:
             op = Fill(args[1] if func is aten.fill_.Scalar else 0)
-        ptr, off = view.untyped_storage()._cdata, view.storage_offset()
+        ptr, off = storage_key(view), view.storage_offset()
         self.views.get(ptr, {}).pop(off, None)
         self.deferred.setdefault(ptr, {})[off] = (view, op)
         return True
 
     def _touch(self, t: torch.Tensor, overwrite: bool) -> None:
-        ptr = t.untyped_storage()._cdata
+        ptr = storage_key(t)
         mine, later = self.views.get(ptr), self.deferred.get(ptr)
         if not mine and not later:
             return
