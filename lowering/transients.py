@@ -60,8 +60,10 @@ all-gather's last stage's buffer is placed into its columns of the output), and 
 before the piece's next block is copied. A one-stage reduce-scatter (one level, or
 the ring over several) reads its input in place: no staging. With the
 block's scatter chunks, the gloo reduce-scatter's receive buffer and the stages' own
-buffers, a piece holds at most `STAGING_OVER` blocks (measured on gloo by MemTracker:
-4 x the block, tests/test_transients.py), so an all-reduce of n elements holds at most
+buffers, a piece holds at most `STAGING_OVER` blocks (measured on gloo by MemTracker
+over two levels: 2.5 x the block for a reduce-scatter or an all-reduce, 1.5 for an
+all-gather, tests/test_transients.py; more levels add their smaller chunks; the blocks
+reuse their buffers, runtime/eager/collectives.py [Note: blocks reuse their buffers]), so an all-reduce of n elements holds at most
 STAGING_OVER x min(n bytes, STAGING_BYTES) over its pieces, alive from its issue to its wait,
 never the 1.5-2.5 n bytes (a padded copy, the pieces' copies and their stages) it held
 before; a staged reduce-scatter of an n-element input, or all-gather of an n-element

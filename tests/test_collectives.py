@@ -163,7 +163,7 @@ def _bounded_blocks(rank, world, mesh, m, cap):
 
     sm, ws, taken = ShardMesh(mesh), Workspace(), []
     take = ws.take
-    ws.take = lambda n, dtype, dev: taken.append(n * dtype.itemsize) or take(n, dtype, dev)
+    ws.take = lambda n, dtype, dev, role="flat": taken.append(n * dtype.itemsize) or take(n, dtype, dev, role)
     bad, bound = [], C.RS_RECV_BYTES
     C.RS_RECV_BYTES = cap                 # this pooled worker runs later tests: put it back
     try:

@@ -65,6 +65,11 @@ def test_staged_all_reduce_exact_and_bounded():
         # the pieces' blocks together at most STAGING_BYTES (`staging_block`): per piece it was 4 x
         assert peak <= STAGING_OVER * staging, (algo, pieces, peak)
         assert peak < n * 4, (algo, peak)            # before: a copy of all n elements
+        # over node(2) > gpu(2) the plan scatters over gpu, all-reduces over node, gathers
+        # back: the block's copy b = staging / pieces, its scatter chunk b/2 and the gloo
+        # reduce-scatter's receive buffer b (the block again), per piece
+        b = staging // pieces
+        assert peak == pieces * (b + b // 2 + b), (algo, pieces, peak)
 
 
 def _bounded_sync(rank, world):
@@ -144,6 +149,15 @@ def test_staged_reduce_scatter_all_gather_exact_and_bounded():
         pieces = A.resolve(algo, ("node", "gpu")).pieces
         assert value <= STAGING_OVER * staging, (algo, pieces, what, value)   # over all pieces together
         assert value < n * 4, (algo, what, value)            # before: the pieces' copies, n elements
+        # each piece's block b = staging / pieces bytes of the input (a reduce-scatter) or the
+        # output (an all-gather), over two stages of 2 ranks each. A reduce-scatter holds the
+        # block's copy b, the first stage's output b/2 and its all-to-all's receive buffer b
+        # (the stage's input again; the second stage's, b/2, reuses it). An all-gather holds
+        # its first stage's output b/2 and its second's b. Exactly that in every run: the
+        # blocks reuse their buffers, whenever gloo lets the last block's go.
+        b = staging // pieces
+        want = {"reduce_scatter": b + b // 2 + b, "all_gather": b // 2 + b}[what]
+        assert value == pieces * want, (algo, pieces, what, value)
 
 
 def _backward_bounded(rank, world, staging):

@@ -60,6 +60,20 @@ def _window(rank, world):
 
 
 @pytest.mark.distributed
+def test_clear_frees_the_bytes_whoever_still_holds_the_tensor():
+    """[Note: bytes freed at once]: a handed-back buffer that another owner (gloo's worker,
+    for a moment) still references loses its bytes at `clear`, not when that owner lets go;
+    a tensor still taken keeps its bytes."""
+    from shardc.runtime.groups.workspace import Workspace
+    ws = Workspace()
+    given, kept = ws.take(1000, torch.float32, torch.device("cpu")), ws.take(10, torch.float32, torch.device("cpu"))
+    still_held = given                  # what gloo's worker holds after the op is waited
+    ws.give(given)
+    ws.clear()
+    assert still_held.untyped_storage().nbytes() == 0
+    assert kept.untyped_storage().nbytes() == 40
+
+
 def test_chunks_pool_apart_from_flat_buffers():
     """[Note: pools by role]: a first micro-batch that reduces into the grad shards leaves two
     N-element buffers free (the flat input, gloo's receive block); the second micro-batch's

@@ -13,17 +13,7 @@ digits, and the buffer is permuted locally before (reduce-scatter) or after (all
 the stages by the algorithm's stage order (shardc.algorithms [Note: an algorithm is its
 stages]); the whole-step mode's graph/funcol.py runs the same stages.
 
-[Note: stages and handles]
-This executor runs an algorithm's stages as generators ("pieces") that issue async
-torch.distributed ops and yield the handles the next stage depends on. `Work` starts every
-piece at once (so the first stage of every piece is in flight when the call returns) and
-`wait()` drives them round-robin: piece k's next stage is issued as soon as its previous
-stage is done, while the other pieces' stages are still in flight (an algorithm with
-`pieces` > 1, HO-Ring, has an intra-level stage of one piece and an inter-level stage of
-another in flight together). Later stages are issued from `wait()` in the caller's thread,
-never from a helper thread: collectives on a group must be issued in the same order on
-every rank, which the caller's program order guarantees. `wait()` must be called before
-reading the result.
+[Note: stages and handles] and [Note: streams]: runtime/eager/work.py (`Work`).
 
 [Note: reduce-scatter on gloo]
 gloo's reduce_scatter is an all-reduce followed by a slice: it moves 2(s-1)/s·n bytes
@@ -48,12 +38,22 @@ are the same; the blocks after the first are issued from `wait()` ([Note: stages
 handles]), so only the first one overlaps the caller's compute. An input whose receive
 buffer fits one block (every unit of the test models: inputs under 1 MiB) is one exchange.
 
-[Note: streams]
-Every call runs on a communication stream of its kind where the device has streams
-(`device.launch`, see runtime/transport/device.py "communication streams"): the body (casts,
-quantization, the first stage) is issued inside `on.active()`, `Work.wait()` drives the
-later stages and the post-processing there too, then joins the caller's stream. The
-trivial cases (no level of size > 1) copy on the caller's stream and return done work.
+[Note: blocks reuse their buffers]
+A staged piece (`_rs_blocks`, `_ag_piece`, `_ar_blocks`) takes its block's copy, its stages'
+buffers and (without the runtime's workspace) the all-to-all's receive buffers from a pool
+of its own (a `Workspace`) and hands each back once the stage after it has been waited:
+the next block reuses them. Allocated fresh per block, a block's buffers could outlive it:
+`wait()` returns when gloo marks the op done, but gloo's worker thread drops its reference
+to the op, and with it the op's tensors, a moment later, so the next block's buffers could
+be allocated while the last one's were still held (measured on 4 gloo ranks: a hierarchical
+reduce-scatter's piece held 5.5 blocks in 5 runs of 20 on one rank, 3.5 otherwise).
+Reused, a piece holds its first block's buffers whatever gloo's thread does (the same run:
+2.5 blocks on every rank in every run, tests/test_transients.py), and its last act empties
+the pool, which frees their bytes (`Workspace.clear`, runtime/groups/workspace.py [Note:
+bytes freed at once]); a receive buffer made fresh (no workspace) is freed the same way
+once summed (`_give`), and a cast's or a quantized gather's buffers at the wait (`_free`). The stages' buffers and the receive buffers are pooled apart (roles `STAGE` and
+"flat"): a stage's smaller chunk never takes the larger receive buffer the next stage's
+all-to-all then needs afresh.
 
 [Note: comm dtypes]
 fp32/bf16/fp16: the input is cast to the comm dtype, communicated, and cast back into
@@ -76,53 +76,11 @@ from shardc.algorithms.base import bounds, gather_perm, scatter_perm
 from shardc.dsl.ir import Collectives, DType
 from shardc.lowering import RS_RECV_BYTES, STAGING_BYTES, Op, recv_block_bytes, staging_block
 
+from ..groups.workspace import Workspace
 from ..transport import a2a, device, quant
 from ..dtypes import torch_dtype
 from ..transport.mesh import ShardMesh
-
-
-class Work:
-    """Handle of a (possibly multi-stage) collective; `wait()` completes it."""
-
-    __slots__ = ("_pending", "_then", "_on")
-
-    def __init__(self, *pieces, then=None, on=device.NO_STREAM):
-        self._pending = []
-        self._then = then                       # local post-processing once every piece is done
-        self._on = on                           # the comm stream (see [Note: streams])
-        with on.active():
-            for g in pieces:
-                self._advance(g)
-
-    def _advance(self, gen) -> None:
-        try:
-            self._pending.append((gen, next(gen)))
-        except StopIteration:
-            pass
-
-    def wait(self) -> bool:
-        with self._on.active():
-            while self._pending:
-                current, self._pending = self._pending, []
-                for gen, works in current:
-                    for w in works:
-                        w.wait()
-                    self._advance(gen)
-            if self._then is not None:
-                then, self._then = self._then, None
-                then()
-        self._on.join()
-        return True
-
-    def is_completed(self) -> bool:
-        return not self._pending and self._then is None
-
-
-def local_copy(out: torch.Tensor, inp: torch.Tensor) -> Work:
-    """The collective over a group of one rank: `inp` into `out` (nothing when they are one)."""
-    if out.data_ptr() != inp.data_ptr():
-        out.copy_(inp.reshape(out.shape))
-    return Work()
+from .work import Work, local_copy
 
 
 # -- one-level building blocks ----------------------------------------------------------
@@ -163,14 +121,28 @@ def _a2a_sum(dst, src, pg, s, scratch):
     _give(scratch, recv)
 
 
-def _take(scratch, n, like):
+STAGE = "stage"     # a staged piece's own buffers, pooled apart from receive buffers ("flat")
+
+
+def _take(scratch, n, like, role="flat"):
     return torch.empty(n, dtype=like.dtype, device=like.device) if scratch is None \
-        else scratch.take(n, like.dtype, like.device)
+        else scratch.take(n, like.dtype, like.device, role)
 
 
-def _give(scratch, t):
+def _give(scratch, t, role="flat"):
+    """Hand back `t`, taken by `_take(scratch, ...)`; made fresh (no scratch), its bytes go now
+    ([Note: blocks reuse their buffers]: gloo may still hold the tensor)."""
     if scratch is not None:
-        scratch.give(t)
+        scratch.give(t, role)
+    else:
+        _free(t)
+
+
+def _free(*ts):
+    """The bytes of tensors this module made for one collective, freed now (gloo's worker may
+    still hold the tensors a moment: [Note: blocks reuse their buffers])."""
+    for t in ts:
+        t.untyped_storage().resize_(0)
 
 
 def _n(sm: ShardMesh, levels) -> int:
@@ -183,15 +155,19 @@ def _ag_piece(out_view, src, sm, stages, key, lo, hi, block):
     columns at a time (shardc.lowering [Note: staging chunks]); place it by `key`."""
     names = [d for st in reversed(stages) for d in st]
     perm = gather_perm(stages, key)
+    pool = Workspace()                            # [Note: blocks reuse their buffers]
     for a in range(lo, hi, block):
         b = min(hi, a + block)
         buf = src[a - lo:b - lo]
-        for st in stages:
-            nxt = buf.new_empty(_n(sm, st) * buf.numel())
+        for i, st in enumerate(stages):
+            nxt = _take(pool, _n(sm, st) * buf.numel(), buf, STAGE)
             yield [_ag(nxt, buf, sm.group(st, st))]
+            if i:
+                _give(pool, buf, STAGE)           # read by this stage: free for the next
             buf = nxt
         out_view[..., a:b].copy_(buf.view(*[sm.mesh.size(n) for n in names], b - a).permute(perm))
-        buf = nxt = None                          # freed before the next block is gathered
+        _give(pool, buf, STAGE)                   # free before the next block is gathered
+    pool.clear()
 
 
 def _ag_one(out, inp, pg):
@@ -242,21 +218,35 @@ def _ag_plan(out, inp, mesh, key, algo, comm, s):
             rows, got = out.view(s, m), gathered.view(s, p)
             for lo, hi in quant.row_batches(s, m, got.device):
                 quant.dequantize_rows(got[lo:hi], m, comm, out=rows[lo:hi])
+            _free(payload, gathered)
         return _ag_bytes(gathered, payload, mesh, key, algo), decode
     cdt = torch_dtype(comm)
     if cdt == out.dtype and cdt == inp.dtype:
         return _ag_bytes(out, inp, mesh, key, algo), None
-    tmp = out.new_empty(s * m, dtype=cdt)
-    return _ag_bytes(tmp, inp.to(cdt), mesh, key, algo), lambda: out.copy_(tmp)
+    tmp, src = out.new_empty(s * m, dtype=cdt), inp.to(cdt)
+    return _ag_bytes(tmp, src, mesh, key, algo), _copy_back(out, tmp, src, inp)
+
+
+def _copy_back(out, tmp, src, inp):
+    """A cast collective's last act: `tmp` into `out`, then the casts' bytes freed
+    (`src` unless it is `inp` itself; [Note: blocks reuse their buffers])."""
+    def then():
+        out.copy_(tmp)
+        _free(tmp, *([] if src is inp else [src]))
+    return then
 
 
 # -- reduce_scatter -----------------------------------------------------------------------
-def _rs_piece(dst, src, sm, stages, scratch=None):
-    """Reduce-scatter `src` (dims: the stages' digits in order, then the piece) stage by stage."""
+def _rs_piece(dst, src, sm, stages, scratch=None, pool=None):
+    """Reduce-scatter `src` (dims: the stages' digits in order, then the piece) stage by
+    stage; the stages between take their buffers from `pool` (fresh when None) and hand
+    them back once read ([Note: blocks reuse their buffers])."""
     buf = src
     for i, st in enumerate(stages):
-        nxt = dst if i == len(stages) - 1 else buf.new_empty(buf.numel() // _n(sm, st))
+        nxt = dst if i == len(stages) - 1 else _take(pool, buf.numel() // _n(sm, st), buf, STAGE)
         yield from _rs(nxt, buf, sm.group(st, st), scratch)
+        if i:
+            _give(pool, buf, STAGE)
         buf = nxt
 
 
@@ -277,12 +267,25 @@ def _rs_pieces(out, inp, sm, key, algo, scratch=None):
 def _rs_blocks(out, full, lo, hi, block, sm, stages, scratch):
     """Columns [lo, hi) reduce-scattered a block at a time: copied out contiguous (the
     stages' digit order), through the stages into their columns of `out`; one block's
-    staging alive at a time."""
+    staging alive at a time, its buffers reused ([Note: blocks reuse their buffers])."""
+    pool = Workspace()
     for a in range(lo, hi, block):
         b = min(hi, a + block)
-        src = full[..., a:b].contiguous().view(-1)
-        yield from _rs_piece(out[a:b], src, sm, stages, scratch)
-        del src                                   # freed before the next block is copied out
+        src, owned = _copy_out(pool, full[..., a:b])
+        yield from _rs_piece(out[a:b], src, sm, stages, pool if scratch is None else scratch, pool)
+        if owned:
+            _give(pool, src, STAGE)               # free before the next block is copied out
+    pool.clear()
+
+
+def _copy_out(pool, cols):
+    """`cols` flat, and whether it is a copy in a buffer of `pool` (the caller hands it
+    back) rather than `cols` itself (already contiguous: one block of the whole input)."""
+    if cols.is_contiguous():
+        return cols.view(-1), False
+    src = _take(pool, cols.numel(), cols, STAGE)
+    src.view(cols.shape).copy_(cols)
+    return src, True
 
 
 def _qgz(out, inp, sm, key, comm):
@@ -293,6 +296,7 @@ def _qgz(out, inp, sm, key, comm):
     recv = torch.empty_like(send)
     yield [dist.all_to_all_single(recv.view(-1), send.view(-1), group=pg, async_op=True)]
     out.copy_(a2a.qgz_sum(recv, out.numel(), comm))
+    _free(recv, send)
 
 
 def reduce_scatter(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collectives.RING,
@@ -310,22 +314,25 @@ def reduce_scatter(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collec
         cdt = torch_dtype(comm)
         if cdt == out.dtype and cdt == inp.dtype:
             return Work(*_rs_pieces(out, inp, mesh, key, algo, scratch), on=on)
-        tmp = out.new_empty(out.numel(), dtype=cdt)
-        return Work(*_rs_pieces(tmp, inp.to(cdt), mesh, key, algo, scratch), then=lambda: out.copy_(tmp), on=on)
+        tmp, src = out.new_empty(out.numel(), dtype=cdt), inp.to(cdt)
+        return Work(*_rs_pieces(tmp, src, mesh, key, algo, scratch), then=_copy_back(out, tmp, src, inp), on=on)
 
 
 # -- all_reduce ---------------------------------------------------------------------------
-def _ar_piece(buf, sm, plan):
+def _ar_piece(buf, sm, plan, pool=None):
     """All-reduce `buf` (numel divisible by the scatter stages' ranks): reduce-scatter down
-    the plan's scatter stages, all-reduce over its `reduce` group, all-gather back up."""
+    the plan's scatter stages, all-reduce over its `reduce` group, all-gather back up; the
+    stages' chunks and receive buffers from `pool` (fresh when None), handed back at the end."""
     chunks = [buf]
     for st in plan.scatter:
-        nxt = buf.new_empty(chunks[-1].numel() // _n(sm, st))
-        yield from _rs(nxt, chunks[-1], sm.group(st, st))
+        nxt = _take(pool, chunks[-1].numel() // _n(sm, st), buf, STAGE)
+        yield from _rs(nxt, chunks[-1], sm.group(st, st), pool)
         chunks.append(nxt)
     yield [dist.all_reduce(chunks[-1], group=sm.group(plan.reduce, plan.reduce), async_op=True)]
     for i, st in enumerate(plan.gather):
         yield [_ag(chunks[-2 - i], chunks[-1 - i], sm.group(st, st))]
+    for c in chunks[1:]:
+        _give(pool, c, STAGE)
 
 
 def all_reduce(t, mesh: ShardMesh, levels, *, algo=Collectives.RING) -> Work:
@@ -365,13 +372,17 @@ def _ar_plan(t, mesh, key, algo):
 
 def _ar_blocks(view, lo, hi, block, mesh, plan):
     """Columns [lo, hi) of `view` all-reduced a block at a time: copied out contiguous,
-    through the plan's stages, copied back; one block's staging alive at a time."""
+    through the plan's stages, copied back; one block's staging alive at a time, its
+    buffers reused ([Note: blocks reuse their buffers])."""
+    pool = Workspace()
     for a in range(lo, hi, block):
         b = min(hi, a + block)
-        buf = view[:, a:b].contiguous().view(-1)
-        yield from _ar_piece(buf, mesh, plan)
-        view[:, a:b].copy_(buf.view(view.shape[0], -1))
-        del buf                                   # freed before the next block is copied out
+        buf, owned = _copy_out(pool, view[:, a:b])
+        yield from _ar_piece(buf, mesh, plan, pool)
+        if owned:
+            view[:, a:b].copy_(buf.view(view.shape[0], -1))
+            _give(pool, buf, STAGE)               # free before the next block is copied out
+    pool.clear()
 
 
 def _ar_flat(t, pg):

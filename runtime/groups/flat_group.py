@@ -229,6 +229,7 @@ class FlatGroup:
         work.wait()
         if chunk is not None:
             self.storage.os_grad.copy_(chunk)
+            chunk.untyped_storage().resize_(0)   # now, not when gloo lets it go (eager/collectives.py [Note: blocks reuse their buffers])
         ar = self.comm.all_reduce(self._row(Phase.SYNC, Op.ALL_REDUCE), self.storage.os_grad)
         self.syncing = SyncInFlight(SyncStage.ALL_REDUCE, ar, None)
 
