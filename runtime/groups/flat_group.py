@@ -265,4 +265,8 @@ class FlatGroup:
         row = self._row(Phase.UPDATE, Op.ALL_GATHER)
         if row is None:
             return DoneWork()
-        return self.comm.all_gather(row, self.storage.shard if out is None else out, mine.clone(), record=record)
+        src = mine.clone()
+        work = self.comm.all_gather(row, self.storage.shard if out is None else out, src, record=record)
+        # the clone's bytes go at the wait, not when gloo lets it go (eager/collectives.py
+        # [Note: blocks reuse their buffers])
+        return ThenWork(work, lambda: src.untyped_storage().resize_(0))
