@@ -51,9 +51,10 @@ Reused, a piece holds its first block's buffers whatever gloo's thread does (the
 2.5 blocks on every rank in every run, tests/test_transients.py), and its last act empties
 the pool, which frees their bytes (`Workspace.clear`, runtime/groups/workspace.py [Note:
 bytes freed at once]); a receive buffer made fresh (no workspace) is freed the same way
-once summed (`_give`), and a cast's or a quantized gather's buffers at the wait (`_free`). The stages' buffers and the receive buffers are pooled apart (roles `STAGE` and
-"flat"): a stage's smaller chunk never takes the larger receive buffer the next stage's
-all-to-all then needs afresh.
+once summed (`_give`), and a cast's or a quantized gather's buffers at the wait
+(`free_bytes`). The stages' buffers and the receive buffers are pooled apart (roles `STAGE`
+and "flat"): a stage's smaller chunk never takes the larger receive buffer the next
+stage's all-to-all then needs afresh.
 
 [Note: comm dtypes]
 fp32/bf16/fp16: the input is cast to the comm dtype, communicated, and cast back into
@@ -76,7 +77,7 @@ from shardc.algorithms.base import bounds, gather_perm, scatter_perm
 from shardc.dsl.ir import Collectives, DType
 from shardc.lowering import RS_RECV_BYTES, STAGING_BYTES, Op, recv_block_bytes, staging_block
 
-from ..groups.workspace import Workspace
+from ..groups.workspace import Workspace, free_bytes
 from ..transport import a2a, device, quant
 from ..dtypes import torch_dtype
 from ..transport.mesh import ShardMesh
@@ -135,14 +136,7 @@ def _give(scratch, t, role="flat"):
     if scratch is not None:
         scratch.give(t, role)
     else:
-        _free(t)
-
-
-def _free(*ts):
-    """The bytes of tensors this module made for one collective, freed now (gloo's worker may
-    still hold the tensors a moment: [Note: blocks reuse their buffers])."""
-    for t in ts:
-        t.untyped_storage().resize_(0)
+        free_bytes(t)
 
 
 def _n(sm: ShardMesh, levels) -> int:
@@ -218,7 +212,7 @@ def _ag_plan(out, inp, mesh, key, algo, comm, s):
             rows, got = out.view(s, m), gathered.view(s, p)
             for lo, hi in quant.row_batches(s, m, got.device):
                 quant.dequantize_rows(got[lo:hi], m, comm, out=rows[lo:hi])
-            _free(payload, gathered)
+            free_bytes(payload, gathered)
         return _ag_bytes(gathered, payload, mesh, key, algo), decode
     cdt = torch_dtype(comm)
     if cdt == out.dtype and cdt == inp.dtype:
@@ -232,7 +226,7 @@ def _copy_back(out, tmp, src, inp):
     (`src` unless it is `inp` itself; [Note: blocks reuse their buffers])."""
     def then():
         out.copy_(tmp)
-        _free(tmp, *([] if src is inp else [src]))
+        free_bytes(tmp, *([] if src is inp else [src]))
     return then
 
 
@@ -296,7 +290,7 @@ def _qgz(out, inp, sm, key, comm):
     recv = torch.empty_like(send)
     yield [dist.all_to_all_single(recv.view(-1), send.view(-1), group=pg, async_op=True)]
     out.copy_(a2a.qgz_sum(recv, out.numel(), comm))
-    _free(recv, send)
+    free_bytes(recv, send)
 
 
 def reduce_scatter(out, inp, mesh: ShardMesh, levels, order=None, *, algo=Collectives.RING,

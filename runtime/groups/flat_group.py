@@ -36,7 +36,7 @@ from ..transport import quant
 from ..eager.comm import DoneWork, ThenWork, UnitCollectives
 from .storage import FlatStorage
 from .transitions import GradState, StateTransitionError, assert_in_states
-from .workspace import Workspace
+from .workspace import Workspace, free_bytes
 
 
 class GatherInFlight(NamedTuple):
@@ -229,7 +229,7 @@ class FlatGroup:
         work.wait()
         if chunk is not None:
             self.storage.os_grad.copy_(chunk)
-            chunk.untyped_storage().resize_(0)   # now, not when gloo lets it go (eager/collectives.py [Note: blocks reuse their buffers])
+            free_bytes(chunk)                   # now, not when gloo lets it go (workspace.py [Note: bytes freed at once])
         ar = self.comm.all_reduce(self._row(Phase.SYNC, Op.ALL_REDUCE), self.storage.os_grad)
         self.syncing = SyncInFlight(SyncStage.ALL_REDUCE, ar, None)
 
@@ -267,6 +267,4 @@ class FlatGroup:
             return DoneWork()
         src = mine.clone()
         work = self.comm.all_gather(row, self.storage.shard if out is None else out, src, record=record)
-        # the clone's bytes go at the wait, not when gloo lets it go (eager/collectives.py
-        # [Note: blocks reuse their buffers])
-        return ThenWork(work, lambda: src.untyped_storage().resize_(0))
+        return ThenWork(work, lambda: free_bytes(src))    # at the wait ([Note: bytes freed at once])

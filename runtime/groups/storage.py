@@ -97,7 +97,7 @@ from shardc.lowering import Over, RankPlan, master_is_params
 from ..transport import quant
 from ..dtypes import torch_dtype
 from .layout import GroupLayout
-from .workspace import Workspace
+from .workspace import Workspace, free_bytes
 
 
 class FlatStorage:
@@ -275,7 +275,7 @@ class FlatStorage:
 
     def free_full(self) -> None:
         if self._full is not None:
-            self._full_data.untyped_storage().resize_(0)
+            free_bytes(self._full_data)
 
     def keep_secondary(self) -> None:
         """After a forward gather: this rank's secondary chunk from the full buffer."""
@@ -371,7 +371,7 @@ class FlatStorage:
         `release` its storage is freed until it is next written ([Note: grad shard lifetime])."""
         self.stale = True
         if release and self._grad_shard is not None:
-            self._grad_shard.untyped_storage().resize_(0)
+            free_bytes(self._grad_shard)
 
     def _grad_back(self) -> torch.Tensor:
         """The grad shard with its storage (given back after a released zero_grad), for a

@@ -44,11 +44,22 @@ ours could leave the bytes held into what follows: measured on 2 gloo ranks, exa
 `small` under zero3, 1 run in 120 began the optimizer step with the backward's last
 reduce-scatter's buffers still held (1,583,104 B; the step's peak 1.17x explain's). A
 handed-back tensor is never read again by its taker (the contract of `give`), so nothing
-live shares those bytes.
+live shares those bytes. `free_bytes` is the one way the runtime frees a buffer it made
+once every reader is done: this pool's, the collectives' own (runtime/eager/collectives.py
+[Note: blocks reuse their buffers]), the step sync's chunk and the update gather's clone
+(groups/flat_group.py), the gathered parameters and the released grad shards
+(groups/storage.py).
 """
 from __future__ import annotations
 
 import torch
+
+
+def free_bytes(*ts: torch.Tensor) -> None:
+    """The tensors' bytes freed now, their storages resized to 0, whoever else still holds
+    them ([Note: bytes freed at once]): for buffers whose every reader is done."""
+    for t in ts:
+        t.untyped_storage().resize_(0)
 
 
 class Workspace:
@@ -81,6 +92,5 @@ class Workspace:
     def clear(self) -> None:
         """Drop the free tensors and free their bytes now ([Note: bytes freed at once])."""
         for ts in self._free.values():
-            for t in ts:
-                t.untyped_storage().resize_(0)
+            free_bytes(*ts)
         self._free.clear()
